@@ -1,0 +1,57 @@
+# Two commands: `make run` (set up, then train on the whole mesh) and `make test` (set up, then test).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PROTO_SRC := $(shell find protos -name '*.proto')
+GEN := gen
+RELEASED_IMAGE := protos/released.binpb
+
+.PHONY: setup protos run test lint-protos check-compose release-protos clean
+
+setup: $(VENV)/.installed $(GEN)/.stamp
+
+# Mooncake's Python module links libibverbs even on machines without RDMA.
+$(VENV)/.system:
+	@mkdir -p $(VENV)
+	@if ! ldconfig -p | grep -q libibverbs.so.1; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libibverbs1; \
+		else sudo apt-get update -qq && sudo apt-get install -y -qq libibverbs1; fi; fi
+	@touch $@
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)/.system
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch, grpc, mooncake.engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $@
+
+protos: $(GEN)/.stamp
+
+$(GEN)/.stamp: $(PROTO_SRC) $(VENV)/.installed
+	rm -rf $(GEN) && mkdir -p $(GEN)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=$(GEN) --grpc_python_out=$(GEN) \
+		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --mypy_out=$(GEN) \
+		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc --mypy_grpc_out=$(GEN) \
+		$(PROTO_SRC)
+	@touch $@
+
+lint-protos: $(VENV)/.installed
+	$(BIN)/buf lint
+	$(BIN)/buf breaking --against $(RELEASED_IMAGE)
+
+# Run once per contract release: later changes are checked against this image.
+release-protos: $(VENV)/.installed
+	$(BIN)/buf build -o $(RELEASED_IMAGE)
+
+check-compose: $(VENV)/.installed
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+
+run: setup
+	$(BIN)/rlmesh up
+
+test: setup lint-protos check-compose
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(GEN) runs .pytest_cache

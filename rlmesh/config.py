@@ -1,0 +1,89 @@
+"""Typed service configuration: a TOML file plus environment overrides, validated at start."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the bad field."""
+
+
+class StrictModel(BaseModel):
+    """Base for config sections: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ServerConfig(StrictModel):
+    """Listening socket and gRPC server limits shared by every service."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 in containers."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """TCP port; 0 picks a free one (tests)."""
+    advertise_host: str = ""
+    """Host other services use to reach this one; defaults to `host`."""
+    max_message_mb: int = Field(default=64, ge=4, le=1024)
+    """Largest gRPC message accepted or sent."""
+    grace_seconds: float = Field(default=5.0, ge=0)
+    """How long in-flight calls may finish after SIGTERM."""
+    log_level: str = "info"
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: str) -> None:
+    node = tree
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"environment override {'.'.join(path)}: {key} is not a section")
+    node[path[-1]] = value
+
+
+def load_config(
+    model: type[ConfigT],
+    path: str | Path | None = None,
+    env_prefix: str = "",
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> ConfigT:
+    """Builds `model` from a TOML file, then `PREFIX_SECTION__FIELD` environment variables,
+    then explicit overrides; raises ConfigError naming the offending field."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    environ = os.environ if environ is None else environ
+    if env_prefix:
+        for name, value in environ.items():
+            if name.startswith(env_prefix):
+                keys = name[len(env_prefix):].lower().split("__")
+                _set_path(data, keys, value)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        keys = dotted.split(".")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid {model.__name__}: {problems}") from exc

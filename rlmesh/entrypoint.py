@@ -1,0 +1,47 @@
+"""The common start of every service process: parse `--config`, load and validate the typed
+config, set up logging, then run the service until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from rlmesh.config import ConfigError, load_config
+from rlmesh.logging import configure_logging
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def run_service(
+    name: str,
+    config_model: type[ConfigT],
+    serve: Callable[[ConfigT], Awaitable[None]],
+    argv: list[str] | None = None,
+) -> int:
+    env_prefix = f"RLMESH_{name.upper()}_"
+    parser = argparse.ArgumentParser(
+        prog=f"rlmesh {name}",
+        description=f"Run the rlmesh {name} service. Settings come from --config (TOML), then "
+        f"{env_prefix}SECTION__FIELD environment variables.",
+    )
+    parser.add_argument("--config", help="TOML file with this service's settings")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(config_model, args.config, env_prefix=env_prefix)
+    except ConfigError as exc:
+        print(f"rlmesh {name}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(getattr(getattr(config, "server", None), "log_level", "info"), service=name)
+    try:
+        asyncio.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+    except ConfigError as exc:
+        print(f"rlmesh {name}: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,43 @@
+"""Loading HF-format causal LMs from a local folder, and writing named tensors into a model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+
+def load_causal_lm(directory: str | Path) -> PreTrainedModel:
+    """A float32 model on CPU in eval mode; fails with a clear message if the folder is not a model."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory} holds no config.json: not a HF-format model folder")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def load_config(directory: str | Path):
+    return AutoConfig.from_pretrained(Path(directory))
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters by name, tied ones once: what a weight version must carry."""
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+@torch.no_grad()
+def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Overwrites every parameter of `model` from `tensors`; the names must match exactly."""
+    params = dict(model.named_parameters())
+    missing = params.keys() - tensors.keys()
+    unknown = tensors.keys() - params.keys()
+    if missing or unknown:
+        raise ValueError(f"weight names do not match the model: missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
+    for name, tensor in tensors.items():
+        target = params[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
+        target.copy_(tensor)

@@ -1,0 +1,94 @@
+"""The default policy: a tiny Qwen2 model (random init) with the byte tokenizer, created locally
+and warmed up with a short supervised run on the default task so RL starts from a non-zero reward."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_byte_tokenizer, save_tokenizer
+from rlmesh.tasks.increment import HELD_OUT_SEED, make_problem
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 64
+    seed: int = 0
+    warmup_iterations: int = 200
+    warmup_batch: int = 64
+    warmup_lr: float = 3e-3
+
+
+def create_default_model(directory: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Writes config, safetensors and tokenizer to `directory` after the supervised warm-up."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_byte_tokenizer()
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    config = Qwen2Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM(config).float()
+    _supervised_warmup(model, tokenizer, spec, eos_id, pad_id)
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(tokenizer, directory)
+    return directory
+
+
+def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_id: int) -> None:
+    rng = random.Random(spec.seed + HELD_OUT_SEED + 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=spec.warmup_lr)
+    model.train()
+    for iteration in range(spec.warmup_iterations):
+        rows, masks = [], []
+        for _ in range(spec.warmup_batch):
+            problem = make_problem(rng)
+            prompt = tokenizer.encode(problem.prompt).ids
+            answer = tokenizer.encode(problem.answer).ids + [eos_id]
+            rows.append(prompt + answer)
+            masks.append([0] * len(prompt) + [1] * len(answer))
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        token_loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+        ).view(ids.size(0), -1)
+        loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if iteration % 20 == 0 or iteration == spec.warmup_iterations - 1:
+            log.info("warm-up", iteration=iteration, loss=round(loss.item(), 4))
+    model.eval()
+
+
+def is_model_dir(directory: str | Path) -> bool:
+    directory = Path(directory)
+    return all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))

@@ -1,0 +1,106 @@
+"""Weight versions as one flat byte payload plus a manifest (names, dtypes, shapes, offsets and
+a crc32 per bucket): what the trainer uploads, the weights service holds and rollouts load."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import torch
+
+from rlmesh.common.v1 import common_pb2
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+_DTYPES = {
+    torch.float32: common_pb2.D_TYPE_FLOAT32,
+    torch.bfloat16: common_pb2.D_TYPE_BFLOAT16,
+    torch.float16: common_pb2.D_TYPE_FLOAT16,
+}
+_TORCH_DTYPES = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class PayloadError(ValueError):
+    """A manifest or payload that is inconsistent, incomplete or corrupted."""
+
+
+def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
+    """Copies tensors into one contiguous uint8 payload and describes it."""
+    manifest = common_pb2.WeightManifest(version=version, bucket_bytes=bucket_bytes)
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise PayloadError(f"{name}: dtype {tensor.dtype} is not supported")
+        nbytes = tensor.numel() * tensor.element_size()
+        manifest.tensors.add(name=name, dtype=_DTYPES[tensor.dtype], shape=list(tensor.shape), offset=offset, nbytes=nbytes)
+        offset += nbytes
+    manifest.total_bytes = offset
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for spec, tensor in zip(manifest.tensors, tensors.values()):
+        payload[spec.offset : spec.offset + spec.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    manifest.bucket_crc32.extend(bucket_checksums(payload[:offset], bucket_bytes))
+    return manifest, payload
+
+
+def bucket_ranges(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    return [(start, min(start + bucket_bytes, total_bytes)) for start in range(0, total_bytes, bucket_bytes)]
+
+
+def bucket_checksums(payload: torch.Tensor, bucket_bytes: int) -> list[int]:
+    data = payload.numpy()
+    return [zlib.crc32(data[start:end]) for start, end in bucket_ranges(payload.numel(), bucket_bytes)]
+
+
+def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
+    """Raises PayloadError unless tensors tile [0, total_bytes) and checksums cover every bucket."""
+    if manifest.version < 0:
+        raise PayloadError(f"version must be >= 0, got {manifest.version}")
+    if manifest.bucket_bytes <= 0:
+        raise PayloadError("bucket_bytes must be positive")
+    offset = 0
+    names = set()
+    for spec in manifest.tensors:
+        if spec.name in names:
+            raise PayloadError(f"tensor {spec.name} appears twice")
+        names.add(spec.name)
+        if spec.dtype not in _TORCH_DTYPES:
+            raise PayloadError(f"{spec.name}: unsupported dtype {spec.dtype}")
+        if any(d < 0 for d in spec.shape):
+            raise PayloadError(f"{spec.name}: negative dimension in shape {list(spec.shape)}")
+        expected = _element_count(spec.shape) * torch.empty(0, dtype=_TORCH_DTYPES[spec.dtype]).element_size()
+        if spec.nbytes != expected:
+            raise PayloadError(f"{spec.name}: nbytes {spec.nbytes} does not match shape and dtype ({expected})")
+        if spec.offset != offset:
+            raise PayloadError(f"{spec.name}: offset {spec.offset}, expected {offset} (tensors must be packed in order)")
+        offset += spec.nbytes
+    if offset != manifest.total_bytes:
+        raise PayloadError(f"tensors cover {offset} bytes but total_bytes is {manifest.total_bytes}")
+    buckets = len(bucket_ranges(manifest.total_bytes, manifest.bucket_bytes))
+    if len(manifest.bucket_crc32) != buckets:
+        raise PayloadError(f"{len(manifest.bucket_crc32)} bucket checksums for {buckets} buckets")
+
+
+def corrupted_buckets(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> list[int]:
+    """Indices of buckets whose crc32 differs from the manifest."""
+    actual = bucket_checksums(payload[: manifest.total_bytes], manifest.bucket_bytes)
+    return [i for i, (got, want) in enumerate(zip(actual, manifest.bucket_crc32)) if got != want]
+
+
+def unpack(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Tensor views into the payload (no copy)."""
+    tensors = {}
+    for spec in manifest.tensors:
+        raw = payload[spec.offset : spec.offset + spec.nbytes]
+        tensors[spec.name] = raw.view(_TORCH_DTYPES[spec.dtype]).view(tuple(spec.shape))
+    return tensors
+
+
+def torch_dtype(code: int) -> torch.dtype:
+    return _TORCH_DTYPES[code]
+
+
+def _element_count(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count

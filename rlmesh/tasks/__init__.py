@@ -1,0 +1,1 @@
+"""Verifiable tasks that generate their own data and score responses."""

@@ -1,0 +1,57 @@
+"""The sender interface every transfer backend implements, and the receive buffer they fill."""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+
+class TransferError(RuntimeError):
+    """A payload could not be delivered; the receiver keeps serving its old version."""
+
+
+class WeightSender(abc.ABC):
+    """Moves one payload into a rollout instance's standby buffer (opened by BeginWeightUpdate)."""
+
+    backend: rollout_pb2.TransferBackend.ValueType
+
+    @abc.abstractmethod
+    async def send(
+        self,
+        manifest: common_pb2.WeightManifest,
+        payload: torch.Tensor,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        begin: rollout_pb2.BeginWeightUpdateResponse,
+        timeout: float,
+    ) -> None: ...
+
+    def close(self) -> None:
+        """Releases transport resources."""
+
+
+class ReceiveBuffer:
+    """A standby byte buffer allocated once, touched once so later transfers do not pay page
+    faults (a cold buffer measured 8x slower here), and grown only when a version is larger."""
+
+    def __init__(self) -> None:
+        self.tensor = torch.zeros(0, dtype=torch.uint8)
+
+    def ensure(self, nbytes: int) -> bool:
+        """Makes room for `nbytes`; True when the buffer was reallocated."""
+        if self.tensor.numel() >= nbytes:
+            return False
+        self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
+        return True
+
+    def write(self, offset: int, data: bytes, limit: int) -> None:
+        if offset < 0 or offset + len(data) > limit:
+            raise TransferError(f"chunk [{offset}, {offset + len(data)}) is outside the payload of {limit} bytes")
+        self.tensor[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    @property
+    def address(self) -> int:
+        return self.tensor.data_ptr()

@@ -1,0 +1,94 @@
+"""The Mooncake transfer engine backend: the rollout registers its standby buffer and the
+weights service writes into it directly (TCP here, RDMA on clusters; P2P handshake, no etcd)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.payload import bucket_ranges
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, WeightSender
+
+# Mooncake logs every connection at INFO through glog; keep service logs readable.
+os.environ.setdefault("GLOG_minloglevel", "1")
+
+
+class MooncakeEndpoint:
+    """One transfer engine per process, with the memory regions it has registered."""
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise TransferError(f"Mooncake transfer engine failed to initialize on {host} ({protocol})")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self._registered: dict[int, int] = {}
+
+    def register(self, tensor: torch.Tensor) -> None:
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        if self._registered.get(address) == nbytes:
+            return
+        if address in self._registered:
+            self.engine.unregister_memory(address)
+        if self.engine.register_memory(address, nbytes) != 0:
+            raise TransferError(f"Mooncake could not register {nbytes} bytes at {address:#x}")
+        self._registered[address] = nbytes
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        if self._registered.pop(tensor.data_ptr(), None) is not None:
+            self.engine.unregister_memory(tensor.data_ptr())
+
+    def write(self, session: str, local: int, remote: int, ranges: list[tuple[int, int]]) -> None:
+        sources = [local + start for start, _ in ranges]
+        targets = [remote + start for start, _ in ranges]
+        lengths = [end - start for start, end in ranges]
+        status = self.engine.batch_transfer_sync_write(session, sources, targets, lengths)
+        if status != 0:
+            raise TransferError(f"Mooncake write to {session} failed with status {status}")
+
+
+class MooncakeReceiveBuffer(ReceiveBuffer):
+    """A standby buffer registered with this process's transfer engine."""
+
+    def __init__(self, endpoint: MooncakeEndpoint) -> None:
+        super().__init__()
+        self.endpoint = endpoint
+
+    def ensure(self, nbytes: int) -> bool:
+        old = self.tensor
+        grown = super().ensure(nbytes)
+        if grown:
+            self.endpoint.unregister(old)
+            self.endpoint.register(self.tensor)
+        return grown
+
+
+class MooncakeSender(WeightSender):
+    backend = rollout_pb2.TRANSFER_BACKEND_MOONCAKE
+
+    def __init__(self, endpoint: MooncakeEndpoint) -> None:
+        self.endpoint = endpoint
+
+    async def send(
+        self,
+        manifest: common_pb2.WeightManifest,
+        payload: torch.Tensor,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        begin: rollout_pb2.BeginWeightUpdateResponse,
+        timeout: float,
+    ) -> None:
+        if not begin.transfer_session or not begin.buffer_address:
+            raise TransferError("the instance offered no Mooncake session or buffer")
+        if begin.buffer_bytes < manifest.total_bytes:
+            raise TransferError(f"the instance's buffer holds {begin.buffer_bytes} of {manifest.total_bytes} bytes")
+        self.endpoint.register(payload)
+        ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
+        await asyncio.wait_for(
+            asyncio.to_thread(self.endpoint.write, begin.transfer_session, payload.data_ptr(), begin.buffer_address, ranges),
+            timeout,
+        )

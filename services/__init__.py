@@ -1,0 +1,1 @@
+"""The four rlmesh services; each meets the others only through the protobuf contracts."""

@@ -1,0 +1,1 @@
+"""The manager service: instance registry, scheduler and rollout-group assembler."""

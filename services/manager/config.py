@@ -1,0 +1,26 @@
+"""Configuration of the manager."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlmesh.config import ServerConfig, StrictModel
+
+
+class ManagerConfig(StrictModel):
+    server: ServerConfig = ServerConfig(port=50151)
+    lease_seconds: float = Field(default=10.0, gt=0)
+    """An instance that sends no heartbeat for this long is dropped and its requests continue elsewhere."""
+    heartbeat_interval_seconds: float = Field(default=2.0, gt=0)
+    max_staleness: int = Field(default=1, ge=0)
+    """Samples for trainer version p run only on instances serving version >= p - max_staleness
+    (0 = synchronous on-policy RL)."""
+    generate_timeout_seconds: float = Field(default=600.0, gt=0)
+    """Deadline of one Generate stream."""
+    rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> "ManagerConfig":
+        if self.heartbeat_interval_seconds * 2 > self.lease_seconds:
+            raise ValueError("heartbeat_interval_seconds must be at most half of lease_seconds")
+        return self

@@ -1,0 +1,29 @@
+"""Runs the manager: serve the registry and scheduler until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.rpc import GrpcServer, stop_event_on_signals
+from services.manager.config import ManagerConfig
+from services.manager.server import Changes, Dispatcher, ManagerServicer, watch_leases
+from services.manager.state import ManagerState
+
+
+async def serve(config: ManagerConfig) -> None:
+    stop = stop_event_on_signals()
+    state = ManagerState(config.lease_seconds, config.max_staleness)
+    changes = Changes()
+    dispatcher = Dispatcher(state, changes, config)
+    server = GrpcServer(config.server, [manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name])
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(ManagerServicer(state, dispatcher, changes, config), server.server)
+    await server.start()
+    leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
+    await server.set_serving(True)
+    try:
+        await stop.wait()
+    finally:
+        leases.cancel()
+        await server.stop()
+        await dispatcher.close()

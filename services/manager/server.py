@@ -1,0 +1,253 @@
+"""The ManagerService servicer and the dispatcher that runs sample requests on instances."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.errors import InvalidArgument
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc import call_options, open_channel
+from services.manager.config import ManagerConfig
+from services.manager.state import Assignment, Instance, ManagerState, SampleRequest
+
+log = structlog.get_logger()
+
+
+class Changes:
+    """Wakes every waiter when the state changed; waiters re-check what they wait for."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+class Dispatcher:
+    """Turns assignments into Generate streams and feeds their chunks back into the state."""
+
+    def __init__(self, state: ManagerState, changes: Changes, config: ManagerConfig) -> None:
+        self.state = state
+        self.changes = changes
+        self.config = config
+        self._channels: dict[str, tuple[grpc.aio.Channel, rollout_pb2_grpc.RolloutServiceStub]] = {}
+        self._streams: dict[str, asyncio.Task[None]] = {}
+
+    def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
+        if address not in self._channels:
+            channel = open_channel(address)
+            self._channels[address] = (channel, rollout_pb2_grpc.RolloutServiceStub(channel))
+        return self._channels[address][1]
+
+    def dispatch(self) -> None:
+        for assignment in self.state.assign():
+            key = assignment.request.request_id
+            self._streams[key] = asyncio.create_task(self._run(assignment))
+
+    def cancel(self, requests: list[SampleRequest]) -> None:
+        """Stops streams of requests that were taken away from their instance."""
+        current = asyncio.current_task()
+        for request in requests:
+            task = self._streams.get(request.request_id)
+            if task is not None and task is not current and request.instance_id is None:
+                task.cancel()
+
+    async def close_instance(self, instance: Instance | None) -> None:
+        if instance and instance.address in self._channels and not any(
+            i.address == instance.address for i in self.state.instances.values()
+        ):
+            channel, _ = self._channels.pop(instance.address)
+            await channel.close()
+
+    async def _run(self, assignment: Assignment) -> None:
+        request, attempt = assignment.request, assignment.attempt
+        prompt, remaining = request.continuation()
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens = remaining
+        engine_request_id = f"{request.request_id}@{attempt}"
+        try:
+            stream = self._stub(assignment.instance.address).Generate(
+                rollout_pb2.GenerateRequest(request_id=engine_request_id, prompt_token_ids=prompt, sampling=sampling),
+                **call_options(self.config.generate_timeout_seconds),
+            )
+            async for response in stream:
+                chunk = response.chunk
+                taken = self.state.record_chunk(
+                    request.request_id, attempt, list(chunk.token_ids), list(chunk.logprobs),
+                    list(chunk.weight_versions), chunk.finish_reason,
+                )
+                if not taken:
+                    stream.cancel()
+                    return
+                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self.dispatch()
+                    self.changes.notify()
+            if self.state.stream_lost(request.request_id, attempt):
+                log.warning("stream ended before the request finished", request=request.request_id)
+        except grpc.aio.AioRpcError as exc:
+            if self.state.stream_lost(request.request_id, attempt):
+                log.warning("stream failed; request continues elsewhere", request=request.request_id,
+                            instance_id=assignment.instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
+        except InvalidArgument as exc:
+            log.error("instance sent a malformed chunk", error=str(exc), instance_id=assignment.instance.instance_id)
+            self.state.stream_lost(request.request_id, attempt)
+        finally:
+            if self._streams.get(request.request_id) is asyncio.current_task():
+                del self._streams[request.request_id]
+            self.dispatch()
+            self.changes.notify()
+
+    async def close(self) -> None:
+        for task in list(self._streams.values()):
+            task.cancel()
+        for channel, _ in self._channels.values():
+            await channel.close()
+
+
+def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatus:
+    return manager_pb2.InstanceStatus(
+        instance_id=instance.instance_id,
+        address=instance.address,
+        weight_version=instance.weight_version,
+        running_requests=len(instance.running),
+        outstanding_tokens=instance.outstanding_tokens,
+        tokens_per_second=instance.tokens_per_second,
+        lease_remaining_seconds=max(0.0, instance.lease_expires - now),
+        schedulable=instance.schedulable,
+        generated_tokens=instance.generated_tokens,
+    )
+
+
+def group_to_proto(group: list[SampleRequest]) -> manager_pb2.Group:
+    return manager_pb2.Group(
+        prompt_id=group[0].prompt_id,
+        prompt_token_ids=group[0].prompt_token_ids,
+        samples=[
+            manager_pb2.Sample(
+                token_ids=r.token_ids,
+                logprobs=r.logprobs,
+                weight_versions=r.weight_versions,
+                finish_reason=r.finish_reason,
+                instance_ids=r.instance_ids,
+            )
+            for r in group
+        ],
+    )
+
+
+class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
+    def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig) -> None:
+        self.state = state
+        self.dispatcher = dispatcher
+        self.changes = changes
+        self.config = config
+
+    def _changed(self) -> None:
+        self.dispatcher.dispatch()
+        self.changes.notify()
+
+    async def RegisterInstance(self, request, context):
+        requeued = self.state.register(request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic())
+        self.dispatcher.cancel(requeued)
+        log.info("instance registered", instance_id=request.instance_id, address=request.address, weight_version=request.weight_version)
+        self._changed()
+        return manager_pb2.RegisterInstanceResponse(
+            lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds
+        )
+
+    async def Heartbeat(self, request, context):
+        before = self.state.instances.get(request.instance_id)
+        version_before = before.weight_version if before else None
+        self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic())
+        if version_before != request.weight_version:
+            log.info("instance serves a new version", instance_id=request.instance_id, weight_version=request.weight_version)
+            self._changed()
+        return manager_pb2.HeartbeatResponse(lease_seconds=self.config.lease_seconds)
+
+    async def DeregisterInstance(self, request, context):
+        instance = self.state.instances.get(request.instance_id)
+        requeued = self.state.deregister(request.instance_id)
+        self.dispatcher.cancel(requeued)
+        await self.dispatcher.close_instance(instance)
+        log.info("instance deregistered", instance_id=request.instance_id, requeued=len(requeued))
+        self._changed()
+        return manager_pb2.DeregisterInstanceResponse(requeued_requests=len(requeued))
+
+    async def ListInstances(self, request, context):
+        now = time.monotonic()
+        return manager_pb2.ListInstancesResponse(instances=[instance_status(i, now) for i in self.state.instances.values()])
+
+    async def PublishVersion(self, request, context):
+        self.state.publish(request.version)
+        self._changed()
+        return manager_pb2.PublishVersionResponse(version=self.state.published_version)
+
+    async def SubmitPrompts(self, request, context):
+        if not request.HasField("sampling"):
+            raise InvalidArgument("sampling is required")
+        queued = self.state.submit(
+            request.batch_id,
+            request.policy_version,
+            [(p.prompt_id, list(p.token_ids), p.n) for p in request.prompts],
+            request.sampling,
+        )
+        self._changed()
+        return manager_pb2.SubmitPromptsResponse(accepted_prompts=len(request.prompts), queued_samples=queued)
+
+    async def StreamRollouts(self, request, context) -> AsyncIterator[manager_pb2.StreamRolloutsResponse]:
+        if request.micro_batch_groups < 1:
+            raise InvalidArgument("micro_batch_groups must be at least 1")
+        while True:
+            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups)
+            if taken is None:
+                await self.changes.wait(timeout=1.0)
+                continue
+            groups, remaining = taken
+            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
+            if remaining == 0:
+                return
+
+    async def GetStatus(self, request, context):
+        now = time.monotonic()
+        state = self.state
+        return manager_pb2.GetStatusResponse(
+            instances=[instance_status(i, now) for i in state.instances.values()],
+            published_version=state.published_version,
+            max_staleness=state.max_staleness,
+            queued_samples=len(state.queue),
+            running_samples=state.running_samples,
+            ready_groups=state.ready_groups,
+            delivered_groups=state.delivered_groups,
+            generated_tokens=state.generated_tokens,
+            tokens_per_second=state.tokens_per_second,
+            requeued_samples=state.requeued_samples,
+        )
+
+
+async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.5) -> None:
+    """Drops instances whose lease expired and keeps throughput figures current."""
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        state.measure(now)
+        for instance_id, requeued in state.expire(now):
+            log.warning("lease expired; instance dropped", instance_id=instance_id, requeued=len(requeued))
+            dispatcher.cancel(requeued)
+            dispatcher.dispatch()
+            changes.notify()

@@ -1,0 +1,1 @@
+"""The rollout service: one inference engine instance in the elastic pool."""

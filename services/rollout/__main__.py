@@ -1,0 +1,10 @@
+"""`python -m services.rollout --config rollout.toml`: start one rollout instance."""
+
+import sys
+
+from rlmesh.entrypoint import run_service
+from services.rollout.config import RolloutConfig
+from services.rollout.main import serve
+
+if __name__ == "__main__":
+    sys.exit(run_service("rollout", RolloutConfig, serve))

@@ -1,0 +1,97 @@
+"""The RolloutService servicer: parses and validates requests, then delegates to the engine
+and the weight updater."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.errors import InvalidArgument
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling
+from services.rollout.membership import Membership
+from services.rollout.weight_update import WeightUpdater
+
+_FINISH = {
+    Finish.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
+    Finish.STOP: common_pb2.FINISH_REASON_STOP,
+    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    Finish.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
+    if params.max_tokens == 0:
+        raise InvalidArgument("sampling.max_tokens must be at least 1")
+    return Sampling(
+        temperature=params.temperature,
+        top_p=params.top_p or 1.0,
+        max_tokens=params.max_tokens,
+        stop_token_ids=frozenset(params.stop_token_ids),
+        seed=params.seed,
+    )
+
+
+def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
+    return common_pb2.TokenChunk(
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        logprobs=chunk.logprobs,
+        weight_versions=chunk.weight_versions,
+        finish_reason=_FINISH[chunk.finish],
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, instance_id: str, model_name: str, engine: Engine, updater: WeightUpdater) -> None:
+        self.instance_id = instance_id
+        self.model_name = model_name
+        self.engine = engine
+        self.updater = updater
+        self.membership: Membership | None = None
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        engine_request = EngineRequest(request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling))
+        async for chunk in self.engine.generate(engine_request):
+            yield rollout_pb2.GenerateResponse(chunk=chunk_to_proto(chunk))
+
+    async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.AbortResponse:
+        if not request.all and not request.request_ids:
+            raise InvalidArgument("name request_ids or set all")
+        aborted = self.engine.abort(None if request.all else list(request.request_ids))
+        return rollout_pb2.AbortResponse(aborted=aborted)
+
+    async def GetInfo(self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.GetInfoResponse:
+        return rollout_pb2.GetInfoResponse(
+            instance_id=self.instance_id,
+            model=self.model_name,
+            weight_version=self.engine.weight_version,
+            running_requests=self.engine.running_requests,
+            max_batch_size=self.engine.max_batch_size,
+            generated_tokens=self.engine.generated_tokens,
+            transfer_session=self.updater.transfer_session,
+        )
+
+    async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:
+        if not request.HasField("manifest"):
+            raise InvalidArgument("manifest is required")
+        if request.backend not in (rollout_pb2.TRANSFER_BACKEND_MOONCAKE, rollout_pb2.TRANSFER_BACKEND_GRPC):
+            raise InvalidArgument("backend must be TRANSFER_BACKEND_MOONCAKE or TRANSFER_BACKEND_GRPC")
+        session, address, size = self.updater.begin(request.manifest, request.backend == rollout_pb2.TRANSFER_BACKEND_MOONCAKE)
+        return rollout_pb2.BeginWeightUpdateResponse(transfer_session=session, buffer_address=address, buffer_bytes=size)
+
+    async def PushWeightChunks(self, request_iterator: AsyncIterator[rollout_pb2.PushWeightChunksRequest], context: grpc.aio.ServicerContext) -> rollout_pb2.PushWeightChunksResponse:
+        received = 0
+        async for chunk in request_iterator:
+            received = self.updater.receive(chunk.version, chunk.offset, chunk.data)
+        return rollout_pb2.PushWeightChunksResponse(received_bytes=received)
+
+    async def CommitWeightUpdate(self, request: rollout_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.CommitWeightUpdateResponse:
+        load_ms = await self.updater.commit(request.version)
+        if self.membership:
+            self.membership.wake()
+        return rollout_pb2.CommitWeightUpdateResponse(weight_version=self.engine.weight_version, load_ms=load_ms)
