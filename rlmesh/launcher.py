@@ -1,0 +1,240 @@
+"""`rlmesh up`: the whole mesh as local processes on loopback: start in dependency order, wait on
+each health service, show training progress, and stop every process at the end or on Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from rlmesh.rpc import call_options, open_channel, wait_healthy
+from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_SECONDS = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class MeshPlan:
+    output_dir: Path
+    model_dir: Path
+    steps: int
+    rollout_instances: int
+    host: str
+    base_port: int
+    max_staleness: int
+    transfer_backend: str
+
+    @property
+    def manager_address(self) -> str:
+        return f"{self.host}:{self.base_port}"
+
+    @property
+    def weights_address(self) -> str:
+        return f"{self.host}:{self.base_port + 1}"
+
+    @property
+    def trainer_address(self) -> str:
+        return f"{self.host}:{self.base_port + 2}"
+
+    def rollout_address(self, index: int) -> str:
+        return f"{self.host}:{self.base_port + 10 + index}"
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log_path: Path
+
+
+def _die_with_parent() -> None:
+    # If `rlmesh up` itself is killed, the kernel sends SIGTERM to its services too.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
+
+
+class Mesh:
+    def __init__(self, plan: MeshPlan) -> None:
+        self.plan = plan
+        self.children: list[Child] = []
+        self.log_dir = plan.output_dir / "logs"
+
+    def _spawn(self, name: str, module: str, address: str, settings: dict[str, str]) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, **settings, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        log_file = log_path.open("ab")
+        process = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        log_file.close()
+        child = Child(name, address, process, log_path)
+        self.children.append(child)
+        return child
+
+    async def _healthy(self, children: list[Child], timeout: float = 120.0) -> None:
+        async def one(child: Child) -> None:
+            waiting = asyncio.create_task(wait_healthy(child.address, timeout))
+            while not waiting.done():
+                if child.process.poll() is not None:
+                    waiting.cancel()
+                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting; see {child.log_path}")
+                await asyncio.sleep(0.1)
+            waiting.result()
+
+        await asyncio.gather(*(one(c) for c in children))
+
+    async def start_services(self) -> None:
+        plan = self.plan
+        manager = self._spawn("manager", "services.manager", plan.manager_address, {
+            "RLMESH_MANAGER_SERVER__HOST": plan.host,
+            "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
+            "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
+        })
+        await self._healthy([manager])
+        weights = self._spawn("weights", "services.weights", plan.weights_address, {
+            "RLMESH_WEIGHTS_SERVER__HOST": plan.host,
+            "RLMESH_WEIGHTS_SERVER__PORT": _port(plan.weights_address),
+            "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
+            "RLMESH_WEIGHTS_BACKEND": plan.transfer_backend,
+        })
+        rollouts = [
+            self._spawn(f"rollout-{i}", "services.rollout", plan.rollout_address(i), {
+                "RLMESH_ROLLOUT_SERVER__HOST": plan.host,
+                "RLMESH_ROLLOUT_SERVER__PORT": _port(plan.rollout_address(i)),
+                "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{i}",
+                "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
+                "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
+                "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
+            })
+            for i in range(plan.rollout_instances)
+        ]
+        await self._healthy([weights, *rollouts])
+
+    async def start_trainer(self) -> Child:
+        plan = self.plan
+        trainer = self._spawn("trainer", "services.trainer", plan.trainer_address, {
+            "RLMESH_TRAINER_SERVER__HOST": plan.host,
+            "RLMESH_TRAINER_SERVER__PORT": _port(plan.trainer_address),
+            "RLMESH_TRAINER_MANAGER_ADDRESS": plan.manager_address,
+            "RLMESH_TRAINER_WEIGHTS_ADDRESS": plan.weights_address,
+            "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
+            "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
+            "RLMESH_TRAINER_STEPS": str(plan.steps),
+        })
+        await self._healthy([trainer])
+        return trainer
+
+    def crashed(self) -> Child | None:
+        return next((c for c in self.children if c.name != "trainer" and c.process.poll() is not None), None)
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order (trainer first, manager last), SIGKILL after a timeout."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(STOP_TIMEOUT_SECONDS)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+
+
+async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> int:
+    """Shows a progress bar until the trainer exits; returns its exit code (130 if interrupted)."""
+    channel = open_channel(trainer.address)
+    stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    bar = tqdm(total=mesh.plan.steps, unit="step", desc="training", dynamic_ncols=True)
+    try:
+        while trainer.process.poll() is None:
+            if stop.is_set():
+                return 130
+            crashed = mesh.crashed()
+            if crashed:
+                print(f"\n{crashed.name} exited with code {crashed.process.returncode}; see {crashed.log_path}", file=sys.stderr)
+                return 1
+            try:
+                status = await stub.GetTrainingStatus(trainer_pb2.GetTrainingStatusRequest(), **call_options(2.0))
+                bar.update(status.step - bar.n)
+                shown = {"reward": "reward", "eval/sampled_reward": "held-out", "eval/exact_match": "exact"}
+                bar.set_postfix({label: f"{status.metrics[key]:.3f}" for key, label in shown.items() if key in status.metrics})
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+        bar.update(mesh.plan.steps - bar.n if trainer.process.returncode == 0 else 0)
+        return trainer.process.returncode
+    finally:
+        bar.close()
+        await channel.close()
+
+
+def print_summary(plan: MeshPlan, elapsed: float) -> None:
+    summary_path = plan.output_dir / "summary.json"
+    if not summary_path.exists():
+        return
+    summary = json.loads(summary_path.read_text())
+    start, end = summary["start"], summary["end"]
+    print(
+        f"\ntrained {summary['steps']} steps in {elapsed:.0f} s (weight version {summary['weight_version']})\n"
+        f"held-out sampled reward {start['eval/sampled_reward']:.3f} -> {end['eval/sampled_reward']:.3f}, "
+        f"greedy exact match {start['eval/exact_match']:.3f} -> {end['eval/exact_match']:.3f}\n"
+        f"metrics:     {summary['metrics']}\n"
+        f"tensorboard: {summary['tensorboard']}\n"
+        f"plot:        {summary['plot']}\n"
+        f"checkpoint:  {summary['checkpoint']}\n"
+        f"logs:        {plan.output_dir / 'logs'}"
+    )
+
+
+async def run_mesh(plan: MeshPlan) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    mesh = Mesh(plan)
+    started = time.perf_counter()
+    try:
+        starting = asyncio.create_task(mesh.start_services())
+        interrupted = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            return 130
+        starting.result()
+        interrupted.cancel()
+        print(f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
+              f"rollout {', '.join(plan.rollout_address(i) for i in range(plan.rollout_instances))}, "
+              f"trainer {plan.trainer_address}; logs in {mesh.log_dir}")
+        trainer = await mesh.start_trainer()
+        code = await follow_training(mesh, trainer, stop)
+        if code == 0:
+            print_summary(plan, time.perf_counter() - started)
+        elif code != 130:
+            print(f"training failed (exit {code}); see {trainer.log_path}", file=sys.stderr)
+        return code
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"rlmesh up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await asyncio.to_thread(mesh.stop)

@@ -1,0 +1,1 @@
+"""The trainer service: the policy, the RL algorithm, checkpoints and metrics."""

@@ -1,0 +1,51 @@
+"""Turns rollout groups into padded training tensors and scores policy log-probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class TrainingSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float]
+    """Log-probabilities the rollout engine sampled with (after temperature)."""
+    advantage: float
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    """[B, L-1]: 1 where position i predicts a response token."""
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+
+def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
+    rows = [s.prompt_ids + s.response_ids for s in samples]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width - 1))
+    behaviour = torch.zeros((len(rows), width - 1))
+    for i, (sample, row) in enumerate(zip(samples, rows)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention[i, : len(row)] = 1
+        start = len(sample.prompt_ids) - 1
+        end = start + len(sample.response_ids)
+        response_mask[i, start:end] = 1
+        behaviour[i, start:end] = torch.tensor(sample.behaviour_logprobs)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages)
+
+
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, temperature: float) -> torch.Tensor:
+    """[B, L-1] log-probability of each next token under `model` at the sampling temperature."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)

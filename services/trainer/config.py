@@ -1,0 +1,59 @@
+"""Configuration of the trainer."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from rlmesh.config import ServerConfig, StrictModel
+
+
+class GrpoConfig(StrictModel):
+    learning_rate: float = Field(default=3e-4, gt=0)
+    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
+    """PPO clip range for the ratio between the policy and the behaviour policy that sampled."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=12, ge=1)
+
+
+class TrainerConfig(StrictModel):
+    server: ServerConfig = ServerConfig(port=50153)
+    manager_address: str = "127.0.0.1:50151"
+    weights_address: str = "127.0.0.1:50152"
+    model_dir: str
+    """Local HF-format folder with the initial policy (version 0)."""
+    output_dir: str = "runs/latest"
+    """Metrics (JSONL, TensorBoard), the reward plot, the rollout ledger and checkpoints."""
+    steps: int = Field(default=100, ge=1)
+    prompts_per_step: int = Field(default=16, ge=1)
+    group_size: int = Field(default=8, ge=2)
+    """Samples per prompt; group-normalised advantages need at least two."""
+    micro_batch_groups: int = Field(default=4, ge=1)
+    """Groups per forward/backward; micro-batches are trained on as they arrive."""
+    mini_batches_per_step: int = Field(default=1, ge=1)
+    """Optimizer steps per training step; prompts_per_step must divide evenly."""
+    grpo: GrpoConfig = GrpoConfig()
+    eval_every: int = Field(default=10, ge=1)
+    eval_prompts: int = Field(default=64, ge=1)
+    eval_samples: int = Field(default=4, ge=1)
+    """Sampled responses per held-out prompt for the sampled-reward estimate."""
+    checkpoint_every: int = Field(default=25, ge=1)
+    resume: bool = True
+    """Continue from the newest checkpoint in output_dir if there is one."""
+    seed: int = 0
+    threads: int = Field(default=1, ge=1)
+    rpc_timeout_seconds: float = Field(default=10.0, gt=0)
+    rollout_timeout_seconds: float = Field(default=300.0, gt=0)
+    """Deadline for one step's rollouts to arrive."""
+    startup_timeout_seconds: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _mini_batches_divide(self) -> "TrainerConfig":
+        if self.prompts_per_step % self.mini_batches_per_step:
+            raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
+        if (self.prompts_per_step // self.mini_batches_per_step) % self.micro_batch_groups:
+            raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
+        return self

@@ -1,0 +1,70 @@
+"""The trainer's view of the mesh: submit prompts and stream rollouts (manager), upload weight
+versions (weights service). Every call carries a deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.payload import pack
+from rlmesh.rpc import call_options, open_channel
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+
+class MeshClient:
+    def __init__(self, manager_address: str, weights_address: str, rpc_timeout: float) -> None:
+        self.rpc_timeout = rpc_timeout
+        self._manager_channel = open_channel(manager_address)
+        self._weights_channel = open_channel(weights_address)
+        self.manager = manager_pb2_grpc.ManagerServiceStub(self._manager_channel)
+        self.weights = weights_pb2_grpc.WeightsServiceStub(self._weights_channel)
+
+    async def manager_status(self) -> manager_pb2.GetStatusResponse:
+        return await self.manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(self.rpc_timeout))
+
+    async def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int]]], n: int, sampling: common_pb2.SamplingParams) -> None:
+        await self.manager.SubmitPrompts(
+            manager_pb2.SubmitPromptsRequest(
+                batch_id=batch_id,
+                policy_version=policy_version,
+                prompts=[manager_pb2.Prompt(prompt_id=pid, token_ids=ids, n=n) for pid, ids in prompts],
+                sampling=sampling,
+            ),
+            **call_options(self.rpc_timeout),
+        )
+
+    async def rollouts(self, batch_id: str, micro_batch_groups: int, timeout: float) -> AsyncIterator[list[manager_pb2.Group]]:
+        stream = self.manager.StreamRollouts(
+            manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=micro_batch_groups),
+            **call_options(timeout),
+        )
+        async for reply in stream:
+            yield list(reply.groups)
+
+    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> float:
+        """Uploads a version to the weights service, then announces it to the manager; returns
+        the seconds spent (the pushes to instances happen after this returns)."""
+        started = time.perf_counter()
+        manifest, payload = pack(tensors, version)
+        data = payload.numpy()
+
+        async def parts() -> AsyncIterator[weights_pb2.UploadWeightsRequest]:
+            yield weights_pb2.UploadWeightsRequest(manifest=manifest)
+            for offset in range(0, manifest.total_bytes, UPLOAD_CHUNK_BYTES):
+                chunk = weights_pb2.PayloadChunk(offset=offset, data=data[offset : offset + UPLOAD_CHUNK_BYTES].tobytes())
+                yield weights_pb2.UploadWeightsRequest(chunk=chunk)
+
+        await self.weights.UploadWeights(parts(), **call_options(max(self.rpc_timeout, 60.0)))
+        await self.manager.PublishVersion(manager_pb2.PublishVersionRequest(version=version), **call_options(self.rpc_timeout))
+        return time.perf_counter() - started
+
+    async def close(self) -> None:
+        await self._manager_channel.close()
+        await self._weights_channel.close()
+

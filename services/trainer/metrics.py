@@ -1,0 +1,55 @@
+"""Training metrics: one JSON line per record, TensorBoard scalars, and the reward-over-steps plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from torch.utils.tensorboard import SummaryWriter  # noqa: E402
+
+
+class MetricsWriter:
+    def __init__(self, output_dir: Path) -> None:
+        self.jsonl_path = output_dir / "metrics.jsonl"
+        self.plot_path = output_dir / "reward.png"
+        self.tensorboard_dir = output_dir / "tensorboard"
+        self._tensorboard = SummaryWriter(str(self.tensorboard_dir))
+        self.history: list[dict[str, float]] = []
+        if self.jsonl_path.exists():
+            self.history = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **values}
+        self.history.append(record)
+        with self.jsonl_path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+        for name, value in values.items():
+            self._tensorboard.add_scalar(name, value, step)
+        self._tensorboard.flush()
+
+    def plot(self) -> Path:
+        train = [r for r in self.history if "reward" in r]
+        held_out = [r for r in self.history if "eval/sampled_reward" in r]
+        figure, axis = plt.subplots(figsize=(7, 4))
+        if train:
+            axis.plot([r["step"] for r in train], [r["reward"] for r in train], label="training reward (sampled)", alpha=0.7)
+        if held_out:
+            axis.plot([r["step"] for r in held_out], [r["eval/sampled_reward"] for r in held_out], "o-", label="held-out reward (sampled)")
+            axis.plot([r["step"] for r in held_out], [r["eval/exact_match"] for r in held_out], "s--", label="held-out exact match (greedy)")
+        axis.set_xlabel("training step")
+        axis.set_ylim(0, 1.02)
+        axis.set_title("rlmesh: reward over steps")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="lower right")
+        figure.tight_layout()
+        figure.savefig(self.plot_path, dpi=110)
+        plt.close(figure)
+        return self.plot_path
+
+    def close(self) -> None:
+        self._tensorboard.close()

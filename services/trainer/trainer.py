@@ -1,0 +1,250 @@
+"""The GRPO training loop over the mesh: submit prompts ahead within the staleness bound, train
+on micro-batches as they stream in, step the optimizer per mini-batch, publish every version."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.manager.v1 import manager_pb2
+from rlmesh.models.loading import load_causal_lm, trainable_tensors
+from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
+from rlmesh.tasks.increment import ProblemStream, exact_match, held_out_problems, reward
+from rlmesh.trainer.v1 import trainer_pb2
+from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
+from services.trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.config import TrainerConfig
+from services.trainer.evaluation import evaluate
+from services.trainer.grpo import group_advantages, grpo_loss
+from services.trainer.mesh import MeshClient
+from services.trainer.metrics import MetricsWriter
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class TrainingStatus:
+    """What GetTrainingStatus reports; updated by the loop."""
+
+    total_steps: int
+    output_dir: str
+    phase: int = trainer_pb2.PHASE_STARTING
+    step: int = 0
+    version: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass(slots=True)
+class StepTotals:
+    rewards: list[float] = field(default_factory=list)
+    exact: list[bool] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    response_tokens: int = 0
+    loss: float = 0.0
+    kl: list[float] = field(default_factory=list)
+    clip_fraction: list[float] = field(default_factory=list)
+    optimizer_steps: int = 0
+
+
+class GrpoTrainer:
+    def __init__(self, config: TrainerConfig, mesh: MeshClient, status: TrainingStatus) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.status = status
+        self.output = Path(config.output_dir)
+        self.output.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)
+        self.policy = load_causal_lm(config.model_dir)
+        self.policy.train()
+        self.reference = load_causal_lm(config.model_dir) if config.grpo.kl_coef > 0 else None
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.eos_id = self.tokenizer.token_to_id(EOS_TOKEN)
+        self.pad_id = self.tokenizer.token_to_id(PAD_TOKEN)
+        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.grpo.learning_rate)
+        self.metrics = MetricsWriter(self.output)
+        self.checkpoints = self.output / "checkpoints"
+        self.ledger_path = self.output / "rollouts.jsonl"
+        self.held_out = held_out_problems(config.eval_prompts)
+        self.problems = ProblemStream(config.seed, self.held_out)
+        self.answers: dict[tuple[str, str], str] = {}
+        self.run_tag = uuid.uuid4().hex[:8]
+        self.sampling = common_pb2.SamplingParams(
+            temperature=config.grpo.temperature,
+            top_p=config.grpo.top_p,
+            max_tokens=config.grpo.max_tokens,
+            stop_token_ids=[self.eos_id],
+        )
+        self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
+
+    def _ledger(self, record: dict) -> None:
+        with self.ledger_path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def _batch_id(self, step: int) -> str:
+        return f"{self.run_tag}-step{step:06d}"
+
+    async def run(self) -> dict:
+        started = time.perf_counter()
+        state = TrainerState(step=0, version=0)
+        checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
+        if checkpoint is not None:
+            state = load_checkpoint(checkpoint, self.policy, self.optimizer)
+            log.info("resumed", checkpoint=str(checkpoint), step=state.step)
+        manager = await self.mesh.manager_status()
+        # Versions only grow across restarts: a resumed policy is published above anything seen.
+        if manager.published_version > state.version or (checkpoint is not None and manager.published_version == state.version):
+            state.version = manager.published_version + 1
+        version_offset = state.version - state.step
+        max_staleness = manager.max_staleness
+        await self.mesh.publish(state.version, trainable_tensors(self.policy))
+        self.status.phase = trainer_pb2.PHASE_TRAINING
+        self.status.step, self.status.version = state.step, state.version
+        first_eval = await self._evaluate(state.step)
+        submitted: set[int] = set()
+        last_eval = first_eval
+        for step in range(state.step, self.config.steps):
+            step_started = time.perf_counter()
+            for ahead in range(step, min(self.config.steps, step + max_staleness + 1)):
+                if ahead not in submitted:
+                    await self._submit(ahead, ahead + version_offset)
+                    submitted.add(ahead)
+            totals = await self._train_step(step, step + version_offset)
+            state.step, state.version = step + 1, step + 1 + version_offset
+            publish_seconds = await self.mesh.publish(state.version, trainable_tensors(self.policy))
+            step_seconds = time.perf_counter() - step_started
+            values = {
+                "reward": sum(totals.rewards) / len(totals.rewards),
+                "exact_match": sum(totals.exact) / len(totals.exact),
+                "loss": totals.loss,
+                "kl": sum(totals.kl) / len(totals.kl),
+                "clip_fraction": sum(totals.clip_fraction) / len(totals.clip_fraction),
+                "staleness_mean": sum(totals.staleness) / len(totals.staleness),
+                "staleness_max": float(max(totals.staleness)),
+                "step_seconds": step_seconds,
+                "generated_tokens_per_second": totals.response_tokens / step_seconds,
+                "response_length": totals.response_tokens / len(totals.rewards),
+                "publish_seconds": publish_seconds,
+                "weight_version": float(state.version),
+            }
+            self.metrics.write(state.step, values)
+            self.status.step, self.status.version = state.step, state.version
+            self.status.metrics.update(values)
+            log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
+                     step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
+            last_step = state.step == self.config.steps
+            if state.step % self.config.eval_every == 0 or last_step:
+                last_eval = await self._evaluate(state.step)
+            if state.step % self.config.checkpoint_every == 0 or last_step:
+                save_checkpoint(self.checkpoints, self.policy, self.optimizer, state)
+        plot = self.metrics.plot()
+        self.metrics.close()
+        summary = {
+            "steps": state.step,
+            "weight_version": state.version,
+            "wall_seconds": time.perf_counter() - started,
+            "start": first_eval,
+            "end": last_eval,
+            "metrics": str(self.metrics.jsonl_path),
+            "tensorboard": str(self.metrics.tensorboard_dir),
+            "plot": str(plot),
+            "ledger": str(self.ledger_path),
+            "checkpoint": str(latest_checkpoint(self.checkpoints)),
+        }
+        (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    async def _submit(self, step: int, policy_version: int) -> None:
+        batch_id = self._batch_id(step)
+        prompts = []
+        for index, problem in enumerate(self.problems.problems_for_step(step, self.config.prompts_per_step)):
+            prompt_id = f"p{index}"
+            self.answers[(batch_id, prompt_id)] = problem.answer
+            prompts.append((prompt_id, self.tokenizer.encode(problem.prompt).ids))
+        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, self.sampling)
+        self._ledger({"event": "submitted", "batch_id": batch_id, "step": step, "policy_version": policy_version,
+                      "prompt_ids": [p for p, _ in prompts], "group_size": self.config.group_size})
+
+    async def _train_step(self, step: int, policy_version: int) -> StepTotals:
+        batch_id = self._batch_id(step)
+        totals = StepTotals()
+        groups_in_mini_batch = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        async with asyncio.timeout(self.config.rollout_timeout_seconds):
+            async for groups in self.mesh.rollouts(batch_id, self.config.micro_batch_groups, self.config.rollout_timeout_seconds):
+                samples = self._score(batch_id, groups, policy_version, totals)
+                await asyncio.to_thread(self._backward, samples, totals)
+                groups_in_mini_batch += len(groups)
+                if groups_in_mini_batch >= self.mini_batch_groups:
+                    await asyncio.to_thread(self._optimizer_step)
+                    totals.optimizer_steps += 1
+                    groups_in_mini_batch = 0
+        if groups_in_mini_batch:
+            await asyncio.to_thread(self._optimizer_step)
+        return totals
+
+    def _score(self, batch_id: str, groups: list[manager_pb2.Group], policy_version: int, totals: StepTotals) -> list[TrainingSample]:
+        samples: list[TrainingSample] = []
+        for group in groups:
+            answer = self.answers.pop((batch_id, group.prompt_id))
+            rewards = []
+            for sample in group.samples:
+                tokens = [t for t in sample.token_ids if t != self.eos_id]
+                text = self.tokenizer.decode(tokens)
+                rewards.append(reward(text, answer))
+                totals.exact.append(exact_match(text, answer))
+                totals.staleness.append(policy_version - min(sample.weight_versions))
+                totals.response_tokens += len(sample.token_ids)
+            totals.rewards += rewards
+            advantages = group_advantages(torch.tensor(rewards)[None])[0].tolist()
+            for sample, advantage in zip(group.samples, advantages):
+                samples.append(TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage))
+            self._ledger({"event": "received", "batch_id": batch_id, "prompt_id": group.prompt_id, "samples": len(group.samples),
+                          "min_version": min(min(s.weight_versions) for s in group.samples),
+                          "max_version": max(max(s.weight_versions) for s in group.samples)})
+        return samples
+
+    def _backward(self, samples: list[TrainingSample], totals: StepTotals) -> None:
+        batch = build_micro_batch(samples, self.pad_id)
+        logprobs = token_logprobs(self.policy, batch, self.config.grpo.temperature)
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = token_logprobs(self.reference, batch, self.config.grpo.temperature)
+        loss, stats = grpo_loss(
+            logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
+            self.config.grpo.clip_epsilon, self.mini_batch_groups * self.config.group_size,
+            reference, self.config.grpo.kl_coef,
+        )
+        loss.backward()
+        totals.loss += loss.item()
+        totals.kl.append(stats.kl)
+        totals.clip_fraction.append(stats.clip_fraction)
+
+    def _optimizer_step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grpo.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    async def _evaluate(self, step: int) -> dict[str, float]:
+        result = await asyncio.to_thread(
+            evaluate, self.policy, self.tokenizer, self.held_out, self.eos_id, self.pad_id,
+            self.config.grpo.max_tokens, self.config.eval_samples, self.config.seed + step,
+        )
+        values = {
+            "eval/sampled_reward": result.sampled_reward,
+            "eval/greedy_reward": result.greedy_reward,
+            "eval/exact_match": result.exact_match,
+        }
+        self.metrics.write(step, values)
+        self.status.metrics.update(values)
+        log.info("held-out evaluation", step=step, **{k: round(v, 4) for k, v in values.items()})
+        return values

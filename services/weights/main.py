@@ -1,0 +1,39 @@
+"""Runs the weights service: store uploads, push them to instances, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rlmesh.rpc import GrpcServer, stop_event_on_signals
+from rlmesh.transfer.base import WeightSender
+from rlmesh.transfer.grpc_stream import GrpcStreamSender
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+from services.weights.config import WeightsConfig
+from services.weights.pusher import Pusher
+from services.weights.server import WeightsServicer
+from services.weights.store import WeightStore
+
+
+def build_sender(config: WeightsConfig) -> WeightSender:
+    if config.backend == "grpc":
+        return GrpcStreamSender()
+    from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
+
+    return MooncakeSender(MooncakeEndpoint(config.server.advertised_host, config.mooncake_protocol))
+
+
+async def serve(config: WeightsConfig) -> None:
+    stop = stop_event_on_signals()
+    store = WeightStore()
+    pusher = Pusher(store, build_sender(config), config)
+    server = GrpcServer(config.server, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"].full_name])
+    weights_pb2_grpc.add_WeightsServiceServicer_to_server(WeightsServicer(store, pusher, config.backend), server.server)
+    await server.start()
+    pushing = asyncio.create_task(pusher.run())
+    await server.set_serving(True)
+    try:
+        await stop.wait()
+    finally:
+        pushing.cancel()
+        await server.stop()
+        await pusher.close()
