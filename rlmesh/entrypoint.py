@@ -44,4 +44,7 @@ def run_service(
     except ConfigError as exc:
         print(f"rlmesh {name}: {exc}", file=sys.stderr)
         return 2
+    except (TimeoutError, OSError, FileNotFoundError) as exc:
+        print(f"rlmesh {name}: cannot start: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -11,7 +11,7 @@ import structlog
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_byte_tokenizer, save_tokenizer
+from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, save_tokenizer
 from rlmesh.tasks.increment import HELD_OUT_SEED, make_problem
 
 log = structlog.get_logger()
@@ -26,7 +26,7 @@ class TinyModelSpec:
     kv_heads: int = 2
     max_positions: int = 64
     seed: int = 0
-    warmup_iterations: int = 200
+    warmup_iterations: int = 150
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
 
@@ -35,7 +35,7 @@ def create_default_model(directory: str | Path, spec: TinyModelSpec = TinyModelS
     """Writes config, safetensors and tokenizer to `directory` after the supervised warm-up."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_byte_tokenizer()
+    tokenizer = build_char_tokenizer()
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     config = Qwen2Config(

@@ -1,5 +1,7 @@
-"""A byte-level BPE tokenizer with no merges: one token per byte, identical in `tokenizers`,
-`AutoTokenizer` and vLLM, so every engine sees the same ids."""
+"""A character tokenizer built as a byte-level BPE with no merges: one token per character,
+identical ids in `tokenizers`, `AutoTokenizer` and vLLM (a WordLevel model is rewritten by
+AutoTokenizer for qwen2). The vocabulary is the task's alphabet, so the model's softmax
+spends no mass on characters the task never uses."""
 
 from __future__ import annotations
 
@@ -10,15 +12,26 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+UNK_TOKEN = "<|unk|>"
+DEFAULT_ALPHABET = "0123456789="
 
 
-def build_byte_tokenizer() -> Tokenizer:
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {symbol: index for index, symbol in enumerate(alphabet)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Tokenizer:
+    byte_symbols = pre_tokenizers.ByteLevel.alphabet()
+    symbols = []
+    for char in alphabet:
+        encoded = char.encode()
+        if len(encoded) != 1 or char not in byte_symbols:
+            raise ValueError(f"alphabet character {char!r} is not a printable single byte")
+        symbols.append(char)
+    if len(set(symbols)) != len(symbols):
+        raise ValueError("alphabet has repeated characters")
+    vocab = {symbol: index for index, symbol in enumerate(symbols)}
+    vocab[UNK_TOKEN] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+    tokenizer.add_special_tokens([UNK_TOKEN, EOS_TOKEN, PAD_TOKEN])
     return tokenizer
 
 
@@ -30,6 +43,7 @@ def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "eos_token": EOS_TOKEN,
                 "pad_token": PAD_TOKEN,
+                "unk_token": UNK_TOKEN,
                 "model_max_length": 64,
                 "clean_up_tokenization_spaces": False,
             },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import GrpcServer, stop_event_on_signals
@@ -11,8 +12,20 @@ from services.manager.server import Changes, Dispatcher, ManagerServicer, watch_
 from services.manager.state import ManagerState
 
 
-async def serve(config: ManagerConfig) -> None:
-    stop = stop_event_on_signals()
+@dataclass(slots=True)
+class RunningManager:
+    server: GrpcServer
+    state: ManagerState
+    dispatcher: Dispatcher
+    leases: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.leases.cancel()
+        await self.server.stop()
+        await self.dispatcher.close()
+
+
+async def start(config: ManagerConfig) -> RunningManager:
     state = ManagerState(config.lease_seconds, config.max_staleness)
     changes = Changes()
     dispatcher = Dispatcher(state, changes, config)
@@ -21,9 +34,13 @@ async def serve(config: ManagerConfig) -> None:
     await server.start()
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
     await server.set_serving(True)
+    return RunningManager(server, state, dispatcher, leases)
+
+
+async def serve(config: ManagerConfig) -> None:
+    stop = stop_event_on_signals()
+    running = await start(config)
     try:
         await stop.wait()
     finally:
-        leases.cancel()
-        await server.stop()
-        await dispatcher.close()
+        await running.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -28,10 +29,25 @@ def build_updater(config: RolloutConfig, engine: TorchEngine) -> WeightUpdater:
     return WeightUpdater(engine, MooncakeReceiveBuffer(endpoint), endpoint.session)
 
 
-async def serve(config: RolloutConfig) -> None:
+@dataclass(slots=True)
+class RunningRollout:
+    server: GrpcServer
+    engine: TorchEngine
+    membership: Membership
+
+    async def stop(self) -> None:
+        """Drain: stop taking work, leave the pool (the manager continues our requests elsewhere), stop."""
+        log.info("draining")
+        await self.server.set_serving(False)
+        await self.membership.deregister()
+        self.engine.abort()
+        await self.server.stop()
+        await self.engine.stop()
+
+
+async def start(config: RolloutConfig) -> RunningRollout:
     structlog.contextvars.bind_contextvars(instance_id=config.instance_id)
     torch.set_num_threads(config.engine.threads)
-    stop = stop_event_on_signals()
     engine = TorchEngine(config.engine.model_dir, config.engine.max_batch_size, config.engine.seed)
     servicer = RolloutServicer(config.instance_id, Path(config.engine.model_dir).name, engine, build_updater(config, engine))
     server = GrpcServer(config.server, [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
@@ -41,14 +57,20 @@ async def serve(config: RolloutConfig) -> None:
     membership = Membership(config.manager_address, config.instance_id, server.address, engine, config.rpc_timeout_seconds)
     servicer.membership = membership
     await server.set_serving(True)
+    running = RunningRollout(server, engine, membership)
     try:
         await membership.register(config.register_timeout_seconds)
-        membership.start_heartbeats()
+    except TimeoutError:
+        await running.stop()
+        raise
+    membership.start_heartbeats()
+    return running
+
+
+async def serve(config: RolloutConfig) -> None:
+    stop = stop_event_on_signals()
+    running = await start(config)
+    try:
         await stop.wait()
     finally:
-        log.info("draining")
-        await server.set_serving(False)
-        await membership.deregister()
-        engine.abort()
-        await server.stop()
-        await engine.stop()
+        await running.stop()

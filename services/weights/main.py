@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from rlmesh.rpc import GrpcServer, stop_event_on_signals
 from rlmesh.transfer.base import WeightSender
@@ -22,8 +23,20 @@ def build_sender(config: WeightsConfig) -> WeightSender:
     return MooncakeSender(MooncakeEndpoint(config.server.advertised_host, config.mooncake_protocol))
 
 
-async def serve(config: WeightsConfig) -> None:
-    stop = stop_event_on_signals()
+@dataclass(slots=True)
+class RunningWeights:
+    server: GrpcServer
+    store: WeightStore
+    pusher: Pusher
+    pushing: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.pushing.cancel()
+        await self.server.stop()
+        await self.pusher.close()
+
+
+async def start(config: WeightsConfig) -> RunningWeights:
     store = WeightStore()
     pusher = Pusher(store, build_sender(config), config)
     server = GrpcServer(config.server, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"].full_name])
@@ -31,9 +44,13 @@ async def serve(config: WeightsConfig) -> None:
     await server.start()
     pushing = asyncio.create_task(pusher.run())
     await server.set_serving(True)
+    return RunningWeights(server, store, pusher, pushing)
+
+
+async def serve(config: WeightsConfig) -> None:
+    stop = stop_event_on_signals()
+    running = await start(config)
     try:
         await stop.wait()
     finally:
-        pushing.cancel()
-        await server.stop()
-        await pusher.close()
+        await running.stop()
