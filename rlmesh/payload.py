@@ -11,6 +11,8 @@ import torch
 from rlmesh.common.v1 import common_pb2
 
 DEFAULT_BUCKET_BYTES = 4 << 20
+ALIGNMENT = 64
+"""Every tensor starts on a 64-byte boundary so views of any dtype are aligned."""
 
 _DTYPES = {
     torch.float32: common_pb2.D_TYPE_FLOAT32,
@@ -27,18 +29,19 @@ class PayloadError(ValueError):
 def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
     """Copies tensors into one contiguous uint8 payload and describes it."""
     manifest = common_pb2.WeightManifest(version=version, bucket_bytes=bucket_bytes)
-    offset = 0
+    end = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise PayloadError(f"{name}: dtype {tensor.dtype} is not supported")
         nbytes = tensor.numel() * tensor.element_size()
+        offset = _aligned(end)
         manifest.tensors.add(name=name, dtype=_DTYPES[tensor.dtype], shape=list(tensor.shape), offset=offset, nbytes=nbytes)
-        offset += nbytes
-    manifest.total_bytes = offset
-    payload = torch.empty(offset, dtype=torch.uint8)
+        end = offset + nbytes
+    manifest.total_bytes = end
+    payload = torch.zeros(end, dtype=torch.uint8)
     for spec, tensor in zip(manifest.tensors, tensors.values()):
         payload[spec.offset : spec.offset + spec.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-    manifest.bucket_crc32.extend(bucket_checksums(payload[:offset], bucket_bytes))
+    manifest.bucket_crc32.extend(bucket_checksums(payload, bucket_bytes))
     return manifest, payload
 
 
@@ -52,12 +55,13 @@ def bucket_checksums(payload: torch.Tensor, bucket_bytes: int) -> list[int]:
 
 
 def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
-    """Raises PayloadError unless tensors tile [0, total_bytes) and checksums cover every bucket."""
+    """Raises PayloadError unless tensors are laid out in order at aligned offsets up to
+    total_bytes and checksums cover every bucket."""
     if manifest.version < 0:
         raise PayloadError(f"version must be >= 0, got {manifest.version}")
     if manifest.bucket_bytes <= 0:
         raise PayloadError("bucket_bytes must be positive")
-    offset = 0
+    end = 0
     names = set()
     for spec in manifest.tensors:
         if spec.name in names:
@@ -70,11 +74,11 @@ def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
         expected = _element_count(spec.shape) * torch.empty(0, dtype=_TORCH_DTYPES[spec.dtype]).element_size()
         if spec.nbytes != expected:
             raise PayloadError(f"{spec.name}: nbytes {spec.nbytes} does not match shape and dtype ({expected})")
-        if spec.offset != offset:
-            raise PayloadError(f"{spec.name}: offset {spec.offset}, expected {offset} (tensors must be packed in order)")
-        offset += spec.nbytes
-    if offset != manifest.total_bytes:
-        raise PayloadError(f"tensors cover {offset} bytes but total_bytes is {manifest.total_bytes}")
+        if spec.offset != _aligned(end):
+            raise PayloadError(f"{spec.name}: offset {spec.offset}, expected {_aligned(end)} (in order, {ALIGNMENT}-byte aligned)")
+        end = spec.offset + spec.nbytes
+    if end != manifest.total_bytes:
+        raise PayloadError(f"tensors end at byte {end} but total_bytes is {manifest.total_bytes}")
     buckets = len(bucket_ranges(manifest.total_bytes, manifest.bucket_bytes))
     if len(manifest.bucket_crc32) != buckets:
         raise PayloadError(f"{len(manifest.bucket_crc32)} bucket checksums for {buckets} buckets")
@@ -97,6 +101,10 @@ def unpack(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> dict[s
 
 def torch_dtype(code: int) -> torch.dtype:
     return _TORCH_DTYPES[code]
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
 def _element_count(shape) -> int:

@@ -1,0 +1,25 @@
+"""Shared fixtures: a small model folder created once per session, and free loopback ports."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's architecture with a short warm-up: enough for real forward passes."""
+    return create_default_model(tmp_path_factory.mktemp("model"), TinyModelSpec(warmup_iterations=30))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,130 @@
+"""Prompts in, groups out through real servers: every sample once, weight versions pushed
+through Mooncake and through the gRPC stream, late joiners caught up, drains survived."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.manager.v1 import manager_pb2
+from rlmesh.models.loading import load_causal_lm, trainable_tensors
+from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
+from rlmesh.payload import pack
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+from services.rollout.main import start as start_rollout
+from services.trainer.mesh import MeshClient
+from tests.integration.conftest import build_mesh, rollout_config, stop_mesh, wait_for
+
+
+def prompt_batch(model_dir, count: int) -> list[tuple[str, list[int]]]:
+    tokenizer = load_tokenizer(model_dir)
+    return [(f"p{i}", tokenizer.encode(f"{1000 + 37 * i}=").ids) for i in range(count)]
+
+
+def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
+    eos = load_tokenizer(model_dir).token_to_id(EOS_TOKEN)
+    return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
+
+
+async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:
+    groups = []
+    async for micro_batch in client.rollouts(batch_id, micro, timeout=60):
+        assert len(micro_batch) <= micro
+        groups += micro_batch
+    return groups
+
+
+def scaled_weights(model_dir, factor: float):
+    return {name: tensor * factor for name, tensor in trainable_tensors(load_causal_lm(model_dir)).items()}
+
+
+async def test_every_prompt_comes_back_once_with_all_its_samples(grpc_mesh, model_dir):
+    client = MeshClient(grpc_mesh.manager_address, grpc_mesh.weights_address, rpc_timeout=10)
+    try:
+        await client.submit("batch-a", 0, prompt_batch(model_dir, 6), 4, sampling(model_dir))
+        groups = await gather_batch(client, "batch-a", micro=4)
+    finally:
+        await client.close()
+    assert sorted(g.prompt_id for g in groups) == [f"p{i}" for i in range(6)]
+    for group in groups:
+        assert len(group.samples) == 4
+        for sample in group.samples:
+            assert 1 <= len(sample.token_ids) <= 8
+            assert len(sample.token_ids) == len(sample.logprobs) == len(sample.weight_versions)
+            assert all(lp <= 0 for lp in sample.logprobs)
+            assert sample.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+            assert sample.instance_ids == ["instance-0"]
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "grpc"])
+async def test_a_published_version_reaches_instances_and_late_joiners(model_dir, backend):
+    mesh = await build_mesh(model_dir, backend, max_staleness=0)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    late = None
+    try:
+        await client.publish(1, scaled_weights(model_dir, 1.0))
+        rollout = mesh.rollouts[0]
+        await wait_for(lambda: rollout.engine.weight_version == 1)
+        # Samples for policy version 1 only run once the instance serves version 1.
+        await client.submit("after-publish", 1, prompt_batch(model_dir, 2), 2, sampling(model_dir))
+        groups = await gather_batch(client, "after-publish", micro=2)
+        assert {v for g in groups for s in g.samples for v in s.weight_versions} == {1}
+        weights = weights_pb2_grpc.WeightsServiceStub(client._weights_channel)
+        status = await weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)
+        assert status.latest_version == 1 and status.backend == backend
+        assert [(i.instance_id, i.committed_version) for i in status.instances] == [("instance-0", 1)]
+        late = await start_rollout(rollout_config(model_dir, mesh.manager_address, "late", backend == "mooncake"))
+        assert late.engine.weight_version == 0
+        await wait_for(lambda: late.engine.weight_version == 1)
+        manager_status = await client.manager_status()
+        assert {i.instance_id: i.weight_version for i in manager_status.instances} == {"instance-0": 1, "late": 1}
+    finally:
+        if late:
+            await late.stop()
+        await client.close()
+        await stop_mesh(mesh)
+
+
+async def test_a_corrupted_push_leaves_the_instance_on_its_version(grpc_mesh, model_dir, channel_to):
+    rollout = grpc_mesh.rollouts[0]
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(rollout.server.address))
+    manifest, payload = pack(scaled_weights(model_dir, 0.5), version=7)
+    await stub.BeginWeightUpdate(rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=5)
+    payload[10] ^= 0xFF
+
+    async def chunks():
+        yield rollout_pb2.PushWeightChunksRequest(version=7, offset=0, data=payload.numpy().tobytes())
+
+    await stub.PushWeightChunks(chunks(), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=7), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "crc32" in caught.value.details()
+    info = await stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
+    assert info.weight_version == 0
+
+
+async def test_a_draining_instance_hands_its_requests_to_another(model_dir):
+    mesh = await build_mesh(model_dir, "grpc", instances=2)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        no_stop = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
+        await client.submit("drain", 0, prompt_batch(model_dir, 8), 4, no_stop)
+        collecting = asyncio.create_task(gather_batch(client, "drain", micro=8))
+        await wait_for(lambda: mesh.rollouts[0].engine.generated_tokens > 0)
+        await mesh.rollouts.pop(0).stop()
+        groups = await collecting
+        assert sorted(g.prompt_id for g in groups) == [f"p{i}" for i in range(8)]
+        assert all(len(g.samples) == 4 for g in groups)
+        samples = [s for g in groups for s in g.samples]
+        assert all(len(s.token_ids) == 55 for s in samples)
+        assert {tuple(s.instance_ids) for s in samples} <= {("instance-0",), ("instance-1",), ("instance-0", "instance-1")}
+        continued = [s for s in samples if len(s.instance_ids) == 2]
+        assert continued, "no request was running on the drained instance"
+        status = await client.manager_status()
+        assert status.requeued_samples >= len(continued)
+    finally:
+        await client.close()
+        await stop_mesh(mesh)
