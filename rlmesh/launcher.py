@@ -21,6 +21,8 @@ from rlmesh.rpc import call_options, open_channel, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 _PR_SET_PDEATHSIG = 1
+MESH_ID_ENV = "RLMESH_MESH_ID"
+"""Set in every process of a mesh (to its output folder) so its processes can be found."""
 STOP_TIMEOUT_SECONDS = 15.0
 
 
@@ -77,7 +79,7 @@ class Mesh:
     def _spawn(self, name: str, module: str, address: str, settings: dict[str, str]) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        env = {**os.environ, **settings, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **settings, MESH_ID_ENV: str(self.plan.output_dir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         log_file = log_path.open("ab")
         process = subprocess.Popen(
             [sys.executable, "-m", module],
@@ -165,7 +167,9 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
     """Shows a progress bar until the trainer exits; returns its exit code (130 if interrupted)."""
     channel = open_channel(trainer.address)
     stub = trainer_pb2_grpc.TrainerServiceStub(channel)
-    bar = tqdm(total=mesh.plan.steps, unit="step", desc="training", dynamic_ncols=True)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=mesh.plan.steps, unit="step", desc="training", dynamic_ncols=True, disable=not interactive)
+    reported = 0
     try:
         while trainer.process.poll() is None:
             if stop.is_set():
@@ -176,9 +180,14 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
                 return 1
             try:
                 status = await stub.GetTrainingStatus(trainer_pb2.GetTrainingStatusRequest(), **call_options(2.0))
-                bar.update(status.step - bar.n)
                 shown = {"reward": "reward", "eval/sampled_reward": "held-out", "eval/exact_match": "exact"}
-                bar.set_postfix({label: f"{status.metrics[key]:.3f}" for key, label in shown.items() if key in status.metrics})
+                figures = {label: f"{status.metrics[key]:.3f}" for key, label in shown.items() if key in status.metrics}
+                bar.update(status.step - bar.n)
+                bar.set_postfix(figures)
+                # Without a terminal, a line per tenth of the run instead of a redrawn bar.
+                if not interactive and status.step >= reported + max(1, mesh.plan.steps // 10):
+                    reported = status.step
+                    print(f"step {status.step}/{mesh.plan.steps} " + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(0.5)

@@ -1,0 +1,119 @@
+"""`rlmesh up` as real processes: it trains, accounts for every prompt exactly once, writes its
+outputs, serves reflection on every port, and leaves no process behind (also after Ctrl-C)."""
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rlmesh.launcher import MESH_ID_ENV
+from rlmesh.rpc import call_options, open_channel
+from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.conftest import free_port
+from tests.integration.test_contracts_on_the_wire import grpcurl
+
+pytestmark = pytest.mark.e2e
+
+
+def mesh_processes(output_dir: Path) -> list[int]:
+    """Pids of live processes started for the mesh writing to `output_dir`."""
+    marker = f"{MESH_ID_ENV}={output_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def free_base_port() -> int:
+    while True:
+        base = free_port()
+        if base + 12 < 65535:
+            return base
+
+
+def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
+    return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
+            "--model-dir", str(model_dir), "--output-dir", str(output_dir)]
+
+
+def small_run_env() -> dict[str, str]:
+    return {**os.environ, "RLMESH_TRAINER_EVAL_EVERY": "2", "RLMESH_TRAINER_EVAL_PROMPTS": "16"}
+
+
+def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=4), env=small_run_env(),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "held-out sampled reward" in result.stdout
+
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompt_ids"])
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
+    assert len(submitted) == 4 * 16 and set(submitted.values()) == {1}
+    assert received == submitted, "a prompt was lost or delivered twice"
+    assert all(r["samples"] == 8 for r in ledger if r["event"] == "received")
+    assert max(r["max_version"] for r in ledger if r["event"] == "received") >= 1
+
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for key in ("reward", "exact_match", "loss", "kl", "staleness_mean", "step_seconds", "generated_tokens_per_second"):
+        assert all(key in r for r in steps), key
+    assert any("eval/sampled_reward" in r for r in records)
+    assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (output_dir / "reward.png").stat().st_size > 0
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["weight_version"] == 4
+    assert (Path(summary["checkpoint"]) / "model.safetensors").is_file()
+    assert mesh_processes(output_dir) == []
+
+
+async def training_step(address: str) -> int:
+    async with open_channel(address) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        try:
+            status = await stub.GetTrainingStatus(trainer_pb2.GetTrainingStatusRequest(), **call_options(2.0))
+        except grpc.aio.AioRpcError:
+            return -1
+    return status.step
+
+
+def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    base = free_base_port()
+    process = subprocess.Popen(up_command(model_dir, output_dir, base, steps=10_000), env=small_run_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while asyncio.run(training_step(f"127.0.0.1:{base + 2}")) < 2:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        services = {base: "ManagerService", base + 1: "WeightsService", base + 2: "TrainerService", base + 10: "RolloutService"}
+        for port, service in services.items():
+            listed = asyncio.run(grpcurl(f"127.0.0.1:{port}", "list"))
+            assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
+        assert len(mesh_processes(output_dir)) == 4
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert mesh_processes(output_dir) == []
