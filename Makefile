@@ -29,11 +29,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)
 protos: $(GEN)/.stamp
 
 $(GEN)/.stamp: $(PROTO_SRC) $(VENV)/.installed
-	rm -rf $(GEN) && mkdir -p $(GEN)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=$(GEN) --grpc_python_out=$(GEN) \
-		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --mypy_out=$(GEN) \
-		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc --mypy_grpc_out=$(GEN) \
-		$(PROTO_SRC)
+	$(PY) -m rlmesh.protogen
 	@touch $@
 
 lint-protos: $(VENV)/.installed
