@@ -22,11 +22,11 @@ class TinyModelSpec:
     hidden_size: int = 128
     intermediate_size: int = 384
     layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
+    heads: int = 8
+    kv_heads: int = 4
     max_positions: int = 64
     seed: int = 0
-    warmup_iterations: int = 150
+    warmup_iterations: int = 100
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
 

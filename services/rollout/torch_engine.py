@@ -139,6 +139,9 @@ class TorchEngine(Engine):
         try:
             while True:
                 chunk = await state.chunks.get()
+                # Tokens decoded while the consumer was busy leave as one chunk, not one each.
+                while chunk.finish is Finish.NONE and not state.chunks.empty():
+                    chunk = _merge(chunk, state.chunks.get_nowait())
                 yield chunk
                 if chunk.finish is not Finish.NONE:
                     return
@@ -289,3 +292,13 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     filtered = torch.zeros_like(probs)
     filtered[order[keep]] = sorted_probs[keep]
     return filtered / filtered.sum()
+
+
+def _merge(first: Chunk, second: Chunk) -> Chunk:
+    return Chunk(
+        request_id=first.request_id,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=first.logprobs + second.logprobs,
+        weight_versions=first.weight_versions + second.weight_versions,
+        finish=second.finish,
+    )
