@@ -21,8 +21,8 @@ $(VENV)/.system:
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)/.system
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e . >> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import torch, grpc, mooncake.engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 

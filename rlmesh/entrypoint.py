@@ -7,14 +7,33 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel
 
 from rlmesh.config import ConfigError, load_config
 from rlmesh.logging import configure_logging
+from rlmesh.rpc import stop_event_on_signals
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+class Running(Protocol):
+    async def stop(self) -> None: ...
+
+
+def until_signal(start: Callable[[ConfigT], Awaitable[Running]]) -> Callable[[ConfigT], Awaitable[None]]:
+    """A `serve` that starts the service, then stops it gracefully on SIGTERM or SIGINT."""
+
+    async def serve(config: ConfigT) -> None:
+        stop = stop_event_on_signals()
+        running = await start(config)
+        try:
+            await stop.wait()
+        finally:
+            await running.stop()
+
+    return serve
 
 
 def run_service(

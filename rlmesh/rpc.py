@@ -37,15 +37,9 @@ _KEEPALIVE_TIMEOUT_MS = 10_000
 
 
 def server_options(max_message_mb: int) -> list[tuple[str, int]]:
-    size = max_message_mb << 20
     return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *channel_options(max_message_mb),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS // 2),
-        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 

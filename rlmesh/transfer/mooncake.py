@@ -13,8 +13,8 @@ from rlmesh.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, WeightSender
 
-# Mooncake logs every connection at INFO through glog; keep service logs readable.
-os.environ.setdefault("GLOG_minloglevel", "1")
+# Mooncake logs every connection at INFO; keep service logs readable (it reads this at import).
+os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 
 class MooncakeEndpoint:

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import GrpcServer, stop_event_on_signals
+from rlmesh.rpc import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.server import Changes, Dispatcher, ManagerServicer, watch_leases
 from services.manager.state import ManagerState
@@ -36,11 +36,3 @@ async def start(config: ManagerConfig) -> RunningManager:
     await server.set_serving(True)
     return RunningManager(server, state, dispatcher, leases)
 
-
-async def serve(config: ManagerConfig) -> None:
-    stop = stop_event_on_signals()
-    running = await start(config)
-    try:
-        await stop.wait()
-    finally:
-        await running.stop()

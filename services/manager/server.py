@@ -104,6 +104,8 @@ class Dispatcher:
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream failed; request continues elsewhere", request=request.request_id,
                             instance_id=assignment.instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._drop_unreachable(assignment.instance)
         except InvalidArgument as exc:
             log.error("instance sent a malformed chunk", error=str(exc), instance_id=assignment.instance.instance_id)
             self.state.stream_lost(request.request_id, attempt)
@@ -112,6 +114,15 @@ class Dispatcher:
                 del self._streams[request.request_id]
             self.dispatch()
             self.changes.notify()
+
+    def _drop_unreachable(self, instance: Instance) -> None:
+        """A broken connection means a crashed instance: drop it now rather than dispatching to it
+        until its lease runs out. If it is alive, its next heartbeat registers it again."""
+        if self.state.instances.get(instance.instance_id) is not instance:
+            return
+        requeued = self.state.deregister(instance.instance_id)
+        self.cancel(requeued)
+        log.warning("instance unreachable; dropped", instance_id=instance.instance_id, requeued=len(requeued))
 
     async def close(self) -> None:
         for task in list(self._streams.values()):

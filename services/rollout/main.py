@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import GrpcServer, stop_event_on_signals
+from rlmesh.rpc import GrpcServer
 from rlmesh.transfer.base import ReceiveBuffer
 from services.rollout.config import RolloutConfig
 from services.rollout.membership import Membership
@@ -66,11 +66,3 @@ async def start(config: RolloutConfig) -> RunningRollout:
     membership.start_heartbeats()
     return running
 
-
-async def serve(config: RolloutConfig) -> None:
-    stop = stop_event_on_signals()
-    running = await start(config)
-    try:
-        await stop.wait()
-    finally:
-        await running.stop()

@@ -52,7 +52,6 @@ class StepTotals:
     loss: float = 0.0
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
-    optimizer_steps: int = 0
 
 
 class GrpoTrainer:
@@ -73,6 +72,7 @@ class GrpoTrainer:
         self.metrics = MetricsWriter(self.output)
         self.checkpoints = self.output / "checkpoints"
         self.ledger_path = self.output / "rollouts.jsonl"
+        self._ledger_file = self.ledger_path.open("a", buffering=1)
         self.held_out = held_out_problems(config.eval_prompts)
         self.problems = ProblemStream(config.seed, self.held_out)
         self.answers: dict[tuple[str, str], str] = {}
@@ -86,8 +86,7 @@ class GrpoTrainer:
         self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
 
     def _ledger(self, record: dict) -> None:
-        with self.ledger_path.open("a") as file:
-            file.write(json.dumps(record) + "\n")
+        self._ledger_file.write(json.dumps(record) + "\n")
 
     def _batch_id(self, step: int) -> str:
         return f"{self.run_tag}-step{step:06d}"
@@ -147,6 +146,7 @@ class GrpoTrainer:
                 save_checkpoint(self.checkpoints, self.policy, self.optimizer, state)
         plot = self.metrics.plot()
         self.metrics.close()
+        self._ledger_file.close()
         summary = {
             "steps": state.step,
             "weight_version": state.version,
@@ -185,7 +185,6 @@ class GrpoTrainer:
                 groups_in_mini_batch += len(groups)
                 if groups_in_mini_batch >= self.mini_batch_groups:
                     await asyncio.to_thread(self._optimizer_step)
-                    totals.optimizer_steps += 1
                     groups_in_mini_batch = 0
         if groups_in_mini_batch:
             await asyncio.to_thread(self._optimizer_step)

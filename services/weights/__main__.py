@@ -2,9 +2,9 @@
 
 import sys
 
-from rlmesh.entrypoint import run_service
+from rlmesh.entrypoint import run_service, until_signal
 from services.weights.config import WeightsConfig
-from services.weights.main import serve
+from services.weights.main import start
 
 if __name__ == "__main__":
-    sys.exit(run_service("weights", WeightsConfig, serve))
+    sys.exit(run_service("weights", WeightsConfig, until_signal(start)))

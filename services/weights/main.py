@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from rlmesh.rpc import GrpcServer, stop_event_on_signals
+from rlmesh.rpc import GrpcServer
 from rlmesh.transfer.base import WeightSender
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
@@ -46,11 +46,3 @@ async def start(config: WeightsConfig) -> RunningWeights:
     await server.set_serving(True)
     return RunningWeights(server, store, pusher, pushing)
 
-
-async def serve(config: WeightsConfig) -> None:
-    stop = stop_event_on_signals()
-    running = await start(config)
-    try:
-        await stop.wait()
-    finally:
-        await running.stop()

@@ -117,3 +117,17 @@ def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_pat
         if process.poll() is None:
             process.kill()
     assert mesh_processes(output_dir) == []
+
+
+def test_a_rerun_resumes_from_the_last_checkpoint(model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    for steps in (2, 4):
+        result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=steps), env=small_run_env(),
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward" in r] == [1, 2, 3, 4]
+    assert [r["weight_version"] for r in records if "reward" in r] == [1, 2, 3, 4]
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in ledger if r["event"] == "submitted") == [0, 1, 2, 3]
+    assert json.loads((output_dir / "summary.json").read_text())["steps"] == 4

@@ -2,6 +2,11 @@
 through Mooncake and through the gRPC stream, late joiners caught up, drains survived."""
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -15,6 +20,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
+from tests.conftest import free_port
 from tests.integration.conftest import build_mesh, rollout_config, stop_mesh, wait_for
 
 
@@ -126,5 +132,37 @@ async def test_a_draining_instance_hands_its_requests_to_another(model_dir):
         status = await client.manager_status()
         assert status.requeued_samples >= len(continued)
     finally:
+        await client.close()
+        await stop_mesh(mesh)
+
+
+async def test_a_killed_instance_is_dropped_and_its_requests_continue(model_dir, tmp_path):
+    """kill -9 of a real rollout process mid-generation: its samples continue on the survivor
+    from the tokens already generated, long before its 30 s lease would have expired."""
+    mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=30)
+    port = free_port()
+    env = {**os.environ, "RLMESH_ROLLOUT_SERVER__PORT": str(port), "RLMESH_ROLLOUT_INSTANCE_ID": "doomed",
+           "RLMESH_ROLLOUT_MANAGER_ADDRESS": mesh.manager_address, "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
+           "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false"}
+    doomed = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        await wait_for(lambda: "doomed" in mesh.manager.state.instances, timeout=60)
+        no_stop = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
+        await client.submit("kill", 0, prompt_batch(model_dir, 8), 4, no_stop)
+        collecting = asyncio.create_task(gather_batch(client, "kill", micro=8))
+        await wait_for(lambda: mesh.manager.state.instances.get("doomed") and mesh.manager.state.instances["doomed"].generated_tokens > 0)
+        started = time.monotonic()
+        doomed.send_signal(signal.SIGKILL)
+        groups = await collecting
+        assert time.monotonic() - started < 30
+        samples = [s for g in groups for s in g.samples]
+        assert sorted(g.prompt_id for g in groups) == [f"p{i}" for i in range(8)]
+        assert all(len(s.token_ids) == 55 for s in samples)
+        assert any(s.instance_ids == ["doomed", "instance-0"] for s in samples)
+        assert "doomed" not in mesh.manager.state.instances
+    finally:
+        doomed.kill()
+        doomed.wait()
         await client.close()
         await stop_mesh(mesh)
