@@ -19,7 +19,3 @@ class AlreadyExists(DomainError):
 
 class FailedPrecondition(DomainError):
     """The request is well formed but the system is not in a state to accept it."""
-
-
-class Unavailable(DomainError):
-    """A dependency needed to serve the request is gone; retrying later may succeed."""

@@ -26,7 +26,6 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 # Keepalive pings let both ends notice a peer that vanished without closing its socket (a

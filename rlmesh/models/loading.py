@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
 def load_causal_lm(directory: str | Path) -> PreTrainedModel:
@@ -17,10 +17,6 @@ def load_causal_lm(directory: str | Path) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.eval()
     return model
-
-
-def load_config(directory: str | Path):
-    return AutoConfig.from_pretrained(Path(directory))
 
 
 def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -307,9 +307,6 @@ class ManagerState:
             self._forget(batch)
         return taken, remaining
 
-    def has_batch(self, batch_id: str) -> bool:
-        return batch_id in self.batches
-
     def _forget(self, batch: Batch) -> None:
         del self.batches[batch.batch_id]
         for group in batch.groups.values():

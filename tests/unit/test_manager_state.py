@@ -225,7 +225,7 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
                 counter += 1
         refresh()
     delivered = []
-    while state.has_batch("b"):
+    while "b" in state.batches:
         taken = state.take_micro_batch("b", 1)
         assert taken is not None, "a group never completed"
         delivered += [r for group in taken[0] for r in group]
