@@ -49,7 +49,10 @@ def _up(args: argparse.Namespace) -> int:
         max_staleness=args.max_staleness,
         transfer_backend=args.transfer_backend,
     )
-    return asyncio.run(run_mesh(plan))
+    code = asyncio.run(run_mesh(plan))
+    if code == 130:
+        print("\ninterrupted: every process of the mesh was stopped", file=sys.stderr)
+    return code
 
 
 def _init_model(args: argparse.Namespace) -> int:
