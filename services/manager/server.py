@@ -101,6 +101,10 @@ class Dispatcher:
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream ended before the request finished", request=request.request_id)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                if self.state.reject(request.request_id, attempt, exc.details() or ""):
+                    log.warning("instance refused a request; its batch fails", request=request.request_id, error=exc.details())
+                return
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream failed; request continues elsewhere", request=request.request_id,
                             instance_id=assignment.instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))

@@ -72,6 +72,8 @@ class Batch:
     groups: dict[str, list[SampleRequest]]
     ready: deque[str] = field(default_factory=deque)
     delivered: int = 0
+    error: str = ""
+    """Why the batch cannot complete (an instance refused one of its requests as invalid)."""
 
     @property
     def remaining(self) -> int:
@@ -264,6 +266,19 @@ class ManagerState:
         self._requeue(request)
         return True
 
+    def reject(self, request_id: str, attempt: int, reason: str) -> bool:
+        """An instance refused the request as invalid: retrying elsewhere would fail the same way,
+        so the whole batch fails with the reason instead of cycling forever."""
+        request = self._current(request_id, attempt)
+        if request is None:
+            return False
+        self._detach(request)
+        batch = self.batches[request.batch_id]
+        batch.error = batch.error or f"prompt {request.prompt_id!r} was refused by an instance: {reason}"
+        waiting = {r.request_id for group in batch.groups.values() for r in group}
+        self.queue = deque(r for r in self.queue if r.request_id not in waiting)
+        return True
+
     def _detach(self, request: SampleRequest) -> None:
         instance = self.instances.get(request.instance_id or "")
         if instance and request.request_id in instance.running:
@@ -296,6 +311,9 @@ class ManagerState:
             raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
         if groups < 1:
             raise InvalidArgument("micro_batch_groups must be at least 1")
+        if batch.error:
+            self._forget(batch)
+            raise InvalidArgument(f"batch {batch_id!r} failed: {batch.error}")
         want = min(groups, batch.remaining)
         if want == 0 or len(batch.ready) < want:
             return None
@@ -311,6 +329,7 @@ class ManagerState:
         del self.batches[batch.batch_id]
         for group in batch.groups.values():
             for request in group:
+                self._detach(request)
                 self.requests.pop(request.request_id, None)
 
     # Observability -----------------------------------------------------------------------

@@ -166,3 +166,17 @@ async def test_a_killed_instance_is_dropped_and_its_requests_continue(model_dir,
         doomed.wait()
         await client.close()
         await stop_mesh(mesh)
+
+
+async def test_a_prompt_no_instance_accepts_fails_the_batch_with_the_reason(grpc_mesh, model_dir):
+    client = MeshClient(grpc_mesh.manager_address, grpc_mesh.weights_address, rpc_timeout=10)
+    try:
+        await client.submit("bad-tokens", 0, [("p0", [1, 2]), ("p1", [999])], 2, sampling(model_dir))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await gather_batch(client, "bad-tokens", micro=2)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'p1'" in caught.value.details() and "vocabulary" in caught.value.details()
+        status = await client.manager_status()
+        assert status.queued_samples == 0 and status.running_samples == 0
+    finally:
+        await client.close()

@@ -234,3 +234,16 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
         assert request.token_ids == emitted[request.request_id]
         assert len(request.token_ids) <= max_tokens
         assert request.done
+
+
+def test_a_request_an_instance_refuses_fails_its_batch_instead_of_cycling():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("good", [1], 2), ("bad", [999], 2)], sampling())
+    assignments = {a.request.request_id: a for a in state.assign()}
+    refused = assignments["b1/bad/0"]
+    assert state.reject(refused.request.request_id, refused.attempt, "token ids [999] outside the vocabulary")
+    assert state.assign() == []
+    with pytest.raises(InvalidArgument, match="prompt 'bad' was refused.*vocabulary"):
+        state.take_micro_batch("b1", 1)
+    assert state.instances["a"].running == set() and state.instances["a"].outstanding_tokens == 0
+    assert state.requests == {} and state.batches == {}
