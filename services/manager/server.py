@@ -67,11 +67,10 @@ class Dispatcher:
             if task is not None and task is not current and request.instance_id is None:
                 task.cancel()
 
-    async def close_instance(self, instance: Instance | None) -> None:
-        if instance and instance.address in self._channels and not any(
-            i.address == instance.address for i in self.state.instances.values()
-        ):
-            channel, _ = self._channels.pop(instance.address)
+    async def forget_address(self, address: str) -> None:
+        """Closes the channel to an address no registered instance uses any more."""
+        if address in self._channels and not any(i.address == address for i in self.state.instances.values()):
+            channel, _ = self._channels.pop(address)
             await channel.close()
 
     async def _run(self, assignment: Assignment) -> None:
@@ -126,6 +125,7 @@ class Dispatcher:
             return
         requeued = self.state.deregister(instance.instance_id)
         self.cancel(requeued)
+        asyncio.create_task(self.forget_address(instance.address))
         log.warning("instance unreachable; dropped", instance_id=instance.instance_id, requeued=len(requeued))
 
     async def close(self) -> None:
@@ -199,7 +199,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         instance = self.state.instances.get(request.instance_id)
         requeued = self.state.deregister(request.instance_id)
         self.dispatcher.cancel(requeued)
-        await self.dispatcher.close_instance(instance)
+        await self.dispatcher.forget_address(instance.address)
         log.info("instance deregistered", instance_id=request.instance_id, requeued=len(requeued))
         self._changed()
         return manager_pb2.DeregisterInstanceResponse(requeued_requests=len(requeued))
@@ -261,8 +261,9 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
         await asyncio.sleep(period)
         now = time.monotonic()
         state.measure(now)
-        for instance_id, requeued in state.expire(now):
-            log.warning("lease expired; instance dropped", instance_id=instance_id, requeued=len(requeued))
+        for instance, requeued in state.expire(now):
+            log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
             dispatcher.cancel(requeued)
+            await dispatcher.forget_address(instance.address)
             dispatcher.dispatch()
             changes.notify()

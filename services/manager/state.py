@@ -137,10 +137,10 @@ class ManagerState:
         self._instance(instance_id)
         return self._drop(instance_id)
 
-    def expire(self, now: float) -> list[tuple[str, list[SampleRequest]]]:
+    def expire(self, now: float) -> list[tuple[Instance, list[SampleRequest]]]:
         """Drops instances whose lease ran out; returns them with their requeued requests."""
-        expired = [i for i, inst in self.instances.items() if inst.lease_expires < now]
-        return [(instance_id, self._drop(instance_id)) for instance_id in expired]
+        expired = [inst for inst in self.instances.values() if inst.lease_expires < now]
+        return [(instance, self._drop(instance.instance_id)) for instance in expired]
 
     def _drop(self, instance_id: str) -> list[SampleRequest]:
         instance = self.instances.pop(instance_id)

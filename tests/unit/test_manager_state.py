@@ -99,7 +99,7 @@ def test_expired_lease_requeues_and_unknown_heartbeat_is_not_found():
     state.submit("b1", 0, [("p", [1], 1)], sampling())
     state.assign()
     expired = state.expire(now=11)
-    assert [i for i, _ in expired] == ["a"] and len(expired[0][1]) == 1
+    assert [i.instance_id for i, _ in expired] == ["a"] and len(expired[0][1]) == 1
     with pytest.raises(NotFound):
         state.heartbeat("a", 0, now=12)
     assert len(state.queue) == 1
