@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,7 +35,7 @@ class ServerConfig(StrictModel):
     """Largest gRPC message accepted or sent."""
     grace_seconds: float = Field(default=5.0, ge=0)
     """How long in-flight calls may finish after SIGTERM."""
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @property
     def advertised_host(self) -> str:

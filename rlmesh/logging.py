@@ -21,9 +21,7 @@ def configure_logging(level: str = "info", service: str = "", json: bool | None 
     )
     if use_json:
         processors.append(structlog.processors.format_exc_info)
-    numeric = logging.getLevelName(level.upper())
-    if not isinstance(numeric, int):
-        numeric = logging.INFO
+    numeric = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

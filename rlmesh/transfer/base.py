@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import abc
+import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+
+
+async def finish_in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs blocking buffer work in a thread. If the caller is cancelled, it still waits for the
+    thread: the thread keeps reading or writing the buffer, which must not be reused before then."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 class TransferError(RuntimeError):
@@ -48,6 +62,8 @@ class ReceiveBuffer:
         return True
 
     def write(self, offset: int, data: bytes, limit: int) -> None:
+        if not data:
+            return
         if offset < 0 or offset + len(data) > limit:
             raise TransferError(f"chunk [{offset}, {offset + len(data)}) is outside the payload of {limit} bytes")
         self.tensor[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -3,7 +3,6 @@ weights service writes into it directly (TCP here, RDMA on clusters; P2P handsha
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import torch
@@ -11,10 +10,12 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, WeightSender
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, WeightSender, finish_in_thread
 
 # Mooncake logs every connection at INFO; keep service logs readable (it reads this at import).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+# A write to a peer that vanished fails after this many seconds instead of blocking its thread.
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
 
 
 class MooncakeEndpoint:
@@ -88,7 +89,6 @@ class MooncakeSender(WeightSender):
             raise TransferError(f"the instance's buffer holds {begin.buffer_bytes} of {manifest.total_bytes} bytes")
         self.endpoint.register(payload)
         ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
-        await asyncio.wait_for(
-            asyncio.to_thread(self.endpoint.write, begin.transfer_session, payload.data_ptr(), begin.buffer_address, ranges),
-            timeout,
-        )
+        # Bounded by MC_TRANSFER_TIMEOUT inside the engine: an asyncio timeout could not stop the
+        # thread, and the payload must stay untouched until it ends.
+        await finish_in_thread(self.endpoint.write, begin.transfer_session, payload.data_ptr(), begin.buffer_address, ranges)

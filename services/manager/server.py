@@ -47,6 +47,7 @@ class Dispatcher:
         self.config = config
         self._channels: dict[str, tuple[grpc.aio.Channel, rollout_pb2_grpc.RolloutServiceStub]] = {}
         self._streams: dict[str, asyncio.Task[None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self._channels:
@@ -125,7 +126,9 @@ class Dispatcher:
             return
         requeued = self.state.deregister(instance.instance_id)
         self.cancel(requeued)
-        asyncio.create_task(self.forget_address(instance.address))
+        closing = asyncio.create_task(self.forget_address(instance.address))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
         log.warning("instance unreachable; dropped", instance_id=instance.instance_id, requeued=len(requeued))
 
     async def close(self) -> None:
@@ -146,6 +149,7 @@ def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatu
         lease_remaining_seconds=max(0.0, instance.lease_expires - now),
         schedulable=instance.schedulable,
         generated_tokens=instance.generated_tokens,
+        incarnation=instance.incarnation,
     )
 
 
@@ -234,9 +238,22 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 await self.changes.wait(timeout=1.0)
                 continue
             groups, remaining = taken
-            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
+            try:
+                yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
+            except BaseException:
+                # The reader went away while this micro-batch was being sent: keep it for the next one.
+                self.state.return_groups(request.batch_id, groups)
+                self.changes.notify()
+                raise
             if remaining == 0:
+                self.state.finish_batch(request.batch_id)
                 return
+
+    async def CancelBatch(self, request, context):
+        cancelled = self.state.cancel_batch(request.batch_id)
+        log.info("batch cancelled", batch_id=request.batch_id, unfinished_samples=cancelled)
+        self._changed()
+        return manager_pb2.CancelBatchResponse(unfinished_samples=cancelled)
 
     async def GetStatus(self, request, context):
         now = time.monotonic()
@@ -260,10 +277,14 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
-        state.measure(now)
-        for instance, requeued in state.expire(now):
-            log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
-            dispatcher.cancel(requeued)
-            await dispatcher.forget_address(instance.address)
-            dispatcher.dispatch()
-            changes.notify()
+        try:
+            state.measure(now)
+            for instance, requeued in state.expire(now):
+                log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
+                dispatcher.cancel(requeued)
+                await dispatcher.forget_address(instance.address)
+                dispatcher.dispatch()
+                changes.notify()
+        except Exception:
+            # This loop is what notices dead instances: it must outlive any single failure.
+            log.exception("lease check failed")

@@ -24,6 +24,8 @@ class Instance:
     lease_expires: float
     min_version: int
     """Version it must serve before it gets work: the latest published when it joined."""
+    incarnation: int = 0
+    """Manager-wide registration counter: tells a restarted process from the one before it."""
     running: set[str] = field(default_factory=set)
     outstanding_tokens: int = 0
     generated_tokens: int = 0
@@ -99,6 +101,7 @@ class ManagerState:
         self.delivered_groups = 0
         self.generated_tokens = 0
         self.requeued_samples = 0
+        self.registrations = 0
         self.tokens_per_second = 0.0
         self._rate_tokens = 0
         self._rate_time = 0.0
@@ -115,6 +118,7 @@ class ManagerState:
         if max_batch_size < 1:
             raise InvalidArgument("max_batch_size must be at least 1")
         requeued = self._drop(instance_id) if instance_id in self.instances else []
+        self.registrations += 1
         self.instances[instance_id] = Instance(
             instance_id=instance_id,
             address=address,
@@ -122,6 +126,7 @@ class ManagerState:
             max_batch_size=max_batch_size,
             lease_expires=now + self.lease_seconds,
             min_version=self.published_version,
+            incarnation=self.registrations,
             _rate_time=now,
         )
         return requeued
@@ -144,7 +149,7 @@ class ManagerState:
 
     def _drop(self, instance_id: str) -> list[SampleRequest]:
         instance = self.instances.pop(instance_id)
-        requeued = [self.requests[r] for r in sorted(instance.running)]
+        requeued = [self.requests[r] for r in sorted(instance.running) if r in self.requests]
         for request in requeued:
             self._requeue(request)
         return requeued
@@ -174,6 +179,8 @@ class ManagerState:
             raise InvalidArgument("sampling.max_tokens must be at least 1")
         if sampling.temperature < 0:
             raise InvalidArgument("sampling.temperature must be >= 0")
+        if not 0 <= sampling.top_p <= 1:
+            raise InvalidArgument("sampling.top_p must be in [0, 1] (0 means 1)")
         if policy_version < 0:
             raise InvalidArgument("policy_version must be >= 0")
         seen: set[str] = set()
@@ -320,13 +327,36 @@ class ManagerState:
         taken = [batch.groups[batch.ready.popleft()] for _ in range(want)]
         batch.delivered += want
         self.delivered_groups += want
-        remaining = batch.remaining
-        if remaining == 0:
+        return taken, batch.remaining
+
+    def return_groups(self, batch_id: str, groups: list[list[SampleRequest]]) -> None:
+        """Groups whose delivery failed go back to the front, to be streamed again."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            return
+        for group in reversed(groups):
+            batch.ready.appendleft(group[0].prompt_id)
+        batch.delivered -= len(groups)
+        self.delivered_groups -= len(groups)
+
+    def finish_batch(self, batch_id: str) -> None:
+        """Forgets a batch whose every group was delivered."""
+        batch = self.batches.get(batch_id)
+        if batch is not None and batch.remaining == 0:
             self._forget(batch)
-        return taken, remaining
+
+    def cancel_batch(self, batch_id: str) -> int:
+        """Drops a batch nobody will read (its trainer stopped); returns its unfinished samples."""
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
+        unfinished = sum(1 for group in batch.groups.values() for r in group if not r.done)
+        self._forget(batch)
+        return unfinished
 
     def _forget(self, batch: Batch) -> None:
         del self.batches[batch.batch_id]
+        self.queue = deque(r for r in self.queue if r.batch_id != batch.batch_id)
         for group in batch.groups.values():
             for request in group:
                 self._detach(request)

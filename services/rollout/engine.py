@@ -41,8 +41,9 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class Chunk:
-    """Tokens of one request since its previous chunk, each with its logprob (under the
-    sampling distribution, after temperature) and the weight version that produced it."""
+    """Tokens of one request since its previous chunk, each with its logprob (temperature-scaled
+    distribution, before top-p truncation, as the trainer computes it) and the weight version
+    that produced it."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)

@@ -68,6 +68,7 @@ class TorchEngine(Engine):
         self._running: dict[str, _Running] = {}
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
+        self._staging = threading.Lock()
         self._stopped = False
         self._generated = 0
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
@@ -161,17 +162,23 @@ class TorchEngine(Engine):
             return len(targets)
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        if version <= self._version:
-            raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
-        with self._cond:
-            if self._swap is not None:
-                raise FailedPrecondition("a weight switch is already pending")
-            self._staged_version = None
+        if not self._staging.acquire(blocking=False):
+            raise FailedPrecondition("another version is being staged")
         try:
-            copy_into(self._standby, tensors)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        self._staged_version = version
+            with self._cond:
+                if version <= self._version:
+                    raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
+                if self._swap is not None:
+                    raise FailedPrecondition("a weight switch is already pending")
+                self._staged_version = None
+            try:
+                copy_into(self._standby, tensors)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            with self._cond:
+                self._staged_version = version
+        finally:
+            self._staging.release()
 
     async def commit_staged(self, version: int) -> None:
         loop = asyncio.get_running_loop()
@@ -186,11 +193,11 @@ class TorchEngine(Engine):
     def _apply_swap(self) -> None:
         with self._cond:
             swap, self._swap = self._swap, None
-        if swap is None:
-            return
-        self._active, self._standby = self._standby, self._active
-        self._version = swap.version
-        self._staged_version = None
+            if swap is None:
+                return
+            self._active, self._standby = self._standby, self._active
+            self._version = swap.version
+            self._staged_version = None
         swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_result(None))
         log.info("weights switched", weight_version=swap.version)
 

@@ -11,7 +11,7 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.payload import PayloadError, corrupted_buckets, torch_dtype, unpack, validate_manifest
-from rlmesh.transfer.base import ReceiveBuffer, TransferError
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, finish_in_thread
 from services.rollout.engine import Engine
 
 log = structlog.get_logger()
@@ -73,12 +73,12 @@ class WeightUpdater:
         async with self._lock:
             manifest = self._require_pending(version)
             started = time.perf_counter()
-            bad = await asyncio.to_thread(corrupted_buckets, manifest, self.buffer.tensor)
+            bad = await finish_in_thread(corrupted_buckets, manifest, self.buffer.tensor)
             if bad:
                 self._pending = None
                 raise FailedPrecondition(f"version {version}: buckets {bad[:8]} failed their crc32 check; nothing was loaded")
             tensors = unpack(manifest, self.buffer.tensor)
-            await asyncio.to_thread(self.engine.stage_weights, version, tensors)
+            await finish_in_thread(self.engine.stage_weights, version, tensors)
             await self.engine.commit_staged(version)
             self._pending = None
             elapsed = (time.perf_counter() - started) * 1000

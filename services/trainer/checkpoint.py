@@ -15,8 +15,10 @@ KEEP = 2
 @dataclass(slots=True)
 class TrainerState:
     step: int
-    """Training steps completed; also the weight version of the policy."""
+    """Training steps completed."""
     version: int
+    """Weight version of the policy: the step plus an offset fixed when a run starts, since a
+    run restarted on a mesh that already holds versions must publish above them."""
 
 
 def save_checkpoint(directory: Path, model, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:

@@ -28,6 +28,14 @@ class MeshClient:
     async def manager_status(self) -> manager_pb2.GetStatusResponse:
         return await self.manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(self.rpc_timeout))
 
+    async def stored_version(self) -> int:
+        """The newest version the weights service holds, -1 if none."""
+        status = await self.weights.GetStatus(weights_pb2.GetStatusRequest(), **call_options(self.rpc_timeout))
+        return status.latest_version
+
+    async def cancel(self, batch_id: str) -> None:
+        await self.manager.CancelBatch(manager_pb2.CancelBatchRequest(batch_id=batch_id), **call_options(self.rpc_timeout))
+
     async def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int]]], n: int, sampling: common_pb2.SamplingParams) -> None:
         await self.manager.SubmitPrompts(
             manager_pb2.SubmitPromptsRequest(

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import structlog
 import torch
 
@@ -28,6 +29,9 @@ from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
 
 log = structlog.get_logger()
+
+STREAM_ATTEMPTS = 3
+"""Times a step's rollout stream is opened when the connection to the manager breaks."""
 
 
 @dataclass(slots=True)
@@ -84,6 +88,7 @@ class GrpoTrainer:
             stop_token_ids=[self.eos_id],
         )
         self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
+        self.unread_batches: set[str] = set()
 
     def _ledger(self, record: dict) -> None:
         self._ledger_file.write(json.dumps(record) + "\n")
@@ -99,54 +104,31 @@ class GrpoTrainer:
             state = load_checkpoint(checkpoint, self.policy, self.optimizer)
             log.info("resumed", checkpoint=str(checkpoint), step=state.step)
         manager = await self.mesh.manager_status()
-        # Versions only grow across restarts: a resumed policy is published above anything seen.
-        if manager.published_version > state.version or (checkpoint is not None and manager.published_version == state.version):
-            state.version = manager.published_version + 1
+        stored = await self.mesh.stored_version()
+        # Versions only grow: a policy restarted on a mesh that already holds versions is published above them.
+        if stored >= state.version or manager.published_version > state.version:
+            state.version = max(stored, manager.published_version) + 1
         version_offset = state.version - state.step
-        max_staleness = manager.max_staleness
         await self.mesh.publish(state.version, trainable_tensors(self.policy))
         self.status.phase = trainer_pb2.PHASE_TRAINING
         self.status.step, self.status.version = state.step, state.version
-        first_eval = await self._evaluate(state.step)
-        submitted: set[int] = set()
-        last_eval = first_eval
-        for step in range(state.step, self.config.steps):
-            step_started = time.perf_counter()
-            for ahead in range(step, min(self.config.steps, step + max_staleness + 1)):
-                if ahead not in submitted:
-                    await self._submit(ahead, ahead + version_offset)
-                    submitted.add(ahead)
-            totals = await self._train_step(step, step + version_offset)
-            state.step, state.version = step + 1, step + 1 + version_offset
-            publish_seconds = await self.mesh.publish(state.version, trainable_tensors(self.policy))
-            step_seconds = time.perf_counter() - step_started
-            values = {
-                "reward": sum(totals.rewards) / len(totals.rewards),
-                "exact_match": sum(totals.exact) / len(totals.exact),
-                "loss": totals.loss,
-                "kl": sum(totals.kl) / len(totals.kl),
-                "clip_fraction": sum(totals.clip_fraction) / len(totals.clip_fraction),
-                "staleness_mean": sum(totals.staleness) / len(totals.staleness),
-                "staleness_max": float(max(totals.staleness)),
-                "step_seconds": step_seconds,
-                "generated_tokens_per_second": totals.response_tokens / step_seconds,
-                "response_length": totals.response_tokens / len(totals.rewards),
-                "publish_seconds": publish_seconds,
-                "weight_version": float(state.version),
-            }
-            self.metrics.write(state.step, values)
-            self.status.step, self.status.version = state.step, state.version
-            self.status.metrics.update(values)
-            log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
-                     step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
-            last_step = state.step == self.config.steps
-            if state.step % self.config.eval_every == 0 or last_step:
-                last_eval = await self._evaluate(state.step)
-            if state.step % self.config.checkpoint_every == 0 or last_step:
-                save_checkpoint(self.checkpoints, self.policy, self.optimizer, state)
+        first_eval = last_eval = await self._evaluate(state.step)
+        try:
+            for step in range(state.step, self.config.steps):
+                for ahead in range(step, min(self.config.steps, step + manager.max_staleness + 1)):
+                    if self._batch_id(ahead) not in self.unread_batches:
+                        await self._submit(ahead, ahead + version_offset)
+                await self._step(state, version_offset)
+                last_step = state.step == self.config.steps
+                if state.step % self.config.eval_every == 0 or last_step:
+                    last_eval = await self._evaluate(state.step)
+                if state.step % self.config.checkpoint_every == 0 or last_step:
+                    save_checkpoint(self.checkpoints, self.policy, self.optimizer, state)
+        finally:
+            await self._cancel_unread_batches()
+            self._ledger_file.close()
         plot = self.metrics.plot()
         self.metrics.close()
-        self._ledger_file.close()
         summary = {
             "steps": state.step,
             "weight_version": state.version,
@@ -162,6 +144,43 @@ class GrpoTrainer:
         (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    async def _step(self, state: TrainerState, version_offset: int) -> None:
+        """One training step on the batch submitted for it, then publish the new version."""
+        step_started = time.perf_counter()
+        totals = await self._train_step(state.step, state.step + version_offset)
+        state.step += 1
+        state.version = state.step + version_offset
+        publish_seconds = await self.mesh.publish(state.version, trainable_tensors(self.policy))
+        step_seconds = time.perf_counter() - step_started
+        values = {
+            "reward": sum(totals.rewards) / len(totals.rewards),
+            "exact_match": sum(totals.exact) / len(totals.exact),
+            "loss": totals.loss,
+            "kl": sum(totals.kl) / len(totals.kl),
+            "clip_fraction": sum(totals.clip_fraction) / len(totals.clip_fraction),
+            "staleness_mean": sum(totals.staleness) / len(totals.staleness),
+            "staleness_max": float(max(totals.staleness)),
+            "step_seconds": step_seconds,
+            "generated_tokens_per_second": totals.response_tokens / step_seconds,
+            "response_length": totals.response_tokens / len(totals.rewards),
+            "publish_seconds": publish_seconds,
+            "weight_version": float(state.version),
+        }
+        self.metrics.write(state.step, values)
+        self.status.step, self.status.version = state.step, state.version
+        self.status.metrics.update(values)
+        log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
+                 step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
+
+    async def _cancel_unread_batches(self) -> None:
+        """Batches submitted ahead that this run will not read: free the rollout capacity they hold."""
+        for batch_id in sorted(self.unread_batches):
+            try:
+                await self.mesh.cancel(batch_id)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("could not cancel a batch", batch_id=batch_id, code=exc.code().name)
+        self.unread_batches.clear()
+
     async def _submit(self, step: int, policy_version: int) -> None:
         batch_id = self._batch_id(step)
         prompts = []
@@ -170,22 +189,38 @@ class GrpoTrainer:
             self.answers[(batch_id, prompt_id)] = problem.answer
             prompts.append((prompt_id, self.tokenizer.encode(problem.prompt).ids))
         await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, self.sampling)
+        self.unread_batches.add(batch_id)
         self._ledger({"event": "submitted", "batch_id": batch_id, "step": step, "policy_version": policy_version,
                       "prompt_ids": [p for p, _ in prompts], "group_size": self.config.group_size})
 
     async def _train_step(self, step: int, policy_version: int) -> StepTotals:
         batch_id = self._batch_id(step)
         totals = StepTotals()
+        received: set[str] = set()
         groups_in_mini_batch = 0
         self.optimizer.zero_grad(set_to_none=True)
         async with asyncio.timeout(self.config.rollout_timeout_seconds):
-            async for groups in self.mesh.rollouts(batch_id, self.config.micro_batch_groups, self.config.rollout_timeout_seconds):
-                samples = self._score(batch_id, groups, policy_version, totals)
-                await asyncio.to_thread(self._backward, samples, totals)
-                groups_in_mini_batch += len(groups)
-                if groups_in_mini_batch >= self.mini_batch_groups:
-                    await asyncio.to_thread(self._optimizer_step)
-                    groups_in_mini_batch = 0
+            for attempt in range(STREAM_ATTEMPTS):
+                try:
+                    async for groups in self.mesh.rollouts(batch_id, self.config.micro_batch_groups, self.config.rollout_timeout_seconds):
+                        # A resumed stream may resend groups whose delivery was not confirmed.
+                        fresh = [g for g in groups if g.prompt_id not in received]
+                        received.update(g.prompt_id for g in fresh)
+                        if not fresh:
+                            continue
+                        samples = self._score(batch_id, fresh, policy_version, totals)
+                        await asyncio.to_thread(self._backward, samples, totals)
+                        groups_in_mini_batch += len(fresh)
+                        if groups_in_mini_batch >= self.mini_batch_groups:
+                            await asyncio.to_thread(self._optimizer_step)
+                            groups_in_mini_batch = 0
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == STREAM_ATTEMPTS - 1:
+                        raise
+                    log.warning("rollout stream broke; resuming", batch_id=batch_id, received=len(received), error=exc.details())
+                    await asyncio.sleep(1.0)
+        self.unread_batches.discard(batch_id)
         if groups_in_mini_batch:
             await asyncio.to_thread(self._optimizer_step)
         return totals

@@ -21,3 +21,5 @@ class WeightsConfig(StrictModel):
     retry_backoff_seconds: float = Field(default=1.0, ge=0)
     """Wait after a failed push before the same instance is tried again (doubles per failure, max 30 s)."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    max_version_gb: float = Field(default=64.0, gt=0)
+    """Largest weight version accepted; a bigger manifest is refused before anything is allocated."""

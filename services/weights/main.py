@@ -37,7 +37,7 @@ class RunningWeights:
 
 
 async def start(config: WeightsConfig) -> RunningWeights:
-    store = WeightStore()
+    store = WeightStore(max_bytes=int(config.max_version_gb * (1 << 30)))
     pusher = Pusher(store, build_sender(config), config)
     server = GrpcServer(config.server, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"].full_name])
     weights_pb2_grpc.add_WeightsServiceServicer_to_server(WeightsServicer(store, pusher, config.backend), server.server)

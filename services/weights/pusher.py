@@ -25,6 +25,7 @@ log = structlog.get_logger()
 class PushState:
     instance_id: str
     address: str
+    incarnation: int
     committed_version: int = -1
     pushing_version: int = 0
     last_push_ms: float = 0.0
@@ -64,16 +65,16 @@ class Pusher:
     async def _reconcile(self) -> None:
         reply = await self._manager.ListInstances(manager_pb2.ListInstancesRequest(), **call_options(self.config.rpc_timeout_seconds))
         live = {i.instance_id: i for i in reply.instances}
-        for gone in self.instances.keys() - live.keys():
-            self.instances.pop(gone)
-            task = self._tasks.pop(gone, None)
-            if task:
-                task.cancel()
+        for instance_id, state in list(self.instances.items()):
+            info = live.get(instance_id)
+            # Gone, or registered again as a new process whose state starts over.
+            if info is None or info.incarnation != state.incarnation:
+                self._forget(instance_id)
+        await self._close_unused_channels({i.address for i in live.values()})
         latest = self.store.latest
         now = time.monotonic()
         for instance_id, info in live.items():
-            state = self.instances.setdefault(instance_id, PushState(instance_id, info.address))
-            state.address = info.address
+            state = self.instances.setdefault(instance_id, PushState(instance_id, info.address, info.incarnation))
             state.committed_version = max(state.committed_version, info.weight_version)
             busy = instance_id in self._tasks
             if latest is None or busy or state.committed_version >= latest.version or now < state.retry_at:
@@ -81,6 +82,16 @@ class Pusher:
             snapshot = self.store.acquire()
             assert snapshot is not None
             self._tasks[instance_id] = asyncio.create_task(self._push(state, snapshot))
+
+    def _forget(self, instance_id: str) -> None:
+        self.instances.pop(instance_id)
+        task = self._tasks.pop(instance_id, None)
+        if task:
+            task.cancel()
+
+    async def _close_unused_channels(self, live_addresses: set[str]) -> None:
+        for address in self._channels.keys() - live_addresses:
+            await self._channels.pop(address).close()
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self._channels:

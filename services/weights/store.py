@@ -32,6 +32,8 @@ class Upload:
     received: int = 0
 
     def write(self, offset: int, data: bytes) -> None:
+        if not data:
+            return
         if offset != self.received:
             raise InvalidArgument(f"chunk at offset {offset}, expected {self.received}: chunks must arrive in order")
         end = offset + len(data)
@@ -43,6 +45,7 @@ class Upload:
 
 @dataclass(slots=True)
 class WeightStore:
+    max_bytes: int = 64 << 30
     latest: Snapshot | None = None
     _spares: list[torch.Tensor] = field(default_factory=list)
     _retired: list[Snapshot] = field(default_factory=list)
@@ -54,6 +57,8 @@ class WeightStore:
             raise InvalidArgument(f"manifest: {exc}") from exc
         if self.latest is not None and manifest.version <= self.latest.version:
             raise FailedPrecondition(f"version {manifest.version} is not newer than the stored version {self.latest.version}")
+        if manifest.total_bytes > self.max_bytes:
+            raise InvalidArgument(f"version {manifest.version} declares {manifest.total_bytes} bytes, over the limit of {self.max_bytes}")
         return Upload(manifest, self._buffer(manifest.total_bytes))
 
     def finish(self, upload: Upload) -> Snapshot:

@@ -84,8 +84,16 @@ async def test_a_published_version_reaches_instances_and_late_joiners(model_dir,
         late = await start_rollout(rollout_config(model_dir, mesh.manager_address, "late", backend == "mooncake"))
         assert late.engine.weight_version == 0
         await wait_for(lambda: late.engine.weight_version == 1)
-        manager_status = await client.manager_status()
-        assert {i.instance_id: i.weight_version for i in manager_status.instances} == {"instance-0": 1, "late": 1}
+        async def manager_sees_both_at_version_1() -> bool:
+            status = await client.manager_status()
+            return {i.instance_id: i.weight_version for i in status.instances} == {"instance-0": 1, "late": 1}
+
+        # The instance reports the switch with an immediate heartbeat; the manager learns it from there.
+        await wait_for(manager_sees_both_at_version_1, timeout=5)
+        # The same id restarted as a new process starts from the disk version and is caught up again.
+        await late.stop()
+        late = await start_rollout(rollout_config(model_dir, mesh.manager_address, "late", backend == "mooncake"))
+        await wait_for(lambda: late.engine.weight_version == 1)
     finally:
         if late:
             await late.stop()

@@ -87,6 +87,7 @@ def test_continuation_keeps_generated_tokens_and_shrinks_max_tokens():
     assert not state.record_chunk(assignment.request.request_id, assignment.attempt, [3], [-0.3], [0], NONE)
     state.record_chunk(retry.request.request_id, retry.attempt, [3, 9], [-0.3, -0.4], [0, 0], STOP)
     groups, remaining_groups = state.take_micro_batch("b1", 1)
+    state.finish_batch("b1")
     sample = groups[0][0]
     assert sample.token_ids == [1, 2, 3, 9]
     assert sample.logprobs == [-0.1, -0.2, -0.3, -0.4]
@@ -129,6 +130,7 @@ def test_micro_batches_never_split_groups_and_wait_for_the_lower_bound():
     assert len(state.take_micro_batch("b1", 2)[0]) == 2
     last, remaining = state.take_micro_batch("b1", 2)
     assert len(last) == 1 and remaining == 0
+    state.finish_batch("b1")
     with pytest.raises(NotFound):
         state.take_micro_batch("b1", 2)
     assert state.requests == {}
@@ -229,6 +231,8 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
         taken = state.take_micro_batch("b", 1)
         assert taken is not None, "a group never completed"
         delivered += [r for group in taken[0] for r in group]
+        if taken[1] == 0:
+            state.finish_batch("b")
     assert sorted(r.request_id for r in delivered) == sorted(expected_ids)
     for request in delivered:
         assert request.token_ids == emitted[request.request_id]
@@ -247,3 +251,36 @@ def test_a_request_an_instance_refuses_fails_its_batch_instead_of_cycling():
         state.take_micro_batch("b1", 1)
     assert state.instances["a"].running == set() and state.instances["a"].outstanding_tokens == 0
     assert state.requests == {} and state.batches == {}
+
+
+def finish_all(state: ManagerState) -> None:
+    for assignment in state.assign():
+        state.record_chunk(assignment.request.request_id, assignment.attempt, [1], [0.0], [0], STOP)
+
+
+def test_groups_whose_delivery_failed_are_streamed_again():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("p0", [1], 1), ("p1", [1], 1), ("p2", [1], 1)], sampling())
+    finish_all(state)
+    first, remaining = state.take_micro_batch("b1", 2)
+    assert remaining == 1
+    state.return_groups("b1", first)
+    again, remaining = state.take_micro_batch("b1", 2)
+    assert [g[0].prompt_id for g in again] == [g[0].prompt_id for g in first] and remaining == 1
+    last, remaining = state.take_micro_batch("b1", 2)
+    assert remaining == 0 and state.delivered_groups == 3
+    state.finish_batch("b1")
+    assert state.batches == {} and state.requests == {}
+
+
+def test_a_cancelled_batch_frees_its_queue_and_slots():
+    state = state_with({"a": 0})
+    state.instances["a"].max_batch_size = 2
+    state.submit("old", 0, [("p", [1], 4)], sampling())
+    state.submit("new", 0, [("p", [1], 1)], sampling())
+    state.assign()
+    assert state.cancel_batch("old") == 4
+    assert state.instances["a"].running == set()
+    assert [a.request.batch_id for a in state.assign()] == ["new"]
+    with pytest.raises(NotFound):
+        state.cancel_batch("old")
