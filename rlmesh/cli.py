@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="run the whole mesh locally and train the default task")
-    up.add_argument("--steps", type=_positive, default=500, help="training steps (default 500)")
+    up.add_argument("--steps", type=_positive, default=600, help="training steps (default 600)")
     up.add_argument("--rollout-instances", type=int, default=1, help="rollout processes (default 1)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=50151,

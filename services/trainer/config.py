@@ -27,7 +27,7 @@ class TrainerConfig(StrictModel):
     """Local HF-format folder with the initial policy (version 0)."""
     output_dir: str = "runs/latest"
     """Metrics (JSONL, TensorBoard), the reward plot, the rollout ledger and checkpoints."""
-    steps: int = Field(default=500, ge=1)
+    steps: int = Field(default=600, ge=1)
     prompts_per_step: int = Field(default=16, ge=1)
     group_size: int = Field(default=8, ge=2)
     """Samples per prompt; group-normalised advantages need at least two."""
