@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.payload import write_bytes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -66,7 +67,7 @@ class ReceiveBuffer:
             return
         if offset < 0 or offset + len(data) > limit:
             raise TransferError(f"chunk [{offset}, {offset + len(data)}) is outside the payload of {limit} bytes")
-        self.tensor[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        write_bytes(self.tensor, offset, data)
 
     @property
     def address(self) -> int:

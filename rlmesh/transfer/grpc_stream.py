@@ -1,5 +1,5 @@
-"""The plain gRPC backend: the payload streams to the instance in 1 MiB messages (the fastest
-chunk size measured on loopback), for links where no transfer engine runs."""
+"""The plain gRPC backend: the payload streams to the instance in 1 MiB messages, for links where
+no transfer engine runs."""
 
 from __future__ import annotations
 
@@ -8,17 +8,10 @@ from collections.abc import AsyncIterator
 import torch
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.payload import stream_chunks
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options
 from rlmesh.transfer.base import TransferError, WeightSender
-
-CHUNK_BYTES = 1 << 20
-
-
-def payload_chunks(payload: torch.Tensor, total_bytes: int) -> list[tuple[int, bytes]]:
-    data = payload[:total_bytes].numpy()
-    return [(start, data[start : start + CHUNK_BYTES].tobytes()) for start in range(0, total_bytes, CHUNK_BYTES)]
-
 
 class GrpcStreamSender(WeightSender):
     backend = rollout_pb2.TRANSFER_BACKEND_GRPC
@@ -32,7 +25,7 @@ class GrpcStreamSender(WeightSender):
         timeout: float,
     ) -> None:
         async def requests() -> AsyncIterator[rollout_pb2.PushWeightChunksRequest]:
-            for offset, data in payload_chunks(payload, manifest.total_bytes):
+            for offset, data in stream_chunks(payload, manifest.total_bytes):
                 yield rollout_pb2.PushWeightChunksRequest(version=manifest.version, offset=offset, data=data)
 
         reply = await stub.PushWeightChunks(requests(), **call_options(timeout))

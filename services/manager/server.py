@@ -95,9 +95,6 @@ class Dispatcher:
                 if not taken:
                     stream.cancel()
                     return
-                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    self.dispatch()
-                    self.changes.notify()
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream ended before the request finished", request=request.request_id)
         except grpc.aio.AioRpcError as exc:

@@ -10,11 +10,9 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.payload import pack
+from rlmesh.payload import pack, stream_chunks
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-
-UPLOAD_CHUNK_BYTES = 1 << 20
 
 
 class MeshClient:
@@ -60,13 +58,11 @@ class MeshClient:
         the seconds spent (the pushes to instances happen after this returns)."""
         started = time.perf_counter()
         manifest, payload = pack(tensors, version)
-        data = payload.numpy()
 
         async def parts() -> AsyncIterator[weights_pb2.UploadWeightsRequest]:
             yield weights_pb2.UploadWeightsRequest(manifest=manifest)
-            for offset in range(0, manifest.total_bytes, UPLOAD_CHUNK_BYTES):
-                chunk = weights_pb2.PayloadChunk(offset=offset, data=data[offset : offset + UPLOAD_CHUNK_BYTES].tobytes())
-                yield weights_pb2.UploadWeightsRequest(chunk=chunk)
+            for offset, data in stream_chunks(payload, manifest.total_bytes):
+                yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
 
         await self.weights.UploadWeights(parts(), **call_options(max(self.rpc_timeout, 60.0)))
         await self.manager.PublishVersion(manager_pb2.PublishVersionRequest(version=version), **call_options(self.rpc_timeout))

@@ -9,7 +9,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.payload import PayloadError, corrupted_buckets, validate_manifest
+from rlmesh.payload import PayloadError, corrupted_buckets, validate_manifest, write_bytes
 
 
 @dataclass(eq=False, slots=True)
@@ -39,7 +39,7 @@ class Upload:
         end = offset + len(data)
         if end > self.manifest.total_bytes:
             raise InvalidArgument(f"chunk ends at {end}, past the payload's {self.manifest.total_bytes} bytes")
-        self.payload[offset:end] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        write_bytes(self.payload, offset, data)
         self.received = end
 
 
