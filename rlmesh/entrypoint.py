@@ -28,9 +28,14 @@ def until_signal(start: Callable[[ConfigT], Awaitable[Running]]) -> Callable[[Co
     async def serve(config: ConfigT) -> None:
         stop = stop_event_on_signals()
         running = await start(config)
+        # A service may also ask to stop by itself (a rollout instance told it is being preempted).
+        asked = getattr(running, "stop_requested", None)
+        waits = [asyncio.ensure_future(stop.wait())] + ([asyncio.ensure_future(asked.wait())] if asked else [])
         try:
-            await stop.wait()
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for waiter in waits:
+                waiter.cancel()
             await running.stop()
 
     return serve

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
@@ -15,6 +17,12 @@ class ManagerConfig(StrictModel):
     max_staleness: int = Field(default=1, ge=0)
     """Samples for trainer version p run only on instances serving version >= p - max_staleness
     (0 = synchronous on-policy RL)."""
+    dispatch_policy: Literal["balanced", "round_robin"] = "balanced"
+    """`balanced` weighs outstanding tokens against each instance's measured throughput and moves
+    stragglers off slow instances near the end of a step; `round_robin` is the plain baseline."""
+    no_instance_timeout_seconds: float = Field(default=120.0, gt=0)
+    """With work waiting and no instance registered for this long, rollout streams fail with a
+    clear error instead of hanging."""
     generate_timeout_seconds: float = Field(default=600.0, gt=0)
     """Deadline of one Generate stream."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)

@@ -26,7 +26,7 @@ class RunningManager:
 
 
 async def start(config: ManagerConfig) -> RunningManager:
-    state = ManagerState(config.lease_seconds, config.max_staleness)
+    state = ManagerState(config.lease_seconds, config.max_staleness, config.dispatch_policy)
     changes = Changes()
     dispatcher = Dispatcher(state, changes, config)
     server = GrpcServer(config.server, [manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name])

@@ -10,11 +10,12 @@ import grpc
 import structlog
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import InvalidArgument
+from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from services.manager.config import ManagerConfig
+from services.manager.stage_balance import Balance
 from services.manager.state import Assignment, Instance, ManagerState, SampleRequest
 
 log = structlog.get_logger()
@@ -74,16 +75,32 @@ class Dispatcher:
             channel, _ = self._channels.pop(address)
             await channel.close()
 
+    def migrate(self) -> None:
+        """Aborts planned stragglers on their instances; each continues where it was sent."""
+        for request in self.state.plan_migrations():
+            instance = self.state.instances[request.instance_id or ""]
+            task = asyncio.create_task(self._abort_for_migration(request, instance.address, request.engine_request_id))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _abort_for_migration(self, request: SampleRequest, address: str, engine_request_id: str) -> None:
+        try:
+            await self._stub(address).Abort(rollout_pb2.AbortRequest(request_ids=[engine_request_id]), **call_options(self.config.rpc_timeout_seconds))
+            log.info("straggler moved", request=request.request_id, to=request.migrate_to)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("straggler abort failed; it stays", request=request.request_id, code=exc.code().name)
+            self.state.migration_failed(request)
+
     async def _run(self, assignment: Assignment) -> None:
         request, attempt = assignment.request, assignment.attempt
-        prompt, remaining = request.continuation()
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling)
-        sampling.max_tokens = remaining
-        engine_request_id = f"{request.request_id}@{attempt}"
         try:
             stream = self._stub(assignment.instance.address).Generate(
-                rollout_pb2.GenerateRequest(request_id=engine_request_id, prompt_token_ids=prompt, sampling=sampling),
+                rollout_pb2.GenerateRequest(
+                    request_id=request.engine_request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    continued_token_ids=request.token_ids,
+                    sampling=request.sampling,
+                ),
                 **call_options(self.config.generate_timeout_seconds),
             )
             async for response in stream:
@@ -121,7 +138,7 @@ class Dispatcher:
         until its lease runs out. If it is alive, its next heartbeat registers it again."""
         if self.state.instances.get(instance.instance_id) is not instance:
             return
-        requeued = self.state.deregister(instance.instance_id)
+        requeued = self.state.deregister(instance.instance_id, time.monotonic())
         self.cancel(requeued)
         closing = asyncio.create_task(self.forget_address(instance.address))
         self._closing.add(closing)
@@ -141,12 +158,27 @@ def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatu
         address=instance.address,
         weight_version=instance.weight_version,
         running_requests=len(instance.running),
-        outstanding_tokens=instance.outstanding_tokens,
+        outstanding_tokens=round(instance.outstanding_tokens),
         tokens_per_second=instance.tokens_per_second,
         lease_remaining_seconds=max(0.0, instance.lease_expires - now),
         schedulable=instance.schedulable,
         generated_tokens=instance.generated_tokens,
         incarnation=instance.incarnation,
+        preemptible=instance.preemptible,
+        draining=instance.draining,
+    )
+
+
+def balance_to_proto(balance: Balance) -> manager_pb2.StageBalance:
+    return manager_pb2.StageBalance(
+        observed_steps=balance.observed_steps,
+        train_seconds=balance.train_seconds,
+        rollout_seconds=balance.rollout_seconds,
+        trainer_wait_seconds=balance.trainer_wait_seconds,
+        rollout_idle_seconds=balance.rollout_idle_seconds,
+        local_window_seconds=balance.local_window_seconds,
+        recommended_rollout_instances=balance.recommended_rollout_instances,
+        offload_fraction=balance.offload_fraction,
     )
 
 
@@ -179,9 +211,12 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.changes.notify()
 
     async def RegisterInstance(self, request, context):
-        requeued = self.state.register(request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic())
+        requeued = self.state.register(
+            request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic(), request.preemptible
+        )
         self.dispatcher.cancel(requeued)
-        log.info("instance registered", instance_id=request.instance_id, address=request.address, weight_version=request.weight_version)
+        log.info("instance registered", instance_id=request.instance_id, address=request.address,
+                 weight_version=request.weight_version, preemptible=request.preemptible)
         self._changed()
         return manager_pb2.RegisterInstanceResponse(
             lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds
@@ -190,7 +225,10 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     async def Heartbeat(self, request, context):
         before = self.state.instances.get(request.instance_id)
         version_before = before.weight_version if before else None
-        self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic())
+        draining_before = before.draining if before else False
+        self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic(), request.draining)
+        if request.draining and not draining_before:
+            log.info("instance draining; no new work for it", instance_id=request.instance_id)
         if version_before != request.weight_version:
             log.info("instance serves a new version", instance_id=request.instance_id, weight_version=request.weight_version)
             self._changed()
@@ -198,7 +236,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def DeregisterInstance(self, request, context):
         instance = self.state.instances.get(request.instance_id)
-        requeued = self.state.deregister(request.instance_id)
+        requeued = self.state.deregister(request.instance_id, time.monotonic())
         self.dispatcher.cancel(requeued)
         await self.dispatcher.forget_address(instance.address)
         log.info("instance deregistered", instance_id=request.instance_id, requeued=len(requeued))
@@ -226,12 +264,24 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self._changed()
         return manager_pb2.SubmitPromptsResponse(accepted_prompts=len(request.prompts), queued_samples=queued)
 
+    def _check_starvation(self, batch_id: str) -> None:
+        starved = self.state.starved_seconds(time.monotonic())
+        if starved > self.config.no_instance_timeout_seconds:
+            batch = self.state.batches.get(batch_id)
+            unfinished = sum(1 for g in batch.groups.values() for r in g if not r.done) if batch else 0
+            raise FailedPrecondition(
+                f"no rollout instance has been registered for {starved:.0f} s "
+                f"(limit {self.config.no_instance_timeout_seconds:.0f} s); batch {batch_id!r} has "
+                f"{unfinished} unfinished samples, kept until an instance joins"
+            )
+
     async def StreamRollouts(self, request, context) -> AsyncIterator[manager_pb2.StreamRolloutsResponse]:
         if request.micro_batch_groups < 1:
             raise InvalidArgument("micro_batch_groups must be at least 1")
         while True:
-            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups)
+            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups, request.min_groups, request.max_tokens)
             if taken is None:
+                self._check_starvation(request.batch_id)
                 await self.changes.wait(timeout=1.0)
                 continue
             groups, remaining = taken
@@ -252,6 +302,18 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self._changed()
         return manager_pb2.CancelBatchResponse(unfinished_samples=cancelled)
 
+    async def TakeReadyGroups(self, request, context):
+        groups, remaining = self.state.take_ready(request.batch_id)
+        if remaining == 0:
+            self.state.finish_batch(request.batch_id)
+        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
+
+    async def ReportTrainingStep(self, request, context):
+        balance = self.state.report_training_step(request.batch_id, request.step_seconds, request.wait_seconds)
+        log.info("stage balance", batch_id=request.batch_id, recommended_rollout_instances=balance.recommended_rollout_instances,
+                 offload_fraction=round(balance.offload_fraction, 3), local_window_seconds=round(balance.local_window_seconds, 3))
+        return manager_pb2.ReportTrainingStepResponse(stage_balance=balance_to_proto(balance))
+
     async def GetStatus(self, request, context):
         now = time.monotonic()
         state = self.state
@@ -266,16 +328,24 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             generated_tokens=state.generated_tokens,
             tokens_per_second=state.tokens_per_second,
             requeued_samples=state.requeued_samples,
+            discarded_tokens=state.discarded_tokens,
+            migrated_samples=state.migrated_samples,
+            continued_tokens=state.continued_tokens,
+            stage_balance=balance_to_proto(state.balancer.balance),
         )
 
 
-async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.5) -> None:
-    """Drops instances whose lease expired and keeps throughput figures current."""
+async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.25) -> None:
+    """Drops instances whose lease expired, keeps throughput figures current, moves stragglers,
+    and wakes rollout streams so they notice when no instance is left."""
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
         try:
             state.measure(now)
+            dispatcher.migrate()
+            if state.starved_seconds(now):
+                changes.notify()
             for instance, requeued in state.expire(now):
                 log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
                 dispatcher.cancel(requeued)

@@ -1,18 +1,32 @@
-"""The manager's domain state: instances with leases, every sample request with its tokens so
-far, dispatch under the staleness gate, and assembly of complete groups. Plain Python, driven
-by the server from one event loop."""
+"""The manager's domain state: instances with leases and measured speeds, every sample request
+with its tokens so far, dispatch under the staleness gate, straggler migration, and assembly of
+complete groups into micro-batches. Plain Python, driven by the server from one event loop."""
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.manager.stage_balance import Balance, StageBalancer, StepTiming
 
 FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-_RATE_SMOOTHING = 0.3
+_RATE_SMOOTHING = 0.5
+_LENGTH_SMOOTHING = 0.05
 MAX_GROUP_SIZE = 1024
+MIGRATION_SPEEDUP = 1.5
+"""A straggler moves only to an instance at least this much faster per sequence."""
+MIGRATION_MIN_SECONDS = 0.25
+"""...and only when it is expected to run at least this long where it is."""
+MAX_MIGRATIONS = 2
+"""Per sample, so that no request bounces between instances."""
+FINISHED_BATCHES_KEPT = 64
+Policy = Literal["balanced", "round_robin"]
 
 
 @dataclass(slots=True)
@@ -26,16 +40,27 @@ class Instance:
     """Version it must serve before it gets work: the latest published when it joined."""
     incarnation: int = 0
     """Manager-wide registration counter: tells a restarted process from the one before it."""
+    preemptible: bool = False
+    draining: bool = False
     running: set[str] = field(default_factory=set)
-    outstanding_tokens: int = 0
+    outstanding_tokens: float = 0.0
+    """Tokens its running requests are still expected to generate."""
     generated_tokens: int = 0
     tokens_per_second: float = 0.0
+    """Measured while busy (smoothed): what the instance delivers in total."""
+    sequence_tokens_per_second: float = 0.0
+    """Measured while busy (smoothed): what one of its sequences gets."""
     _rate_tokens: int = 0
     _rate_time: float = 0.0
+    _busy_samples: float = 0.0
 
     @property
     def schedulable(self) -> bool:
-        return self.weight_version >= self.min_version
+        return self.weight_version >= self.min_version and not self.draining
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.running)
 
 
 @dataclass(slots=True)
@@ -53,6 +78,16 @@ class SampleRequest:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     attempt: int = 0
     instance_id: str | None = None
+    charged: float = 0.0
+    """Expected tokens still counted in its instance's outstanding_tokens."""
+    migrate_to: str | None = None
+    """Set while it is being moved off a slow instance: where it continues."""
+    migrations: int = 0
+
+    @property
+    def engine_request_id(self) -> str:
+        """Unique per attempt, so a late chunk of an abandoned attempt is never taken for the current one."""
+        return f"{self.request_id}@{self.attempt}"
 
     @property
     def remaining_tokens(self) -> int:
@@ -62,9 +97,14 @@ class SampleRequest:
     def done(self) -> bool:
         return self.finish_reason in FINISHED
 
-    def continuation(self) -> tuple[list[int], int]:
-        """Prompt plus the tokens generated so far, and how many tokens may still come."""
-        return self.prompt_token_ids + self.token_ids, self.remaining_tokens
+    def expected_remaining(self, mean_length: float | None) -> float:
+        """Tokens it is still expected to generate. Lengths are long-tailed, so a request that has
+        already run long is expected to run as long again; before any length was observed,
+        max_tokens is the only bound known."""
+        if mean_length is None:
+            return float(self.remaining_tokens)
+        generated = len(self.token_ids)
+        return float(max(1, min(self.remaining_tokens, max(mean_length, 2 * generated) - generated)))
 
 
 @dataclass(slots=True)
@@ -72,10 +112,17 @@ class Batch:
     batch_id: str
     policy_version: int
     groups: dict[str, list[SampleRequest]]
+    submitted_at: float = 0.0
+    completed_at: float | None = None
+    """When its last group became complete."""
     ready: deque[str] = field(default_factory=deque)
     delivered: int = 0
     error: str = ""
     """Why the batch cannot complete (an instance refused one of its requests as invalid)."""
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(r.token_ids) for group in self.groups.values() for r in group)
 
     @property
     def remaining(self) -> int:
@@ -90,9 +137,11 @@ class Assignment:
 
 
 class ManagerState:
-    def __init__(self, lease_seconds: float, max_staleness: int) -> None:
+    def __init__(self, lease_seconds: float, max_staleness: int, policy: Policy = "balanced", clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.lease_seconds = lease_seconds
         self.max_staleness = max_staleness
+        self.policy: Policy = policy
         self.instances: dict[str, Instance] = {}
         self.requests: dict[str, SampleRequest] = {}
         self.batches: dict[str, Batch] = {}
@@ -101,14 +150,25 @@ class ManagerState:
         self.delivered_groups = 0
         self.generated_tokens = 0
         self.requeued_samples = 0
+        self.discarded_tokens = 0
+        self.migrated_samples = 0
+        self.continued_tokens = 0
         self.registrations = 0
         self.tokens_per_second = 0.0
+        self.mean_length: float | None = None
+        """Smoothed length of finished responses: what a fresh request is expected to generate."""
+        self.empty_since: float | None = clock()
+        """Since when no instance has been registered (None while some are)."""
+        self.balancer = StageBalancer()
+        self._finished: dict[str, tuple[float, float, int]] = {}
+        """Delivered batches: submission time, completion time, response tokens (for the balance)."""
+        self._round_robin = 0
         self._rate_tokens = 0
         self._rate_time = 0.0
 
     # Instances ---------------------------------------------------------------------------
 
-    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float) -> list[SampleRequest]:
+    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float, preemptible: bool = False) -> list[SampleRequest]:
         """Adds (or replaces) an instance; returns requests of a replaced registration, requeued."""
         if not instance_id:
             raise InvalidArgument("instance_id is required")
@@ -127,31 +187,37 @@ class ManagerState:
             lease_expires=now + self.lease_seconds,
             min_version=self.published_version,
             incarnation=self.registrations,
+            preemptible=preemptible,
             _rate_time=now,
         )
+        self.empty_since = None
         return requeued
 
-    def heartbeat(self, instance_id: str, weight_version: int, now: float) -> None:
+    def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False) -> None:
         instance = self._instance(instance_id)
         if weight_version < instance.weight_version:
             raise InvalidArgument(f"weight_version {weight_version} is older than the reported {instance.weight_version}")
         instance.weight_version = weight_version
         instance.lease_expires = now + self.lease_seconds
+        # Draining is one-way: an instance that announced its departure gets no new work.
+        instance.draining = instance.draining or draining
 
-    def deregister(self, instance_id: str) -> list[SampleRequest]:
+    def deregister(self, instance_id: str, now: float = 0.0) -> list[SampleRequest]:
         self._instance(instance_id)
-        return self._drop(instance_id)
+        return self._drop(instance_id, now)
 
     def expire(self, now: float) -> list[tuple[Instance, list[SampleRequest]]]:
         """Drops instances whose lease ran out; returns them with their requeued requests."""
         expired = [inst for inst in self.instances.values() if inst.lease_expires < now]
-        return [(instance, self._drop(instance.instance_id)) for instance in expired]
+        return [(instance, self._drop(instance.instance_id, now)) for instance in expired]
 
-    def _drop(self, instance_id: str) -> list[SampleRequest]:
+    def _drop(self, instance_id: str, now: float = 0.0) -> list[SampleRequest]:
         instance = self.instances.pop(instance_id)
         requeued = [self.requests[r] for r in sorted(instance.running) if r in self.requests]
         for request in requeued:
             self._requeue(request)
+        if not self.instances:
+            self.empty_since = now
         return requeued
 
     def _instance(self, instance_id: str) -> Instance:
@@ -164,6 +230,12 @@ class ManagerState:
         if version < self.published_version:
             raise FailedPrecondition(f"version {version} is older than the published {self.published_version}")
         self.published_version = version
+
+    def starved_seconds(self, now: float) -> float:
+        """How long work has been waiting with no instance registered at all (0 if any is)."""
+        if self.empty_since is None or not self.requests:
+            return 0.0
+        return now - self.empty_since
 
     # Requests ----------------------------------------------------------------------------
 
@@ -185,8 +257,8 @@ class ManagerState:
             raise InvalidArgument("policy_version must be >= 0")
         seen: set[str] = set()
         for prompt_id, token_ids, n in prompts:
-            if not prompt_id or "/" in prompt_id:
-                raise InvalidArgument(f"prompt_id {prompt_id!r} must be non-empty and contain no '/'")
+            if not prompt_id or "/" in prompt_id or "@" in prompt_id:
+                raise InvalidArgument(f"prompt_id {prompt_id!r} must be non-empty and contain no '/' or '@'")
             if prompt_id in seen:
                 raise InvalidArgument(f"prompt_id {prompt_id!r} appears twice in batch {batch_id!r}")
             seen.add(prompt_id)
@@ -197,10 +269,11 @@ class ManagerState:
         groups: dict[str, list[SampleRequest]] = {}
         for prompt_id, token_ids, n in prompts:
             groups[prompt_id] = [
-                SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids), sampling, policy_version)
+                SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids),
+                              _sample_sampling(sampling, f"{batch_id}/{prompt_id}/{i}"), policy_version)
                 for i in range(n)
             ]
-        self.batches[batch_id] = Batch(batch_id, policy_version, groups)
+        self.batches[batch_id] = Batch(batch_id, policy_version, groups, submitted_at=self.clock())
         for group in groups.values():
             for request in group:
                 self.requests[request.request_id] = request
@@ -208,31 +281,75 @@ class ManagerState:
         return sum(len(g) for g in groups.values())
 
     def assign(self) -> list[Assignment]:
-        """Dispatches queued requests, oldest first, each to the eligible instance with the fewest
-        outstanding tokens; eligible means it holds the version it must, is fresh enough for the
-        request (staleness gate) and has a free batch slot."""
+        """Dispatches queued requests, oldest first. Eligible instances hold the version they must,
+        are fresh enough for the request (staleness gate), are not draining and have a free slot.
+        `balanced` picks the one expected to finish its work soonest, counting outstanding
+        tokens against measured throughput; `round_robin` takes instances in turn."""
+        if self.policy == "round_robin":
+            return self._assign_round_robin()
         assignments: list[Assignment] = []
         waiting: deque[SampleRequest] = deque()
+        rates = self._rates()
         while self.queue:
             request = self.queue.popleft()
-            floor = request.policy_version - self.max_staleness
-            candidates = [
-                inst
-                for inst in self.instances.values()
-                if inst.schedulable and inst.weight_version >= floor and len(inst.running) < inst.max_batch_size
-            ]
+            candidates = self._eligible(request)
             if not candidates:
                 waiting.append(request)
                 continue
-            instance = min(candidates, key=lambda i: (i.outstanding_tokens, len(i.running), i.instance_id))
-            request.attempt += 1
-            request.instance_id = instance.instance_id
-            request.instance_ids.append(instance.instance_id)
-            instance.running.add(request.request_id)
-            instance.outstanding_tokens += request.remaining_tokens
-            assignments.append(Assignment(request, instance, request.attempt))
+            expected = request.expected_remaining(self.mean_length)
+            preferred = [c for c in candidates if c.instance_id == request.migrate_to]
+            instance = preferred[0] if preferred else min(
+                candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
+            )
+            assignments.append(self._start(request, instance))
         self.queue = waiting
         return assignments
+
+    def _assign_round_robin(self) -> list[Assignment]:
+        """Strict turns: the next request waits for the next instance's free slot."""
+        assignments: list[Assignment] = []
+        order = sorted(self.instances)
+        while self.queue and order:
+            request = self.queue[0]
+            instance = self.instances[order[self._round_robin % len(order)]]
+            if not self._fresh_enough(instance, request):
+                if not self._eligible(request):
+                    break
+                self._round_robin += 1
+                continue
+            if instance.free_slots <= 0:
+                break
+            self.queue.popleft()
+            self._round_robin += 1
+            assignments.append(self._start(request, instance))
+        return assignments
+
+    def _fresh_enough(self, instance: Instance, request: SampleRequest) -> bool:
+        return instance.schedulable and instance.weight_version >= request.policy_version - self.max_staleness
+
+    def _eligible(self, request: SampleRequest) -> list[Instance]:
+        return [i for i in self.instances.values() if self._fresh_enough(i, request) and i.free_slots > 0]
+
+    def _rates(self) -> dict[str, float]:
+        """Measured throughput per instance; one never measured counts as the pool's mean."""
+        measured = [i.tokens_per_second for i in self.instances.values() if i.tokens_per_second > 0]
+        default = sum(measured) / len(measured) if measured else 1.0
+        return {i.instance_id: i.tokens_per_second or default for i in self.instances.values()}
+
+    def _start(self, request: SampleRequest, instance: Instance) -> Assignment:
+        if request.migrate_to is not None:
+            if request.migrate_to == instance.instance_id:
+                self.migrated_samples += 1
+            request.migrate_to = None
+        if request.token_ids:
+            self.continued_tokens += len(request.token_ids)
+        request.attempt += 1
+        request.instance_id = instance.instance_id
+        request.instance_ids.append(instance.instance_id)
+        request.charged = request.expected_remaining(self.mean_length)
+        instance.running.add(request.request_id)
+        instance.outstanding_tokens += request.charged
+        return Assignment(request, instance, request.attempt)
 
     def _current(self, request_id: str, attempt: int) -> SampleRequest | None:
         request = self.requests.get(request_id)
@@ -242,20 +359,26 @@ class ManagerState:
 
     def record_chunk(self, request_id: str, attempt: int, token_ids: list[int], logprobs: list[float], weight_versions: list[int], finish_reason: int) -> bool:
         """Appends a chunk from the request's current attempt; chunks from an abandoned attempt
-        are ignored so nothing is counted twice. Returns whether the chunk was taken."""
+        are counted as discarded, never kept, so nothing is counted twice. An ABORT (the instance
+        drains, or the request is being migrated) continues the request elsewhere. Returns
+        whether the chunk was taken."""
         request = self._current(request_id, attempt)
         if request is None:
+            self.discarded_tokens += len(token_ids)
             return False
         if not (len(token_ids) == len(logprobs) == len(weight_versions)):
             raise InvalidArgument(f"chunk for {request_id}: token, logprob and version counts differ")
-        instance = self.instances.get(request.instance_id)
+        instance = self.instances.get(request.instance_id or "")
         accepted = min(len(token_ids), request.remaining_tokens)
+        self.discarded_tokens += len(token_ids) - accepted
         request.token_ids += token_ids[:accepted]
         request.logprobs += logprobs[:accepted]
         request.weight_versions += weight_versions[:accepted]
         self.generated_tokens += accepted
+        paid = min(request.charged, accepted)
+        request.charged -= paid
         if instance:
-            instance.outstanding_tokens = max(0, instance.outstanding_tokens - accepted)
+            instance.outstanding_tokens = max(0.0, instance.outstanding_tokens - paid)
             instance.generated_tokens += accepted
         if finish_reason in FINISHED or request.remaining_tokens <= 0:
             reason = finish_reason if finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
@@ -290,7 +413,8 @@ class ManagerState:
         instance = self.instances.get(request.instance_id or "")
         if instance and request.request_id in instance.running:
             instance.running.discard(request.request_id)
-            instance.outstanding_tokens = max(0, instance.outstanding_tokens - request.remaining_tokens)
+            instance.outstanding_tokens = max(0.0, instance.outstanding_tokens - request.charged)
+        request.charged = 0.0
         request.instance_id = None
 
     def _requeue(self, request: SampleRequest) -> None:
@@ -304,29 +428,108 @@ class ManagerState:
 
     def _complete(self, request: SampleRequest, reason: int) -> None:
         request.finish_reason = reason
+        length = len(request.token_ids)
+        self.mean_length = length if self.mean_length is None else self.mean_length + _LENGTH_SMOOTHING * (length - self.mean_length)
         batch = self.batches[request.batch_id]
         if all(r.done for r in batch.groups[request.prompt_id]):
             batch.ready.append(request.prompt_id)
+            if len(batch.ready) + batch.delivered == len(batch.groups):
+                batch.completed_at = self.clock()
+
+    # Stragglers --------------------------------------------------------------------------
+
+    def plan_migrations(self) -> list[SampleRequest]:
+        """Near the end of a step (nothing queued) an instance with free slots takes over the
+        requests expected to run longest on instances much slower per sequence; the caller aborts
+        each on its instance, and the abort's chunk brings it back here to continue."""
+        if self.policy != "balanced" or self.queue:
+            return []
+        planned: list[SampleRequest] = []
+        in_flight = [self.requests[r] for i in self.instances.values() for r in i.running if r in self.requests]
+        incoming: dict[str, int] = {}
+        for request in in_flight:
+            if request.migrate_to is not None:
+                incoming[request.migrate_to] = incoming.get(request.migrate_to, 0) + 1
+        targets = sorted(
+            (i for i in self.instances.values() if i.schedulable and i.sequence_tokens_per_second > 0),
+            key=lambda i: -i.sequence_tokens_per_second,
+        )
+        for target in targets:
+            free = target.free_slots - incoming.get(target.instance_id, 0)
+            if free <= 0:
+                continue
+            choices = []
+            for request in in_flight:
+                source = self.instances[request.instance_id] if request.instance_id else None
+                if (
+                    source is None or source is target or request.migrate_to is not None
+                    or request.migrations >= MAX_MIGRATIONS or not self._fresh_enough(target, request)
+                    or len(source.running) <= len(target.running)
+                ):
+                    continue
+                source_rate = source.sequence_tokens_per_second
+                if source_rate <= 0 or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source_rate:
+                    continue
+                seconds_left = request.expected_remaining(self.mean_length) / source_rate
+                if seconds_left >= MIGRATION_MIN_SECONDS:
+                    choices.append((seconds_left, request.request_id, request))
+            for _, _, request in sorted(choices, reverse=True)[:free]:
+                request.migrate_to = target.instance_id
+                request.migrations += 1
+                planned.append(request)
+        return planned
+
+    def migration_failed(self, request: SampleRequest) -> None:
+        """The abort did not reach the instance: the request stays where it runs."""
+        request.migrate_to = None
 
     # Delivery ----------------------------------------------------------------------------
 
-    def take_micro_batch(self, batch_id: str, groups: int) -> tuple[list[list[SampleRequest]], int] | None:
-        """Up to `groups` complete groups (fewer only for the batch's last micro-batch) and the
-        number still to come; None while not enough are ready."""
+    def take_micro_batch(self, batch_id: str, groups: int, min_groups: int | None = None, max_tokens: int = 0) -> tuple[list[list[SampleRequest]], int] | None:
+        """Between `min_groups` (default: `groups`) and `groups` complete groups, fewer only for
+        the batch's last micro-batch, within a budget of `max_tokens` prompt + response tokens
+        (0: none; a group over budget travels alone; groups are never split). Returns them with
+        the number still to come, or None while fewer than the lower bound are ready."""
+        batch = self._deliverable(batch_id)
+        if groups < 1:
+            raise InvalidArgument("micro_batch_groups must be at least 1")
+        lower = groups if not min_groups else min_groups
+        if lower > groups:
+            raise InvalidArgument(f"min_groups ({lower}) exceeds micro_batch_groups ({groups})")
+        if max_tokens < 0:
+            raise InvalidArgument("max_tokens must be >= 0")
+        want = min(lower, batch.remaining)
+        if want == 0 or len(batch.ready) < want:
+            return None
+        return self._take(batch, groups, max_tokens)
+
+    def take_ready(self, batch_id: str) -> tuple[list[list[SampleRequest]], int]:
+        """Every complete group ready now, possibly none."""
+        batch = self._deliverable(batch_id)
+        return self._take(batch, len(batch.ready), 0)
+
+    def _deliverable(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)
         if batch is None:
             raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
-        if groups < 1:
-            raise InvalidArgument("micro_batch_groups must be at least 1")
         if batch.error:
             self._forget(batch)
             raise InvalidArgument(f"batch {batch_id!r} failed: {batch.error}")
-        want = min(groups, batch.remaining)
-        if want == 0 or len(batch.ready) < want:
-            return None
-        taken = [batch.groups[batch.ready.popleft()] for _ in range(want)]
-        batch.delivered += want
-        self.delivered_groups += want
+        return batch
+
+    def _take(self, batch: Batch, most: int, max_tokens: int) -> tuple[list[list[SampleRequest]], int]:
+        taken: list[list[SampleRequest]] = []
+        tokens = 0
+        while batch.ready and len(taken) < most:
+            group = batch.groups[batch.ready[0]]
+            size = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in group)
+            if max_tokens and taken and tokens + size > max_tokens:
+                break
+            batch.ready.popleft()
+            taken.append(group)
+            tokens += size
+        batch.delivered += len(taken)
+        self.delivered_groups += len(taken)
         return taken, batch.remaining
 
     def return_groups(self, batch_id: str, groups: list[list[SampleRequest]]) -> None:
@@ -344,6 +547,9 @@ class ManagerState:
         batch = self.batches.get(batch_id)
         if batch is not None and batch.remaining == 0:
             self._forget(batch)
+            self._finished[batch_id] = (batch.submitted_at, batch.completed_at or self.clock(), batch.response_tokens)
+            while len(self._finished) > FINISHED_BATCHES_KEPT:
+                del self._finished[next(iter(self._finished))]
 
     def cancel_batch(self, batch_id: str) -> int:
         """Drops a batch nobody will read (its trainer stopped); returns its unfinished samples."""
@@ -362,16 +568,38 @@ class ManagerState:
                 self._detach(request)
                 self.requests.pop(request.request_id, None)
 
+    # Balance between training and rollout ------------------------------------------------
+
+    def report_training_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> Balance:
+        """The trainer's timing of the step that consumed `batch_id`, with the batch's rollout time."""
+        finished = self._finished.get(batch_id)
+        if finished is None:
+            raise NotFound(f"batch {batch_id!r} was not fully delivered (or is too old to remember)")
+        if step_seconds <= 0 or not 0 <= wait_seconds <= step_seconds:
+            raise InvalidArgument(f"need step_seconds > 0 and 0 <= wait_seconds <= step_seconds, got {step_seconds}, {wait_seconds}")
+        submitted, completed, tokens = finished
+        reserved = sum(i.tokens_per_second for i in self.instances.values() if not i.preemptible)
+        timing = StepTiming(step_seconds, wait_seconds, completed - submitted, tokens)
+        return self.balancer.observe(timing, len(self.instances), reserved)
+
     # Observability -----------------------------------------------------------------------
 
     def measure(self, now: float) -> None:
-        """Updates tokens/s per instance and overall (smoothed)."""
+        """Updates tokens/s per instance (total and per sequence, only over busy intervals, so
+        idle time does not read as slowness) and overall; smoothed."""
         for instance in self.instances.values():
             elapsed = now - instance._rate_time
-            if elapsed > 0:
-                rate = (instance.generated_tokens - instance._rate_tokens) / elapsed
+            if elapsed <= 0:
+                continue
+            tokens = instance.generated_tokens - instance._rate_tokens
+            busy = max(instance._busy_samples, len(instance.running))
+            if tokens > 0 and busy > 0:
+                rate = tokens / elapsed
                 instance.tokens_per_second += _RATE_SMOOTHING * (rate - instance.tokens_per_second)
-                instance._rate_tokens, instance._rate_time = instance.generated_tokens, now
+                per_sequence = rate / busy
+                instance.sequence_tokens_per_second += _RATE_SMOOTHING * (per_sequence - instance.sequence_tokens_per_second)
+            instance._rate_tokens, instance._rate_time = instance.generated_tokens, now
+            instance._busy_samples = len(instance.running)
         elapsed = now - self._rate_time
         if self._rate_time and elapsed > 0:
             rate = (self.generated_tokens - self._rate_tokens) / elapsed
@@ -385,3 +613,14 @@ class ManagerState:
     @property
     def ready_groups(self) -> int:
         return sum(len(b.ready) for b in self.batches.values())
+
+
+def _sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:
+    """A seeded batch gives each sample its own seed, derived from the batch's: samples of a
+    group must differ, and a rerun must draw the same."""
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(sampling)
+    if sampling.seed:
+        digest = hashlib.blake2b(f"{sampling.seed}:{request_id}".encode(), digest_size=8).digest()
+        params.seed = (int.from_bytes(digest, "little") >> 1) or 1
+    return params

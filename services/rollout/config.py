@@ -6,20 +6,39 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
+from services.rollout.synthetic_engine import SyntheticConfig
+
+
+class VllmConfig(StrictModel):
+    kv_cache_gib: int = Field(default=1, ge=1)
+    """KV-cache memory on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(default=0, ge=0)
+    """0: the model's own limit."""
 
 
 class EngineConfig(StrictModel):
-    kind: Literal["torch"] = "torch"
-    """Inference backend; the torch engine runs HF-format models on CPU."""
-    model_dir: str
-    """Local HF-format model folder (config.json, model.safetensors, tokenizer.json)."""
+    kind: Literal["torch", "vllm", "synthetic"] = "torch"
+    """Inference backend: torch (HF models on CPU, the default), vllm (its async engine; needs the
+    vLLM virtualenv) or synthetic (benchmarks only: timed tokens, no model)."""
+    model_dir: str = ""
+    """Local HF-format model folder (config.json, model.safetensors, tokenizer.json); optional for
+    the synthetic engine, which then has no parameters to check weight pushes against."""
     max_batch_size: int = Field(default=256, ge=1)
     seed: int = 0
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads; tiny models decode faster with one thread per process."""
+    synthetic: SyntheticConfig = SyntheticConfig()
+    vllm: VllmConfig = VllmConfig()
+
+    @model_validator(mode="after")
+    def _model_for_real_engines(self) -> "EngineConfig":
+        if self.kind != "synthetic" and not self.model_dir:
+            raise ValueError(f"engine.model_dir is required for the {self.kind} engine")
+        return self
 
 
 class TransferConfig(StrictModel):
@@ -34,6 +53,10 @@ class RolloutConfig(StrictModel):
     manager_address: str = "127.0.0.1:50151"
     engine: EngineConfig
     transfer: TransferConfig = TransferConfig()
+    preemptible: bool = False
+    """Runs on a spot / preemptible machine: the manager may offload work to it and expects it to vanish."""
+    drain_timeout_seconds: float = Field(default=10.0, gt=0)
+    """On SIGTERM or a preemption notice, how long to wait for running requests to be handed back."""
     register_timeout_seconds: float = Field(default=60.0, gt=0)
     """How long to keep trying to reach the manager at start."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)

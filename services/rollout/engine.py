@@ -1,14 +1,18 @@
-"""The engine contract every rollout backend implements (torch on CPU today; vLLM and a
-synthetic engine behind the same interface later)."""
+"""The engine contract every rollout backend implements: the torch engine (CPU default), the
+vLLM engine and the synthetic engine (benchmarks) sit behind it."""
 
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 
 import torch
+
+from rlmesh.errors import InvalidArgument
 
 
 class Finish(Enum):
@@ -35,8 +39,14 @@ class Sampling:
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
-    """Prompt, followed by tokens already generated elsewhere when this is a continuation."""
     sampling: Sampling
+    continued_token_ids: list[int] = field(default_factory=list)
+    """Response tokens generated earlier (elsewhere): generation continues after them and
+    `sampling.max_tokens` counts them."""
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.continued_token_ids)
 
 
 @dataclass(slots=True)
@@ -94,6 +104,18 @@ class Engine(abc.ABC):
     def abort(self, request_ids: list[str] | None = None) -> int:
         """Aborts the named requests (all when None); returns how many were running."""
 
+    @property
+    @abc.abstractmethod
+    def paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stops decoding after the current step; running requests keep their state."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continues every paused request where it stopped."""
+
     @abc.abstractmethod
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Loads a version into the standby copy (blocking; call it off the event loop)."""
@@ -107,3 +129,69 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def stop(self) -> None: ...
+
+
+def validate_request(request: EngineRequest, vocab_size: int, max_positions: int) -> None:
+    """The checks every engine makes before accepting a request."""
+    prompt, sampling, name = request.prompt_token_ids, request.sampling, f"request {request.request_id}"
+    if not prompt:
+        raise InvalidArgument(f"{name}: prompt_token_ids is empty")
+    bad = [t for t in prompt + request.continued_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{name}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if request.remaining_tokens < 1:
+        raise InvalidArgument(
+            f"{name}: max_tokens ({sampling.max_tokens}) leaves nothing to generate after "
+            f"{len(request.continued_token_ids)} continued tokens"
+        )
+    if len(prompt) + sampling.max_tokens > max_positions:
+        raise InvalidArgument(
+            f"{name}: prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the model's {max_positions} positions"
+        )
+    if sampling.temperature < 0:
+        raise InvalidArgument(f"{name}: temperature must be >= 0")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(f"{name}: top_p must be in (0, 1]")
+
+
+class ChunkStream:
+    """Carries one request's chunks from the thread or task that decodes to the consumer; tokens
+    decoded while the consumer was busy leave as one chunk, not one each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._queue: asyncio.Queue[Chunk] = asyncio.Queue()
+
+    def put(self, chunk: Chunk) -> None:
+        """From the event loop's thread."""
+        self._queue.put_nowait(chunk)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        while True:
+            chunk = await self._queue.get()
+            while chunk.finish is Finish.NONE and not self._queue.empty():
+                chunk = merge_chunks(chunk, self._queue.get_nowait())
+            yield chunk
+            if chunk.finish is not Finish.NONE:
+                return
+
+
+def merge_chunks(first: Chunk, second: Chunk) -> Chunk:
+    return Chunk(
+        request_id=first.request_id,
+        token_ids=first.token_ids + second.token_ids,
+        logprobs=first.logprobs + second.logprobs,
+        weight_versions=first.weight_versions + second.weight_versions,
+        finish=second.finish,
+    )
+
+
+def model_parameter_specs(model_dir: str | Path) -> list[ParameterSpec]:
+    """The parameters a weight version of this model carries, as the trainer sends them; built on
+    the meta device, so nothing is allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return [ParameterSpec(name, tuple(param.shape), param.dtype) for name, param in model.named_parameters()]

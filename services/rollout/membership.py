@@ -16,8 +16,10 @@ log = structlog.get_logger()
 
 
 class Membership:
-    def __init__(self, manager_address: str, instance_id: str, address: str, engine: Engine, rpc_timeout: float) -> None:
+    def __init__(self, manager_address: str, instance_id: str, address: str, engine: Engine, rpc_timeout: float, preemptible: bool = False) -> None:
         self.instance_id = instance_id
+        self.preemptible = preemptible
+        self.draining = False
         self.address = address
         self.engine = engine
         self.rpc_timeout = rpc_timeout
@@ -38,6 +40,7 @@ class Membership:
                         address=self.address,
                         weight_version=self.engine.weight_version,
                         max_batch_size=self.engine.max_batch_size,
+                        preemptible=self.preemptible,
                     ),
                     **call_options(self.rpc_timeout),
                 )
@@ -64,10 +67,7 @@ class Membership:
                 pass
             self._wake.clear()
             try:
-                await self._stub.Heartbeat(
-                    manager_pb2.HeartbeatRequest(instance_id=self.instance_id, weight_version=self.engine.weight_version),
-                    **call_options(self.rpc_timeout),
-                )
+                await self._heartbeat()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("lease lost; registering again")
@@ -77,6 +77,20 @@ class Membership:
                         log.warning("re-registration failed", error=str(err))
                 else:
                     log.warning("heartbeat failed", code=exc.code().name, error=exc.details())
+
+    async def _heartbeat(self) -> None:
+        await self._stub.Heartbeat(
+            manager_pb2.HeartbeatRequest(instance_id=self.instance_id, weight_version=self.engine.weight_version, draining=self.draining),
+            **call_options(self.rpc_timeout),
+        )
+
+    async def announce_drain(self) -> None:
+        """Tells the manager to give this instance no more work (before its requests are handed back)."""
+        self.draining = True
+        try:
+            await self._heartbeat()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not announce the drain", code=exc.code().name, error=exc.details())
 
     async def deregister(self) -> None:
         if self._task:

@@ -3,12 +3,12 @@ and the weight updater."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import InvalidArgument
+from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling
 from services.rollout.membership import Membership
@@ -45,19 +45,33 @@ def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, instance_id: str, model_name: str, engine: Engine, updater: WeightUpdater) -> None:
+    def __init__(self, instance_id: str, model_name: str, engine_kind: str, engine: Engine, updater: WeightUpdater, preemptible: bool) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
+        self.engine_kind = engine_kind
         self.engine = engine
         self.updater = updater
+        self.preemptible = preemptible
         self.membership: Membership | None = None
+        self.drain: Callable[[str], Awaitable[int]] | None = None
+        """Set by the process: hands running requests back and stops the instance."""
+        self.streams = 0
+        """Generate streams still open: a drain waits for them to deliver their last chunk."""
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
-        engine_request = EngineRequest(request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling))
-        async for chunk in self.engine.generate(engine_request):
-            yield rollout_pb2.GenerateResponse(chunk=chunk_to_proto(chunk))
+        if self.membership and self.membership.draining:
+            raise FailedPrecondition("this instance is draining and takes no new requests")
+        engine_request = EngineRequest(
+            request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids)
+        )
+        self.streams += 1
+        try:
+            async for chunk in self.engine.generate(engine_request):
+                yield rollout_pb2.GenerateResponse(chunk=chunk_to_proto(chunk))
+        finally:
+            self.streams -= 1
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.AbortResponse:
         if not request.all and not request.request_ids:
@@ -74,6 +88,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             max_batch_size=self.engine.max_batch_size,
             generated_tokens=self.engine.generated_tokens,
             transfer_session=self.updater.transfer_session,
+            engine=self.engine_kind,
+            paused=self.engine.paused,
+            preemptible=self.preemptible,
+            draining=bool(self.membership and self.membership.draining),
         )
 
     async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:
@@ -95,3 +113,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if self.membership:
             self.membership.wake()
         return rollout_pb2.CommitWeightUpdateResponse(weight_version=self.engine.weight_version, load_ms=load_ms)
+
+    async def PauseGeneration(self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.PauseGenerationResponse:
+        await self.engine.pause()
+        return rollout_pb2.PauseGenerationResponse(held_requests=self.engine.running_requests)
+
+    async def ResumeGeneration(self, request: rollout_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.ResumeGenerationResponse:
+        await self.engine.resume()
+        return rollout_pb2.ResumeGenerationResponse()
+
+    async def Drain(self, request: rollout_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.DrainResponse:
+        if self.drain is None:
+            raise FailedPrecondition("this instance cannot drain yet: it is still starting")
+        handed_back = await self.drain(request.reason or "drain requested")
+        return rollout_pb2.DrainResponse(handed_back_requests=handed_back)

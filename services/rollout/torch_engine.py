@@ -1,4 +1,4 @@
-"""The default engine: a HF causal LM on CPU with a KV cache and batched sampling, run on a
+"""The default engine: a HF causal LM on CPU with continuous batching over one KV cache, run on a
 dedicated thread so the gRPC event loop stays responsive while it decodes."""
 
 from __future__ import annotations
@@ -6,27 +6,29 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.loading import copy_into, load_causal_lm
-from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, ParameterSpec
+from services.rollout.engine import Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, validate_request
 
 log = structlog.get_logger()
 
 
 @dataclass(slots=True)
-class _Running:
+class _Sequence:
     request: EngineRequest
-    loop: asyncio.AbstractEventLoop
-    chunks: asyncio.Queue[Chunk]
-    generator: torch.Generator
+    stream: ChunkStream
+    generator: torch.Generator | None
+    """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
     generated: int = 0
     finish: Finish = Finish.NONE
     pending: Chunk = field(init=False)
@@ -34,11 +36,11 @@ class _Running:
     def __post_init__(self) -> None:
         self.pending = Chunk(self.request.request_id)
 
-    def emit(self, finish: Finish = Finish.NONE) -> None:
+    def take_chunk(self, finish: Finish = Finish.NONE) -> Chunk:
         self.finish = finish
         self.pending.finish = finish
         chunk, self.pending = self.pending, Chunk(self.request.request_id)
-        self.loop.call_soon_threadsafe(self.chunks.put_nowait, chunk)
+        return chunk
 
 
 @dataclass(slots=True)
@@ -48,9 +50,67 @@ class _Swap:
     loop: asyncio.AbstractEventLoop
 
 
+class _RunningBatch:
+    """The sequences being decoded and their KV cache, right-aligned: row i's valid entries are
+    the last ones of the cache (mask 1), padding is on the left (mask 0). Sequences join by
+    merging their prefill cache and leave by dropping their row, at any decode step."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.rows: list[_Sequence] = []
+        self.cache = DynamicCache()
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.positions = torch.zeros(0, dtype=torch.long)
+        """Position of the token each row feeds next."""
+        self.next_tokens = torch.zeros(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, rows: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions, self.next_tokens = rows, cache, mask, positions, tokens
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, dim=2), _left_pad(theirs.keys, width, dim=2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, dim=2), _left_pad(theirs.values, width, dim=2)])
+        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
+        self.positions = torch.cat([self.positions, positions])
+        self.next_tokens = torch.cat([self.next_tokens, tokens])
+        self.rows = self.rows + rows
+
+    def drop_finished(self) -> None:
+        keep = [i for i, row in enumerate(self.rows) if row.finish is Finish.NONE]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.clear()
+            return
+        index = torch.tensor(keep)
+        self.rows = [self.rows[i] for i in keep]
+        self.mask, self.positions, self.next_tokens = self.mask[index], self.positions[index], self.next_tokens[index]
+        # Columns that only the departed rows used are dropped too, so the cache shrinks.
+        first = int((self.mask.sum(0) > 0).nonzero()[0])
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, first:]
+            layer.values = layer.values[index, :, first:]
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [missing, 0]
+    return F.pad(tensor, pad)
+
+
 class TorchEngine(Engine):
-    """Static batches: requests waiting when a batch starts run together with one KV cache;
-    weights switch between decode steps."""
+    """Continuous batching: at every decode step waiting requests are prefilled and join the
+    running batch, and finished or aborted ones leave it; weights switch between two steps."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0) -> None:
         self._active = load_causal_lm(model_dir)
@@ -62,12 +122,14 @@ class TorchEngine(Engine):
         self._max_batch = max_batch_size
         self._version = weight_version
         self._staged_version: int | None = None
-        self._seeds = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
-        self._waiting: deque[_Running] = deque()
-        self._running: dict[str, _Running] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._batch = _RunningBatch()
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
+        self._pause_requested = False
+        self._paused_ack: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._staging = threading.Lock()
         self._stopped = False
         self._generated = 0
@@ -83,11 +145,15 @@ class TorchEngine(Engine):
 
     @property
     def running_requests(self) -> int:
-        return len(self._running) + len(self._waiting)
+        return len(self._batch) + len(self._waiting)
 
     @property
     def generated_tokens(self) -> int:
         return self._generated
+
+    @property
+    def paused(self) -> bool:
+        return self._pause_requested
 
     def parameter_specs(self) -> list[ParameterSpec]:
         return [ParameterSpec(n, tuple(p.shape), p.dtype) for n, p in self._active.named_parameters()]
@@ -99,67 +165,60 @@ class TorchEngine(Engine):
         self.abort()
         with self._cond:
             self._stopped = True
+            self._pause_requested = False
             self._cond.notify_all()
         await asyncio.to_thread(self._thread.join)
 
-    def _validate(self, request: EngineRequest) -> None:
-        prompt = request.prompt_token_ids
-        sampling = request.sampling
-        if not prompt:
-            raise InvalidArgument(f"request {request.request_id}: prompt_token_ids is empty")
-        bad = [t for t in prompt if not 0 <= t < self._vocab_size]
-        if bad:
-            raise InvalidArgument(f"request {request.request_id}: token ids {bad[:5]} outside the vocabulary [0, {self._vocab_size})")
-        if sampling.max_tokens < 1:
-            raise InvalidArgument(f"request {request.request_id}: max_tokens must be at least 1")
-        if len(prompt) + sampling.max_tokens > self._max_positions:
-            raise InvalidArgument(
-                f"request {request.request_id}: prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) "
-                f"exceeds the model's {self._max_positions} positions"
-            )
-        if sampling.temperature < 0:
-            raise InvalidArgument(f"request {request.request_id}: temperature must be >= 0")
-        if not 0 < sampling.top_p <= 1:
-            raise InvalidArgument(f"request {request.request_id}: top_p must be in (0, 1]")
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
-        self._validate(request)
-        seed = request.sampling.seed or int(torch.randint(1, 2**62, (1,), generator=self._seeds))
-        state = _Running(request, asyncio.get_running_loop(), asyncio.Queue(), torch.Generator().manual_seed(seed))
+        validate_request(request, self._vocab_size, self._max_positions)
+        seed = request.sampling.seed
+        # A continuation must not replay the random stream of the attempt it continues.
+        generator = torch.Generator().manual_seed(seed + len(request.continued_token_ids)) if seed else None
+        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()), generator)
+        request_id = request.request_id
         with self._cond:
             if self._stopped:
                 raise FailedPrecondition("engine is stopping")
-            running = self._running.get(request.request_id)
-            if (running and running.finish is Finish.NONE) or any(
-                w.request.request_id == request.request_id for w in self._waiting
+            if any(s.request.request_id == request_id and s.finish is Finish.NONE for s in self._batch.rows) or any(
+                w.request.request_id == request_id for w in self._waiting
             ):
-                raise InvalidArgument(f"request {request.request_id} is already running")
-            self._aborted.discard(request.request_id)
-            self._waiting.append(state)
+                raise InvalidArgument(f"request {request_id} is already running")
+            self._aborted.discard(request_id)
+            self._waiting.append(sequence)
             self._cond.notify_all()
         try:
-            while True:
-                chunk = await state.chunks.get()
-                # Tokens decoded while the consumer was busy leave as one chunk, not one each.
-                while chunk.finish is Finish.NONE and not state.chunks.empty():
-                    chunk = _merge(chunk, state.chunks.get_nowait())
+            async for chunk in sequence.stream.chunks():
                 yield chunk
-                if chunk.finish is not Finish.NONE:
-                    return
         finally:
-            if state.finish is Finish.NONE:
-                self.abort([request.request_id])
+            if sequence.finish is Finish.NONE:
+                self.abort([request_id])
 
     def abort(self, request_ids: list[str] | None = None) -> int:
         with self._cond:
-            known = [i for i, s in self._running.items() if s.finish is Finish.NONE]
-            known += [w.request.request_id for w in self._waiting]
-            targets = set(known) if request_ids is None else set(request_ids) & set(known)
-            for state in [w for w in self._waiting if w.request.request_id in targets]:
-                self._waiting.remove(state)
-                state.emit(Finish.ABORT)
-            self._aborted |= targets & self._running.keys()
+            running = {s.request.request_id for s in self._batch.rows if s.finish is Finish.NONE}
+            waiting = {w.request.request_id for w in self._waiting}
+            targets = running | waiting if request_ids is None else set(request_ids) & (running | waiting)
+            for sequence in [w for w in self._waiting if w.request.request_id in targets]:
+                self._waiting.remove(sequence)
+                chunk = sequence.take_chunk(Finish.ABORT)
+                sequence.stream.loop.call_soon_threadsafe(sequence.stream.put, chunk)
+            self._aborted |= targets & running
+            self._cond.notify_all()
             return len(targets)
+
+    async def pause(self) -> None:
+        loop = asyncio.get_running_loop()
+        acknowledged = loop.create_future()
+        with self._cond:
+            self._pause_requested = True
+            self._paused_ack.append((loop, acknowledged))
+            self._cond.notify_all()
+        await acknowledged
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._pause_requested = False
+            self._cond.notify_all()
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         if not self._staging.acquire(blocking=False):
@@ -201,111 +260,133 @@ class TorchEngine(Engine):
         swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_result(None))
         log.info("weights switched", weight_version=swap.version)
 
+    # The decode thread ----------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        if self._stopped or self._swap is not None or self._aborted:
+            return True
+        return not self._pause_requested and bool(self._batch.rows or self._waiting)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and self._swap is None and not self._stopped:
+                self._acknowledge_pause()
+                while not self._has_work():
                     self._cond.wait()
+                    self._acknowledge_pause()
                 if self._stopped:
                     return
-                batch = [self._waiting.popleft() for _ in range(min(self._max_batch, len(self._waiting)))]
-                for state in batch:
-                    self._running[state.request.request_id] = state
+                aborted, self._aborted = self._aborted, set()
+                joining: list[_Sequence] = []
+                if not self._pause_requested:
+                    free = self._max_batch - len(self._batch)
+                    joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             self._apply_swap()
-            if batch:
-                try:
-                    with torch.inference_mode():
-                        self._run_batch(batch)
-                except Exception:
-                    log.exception("batch failed")
-                    for state in batch:
-                        if state.finish is Finish.NONE:
-                            state.emit(Finish.ABORT)
-                finally:
-                    with self._cond:
-                        for state in batch:
-                            # A finished request's id may already run again in a newer state.
-                            if self._running.get(state.request.request_id) is state:
-                                del self._running[state.request.request_id]
-                                self._aborted.discard(state.request.request_id)
+            emitted: list[tuple[_Sequence, Chunk]] = []
+            try:
+                with torch.inference_mode():
+                    for sequence in self._batch.rows:
+                        if sequence.request.request_id in aborted and sequence.finish is Finish.NONE:
+                            emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
+                    self._batch.drop_finished()
+                    if joining:
+                        self._prefill(joining, emitted)
+                    if self._batch.rows and not self._pause_requested:
+                        self._decode(emitted)
+            except Exception:
+                log.exception("decode step failed; its requests end aborted")
+                for sequence in self._batch.rows + joining:
+                    if sequence.finish is Finish.NONE:
+                        emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
+                self._batch.clear()
+            self._batch.drop_finished()
+            _deliver(emitted)
 
-    def _run_batch(self, batch: list[_Running]) -> None:
-        prompts = [s.request.prompt_token_ids for s in batch]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self._pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    def _acknowledge_pause(self) -> None:
+        if self._pause_requested or self._stopped:
+            for loop, future in self._paused_ack:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            self._paused_ack.clear()
+
+    def _prefill(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
+        inputs = [s.request.prompt_token_ids + s.request.continued_token_ids for s in joining]
+        width = max(len(ids) for ids in inputs)
+        ids = torch.tensor([[self._pad_id] * (width - len(x)) + x for x in inputs])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        temperatures = torch.tensor([s.request.sampling.temperature for s in batch])
         out = self._active(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        logits_version = self._version
-        cache = out.past_key_values
-        next_position = positions[:, -1] + 1
-        while True:
-            tokens = self._sample(batch, out.logits[:, -1].float(), temperatures, logits_version)
-            with self._cond:
-                aborted = set(self._aborted)
-            for state in batch:
-                if state.finish is Finish.NONE and state.request.request_id in aborted:
-                    state.emit(Finish.ABORT)
-            if all(s.finish is not Finish.NONE for s in batch):
-                return
-            self._apply_swap()
-            mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype)], dim=1)
-            out = self._active(
-                input_ids=tokens[:, None],
-                attention_mask=mask,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits_version = self._version
-            cache = out.past_key_values
-            next_position = next_position + 1
+        tokens = self._sample(joining, out.logits[:, -1].float(), self._version, emitted)
+        self._batch.join(joining, out.past_key_values, mask, positions[:, -1] + 1, tokens)
 
-    def _sample(self, batch: list[_Running], logits: torch.Tensor, temperatures: torch.Tensor, version: int) -> torch.Tensor:
-        scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-        logprobs = torch.log_softmax(scaled, dim=-1)
-        tokens = torch.full((len(batch),), self._pad_id, dtype=torch.long)
-        for row, state in enumerate(batch):
-            if state.finish is not Finish.NONE:
+    def _decode(self, emitted: list[tuple[_Sequence, Chunk]]) -> None:
+        batch = self._batch
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype)], dim=1)
+        out = self._active(
+            input_ids=batch.next_tokens[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.past_key_values
+        batch.positions = batch.positions + 1
+        batch.next_tokens = self._sample(batch.rows, out.logits[:, -1].float(), self._version, emitted)
+
+    def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int, emitted: list[tuple[_Sequence, Chunk]]) -> torch.Tensor:
+        """Samples one token per row, vectorised except for seeded rows; the logprob is taken
+        under the temperature-scaled distribution before top-p truncation."""
+        temperatures = torch.tensor([s.request.sampling.temperature for s in rows])
+        top_p = torch.tensor([s.request.sampling.top_p for s in rows])
+        logprobs = torch.log_softmax(logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None], dim=-1)
+        tokens = logprobs.argmax(-1)
+        sampled = (temperatures > 0).nonzero().flatten().tolist()
+        if sampled:
+            probs = _nucleus(logprobs[sampled].exp(), top_p[sampled])
+            shared = [i for i, row in enumerate(sampled) if rows[row].generator is None]
+            if shared:
+                draws = torch.multinomial(probs[shared], 1, generator=self._rng).flatten()
+                tokens[[sampled[i] for i in shared]] = draws
+            for i, row in enumerate(sampled):
+                if rows[row].generator is not None:
+                    tokens[row] = torch.multinomial(probs[i], 1, generator=rows[row].generator)
+        chosen = logprobs.gather(1, tokens[:, None]).flatten().tolist()
+        for sequence, token, logprob in zip(rows, tokens.tolist(), chosen):
+            if sequence.finish is not Finish.NONE:
                 continue
-            sampling = state.request.sampling
-            if sampling.temperature == 0:
-                token = int(torch.argmax(logprobs[row]))
-            else:
-                probs = logprobs[row].exp()
-                if sampling.top_p < 1:
-                    probs = _nucleus(probs, sampling.top_p)
-                token = int(torch.multinomial(probs, 1, generator=state.generator))
-            tokens[row] = token
-            state.generated += 1
+            sequence.generated += 1
             self._generated += 1
-            state.pending.token_ids.append(token)
-            state.pending.logprobs.append(float(logprobs[row, token]))
-            state.pending.weight_versions.append(version)
-            if token in sampling.stop_token_ids:
-                state.emit(Finish.STOP)
-            elif state.generated >= sampling.max_tokens:
-                state.emit(Finish.LENGTH)
+            sequence.pending.token_ids.append(token)
+            sequence.pending.logprobs.append(logprob)
+            sequence.pending.weight_versions.append(version)
+            if token in sequence.request.sampling.stop_token_ids:
+                emitted.append((sequence, sequence.take_chunk(Finish.STOP)))
+            elif sequence.generated >= sequence.request.remaining_tokens:
+                emitted.append((sequence, sequence.take_chunk(Finish.LENGTH)))
             else:
-                state.emit()
+                emitted.append((sequence, sequence.take_chunk()))
         return tokens
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keeps the smallest set of most likely tokens whose mass reaches top_p."""
-    sorted_probs, order = probs.sort(descending=True)
-    keep = sorted_probs.cumsum(0) - sorted_probs < top_p
-    filtered = torch.zeros_like(probs)
-    filtered[order[keep]] = sorted_probs[keep]
-    return filtered / filtered.sum()
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, keeps the smallest set of most likely tokens whose mass reaches top_p."""
+    if bool((top_p >= 1).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
 
 
-def _merge(first: Chunk, second: Chunk) -> Chunk:
-    return Chunk(
-        request_id=first.request_id,
-        token_ids=first.token_ids + second.token_ids,
-        logprobs=first.logprobs + second.logprobs,
-        weight_versions=first.weight_versions + second.weight_versions,
-        finish=second.finish,
-    )
+def _deliver(emitted: list[tuple[_Sequence, Chunk]]) -> None:
+    """One wake-up per event loop per decode step, however many requests got tokens."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ChunkStream, Chunk]]] = defaultdict(list)
+    for sequence, chunk in emitted:
+        by_loop[sequence.stream.loop].append((sequence.stream, chunk))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[ChunkStream, Chunk]]) -> None:
+    for stream, chunk in items:
+        stream.put(chunk)

@@ -81,8 +81,8 @@ def test_continuation_keeps_generated_tokens_and_shrinks_max_tokens():
     assert [r.request_id for r in requeued] == [assignment.request.request_id]
     (retry,) = state.assign()
     assert retry.instance.instance_id != victim
-    prompt, remaining = retry.request.continuation()
-    assert prompt == [7, 7, 1, 2] and remaining == 4
+    assert retry.request.prompt_token_ids == [7, 7] and retry.request.token_ids == [1, 2]
+    assert retry.request.remaining_tokens == 4
     # The dead attempt's late chunk is ignored: nothing is counted twice.
     assert not state.record_chunk(assignment.request.request_id, assignment.attempt, [3], [-0.3], [0], NONE)
     state.record_chunk(retry.request.request_id, retry.attempt, [3, 9], [-0.3, -0.4], [0, 0], STOP)
@@ -112,7 +112,7 @@ def test_an_aborted_stream_continues_elsewhere():
     (assignment,) = state.assign()
     state.record_chunk(assignment.request.request_id, assignment.attempt, [5], [-1.0], [0], ABORT)
     (retry,) = state.assign()
-    assert retry.request.continuation() == ([1, 5], 3)
+    assert retry.request.token_ids == [5] and retry.request.remaining_tokens == 3
 
 
 def test_micro_batches_never_split_groups_and_wait_for_the_lower_bound():
@@ -145,6 +145,7 @@ def test_micro_batches_never_split_groups_and_wait_for_the_lower_bound():
         ("b", [("p", [1], 0)], sampling(), "n must be"),
         ("b", [("p", [1], 1), ("p", [2], 1)], sampling(), "twice"),
         ("b", [("a/b", [1], 1)], sampling(), "prompt_id"),
+        ("b", [("a@1", [1], 1)], sampling(), "prompt_id"),
         ("b", [("p", [1], 1)], sampling(0), "max_tokens"),
     ],
 )
@@ -284,3 +285,225 @@ def test_a_cancelled_batch_frees_its_queue_and_slots():
     assert [a.request.batch_id for a in state.assign()] == ["new"]
     with pytest.raises(NotFound):
         state.cancel_batch("old")
+
+
+def measured(state: ManagerState, rates: dict[str, tuple[float, float]]) -> None:
+    for instance_id, (total, per_sequence) in rates.items():
+        state.instances[instance_id].tokens_per_second = total
+        state.instances[instance_id].sequence_tokens_per_second = per_sequence
+
+
+def test_dispatch_weighs_outstanding_tokens_by_measured_throughput():
+    state = state_with({"fast": 0, "slow": 0})
+    measured(state, {"fast": (300.0, 10.0), "slow": (100.0, 3.0)})
+    state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(40)], sampling(10))
+    picked = [a.instance.instance_id for a in state.assign()]
+    # Expected finish times stay level: three times the work goes to the three times faster one.
+    assert picked.count("fast") == 30 and picked.count("slow") == 10
+
+
+def test_round_robin_ignores_speed_and_load():
+    state = state_with({"a": 0, "b": 0, "c": 0})
+    state.policy = "round_robin"
+    measured(state, {"a": (300.0, 10.0), "b": (100.0, 3.0), "c": (1.0, 1.0)})
+    state.submit("b1", 0, [(f"p{i}", [1], 1) for i in range(7)], sampling(10))
+    assert [a.instance.instance_id for a in state.assign()] == ["a", "b", "c", "a", "b", "c", "a"]
+    assert state.plan_migrations() == []
+
+
+def test_a_seeded_batch_gives_every_sample_its_own_stable_seed():
+    params = common_pb2.SamplingParams(temperature=1.0, max_tokens=4, seed=7)
+    first, second = state_with({}), state_with({})
+    first.submit("b", 0, [("p", [1], 4)], params)
+    second.submit("b", 0, [("p", [1], 4)], params)
+    seeds = [r.sampling.seed for r in first.requests.values()]
+    assert len(set(seeds)) == 4 and 0 not in seeds
+    assert seeds == [r.sampling.seed for r in second.requests.values()]
+
+
+def straggler_setup() -> tuple[ManagerState, list]:
+    state = state_with({"fast": 0, "slow": 0})
+    state.instances["fast"].max_batch_size = 2
+    state.instances["slow"].max_batch_size = 4
+    measured(state, {"fast": (200.0, 100.0), "slow": (40.0, 10.0)})
+    state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(6)], sampling(100))
+    return state, state.assign()
+
+
+def test_stragglers_move_from_a_slow_instance_to_an_idle_fast_one():
+    state, assignments = straggler_setup()
+    on_fast = [a for a in assignments if a.instance.instance_id == "fast"]
+    on_slow = [a for a in assignments if a.instance.instance_id == "slow"]
+    assert len(on_fast) == 2 and len(on_slow) == 4
+    # Not while work is still queued, and not before the fast one has a free slot.
+    assert state.plan_migrations() == []
+    for a in on_slow:
+        state.record_chunk(a.request.request_id, a.attempt, [1] * (on_slow.index(a) + 1), [0.0] * (on_slow.index(a) + 1), [0] * (on_slow.index(a) + 1), NONE)
+    for a in on_fast:
+        state.record_chunk(a.request.request_id, a.attempt, [2], [0.0], [0], STOP)
+    moved = state.plan_migrations()
+    # Two free slots on "fast": the two slow requests expected to run longest go there.
+    assert [r.request_id for r in moved] == [on_slow[3].request.request_id, on_slow[2].request.request_id]
+    assert state.plan_migrations() == []
+    # The abort's last chunk arrives with one more token; the request continues on "fast".
+    victim = on_slow[3]
+    state.record_chunk(victim.request.request_id, victim.attempt, [9], [-0.5], [0], ABORT)
+    (again,) = state.assign()
+    assert again.instance.instance_id == "fast"
+    assert again.request.token_ids == [1, 1, 1, 1, 9]
+    assert state.migrated_samples == 1 and state.continued_tokens == 5
+
+
+def test_no_migration_between_instances_of_equal_speed():
+    state = state_with({"a": 0, "b": 0})
+    state.instances["a"].max_batch_size = 1
+    measured(state, {"a": (100.0, 50.0), "b": (100.0, 50.0)})
+    state.submit("b1", 0, [(f"p{i}", [1], 1) for i in range(3)], sampling(100))
+    for a in state.assign():
+        if a.instance.instance_id == "a":
+            state.record_chunk(a.request.request_id, a.attempt, [1], [0.0], [0], STOP)
+    assert state.plan_migrations() == []
+
+
+def test_a_draining_instance_gets_no_work_and_its_aborted_requests_continue_elsewhere():
+    state = state_with({"a": 0, "b": 0})
+    state.instances["b"].max_batch_size = 1
+    state.submit("b1", 0, [("p", [1], 1)], sampling(10))
+    (first,) = state.assign()
+    draining = first.instance.instance_id
+    state.heartbeat(draining, 0, now=1, draining=True)
+    assert not state.instances[draining].schedulable
+    state.record_chunk(first.request.request_id, first.attempt, [4, 5], [0.0, 0.0], [0, 0], ABORT)
+    (second,) = state.assign()
+    assert second.instance.instance_id != draining and second.request.token_ids == [4, 5]
+    state.heartbeat(draining, 0, now=2)
+    assert state.instances[draining].draining
+
+
+def test_late_chunks_of_an_abandoned_attempt_count_as_discarded():
+    state = state_with({"a": 0, "b": 0})
+    state.submit("b1", 0, [("p", [1], 1)], sampling(10))
+    (first,) = state.assign()
+    state.stream_lost(first.request.request_id, first.attempt)
+    assert not state.record_chunk(first.request.request_id, first.attempt, [1, 2, 3], [0.0] * 3, [0] * 3, NONE)
+    assert state.discarded_tokens == 3
+
+
+def test_work_without_any_instance_is_reported_starving():
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
+    assert state.starved_seconds(now=50) == 0  # nothing waits
+    state.submit("b", 0, [("p", [1], 1)], sampling())
+    assert state.starved_seconds(now=50) == 50
+    state.register("a", "127.0.0.1:1", 0, 4, now=60)
+    assert state.starved_seconds(now=70) == 0
+    state.deregister("a", now=80)
+    assert state.starved_seconds(now=95) == 15
+
+
+def complete_groups(state: ManagerState, sizes: list[int], unfinished: int = 0) -> None:
+    state.submit("b", 0, [(f"p{i}", [1, 2], 1) for i in range(len(sizes) + unfinished)], sampling(100))
+    for a in sorted(state.assign(), key=lambda a: int(a.request.prompt_id[1:]))[: len(sizes)]:
+        size = sizes[int(a.request.prompt_id[1:])]
+        state.record_chunk(a.request.request_id, a.attempt, [1] * size, [0.0] * size, [0] * size, STOP)
+
+
+def test_dynamic_micro_batches_take_what_is_ready_within_bounds():
+    state = state_with({"a": 0})
+    complete_groups(state, [3, 3, 3], unfinished=2)
+    assert state.take_micro_batch("b", 8, min_groups=4) is None
+    groups, remaining = state.take_micro_batch("b", 8, min_groups=2)
+    assert len(groups) == 3 and remaining == 2
+    with pytest.raises(InvalidArgument, match="min_groups"):
+        state.take_micro_batch("b", 2, min_groups=3)
+
+
+def test_token_budget_packs_whole_groups():
+    state = state_with({"a": 0})
+    complete_groups(state, [3, 3, 10, 1])  # 5, 5, 12 and 3 tokens with the prompt
+    sizes = []
+    while True:
+        groups, remaining = state.take_micro_batch("b", 4, min_groups=1, max_tokens=10)
+        sizes.append([len(g[0].prompt_token_ids) + len(g[0].token_ids) for g in groups])
+        if remaining == 0:
+            break
+    # Never split; a group over budget travels alone.
+    assert sizes == [[5, 5], [12], [3]]
+
+
+def test_give_me_everything_ready():
+    state = state_with({"a": 0})
+    state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(3)], sampling())
+    assignments = state.assign()
+    assert state.take_ready("b") == ([], 3)
+    for a in assignments[:2]:
+        state.record_chunk(a.request.request_id, a.attempt, [1], [0.0], [0], STOP)
+    groups, remaining = state.take_ready("b")
+    assert len(groups) == 2 and remaining == 1
+
+
+def test_training_reports_feed_the_stage_balance():
+    now = [0.0]
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: now[0])
+    state.register("a", "127.0.0.1:1", 0, 4, now=0)
+    state.submit("b", 0, [("p", [1], 1)], sampling())
+    with pytest.raises(NotFound):
+        state.report_training_step("b", 5.0, 1.0)
+    now[0] = 4.0
+    finish_all(state)
+    state.take_micro_batch("b", 1)
+    state.finish_batch("b")
+    balance = state.report_training_step("b", step_seconds=5.0, wait_seconds=1.0)
+    assert balance.rollout_seconds == pytest.approx(4.0) and balance.observed_steps == 1
+    with pytest.raises(InvalidArgument):
+        state.report_training_step("b", step_seconds=1.0, wait_seconds=2.0)
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("chunk"), st.integers(0, 30), st.integers(0, 4), st.sampled_from([NONE, STOP, ABORT])),
+        st.tuples(st.just("lost"), st.integers(0, 30)),
+        st.tuples(st.just("drop"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("join"), st.sampled_from(["a", "b"])),
+        st.tuples(st.just("migrate"),),
+        st.tuples(st.just("measure"), st.floats(1, 500), st.floats(1, 50)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations)
+def test_outstanding_tokens_always_equal_what_running_requests_are_charged(script):
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
+    state.register("a", "127.0.0.1:1", 0, 3, now=0)
+    state.register("b", "127.0.0.1:2", 0, 5, now=0)
+    state.submit("b", 0, [(f"p{i}", [1], 3) for i in range(4)], sampling(12))
+    live = list(state.assign())
+    for op in script:
+        current = [a for a in live if state._current(a.request.request_id, a.attempt)]
+        if op[0] == "chunk" and current:
+            a = current[op[1] % len(current)]
+            state.record_chunk(a.request.request_id, a.attempt, [1] * op[2], [0.0] * op[2], [0] * op[2], op[3])
+        elif op[0] == "lost" and current:
+            a = current[op[1] % len(current)]
+            state.stream_lost(a.request.request_id, a.attempt)
+        elif op[0] == "drop" and op[1] in state.instances:
+            state.deregister(op[1])
+        elif op[0] == "join" and op[1] not in state.instances:
+            state.register(op[1], "127.0.0.1:3", 0, 4, now=0)
+        elif op[0] == "migrate":
+            state.plan_migrations()
+        elif op[0] == "measure":
+            for instance in state.instances.values():
+                instance.tokens_per_second, instance.sequence_tokens_per_second = op[1], op[2]
+        live += state.assign()
+        for instance in state.instances.values():
+            charged = sum(state.requests[r].charged for r in instance.running)
+            assert instance.outstanding_tokens == pytest.approx(charged, abs=1e-6)
+            assert len(instance.running) <= instance.max_batch_size
+        queued = {r.request_id for r in state.queue}
+        running = {r for i in state.instances.values() for r in i.running}
+        done = {r.request_id for r in state.requests.values() if r.done}
+        # Every sample is in exactly one place: queued, running, or done.
+        assert not (queued & running) and not (queued & done) and not (running & done)
+        assert queued | running | done == set(state.requests)

@@ -1,5 +1,6 @@
 """The torch engine on a real model: agreement with HF greedy decoding and with the trainer's
-log-probabilities, stop and length handling, abort, and the weight switch between decode steps."""
+log-probabilities, continuous batching, continuation, stop and length handling, abort, pause and
+resume, and the weight switch between decode steps."""
 
 import asyncio
 
@@ -71,7 +72,8 @@ async def test_length_limit_and_abort(engine, model_dir):
     assert len(tokens) == len(logprobs) == len(versions) == 3 and finish is Finish.LENGTH
 
     async def abort_soon():
-        await asyncio.sleep(0)
+        while engine.running_requests == 0:
+            await asyncio.sleep(0.001)
         return engine.abort(["long"])
 
     long_request = EngineRequest("long", ids[0], Sampling(temperature=1.0, max_tokens=50))
@@ -117,3 +119,101 @@ async def test_a_request_running_during_a_switch_reports_both_versions(engine, m
             await engine.commit_staged(1)
     assert versions[0] == 0 and versions[-1] == 1
     assert versions == sorted(versions)
+
+
+async def test_a_short_request_joining_late_finishes_before_the_long_one(engine, model_dir):
+    ids, _ = prompts(model_dir, ["123=", "4="])
+    order: list[str] = []
+
+    async def run(request_id, prompt, max_tokens):
+        tokens, _, _, finish = await collect(engine, EngineRequest(request_id, prompt, Sampling(temperature=1.0, max_tokens=max_tokens)))
+        order.append(request_id)
+        return tokens, finish
+
+    long_task = asyncio.create_task(run("long", ids[0], 55))
+    while engine.generated_tokens < 2:
+        await asyncio.sleep(0.001)
+    seen = 0
+    async for chunk in engine.generate(EngineRequest("probe", ids[1], Sampling(temperature=1.0, max_tokens=3))):
+        seen += len(chunk.token_ids)
+    # The probe joined a batch already decoding "long" and left it after 3 tokens.
+    assert seen == 3 and not long_task.done()
+    tokens, finish = await long_task
+    assert len(tokens) == 55 and finish is Finish.LENGTH
+
+
+async def test_greedy_tokens_do_not_depend_on_batch_mates(engine, model_dir):
+    ids, _ = prompts(model_dir, ["2468=", "13579135=", "7="])
+    alone = await collect(engine, EngineRequest("alone", ids[0], Sampling(temperature=0, max_tokens=12)))
+
+    async def joins_later():
+        await asyncio.sleep(0.01)
+        return await collect(engine, EngineRequest("late", ids[0], Sampling(temperature=0, max_tokens=12)))
+
+    results = await asyncio.gather(
+        collect(engine, EngineRequest("mate1", ids[1], Sampling(temperature=1.0, max_tokens=50))),
+        joins_later(),
+        collect(engine, EngineRequest("mate2", ids[2], Sampling(temperature=1.0, max_tokens=30))),
+    )
+    late = results[1]
+    assert late[0] == alone[0]
+    assert late[1] == pytest.approx(alone[1], abs=1e-4)
+
+
+async def test_continuation_picks_up_where_the_first_attempt_stopped(engine, model_dir):
+    ids, _ = prompts(model_dir, ["86420="])
+    whole, whole_logprobs, _, finish = await collect(engine, EngineRequest("whole", ids[0], Sampling(temperature=0, max_tokens=10)))
+    assert finish is Finish.LENGTH
+    rest, rest_logprobs, _, finish = await collect(
+        engine, EngineRequest("rest", ids[0], Sampling(temperature=0, max_tokens=10), continued_token_ids=whole[:4])
+    )
+    assert finish is Finish.LENGTH
+    assert rest == whole[4:]
+    assert rest_logprobs == pytest.approx(whole_logprobs[4:], abs=1e-4)
+    with pytest.raises(InvalidArgument, match="nothing to generate"):
+        await collect(engine, EngineRequest("none", ids[0], Sampling(max_tokens=4), continued_token_ids=whole[:4]))
+
+
+async def test_abort_one_leaves_the_others_running(engine, model_dir):
+    ids, _ = prompts(model_dir, ["111=", "222="])
+    victim = asyncio.create_task(collect(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    survivor = asyncio.create_task(collect(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50))))
+    while engine.generated_tokens < 10:
+        await asyncio.sleep(0.001)
+    assert engine.abort(["victim", "unknown"]) == 1
+    tokens, logprobs, versions, finish = await victim
+    assert finish is Finish.ABORT and 0 < len(tokens) < 55 and len(tokens) == len(logprobs) == len(versions)
+    tokens, _, _, finish = await survivor
+    assert finish is Finish.LENGTH and len(tokens) == 50
+
+
+async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_dir):
+    ids, _ = prompts(model_dir, ["31=", "4159=", "26="])
+    tasks = [
+        asyncio.create_task(collect(engine, EngineRequest(f"p{i}", p, Sampling(temperature=1.0, max_tokens=50))))
+        for i, p in enumerate(ids)
+    ]
+    while engine.generated_tokens < 6:
+        await asyncio.sleep(0.001)
+    await engine.pause()
+    assert engine.paused
+    frozen = engine.generated_tokens
+    late = asyncio.create_task(collect(engine, EngineRequest("late", ids[0], Sampling(temperature=1.0, max_tokens=5))))
+    await asyncio.sleep(0.3)
+    assert engine.generated_tokens == frozen and not any(t.done() for t in tasks + [late])
+    await engine.resume()
+    results = await asyncio.gather(*tasks, late)
+    assert [len(r[0]) for r in results] == [50, 50, 50, 5]
+    assert all(r[3] is Finish.LENGTH for r in results)
+
+
+async def test_abort_all_while_paused_returns_partial_tokens(engine, model_dir):
+    ids, _ = prompts(model_dir, ["9="])
+    task = asyncio.create_task(collect(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    while engine.generated_tokens < 5:
+        await asyncio.sleep(0.001)
+    await engine.pause()
+    assert engine.abort() == 1
+    tokens, _, _, finish = await task
+    assert finish is Finish.ABORT and len(tokens) >= 5
+    await engine.resume()

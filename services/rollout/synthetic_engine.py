@@ -1,0 +1,230 @@
+"""An engine without a model, for benchmarks only: it emits tokens at a configured rate with
+response lengths from a configured distribution, so scheduling, balance and fault handling can
+be measured at scales this machine cannot run with real models."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from rlmesh.config import StrictModel
+from rlmesh.errors import FailedPrecondition, InvalidArgument
+from services.rollout.engine import (
+    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, model_parameter_specs, validate_request,
+)
+
+
+class SyntheticConfig(StrictModel):
+    throughput_tokens_per_second: float = Field(default=2000.0, gt=0)
+    """Tokens per second of a full batch at speed 1: a decode step of b sequences takes b / throughput."""
+    min_step_seconds: float = Field(default=0.004, gt=0)
+    """Shortest decode step (a lone sequence's per-token latency) at speed 1."""
+    speed: float = Field(default=1.0, gt=0)
+    """This instance's speed factor: every step takes 1/speed as long."""
+    length: Literal["fixed", "uniform", "lognormal"] = "lognormal"
+    """Response length distribution; lognormal gives a long tail."""
+    mean_tokens: float = Field(default=200.0, gt=0)
+    sigma: float = Field(default=1.0, ge=0)
+    """Spread: the lognormal's sigma, or the uniform's half-width as a fraction of the mean."""
+    stream_interval: int = Field(default=1, ge=1)
+    """Tokens per chunk (the last chunk may be shorter), like vLLM's stream_interval."""
+    vocab_size: int = Field(default=32_000, ge=2)
+    tick_seconds: float = Field(default=0.002, gt=0)
+    """How often the engine advances its sequences; below it, steps are accumulated."""
+
+
+def response_length(config: SyntheticConfig, seed: int, max_tokens: int) -> int:
+    """The length a request's response will have, the same on every instance for a given seed."""
+    rng = random.Random(seed)
+    if config.length == "fixed":
+        length = config.mean_tokens
+    elif config.length == "uniform":
+        half = config.sigma * config.mean_tokens
+        length = rng.uniform(config.mean_tokens - half, config.mean_tokens + half)
+    else:
+        # Parameterised by its mean: mu = ln(mean) - sigma^2 / 2.
+        length = rng.lognormvariate(math.log(config.mean_tokens) - config.sigma**2 / 2, config.sigma)
+    return max(1, min(max_tokens, round(length)))
+
+
+def _seed_of(request: EngineRequest, fallback: random.Random) -> int:
+    if request.sampling.seed:
+        return request.sampling.seed
+    digest = hashlib.blake2b(repr((request.prompt_token_ids, fallback.random())).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: EngineRequest
+    stream: ChunkStream
+    target: int
+    """Response tokens still to emit."""
+    rng: random.Random
+    reason: Finish
+    """How the response ends: LENGTH when the drawn length hit max_tokens, else STOP."""
+    pending: Chunk = field(init=False)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.pending = Chunk(self.request.request_id)
+
+    def take(self, finish: Finish = Finish.NONE) -> Chunk:
+        self.pending.finish = finish
+        self.done = finish is not Finish.NONE
+        chunk, self.pending = self.pending, Chunk(self.request.request_id)
+        return chunk
+
+
+class SyntheticEngine(Engine):
+    def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0) -> None:
+        self.config = config
+        self._max_batch = max_batch_size
+        self._version = weight_version
+        self._staged: int | None = None
+        self._specs = model_parameter_specs(model_dir) if model_dir else []
+        self._waiting: list[_Sequence] = []
+        self._running: dict[str, _Sequence] = {}
+        self._generated = 0
+        self._paused = False
+        self._progress = 0.0
+        self._rng = random.Random(0)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch
+
+    @property
+    def running_requests(self) -> int:
+        return len(self._running) + len(self._waiting)
+
+    @property
+    def generated_tokens(self) -> int:
+        return self._generated
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def parameter_specs(self) -> list[ParameterSpec]:
+        return self._specs
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self.abort()
+        if self._task:
+            self._task.cancel()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
+        validate_request(request, self.config.vocab_size, 2**31)
+        request_id = request.request_id
+        if request_id in self._running or any(s.request.request_id == request_id for s in self._waiting):
+            raise InvalidArgument(f"request {request_id} is already running")
+        seed = _seed_of(request, self._rng)
+        total = response_length(self.config, seed, request.sampling.max_tokens)
+        target = max(0, total - len(request.continued_token_ids))
+        reason = Finish.LENGTH if total >= request.sampling.max_tokens else Finish.STOP
+        rng = random.Random(seed + len(request.continued_token_ids))
+        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()), target, rng, reason)
+        if target == 0:
+            # The continued tokens already reach the length this seed gives: the response ends here.
+            sequence.stream.put(sequence.take(reason))
+        else:
+            self._waiting.append(sequence)
+            self._wake.set()
+        try:
+            async for chunk in sequence.stream.chunks():
+                yield chunk
+        finally:
+            if not sequence.done:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str] | None = None) -> int:
+        sequences = list(self._running.values()) + self._waiting
+        targets = [s for s in sequences if request_ids is None or s.request.request_id in request_ids]
+        for sequence in targets:
+            self._running.pop(sequence.request.request_id, None)
+            if sequence in self._waiting:
+                self._waiting.remove(sequence)
+            sequence.stream.put(sequence.take(Finish.ABORT))
+        return len(targets)
+
+    async def pause(self) -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        if version <= self._version:
+            raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
+        self._staged = version
+
+    async def commit_staged(self, version: int) -> None:
+        if self._staged != version:
+            raise FailedPrecondition(f"version {version} is not staged (staged: {self._staged})")
+        self._version, self._staged = version, None
+
+    def _step_seconds(self) -> float:
+        busy = max(1, len(self._running))
+        return max(self.config.min_step_seconds, busy / self.config.throughput_tokens_per_second) / self.config.speed
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            if not (self._running or self._waiting) or self._paused:
+                self._wake.clear()
+                await self._wake.wait()
+                last = time.perf_counter()
+                self._progress = 0.0
+            await asyncio.sleep(self.config.tick_seconds)
+            self._admit()
+            now = time.perf_counter()
+            # Steps completed since the last tick, at the step time of the current batch size.
+            self._progress += (now - last) / self._step_seconds()
+            last = now
+            steps = int(self._progress)
+            self._progress -= steps
+            if steps:
+                self._advance(steps)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._max_batch:
+            sequence = self._waiting.pop(0)
+            self._running[sequence.request.request_id] = sequence
+
+    def _advance(self, steps: int) -> None:
+        interval = self.config.stream_interval
+        for request_id, sequence in list(self._running.items()):
+            count = min(steps, sequence.target)
+            rng = sequence.rng
+            sequence.pending.token_ids += [rng.randrange(self.config.vocab_size) for _ in range(count)]
+            sequence.pending.logprobs += [-rng.expovariate(1.0) for _ in range(count)]
+            sequence.pending.weight_versions += [self._version] * count
+            sequence.target -= count
+            self._generated += count
+            if sequence.target == 0:
+                del self._running[request_id]
+                sequence.stream.put(sequence.take(sequence.reason))
+            elif len(sequence.pending.token_ids) >= interval:
+                sequence.stream.put(sequence.take())
+
