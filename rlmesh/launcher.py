@@ -62,12 +62,59 @@ class Child:
 
 
 def _die_with_parent() -> None:
-    # If `rlmesh up` itself is killed, the kernel sends SIGTERM to its services too.
+    # If the launching process itself is killed, the kernel sends SIGTERM to its services too.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
+
+
+def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
+                  python: str | None = None) -> Child:
+    """Starts `python -m module` as its own process group with `settings` in its environment and
+    its output in `log_dir/name.log`; `python` picks another virtualenv (the vLLM one)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    env = {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with log_path.open("ab") as log_file:
+        process = subprocess.Popen(
+            [python or sys.executable, "-m", module],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    return Child(name, address, process, log_path)
+
+
+async def wait_started(children: list[Child], timeout: float = 120.0) -> None:
+    """Waits until every child's health service says SERVING; fails fast if one exits."""
+
+    async def one(child: Child) -> None:
+        waiting = asyncio.create_task(wait_healthy(child.address, timeout))
+        while not waiting.done():
+            if child.process.poll() is not None:
+                waiting.cancel()
+                raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting; see {child.log_path}")
+            await asyncio.sleep(0.1)
+        waiting.result()
+
+    await asyncio.gather(*(one(c) for c in children))
+
+
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM in reverse start order, SIGKILL after a timeout."""
+    for child in reversed(children):
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+            try:
+                child.process.wait(STOP_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
 
 
 class Mesh:
@@ -77,35 +124,9 @@ class Mesh:
         self.log_dir = plan.output_dir / "logs"
 
     def _spawn(self, name: str, module: str, address: str, settings: dict[str, str]) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
-        env = {**os.environ, **settings, MESH_ID_ENV: str(self.plan.output_dir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        log_file = log_path.open("ab")
-        process = subprocess.Popen(
-            [sys.executable, "-m", module],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log_file.close()
-        child = Child(name, address, process, log_path)
+        child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir))
         self.children.append(child)
         return child
-
-    async def _healthy(self, children: list[Child], timeout: float = 120.0) -> None:
-        async def one(child: Child) -> None:
-            waiting = asyncio.create_task(wait_healthy(child.address, timeout))
-            while not waiting.done():
-                if child.process.poll() is not None:
-                    waiting.cancel()
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting; see {child.log_path}")
-                await asyncio.sleep(0.1)
-            waiting.result()
-
-        await asyncio.gather(*(one(c) for c in children))
 
     async def start_services(self) -> None:
         plan = self.plan
@@ -114,7 +135,7 @@ class Mesh:
             "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
             "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
         })
-        await self._healthy([manager])
+        await wait_started([manager])
         weights = self._spawn("weights", "services.weights", plan.weights_address, {
             "RLMESH_WEIGHTS_SERVER__HOST": plan.host,
             "RLMESH_WEIGHTS_SERVER__PORT": _port(plan.weights_address),
@@ -132,7 +153,7 @@ class Mesh:
             })
             for i in range(plan.rollout_instances)
         ]
-        await self._healthy([weights, *rollouts])
+        await wait_started([weights, *rollouts])
 
     async def start_trainer(self) -> Child:
         plan = self.plan
@@ -145,22 +166,15 @@ class Mesh:
             "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
             "RLMESH_TRAINER_STEPS": str(plan.steps),
         })
-        await self._healthy([trainer])
+        await wait_started([trainer])
         return trainer
 
     def crashed(self) -> Child | None:
         return next((c for c in self.children if c.name != "trainer" and c.process.poll() is not None), None)
 
     def stop(self) -> None:
-        """SIGTERM in reverse start order (trainer first, manager last), SIGKILL after a timeout."""
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-                try:
-                    child.process.wait(STOP_TIMEOUT_SECONDS)
-                except subprocess.TimeoutExpired:
-                    child.process.kill()
-                    child.process.wait()
+        """Trainer first, manager last."""
+        stop_children(self.children)
 
 
 async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> int:

@@ -490,7 +490,6 @@ class ManagerState:
         the batch's last micro-batch, within a budget of `max_tokens` prompt + response tokens
         (0: none; a group over budget travels alone; groups are never split). Returns them with
         the number still to come, or None while fewer than the lower bound are ready."""
-        batch = self._deliverable(batch_id)
         if groups < 1:
             raise InvalidArgument("micro_batch_groups must be at least 1")
         lower = groups if not min_groups else min_groups
@@ -498,6 +497,7 @@ class ManagerState:
             raise InvalidArgument(f"min_groups ({lower}) exceeds micro_batch_groups ({groups})")
         if max_tokens < 0:
             raise InvalidArgument("max_tokens must be >= 0")
+        batch = self._deliverable(batch_id)
         want = min(lower, batch.remaining)
         if want == 0 or len(batch.ready) < want:
             return None

@@ -32,7 +32,12 @@ class TrainerConfig(StrictModel):
     group_size: int = Field(default=8, ge=2)
     """Samples per prompt; group-normalised advantages need at least two."""
     micro_batch_groups: int = Field(default=4, ge=1)
-    """Groups per forward/backward; micro-batches are trained on as they arrive."""
+    """Most groups per forward/backward; micro-batches are trained on as they arrive."""
+    min_micro_batch_groups: int = Field(default=0, ge=0)
+    """Fewest groups per micro-batch (0: micro_batch_groups, fixed size). Lower lets training
+    start on whatever is ready instead of waiting for a full micro-batch."""
+    micro_batch_max_tokens: int = Field(default=0, ge=0)
+    """Token budget of a micro-batch (prompt + response of every sample; 0: none)."""
     mini_batches_per_step: int = Field(default=1, ge=1)
     """Optimizer steps per training step; prompts_per_step must divide evenly."""
     grpo: GrpoConfig = GrpoConfig()
@@ -56,4 +61,6 @@ class TrainerConfig(StrictModel):
             raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
         if (self.prompts_per_step // self.mini_batches_per_step) % self.micro_batch_groups:
             raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
+        if self.min_micro_batch_groups > self.micro_batch_groups:
+            raise ValueError("min_micro_batch_groups must not exceed micro_batch_groups")
         return self

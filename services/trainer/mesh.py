@@ -45,13 +45,22 @@ class MeshClient:
             **call_options(self.rpc_timeout),
         )
 
-    async def rollouts(self, batch_id: str, micro_batch_groups: int, timeout: float) -> AsyncIterator[list[manager_pb2.Group]]:
+    async def rollouts(self, batch_id: str, micro_batch_groups: int, min_groups: int, max_tokens: int, timeout: float) -> AsyncIterator[list[manager_pb2.Group]]:
         stream = self.manager.StreamRollouts(
-            manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=micro_batch_groups),
+            manager_pb2.StreamRolloutsRequest(
+                batch_id=batch_id, micro_batch_groups=micro_batch_groups, min_groups=min_groups, max_tokens=max_tokens
+            ),
             **call_options(timeout),
         )
         async for reply in stream:
             yield list(reply.groups)
+
+    async def report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> manager_pb2.StageBalance:
+        reply = await self.manager.ReportTrainingStep(
+            manager_pb2.ReportTrainingStepRequest(batch_id=batch_id, step_seconds=step_seconds, wait_seconds=wait_seconds),
+            **call_options(self.rpc_timeout),
+        )
+        return reply.stage_balance
 
     async def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> float:
         """Uploads a version to the weights service, then announces it to the manager; returns

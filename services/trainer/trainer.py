@@ -34,6 +34,10 @@ STREAM_ATTEMPTS = 3
 """Times a step's rollout stream is opened when the connection to the manager breaks."""
 
 
+class RolloutsUnavailable(RuntimeError):
+    """The manager says a step's rollouts cannot come (no rollout instance left for too long)."""
+
+
 @dataclass(slots=True)
 class TrainingStatus:
     """What GetTrainingStatus reports; updated by the loop."""
@@ -53,6 +57,8 @@ class StepTotals:
     exact: list[bool] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     response_tokens: int = 0
+    wait_seconds: float = 0.0
+    """Time spent waiting for the next micro-batch of rollouts."""
     loss: float = 0.0
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
@@ -152,6 +158,7 @@ class GrpoTrainer:
         state.version = state.step + version_offset
         publish_seconds = await self.mesh.publish(state.version, trainable_tensors(self.policy))
         step_seconds = time.perf_counter() - step_started
+        balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
             "reward": sum(totals.rewards) / len(totals.rewards),
             "exact_match": sum(totals.exact) / len(totals.exact),
@@ -164,13 +171,30 @@ class GrpoTrainer:
             "generated_tokens_per_second": totals.response_tokens / step_seconds,
             "response_length": totals.response_tokens / len(totals.rewards),
             "publish_seconds": publish_seconds,
+            "rollout_wait_seconds": totals.wait_seconds,
             "weight_version": float(state.version),
+            **balance,
         }
         self.metrics.write(state.step, values)
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
         log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
                  step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
+
+    async def _report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> dict[str, float]:
+        """Tells the manager how training and rollout compared; returns its balance estimate as metrics."""
+        try:
+            balance = await self.mesh.report_step(batch_id, step_seconds, min(wait_seconds, step_seconds))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not report the step's timing", batch_id=batch_id, code=exc.code().name, error=exc.details())
+            return {}
+        return {
+            "balance/recommended_rollout_instances": float(balance.recommended_rollout_instances),
+            "balance/offload_fraction": balance.offload_fraction,
+            "balance/local_window_seconds": balance.local_window_seconds,
+            "balance/rollout_seconds": balance.rollout_seconds,
+            "balance/train_seconds": balance.train_seconds,
+        }
 
     async def _cancel_unread_batches(self) -> None:
         """Batches submitted ahead that this run will not read: free the rollout capacity they hold."""
@@ -199,23 +223,31 @@ class GrpoTrainer:
         received: set[str] = set()
         groups_in_mini_batch = 0
         self.optimizer.zero_grad(set_to_none=True)
-        async with asyncio.timeout(self.config.rollout_timeout_seconds):
+        config = self.config
+        async with asyncio.timeout(config.rollout_timeout_seconds):
             for attempt in range(STREAM_ATTEMPTS):
                 try:
-                    async for groups in self.mesh.rollouts(batch_id, self.config.micro_batch_groups, self.config.rollout_timeout_seconds):
+                    waiting_since = time.perf_counter()
+                    async for groups in self.mesh.rollouts(
+                        batch_id, config.micro_batch_groups, config.min_micro_batch_groups, config.micro_batch_max_tokens,
+                        config.rollout_timeout_seconds,
+                    ):
+                        totals.wait_seconds += time.perf_counter() - waiting_since
                         # A resumed stream may resend groups whose delivery was not confirmed.
                         fresh = [g for g in groups if g.prompt_id not in received]
                         received.update(g.prompt_id for g in fresh)
-                        if not fresh:
-                            continue
-                        samples = self._score(batch_id, fresh, policy_version, totals)
-                        await asyncio.to_thread(self._backward, samples, totals)
-                        groups_in_mini_batch += len(fresh)
-                        if groups_in_mini_batch >= self.mini_batch_groups:
-                            await asyncio.to_thread(self._optimizer_step)
-                            groups_in_mini_batch = 0
+                        if fresh:
+                            samples = self._score(batch_id, fresh, policy_version, totals)
+                            await asyncio.to_thread(self._backward, samples, totals)
+                            groups_in_mini_batch += len(fresh)
+                            if groups_in_mini_batch >= self.mini_batch_groups:
+                                await asyncio.to_thread(self._optimizer_step)
+                                groups_in_mini_batch = 0
+                        waiting_since = time.perf_counter()
                     break
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        raise RolloutsUnavailable(f"step {step}: the manager cannot deliver rollouts: {exc.details()}") from exc
                     if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == STREAM_ATTEMPTS - 1:
                         raise
                     log.warning("rollout stream broke; resuming", batch_id=batch_id, received=len(received), error=exc.details())

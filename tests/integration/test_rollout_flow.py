@@ -36,7 +36,7 @@ def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
 
 async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:
     groups = []
-    async for micro_batch in client.rollouts(batch_id, micro, timeout=60):
+    async for micro_batch in client.rollouts(batch_id, micro, 0, 0, timeout=60):
         assert len(micro_batch) <= micro
         groups += micro_batch
     return groups

@@ -1,0 +1,167 @@
+"""Instances that leave and straggle, as real processes: a SIGTERM drain and a preemption notice
+hand every generated token back, stragglers move from a slow instance to a fast one, and a pool
+left empty fails the trainer's stream with a clear error while keeping the batch."""
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.launcher import wait_started
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from services.rollout.synthetic_engine import SyntheticConfig, response_length
+from services.trainer.mesh import MeshClient
+from tests.integration.conftest import build_mesh, spawn_rollout, stop_mesh, wait_for
+from tests.integration.test_rollout_flow import gather_batch, prompt_batch
+
+NO_STOP = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
+
+
+def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
+    assert sorted(g.prompt_id for g in groups) == sorted(f"p{i}" for i in range(prompts))
+    assert all(len(g.samples) == group_size for g in groups)
+    return [s for g in groups for s in g.samples]
+
+
+async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manager_pb2.GetStatusResponse, int]:
+    """Runs a batch on an in-process instance plus a real process that `leave` makes go away
+    while it generates; returns the samples, the manager's status and the process's exit code."""
+    mesh = await build_mesh(model_dir, "grpc", instances=1)
+    leaving = spawn_rollout(tmp_path, mesh.manager_address, "leaving", ENGINE__MODEL_DIR=str(model_dir))
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        await wait_started([leaving])
+        await wait_for(lambda: "leaving" in mesh.manager.state.instances, timeout=30)
+        await client.submit("b", 0, prompt_batch(model_dir, 8), 4, NO_STOP)
+        collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
+        await wait_for(lambda: "leaving" in mesh.manager.state.instances
+                       and mesh.manager.state.instances["leaving"].generated_tokens > 0)
+        await leave(leaving)
+        samples = assert_exactly_once(await collecting, 8, 4)
+        code = await asyncio.to_thread(leaving.process.wait, 30)
+        return samples, await client.manager_status(), code
+    finally:
+        if leaving.process.poll() is None:
+            leaving.process.kill()
+        await client.close()
+        await stop_mesh(mesh)
+
+
+def assert_handed_back_without_loss(samples, status) -> None:
+    assert all(len(s.token_ids) == 55 == len(s.logprobs) == len(s.weight_versions) for s in samples)
+    continued = [s for s in samples if s.instance_ids == ["leaving", "instance-0"]]
+    assert continued, "no request was running on the instance that left"
+    # Every token the leaving instance generated reached the manager and was kept.
+    assert status.discarded_tokens == 0
+    assert status.continued_tokens >= len(continued)
+
+
+async def test_sigterm_drains_and_every_generated_token_is_kept(model_dir, tmp_path):
+    async def terminate(child):
+        child.process.send_signal(signal.SIGTERM)
+
+    samples, status, code = await leave_mid_generation(model_dir, tmp_path, terminate)
+    assert code == 0
+    assert_handed_back_without_loss(samples, status)
+
+
+async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, tmp_path):
+    handed_back = []
+
+    async def notice(child):
+        async with grpc.aio.insecure_channel(child.address) as channel:
+            reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(
+                rollout_pb2.DrainRequest(reason="spot preemption notice"), timeout=30
+            )
+            handed_back.append(reply.handed_back_requests)
+
+    samples, status, code = await leave_mid_generation(model_dir, tmp_path, notice)
+    assert code == 0, "the instance should exit by itself after a drain"
+    assert handed_back[0] >= 1
+    assert_handed_back_without_loss(samples, status)
+
+
+async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp_path):
+    synthetic = SyntheticConfig(length="fixed", mean_tokens=60, throughput_tokens_per_second=2000, min_step_seconds=0.01, stream_interval=4)
+    common = {"ENGINE__KIND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "4", "ENGINE__SYNTHETIC__LENGTH": "fixed",
+              "ENGINE__SYNTHETIC__MEAN_TOKENS": "60", "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": "0.01",
+              "ENGINE__SYNTHETIC__STREAM_INTERVAL": "4"}
+    mesh = await build_mesh(model_dir, "grpc", instances=0)
+    fast = spawn_rollout(tmp_path, mesh.manager_address, "fast", **common)
+    slow = spawn_rollout(tmp_path, mesh.manager_address, "slow", ENGINE__SYNTHETIC__SPEED="0.1", **common)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        await wait_started([fast, slow])
+        await wait_for(lambda: {"fast", "slow"} <= mesh.manager.state.instances.keys(), timeout=30)
+        seeded = common_pb2.SamplingParams(temperature=1.0, max_tokens=100, seed=11)
+        await client.submit("b", 0, [(f"p{i}", [1, 2, 3]) for i in range(6)], 2, seeded)
+        samples = assert_exactly_once(await gather_batch(client, "b", micro=6), 6, 2)
+        status = await client.manager_status()
+        assert status.migrated_samples >= 1
+        moved = [s for s in samples if s.instance_ids == ["slow", "fast"]]
+        assert moved, "no sample continued on the fast instance"
+        # Continuation counted every token once: each response has exactly the configured length.
+        assert all(len(s.token_ids) == response_length(synthetic, 0, 100) for s in samples)
+        assert status.discarded_tokens == 0
+    finally:
+        await client.close()
+        for child in (fast, slow):
+            child.process.send_signal(signal.SIGTERM)
+        for child in (fast, slow):
+            await asyncio.to_thread(child.process.wait, 30)
+        await stop_mesh(mesh)
+
+
+async def test_an_empty_pool_fails_the_stream_clearly_and_keeps_the_batch(model_dir, tmp_path):
+    mesh = await build_mesh(model_dir, "grpc", instances=0, no_instance_timeout_seconds=1.0)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    joining = None
+    try:
+        await client.submit("b", 0, prompt_batch(model_dir, 3), 2, NO_STOP)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await gather_batch(client, "b", micro=3)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no rollout instance" in caught.value.details() and "6 unfinished samples" in caught.value.details()
+        joining = spawn_rollout(tmp_path, mesh.manager_address, "joining", ENGINE__MODEL_DIR=str(model_dir))
+        await wait_started([joining])
+        assert_exactly_once(await gather_batch(client, "b", micro=3), 3, 2)
+    finally:
+        await client.close()
+        if joining:
+            joining.process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(joining.process.wait, 30)
+        await stop_mesh(mesh)
+
+
+async def test_micro_batches_on_the_wire_take_what_is_ready(model_dir, channel_to):
+    # Two samples at a time: groups complete one after another.
+    mesh = await build_mesh(model_dir, "grpc", instances=1, max_batch_size=2)
+    engine = mesh.rollouts[0].engine
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    stub = manager_pb2_grpc.ManagerServiceStub(channel_to(mesh.manager_address))
+    try:
+        await client.submit("b", 0, prompt_batch(model_dir, 6), 2, common_pb2.SamplingParams(temperature=1.0, max_tokens=40))
+        await wait_for(lambda: mesh.manager.state.batches["b"].ready, timeout=20, interval=0.005)
+        await engine.pause()
+        ready = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b"), timeout=5)
+        assert 1 <= len(ready.groups) < 6 and ready.remaining_groups == 6 - len(ready.groups)
+        again = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b"), timeout=5)
+        assert list(again.groups) == [] and again.remaining_groups == ready.remaining_groups
+        await engine.resume()
+        prompt_tokens = len(prompt_batch(model_dir, 1)[0][1])
+        budget = 2 * 2 * (prompt_tokens + 40)  # two groups of two samples
+        streamed = []
+        async for micro_batch in client.rollouts("b", 4, 1, budget, timeout=30):
+            assert 1 <= len(micro_batch) <= 2
+            streamed += micro_batch
+        names = [g.prompt_id for g in list(ready.groups) + streamed]
+        assert sorted(names) == [f"p{i}" for i in range(6)]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id="b", micro_batch_groups=2, min_groups=3), timeout=5).read()
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_groups" in caught.value.details()
+    finally:
+        await client.close()
+        await stop_mesh(mesh)
