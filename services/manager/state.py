@@ -290,13 +290,23 @@ class ManagerState:
         assignments: list[Assignment] = []
         waiting: deque[SampleRequest] = deque()
         rates = self._rates()
+        fastest = max((i.sequence_tokens_per_second for i in self.instances.values() if i.schedulable), default=0.0)
+        fast_capacity = sum(
+            i.tokens_per_second for i in self.instances.values()
+            if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
+        )
+        queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue)
         while self.queue:
             request = self.queue.popleft()
-            candidates = self._eligible(request)
+            expected = request.expected_remaining(self.mean_length)
+            candidates = [
+                c for c in self._eligible(request)
+                if not self._too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
+            ]
+            queued_tokens -= expected
             if not candidates:
                 waiting.append(request)
                 continue
-            expected = request.expected_remaining(self.mean_length)
             preferred = [c for c in candidates if c.instance_id == request.migrate_to]
             instance = preferred[0] if preferred else min(
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
@@ -304,6 +314,15 @@ class ManagerState:
             assignments.append(self._start(request, instance))
         self.queue = waiting
         return assignments
+
+    @staticmethod
+    def _too_slow_for_the_tail(instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float) -> bool:
+        """Near the end of the queue a much slower instance should start nothing: the fast ones
+        would drain what is queued and finish this request sooner than it could."""
+        rate = instance.sequence_tokens_per_second
+        if rate <= 0 or fast_capacity <= 0 or rate * MIGRATION_SPEEDUP >= fastest:
+            return False
+        return queued_tokens / fast_capacity < expected / rate
 
     def _assign_round_robin(self) -> list[Assignment]:
         """Strict turns: the next request waits for the next instance's free slot."""

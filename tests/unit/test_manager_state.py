@@ -295,11 +295,26 @@ def measured(state: ManagerState, rates: dict[str, tuple[float, float]]) -> None
 
 def test_dispatch_weighs_outstanding_tokens_by_measured_throughput():
     state = state_with({"fast": 0, "slow": 0})
-    measured(state, {"fast": (300.0, 10.0), "slow": (100.0, 3.0)})
+    # Same speed per sequence, three times the throughput (more sequences at once).
+    measured(state, {"fast": (300.0, 10.0), "slow": (100.0, 10.0)})
     state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(40)], sampling(10))
     picked = [a.instance.instance_id for a in state.assign()]
     # Expected finish times stay level: three times the work goes to the three times faster one.
     assert picked.count("fast") == 30 and picked.count("slow") == 10
+
+
+def test_near_the_end_a_much_slower_instance_starts_nothing():
+    def assigned(requests: int) -> list[str]:
+        state = state_with({"fast": 0, "slow": 0})
+        state.instances["fast"].max_batch_size = 3
+        measured(state, {"fast": (100.0, 50.0), "slow": (10.0, 5.0)})
+        state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(requests)], sampling(10))
+        return [a.instance.instance_id for a in state.assign()]
+
+    # 600 queued tokens keep the fast instance busy for 6 s; a request takes the slow one 2 s.
+    assert assigned(60).count("slow") > 0
+    # 30 queued tokens are 0.3 s of work for the fast one: the slow one would only delay them.
+    assert assigned(3) == ["fast", "fast", "fast"]
 
 
 def test_round_robin_ignores_speed_and_load():
@@ -325,9 +340,11 @@ def straggler_setup() -> tuple[ManagerState, list]:
     state = state_with({"fast": 0, "slow": 0})
     state.instances["fast"].max_batch_size = 2
     state.instances["slow"].max_batch_size = 4
-    measured(state, {"fast": (200.0, 100.0), "slow": (40.0, 10.0)})
     state.submit("b", 0, [(f"p{i}", [1], 1) for i in range(6)], sampling(100))
-    return state, state.assign()
+    assignments = state.assign()
+    # Speeds become known once both generate.
+    measured(state, {"fast": (200.0, 100.0), "slow": (40.0, 10.0)})
+    return state, assignments
 
 
 def test_stragglers_move_from_a_slow_instance_to_an_idle_fast_one():

@@ -1,0 +1,161 @@
+"""What the benchmarks share: a manager and synthetic rollout instances as real processes on
+loopback, one rollout step driven the way the trainer drives it, and result files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.launcher import Child, spawn_service, stop_children, wait_started
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.rpc import call_options, open_channel
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class InstanceSpec:
+    instance_id: str
+    speed: float = 1.0
+    settings: dict[str, str] = field(default_factory=dict)
+    """Further rollout settings by environment name without the prefix (ENGINE__MAX_BATCH_SIZE)."""
+
+
+@dataclass
+class StepResult:
+    seconds: float
+    groups: list[manager_pb2.Group]
+
+    @property
+    def samples(self) -> list[manager_pb2.Sample]:
+        return [s for g in self.groups for s in g.samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+
+class BenchMesh:
+    """A manager process and synthetic rollout processes; logs go to a temporary folder."""
+
+    def __init__(self, instances: list[InstanceSpec], manager_settings: dict[str, str] | None = None) -> None:
+        self.instances = instances
+        self.manager_settings = manager_settings or {}
+        self.log_dir = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
+        self.children: list[Child] = []
+        self.manager_address = f"127.0.0.1:{free_port()}"
+        self.instance_addresses: dict[str, str] = {}
+        self._channel = None
+        self.manager: manager_pb2_grpc.ManagerServiceStub | None = None
+
+    def spawn_instance(self, spec: InstanceSpec) -> Child:
+        port = free_port()
+        settings = {
+            "RLMESH_ROLLOUT_SERVER__HOST": "127.0.0.1",
+            "RLMESH_ROLLOUT_SERVER__PORT": str(port),
+            "RLMESH_ROLLOUT_INSTANCE_ID": spec.instance_id,
+            "RLMESH_ROLLOUT_MANAGER_ADDRESS": self.manager_address,
+            "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false",
+            "RLMESH_ROLLOUT_ENGINE__KIND": "synthetic",
+            "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__SPEED": str(spec.speed),
+            "RLMESH_ROLLOUT_SERVER__LOG_LEVEL": "warning",
+            **{f"RLMESH_ROLLOUT_{k}": v for k, v in spec.settings.items()},
+        }
+        child = spawn_service(spec.instance_id, "services.rollout", f"127.0.0.1:{port}", settings, self.log_dir, str(self.log_dir))
+        self.children.append(child)
+        self.instance_addresses[spec.instance_id] = child.address
+        return child
+
+    async def __aenter__(self) -> BenchMesh:
+        manager = spawn_service("manager", "services.manager", self.manager_address, {
+            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
+            "RLMESH_MANAGER_SERVER__PORT": self.manager_address.rsplit(":", 1)[1],
+            "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+            **{f"RLMESH_MANAGER_{k}": v for k, v in self.manager_settings.items()},
+        }, self.log_dir, str(self.log_dir))
+        self.children.append(manager)
+        await wait_started([manager])
+        await wait_started([self.spawn_instance(spec) for spec in self.instances])
+        self._channel = open_channel(self.manager_address)
+        self.manager = manager_pb2_grpc.ManagerServiceStub(self._channel)
+        await self.wait_for_instances(len(self.instances))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        await asyncio.to_thread(stop_children, self.children)
+
+    async def status(self) -> manager_pb2.GetStatusResponse:
+        return await self.manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(10))
+
+    async def wait_for_instances(self, count: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len((await self.status()).instances) != count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} instances did not register within {timeout:.0f} s; logs in {self.log_dir}")
+            await asyncio.sleep(0.1)
+
+    async def run_step(self, batch_id: str, prompts: int, group_size: int, sampling: common_pb2.SamplingParams,
+                       micro_batch_groups: int = 8) -> StepResult:
+        """Submits a batch and streams it back as the trainer does; the step's time runs from the
+        submission to the last micro-batch received."""
+        request = manager_pb2.SubmitPromptsRequest(
+            batch_id=batch_id, policy_version=0, sampling=sampling,
+            prompts=[manager_pb2.Prompt(prompt_id=f"p{i}", token_ids=[1, 2, 3, 4, 5, i % 7 + 1], n=group_size) for i in range(prompts)],
+        )
+        started = time.perf_counter()
+        await self.manager.SubmitPrompts(request, **call_options(30))
+        groups: list[manager_pb2.Group] = []
+        stream = self.manager.StreamRollouts(
+            manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=micro_batch_groups), **call_options(600)
+        )
+        async for reply in stream:
+            groups += reply.groups
+        return StepResult(time.perf_counter() - started, groups)
+
+
+def check_exactly_once(result: StepResult, prompts: int, group_size: int) -> tuple[int, int]:
+    """(samples lost, samples duplicated) of a step, from what reached the trainer."""
+    seen: dict[str, int] = {}
+    for group in result.groups:
+        seen[group.prompt_id] = seen.get(group.prompt_id, 0) + len(group.samples)
+    expected = {f"p{i}": group_size for i in range(prompts)}
+    lost = sum(max(0, n - seen.get(p, 0)) for p, n in expected.items())
+    duplicated = sum(max(0, seen.get(p, 0) - expected.get(p, 0)) for p in seen)
+    return lost, duplicated
+
+
+def write_result(name: str, figures: dict, baseline: dict, ratios: dict, targets: dict, settings: dict) -> dict:
+    """Prints the figures with their same-run baseline and writes bench/results/<name>.json."""
+    result = {
+        "benchmark": name,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
+        "figures": figures,
+        "baseline": baseline,
+        "ratios": ratios,
+        "targets": targets,
+        "settings": settings,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\n== {name} ==")
+    for title, values in (("figures", figures), ("baseline (same run)", baseline), ("ratios", ratios), ("targets", targets)):
+        print(f"{title}:")
+        for key, value in values.items():
+            print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")
+    return result
