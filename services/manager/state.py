@@ -270,7 +270,7 @@ class ManagerState:
         for prompt_id, token_ids, n in prompts:
             groups[prompt_id] = [
                 SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids),
-                              _sample_sampling(sampling, f"{batch_id}/{prompt_id}/{i}"), policy_version)
+                              per_sample_sampling(sampling, f"{batch_id}/{prompt_id}/{i}"), policy_version)
                 for i in range(n)
             ]
         self.batches[batch_id] = Batch(batch_id, policy_version, groups, submitted_at=self.clock())
@@ -288,6 +288,9 @@ class ManagerState:
         if self.policy == "round_robin":
             return self._assign_round_robin()
         assignments: list[Assignment] = []
+        free = sum(max(0, i.free_slots) for i in self.instances.values() if i.schedulable)
+        if not free or not self.queue:
+            return assignments
         waiting: deque[SampleRequest] = deque()
         rates = self._rates()
         fastest = max((i.sequence_tokens_per_second for i in self.instances.values() if i.schedulable), default=0.0)
@@ -296,7 +299,7 @@ class ManagerState:
             if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
         )
         queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue)
-        while self.queue:
+        while self.queue and free:
             request = self.queue.popleft()
             expected = request.expected_remaining(self.mean_length)
             candidates = [
@@ -312,6 +315,8 @@ class ManagerState:
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
             )
             assignments.append(self._start(request, instance))
+            free -= 1
+        waiting.extend(self.queue)
         self.queue = waiting
         return assignments
 
@@ -634,7 +639,7 @@ class ManagerState:
         return sum(len(b.ready) for b in self.batches.values())
 
 
-def _sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:
+def per_sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:
     """A seeded batch gives each sample its own seed, derived from the batch's: samples of a
     group must differ, and a rerun must draw the same."""
     params = common_pb2.SamplingParams()

@@ -24,6 +24,9 @@ from services.rollout.engine import (
 )
 
 
+_POOL_TOKENS = 65_536
+
+
 class SyntheticConfig(StrictModel):
     throughput_tokens_per_second: float = Field(default=2000.0, gt=0)
     """Tokens per second of a full batch at speed 1: a decode step of b sequences takes b / throughput."""
@@ -99,6 +102,9 @@ class SyntheticEngine(Engine):
         self._paused = False
         self._progress = 0.0
         self._rng = random.Random(0)
+        pool = random.Random(1)
+        self._token_pool = [pool.randrange(config.vocab_size) for _ in range(_POOL_TOKENS)]
+        self._logprob_pool = [-pool.expovariate(1.0) for _ in range(_POOL_TOKENS)]
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -214,11 +220,14 @@ class SyntheticEngine(Engine):
 
     def _advance(self, steps: int) -> None:
         interval = self.config.stream_interval
+        pool = len(self._token_pool)
         for request_id, sequence in list(self._running.items()):
             count = min(steps, sequence.target)
-            rng = sequence.rng
-            sequence.pending.token_ids += [rng.randrange(self.config.vocab_size) for _ in range(count)]
-            sequence.pending.logprobs += [-rng.expovariate(1.0) for _ in range(count)]
+            # Slices of a fixed random pool, at a per-request offset: cheap enough that the
+            # engine never limits what it is used to measure.
+            start = sequence.rng.randrange(pool - count) if count < pool else 0
+            sequence.pending.token_ids += self._token_pool[start : start + count]
+            sequence.pending.logprobs += self._logprob_pool[start : start + count]
             sequence.pending.weight_versions += [self._version] * count
             sequence.target -= count
             self._generated += count
