@@ -74,8 +74,11 @@ def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    for key in ("reward", "exact_match", "loss", "kl", "staleness_mean", "step_seconds", "generated_tokens_per_second"):
+    for key in ("reward", "exact_match", "loss", "kl", "staleness_mean", "step_seconds", "generated_tokens_per_second",
+                "rollout_wait_seconds", "balance/recommended_rollout_instances", "balance/offload_fraction",
+                "balance/local_window_seconds"):
         assert all(key in r for r in steps), key
+    assert all(r["balance/recommended_rollout_instances"] >= 1 and 0 <= r["balance/offload_fraction"] <= 1 for r in steps)
     assert any("eval/sampled_reward" in r for r in records)
     assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (output_dir / "reward.png").stat().st_size > 0
