@@ -1,6 +1,7 @@
-"""Instances that leave and straggle, as real processes: a SIGTERM drain and a preemption notice
-hand every generated token back, stragglers move from a slow instance to a fast one, and a pool
-left empty fails the trainer's stream with a clear error while keeping the batch."""
+"""Instances that leave, hang and straggle, as real processes: a SIGTERM drain and a preemption
+notice hand every generated token back, a hung instance loses its lease, stragglers move from a
+slow instance to a fast one, and a pool left empty fails the trainer's stream with a clear error
+while keeping the batch."""
 
 import asyncio
 import signal
@@ -82,6 +83,29 @@ async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, t
     assert code == 0, "the instance should exit by itself after a drain"
     assert handed_back[0] >= 1
     assert_handed_back_without_loss(samples, status)
+
+
+async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_dir, tmp_path):
+    """SIGSTOP: the process keeps its connections open but sends nothing, heartbeats included."""
+    mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=2.0)
+    hung = spawn_rollout(tmp_path, mesh.manager_address, "hung", ENGINE__MODEL_DIR=str(model_dir))
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        await wait_started([hung])
+        await wait_for(lambda: "hung" in mesh.manager.state.instances, timeout=30)
+        await client.submit("b", 0, prompt_batch(model_dir, 8), 4, NO_STOP)
+        collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
+        await wait_for(lambda: "hung" in mesh.manager.state.instances and mesh.manager.state.instances["hung"].generated_tokens > 0)
+        hung.process.send_signal(signal.SIGSTOP)
+        samples = assert_exactly_once(await collecting, 8, 4)
+        assert all(len(s.token_ids) == 55 for s in samples)
+        assert any(s.instance_ids == ["hung", "instance-0"] for s in samples)
+        assert "hung" not in mesh.manager.state.instances
+    finally:
+        hung.process.kill()
+        await asyncio.to_thread(hung.process.wait, 30)
+        await client.close()
+        await stop_mesh(mesh)
 
 
 async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp_path):
