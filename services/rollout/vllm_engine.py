@@ -1,6 +1,6 @@
-"""The rollout contract on vLLM's async engine, run in-process: streamed tokens with logprobs of
-the distribution actually sampled from (vLLM's processed mode), abort, pause and resume, and
-weight reload from what the weights service delivered. Needs the vLLM virtualenv."""
+"""The rollout contract on vLLM's async engine (its engine core runs in a child process): streamed
+tokens with logprobs of the distribution actually sampled from (vLLM's processed mode), abort, pause
+and resume, and weight reload from what the weights service delivered. Needs the vLLM virtualenv."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
-from rlmesh.errors import FailedPrecondition
+from rlmesh.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, ParameterSpec, model_parameter_specs, validate_request
 
 if TYPE_CHECKING:
@@ -27,27 +27,43 @@ log = structlog.get_logger()
 _FINISH = {None: Finish.NONE, "stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 
 
+class WorkerExtension:
+    """Methods vLLM mixes into its worker in the engine-core process (`worker_extension_cls`),
+    called by name through `collective_rpc`."""
+
+    def rlmesh_reload_weights(self, weights_path: str) -> None:
+        self.reload_weights(weights_path=weights_path)
+        runner = self.model_runner
+        model = runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        if getattr(runner.model_config.hf_text_config, "tie_word_embeddings", False) and hasattr(lm_head, "quant_method"):
+            # A tied lm_head has no weights of its own, so the reload skips it; on CPU its GEMM
+            # runs on a packed copy of the embedding made at load time, which would keep
+            # producing logits from the old weights. Packing again reads the new embedding.
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
 @dataclass(slots=True)
 class _Tracked:
-    """Which weight version produced which of a request's tokens: (first token index, version)
-    marks, one per switch while it ran."""
-
-    marks: list[tuple[int, int]]
     emitted: int = 0
-    versions: list[int] = field(default_factory=list)
+    """Tokens handed out so far."""
+    abort_again: bool = False
+    """Abort asked for: repeated once at its next output, in case it came before vLLM knew the request."""
 
-    def versions_for(self, count: int) -> list[int]:
-        out = []
-        for index in range(self.emitted, self.emitted + count):
-            out.append(next(v for start, v in reversed(self.marks) if start <= index))
-        self.emitted += count
-        return out
+
+def _versions(starts: Sequence[tuple[str, int]], first: int, count: int, fallback: int) -> list[int]:
+    """The versions of tokens first..first+count-1 from (version label, first token index) spans."""
+    out = []
+    for index in range(first, first + count):
+        label = next((label for label, start in reversed(starts) if start <= index), None)
+        out.append(int(label) if label is not None and label.isdigit() else fallback)
+    return out
 
 
 class VllmEngine(Engine):
     def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0) -> None:
-        # vLLM reads these at import and engine start: one in-process engine core, CPU KV cache.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM reads these at import and engine start: CPU KV cache, one thread per engine core
+        # (tiny models decode much faster so).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.model_dir = str(model_dir)
@@ -55,6 +71,8 @@ class VllmEngine(Engine):
         self._max_batch = max_batch_size
         self._seed = seed
         self._version = weight_version
+        self._salt_version = weight_version
+        """The version new requests will be scheduled on (ahead of `_version` during a switch)."""
         self._staged: int | None = None
         self._staging_dir = Path(tempfile.mkdtemp(prefix="rlmesh-vllm-weights-"))
         """vLLM's engine core runs in its own process: staged weights reach it as a safetensors file."""
@@ -104,8 +122,12 @@ class VllmEngine(Engine):
             distributed_executor_backend="uni",
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            worker_extension_cls=f"{__name__}.WorkerExtension",
         )
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        # The engine core stamps every step's output with this label; it changes only while
+        # generation is paused, so each token's version is exactly the weights that produced it.
+        await self._llm.update_weight_version(str(self._version))
         model_config = self._llm.model_config
         self._vocab_size = model_config.get_vocab_size()
         self._max_len = model_config.max_model_len
@@ -127,6 +149,13 @@ class VllmEngine(Engine):
             raise FailedPrecondition("engine is not running")
         validate_request(request, self._vocab_size, self._max_len)
         sampling = request.sampling
+        if sampling.top_p < 1:
+            # vLLM's processed logprobs are taken after top-p truncation and renormalisation;
+            # the contract (and the trainer's ratio) needs them before it.
+            raise InvalidArgument(
+                f"request {request.request_id}: top_p {sampling.top_p} is not supported by the vLLM engine "
+                "(its logprobs would be of the truncated distribution); use top_p = 1"
+            )
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -142,20 +171,31 @@ class VllmEngine(Engine):
         request_id = request.request_id
         if request_id in self._tracked:
             raise FailedPrecondition(f"request {request_id} is already running")
-        tracked = _Tracked(marks=[(0, self._version)])
+        tracked = _Tracked()
         self._tracked[request_id] = tracked
         finish = Finish.NONE
         try:
-            prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids + request.continued_token_ids)
+            prompt = TokensPrompt(
+                prompt_token_ids=request.prompt_token_ids + request.continued_token_ids,
+                # Prefix-cache blocks computed by one version are never hit by requests of
+                # another: the cache cannot be reset while requests hold blocks (a switch
+                # mid-generation), and a stale block would silently feed old-weight KV.
+                cache_salt=f"rlmesh-v{self._salt_version}",
+            )
             async for output in self._llm.generate(prompt, params, request_id):
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs or [], tokens)]
                 finish = _FINISH.get(completion.finish_reason, Finish.STOP)
+                if tracked.abort_again and finish is Finish.NONE:
+                    tracked.abort_again = False
+                    await self._llm.abort(request_id)
                 if not tokens and finish is Finish.NONE:
                     continue
+                versions = _versions(self._version_starts(request_id, completion), tracked.emitted, len(tokens), self._version)
+                tracked.emitted += len(tokens)
                 self._generated += len(tokens)
-                yield Chunk(request_id, tokens, logprobs, tracked.versions_for(len(tokens)), finish)
+                yield Chunk(request_id, tokens, logprobs, versions, finish)
                 if finish is not Finish.NONE:
                     return
             if finish is Finish.NONE:
@@ -165,8 +205,23 @@ class VllmEngine(Engine):
             if finish is Finish.NONE and self._llm is not None:
                 await self._llm.abort(request_id)
 
+    def _version_starts(self, request_id: str, completion) -> Sequence[tuple[str, int]]:
+        """vLLM's (version label, first token index) spans of a request's tokens: on its last
+        output, the finished spans; before, the running state's, which covers exactly the tokens
+        delivered so far (the consumer gets every output the processor produced until now)."""
+        if completion.weight_versions is not None:
+            return [(span.version, span.start) for span in completion.weight_versions]
+        processor = self._llm.output_processor
+        for internal_id in processor.external_req_ids.get(request_id, ()):
+            state = processor.request_states.get(internal_id)
+            if state is not None:
+                return state.weight_version_starts
+        return []
+
     def abort(self, request_ids: list[str] | None = None) -> int:
         targets = list(self._tracked) if request_ids is None else [r for r in request_ids if r in self._tracked]
+        for request_id in targets:
+            self._tracked[request_id].abort_again = True
         if targets and self._llm is not None:
             task = asyncio.ensure_future(self._llm.abort(targets))
             task.add_done_callback(lambda t: t.exception() and log.error("vllm abort failed", error=str(t.exception())))
@@ -196,25 +251,20 @@ class VllmEngine(Engine):
             was_paused = self._paused
             if not was_paused:
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
+            # Requests arriving from here on are first scheduled on the new weights.
+            self._salt_version = version
             try:
-                self._mark_switch(version)
-                await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._staging_dir)})
-                # Cached prefixes were computed by the old weights.
+                await self._llm.collective_rpc("rlmesh_reload_weights", kwargs={"weights_path": str(self._staging_dir)})
+                await self._llm.update_weight_version(str(version))
+                # Frees the old version's cached blocks early; it fails (harmlessly: the cache
+                # salt keeps them from being hit) while paused requests still hold blocks.
                 await self._llm.reset_prefix_cache()
                 self._version = version
                 self._staged = None
+            except BaseException:
+                self._salt_version = self._version
+                raise
             finally:
                 if not was_paused:
                     await self._llm.resume_generation()
         log.info("weights switched", weight_version=version)
-
-    def _mark_switch(self, version: int) -> None:
-        """With decoding paused, every token a request has produced so far, delivered to us or
-        still waiting in vLLM's output collector, came from the old weights."""
-        pending: dict[str, int] = {}
-        for state in self._llm.output_processor.request_states.values():
-            queued = state.queue.output if state.queue is not None else None
-            outputs = getattr(queued, "outputs", None)
-            pending[state.external_req_id] = len(outputs[0].token_ids) if outputs else 0
-        for request_id, tracked in self._tracked.items():
-            tracked.marks.append((tracked.emitted + pending.get(request_id, 0), version))
