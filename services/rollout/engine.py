@@ -76,21 +76,32 @@ class Engine(abc.ABC):
     while generation goes on; `commit_staged` switches to it between two decode steps, so no
     token is ever produced by a partially loaded model."""
 
-    @property
-    @abc.abstractmethod
-    def weight_version(self) -> int: ...
+    def __init__(self, max_batch_size: int, weight_version: int) -> None:
+        self._max_batch = max_batch_size
+        self._version = weight_version
+        self._generated = 0
+        self._paused = False
 
     @property
-    @abc.abstractmethod
-    def max_batch_size(self) -> int: ...
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated since start."""
+        return self._generated
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     @property
     @abc.abstractmethod
     def running_requests(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def generated_tokens(self) -> int: ...
 
     @abc.abstractmethod
     def parameter_specs(self) -> list[ParameterSpec]:
@@ -103,10 +114,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_ids: list[str] | None = None) -> int:
         """Aborts the named requests (all when None); returns how many were running."""
-
-    @property
-    @abc.abstractmethod
-    def paused(self) -> bool: ...
 
     @abc.abstractmethod
     async def pause(self) -> None:

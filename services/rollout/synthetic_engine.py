@@ -91,15 +91,12 @@ class _Sequence:
 
 class SyntheticEngine(Engine):
     def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0) -> None:
+        super().__init__(max_batch_size, weight_version)
         self.config = config
-        self._max_batch = max_batch_size
-        self._version = weight_version
         self._staged: int | None = None
         self._specs = model_parameter_specs(model_dir) if model_dir else []
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
-        self._generated = 0
-        self._paused = False
         self._progress = 0.0
         self._rng = random.Random(0)
         pool = random.Random(1)
@@ -109,24 +106,8 @@ class SyntheticEngine(Engine):
         self._task: asyncio.Task[None] | None = None
 
     @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def max_batch_size(self) -> int:
-        return self._max_batch
-
-    @property
     def running_requests(self) -> int:
         return len(self._running) + len(self._waiting)
-
-    @property
-    def generated_tokens(self) -> int:
-        return self._generated
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     def parameter_specs(self) -> list[ParameterSpec]:
         return self._specs

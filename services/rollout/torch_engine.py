@@ -113,14 +113,13 @@ class TorchEngine(Engine):
     running batch, and finished or aborted ones leave it; weights switch between two steps."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0) -> None:
+        super().__init__(max_batch_size, weight_version)
         self._active = load_causal_lm(model_dir)
         self._standby = copy.deepcopy(self._active)
         config = self._active.config
         self._vocab_size = int(config.vocab_size)
         self._max_positions = int(config.max_position_embeddings)
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
-        self._max_batch = max_batch_size
-        self._version = weight_version
         self._staged_version: int | None = None
         self._rng = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
@@ -128,32 +127,15 @@ class TorchEngine(Engine):
         self._batch = _RunningBatch()
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
-        self._pause_requested = False
+        self._paused = False
         self._paused_ack: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._staging = threading.Lock()
         self._stopped = False
-        self._generated = 0
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def max_batch_size(self) -> int:
-        return self._max_batch
 
     @property
     def running_requests(self) -> int:
         return len(self._batch) + len(self._waiting)
-
-    @property
-    def generated_tokens(self) -> int:
-        return self._generated
-
-    @property
-    def paused(self) -> bool:
-        return self._pause_requested
 
     def parameter_specs(self) -> list[ParameterSpec]:
         return [ParameterSpec(n, tuple(p.shape), p.dtype) for n, p in self._active.named_parameters()]
@@ -165,7 +147,7 @@ class TorchEngine(Engine):
         self.abort()
         with self._cond:
             self._stopped = True
-            self._pause_requested = False
+            self._paused = False
             self._cond.notify_all()
         await asyncio.to_thread(self._thread.join)
 
@@ -210,14 +192,14 @@ class TorchEngine(Engine):
         loop = asyncio.get_running_loop()
         acknowledged = loop.create_future()
         with self._cond:
-            self._pause_requested = True
+            self._paused = True
             self._paused_ack.append((loop, acknowledged))
             self._cond.notify_all()
         await acknowledged
 
     async def resume(self) -> None:
         with self._cond:
-            self._pause_requested = False
+            self._paused = False
             self._cond.notify_all()
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -265,7 +247,7 @@ class TorchEngine(Engine):
     def _has_work(self) -> bool:
         if self._stopped or self._swap is not None or self._aborted:
             return True
-        return not self._pause_requested and bool(self._batch.rows or self._waiting)
+        return not self._paused and bool(self._batch.rows or self._waiting)
 
     def _loop(self) -> None:
         while True:
@@ -278,7 +260,7 @@ class TorchEngine(Engine):
                     return
                 aborted, self._aborted = self._aborted, set()
                 joining: list[_Sequence] = []
-                if not self._pause_requested:
+                if not self._paused:
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             self._apply_swap()
@@ -291,7 +273,7 @@ class TorchEngine(Engine):
                     self._batch.drop_finished()
                     if joining:
                         self._prefill(joining, emitted)
-                    if self._batch.rows and not self._pause_requested:
+                    if self._batch.rows and not self._paused:
                         self._decode(emitted)
             except Exception:
                 log.exception("decode step failed; its requests end aborted")
@@ -303,7 +285,7 @@ class TorchEngine(Engine):
             _deliver(emitted)
 
     def _acknowledge_pause(self) -> None:
-        if self._pause_requested or self._stopped:
+        if self._paused or self._stopped:
             for loop, future in self._paused_ack:
                 loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
             self._paused_ack.clear()

@@ -62,15 +62,14 @@ def _versions(starts: Sequence[tuple[str, int]], first: int, count: int, fallbac
 
 class VllmEngine(Engine):
     def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0) -> None:
+        super().__init__(max_batch_size, weight_version)
         # vLLM reads these at import and engine start: CPU KV cache, one thread per engine core
         # (tiny models decode much faster so).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         self.model_dir = str(model_dir)
         self.config = config
-        self._max_batch = max_batch_size
         self._seed = seed
-        self._version = weight_version
         self._salt_version = weight_version
         """The version new requests will be scheduled on (ahead of `_version` during a switch)."""
         self._staged: int | None = None
@@ -78,32 +77,14 @@ class VllmEngine(Engine):
         """vLLM's engine core runs in its own process: staged weights reach it as a safetensors file."""
         self._specs = model_parameter_specs(model_dir)
         self._tracked: dict[str, _Tracked] = {}
-        self._generated = 0
-        self._paused = False
         self._switch = asyncio.Lock()
         self._llm = None
         self._vocab_size = 0
         self._max_len = 0
 
     @property
-    def weight_version(self) -> int:
-        return self._version
-
-    @property
-    def max_batch_size(self) -> int:
-        return self._max_batch
-
-    @property
     def running_requests(self) -> int:
         return len(self._tracked)
-
-    @property
-    def generated_tokens(self) -> int:
-        return self._generated
-
-    @property
-    def paused(self) -> bool:
-        return self._paused
 
     def parameter_specs(self) -> list[ParameterSpec]:
         return self._specs
