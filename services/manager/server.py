@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 
 import grpc
 import structlog
@@ -78,9 +78,13 @@ class Dispatcher:
         """Aborts planned stragglers on their instances; each continues where it was sent."""
         for request in self.state.plan_migrations():
             instance = self.state.instances[request.instance_id or ""]
-            task = asyncio.create_task(self._abort_for_migration(request, instance.address, request.engine_request_id))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._in_background(self._abort_for_migration(request, instance.address, request.engine_request_id))
+
+    def _in_background(self, work: Coroutine[None, None, None]) -> None:
+        """Runs `work` without waiting for it, holding a reference until it is done."""
+        task = asyncio.create_task(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _abort_for_migration(self, request: SampleRequest, address: str, engine_request_id: str) -> None:
         try:
@@ -139,9 +143,7 @@ class Dispatcher:
             return
         requeued = self.state.deregister(instance.instance_id, time.monotonic())
         self.cancel(requeued)
-        closing = asyncio.create_task(self.forget_address(instance.address))
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
+        self._in_background(self.forget_address(instance.address))
         log.warning("instance unreachable; dropped", instance_id=instance.instance_id, requeued=len(requeued))
 
     async def close(self) -> None:
@@ -267,7 +269,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         starved = self.state.starved_seconds(time.monotonic())
         if starved > self.config.no_instance_timeout_seconds:
             batch = self.state.batches.get(batch_id)
-            unfinished = sum(1 for g in batch.groups.values() for r in g if not r.done) if batch else 0
+            unfinished = batch.unfinished if batch else 0
             raise FailedPrecondition(
                 f"no rollout instance has been registered for {starved:.0f} s "
                 f"(limit {self.config.no_instance_timeout_seconds:.0f} s); batch {batch_id!r} has "

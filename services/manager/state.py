@@ -121,6 +121,11 @@ class Batch:
     """Why the batch cannot complete (an instance refused one of its requests as invalid)."""
 
     @property
+    def unfinished(self) -> int:
+        """Samples still to generate."""
+        return sum(1 for group in self.groups.values() for r in group if not r.done)
+
+    @property
     def response_tokens(self) -> int:
         return sum(len(r.token_ids) for group in self.groups.values() for r in group)
 
@@ -298,7 +303,12 @@ class ManagerState:
             i.tokens_per_second for i in self.instances.values()
             if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
         )
-        queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue)
+        # The queue's expected work matters only when some instance is much slower than the rest.
+        slow_present = any(
+            0 < i.sequence_tokens_per_second and i.sequence_tokens_per_second * MIGRATION_SPEEDUP < fastest
+            for i in self.instances.values() if i.schedulable
+        )
+        queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue) if slow_present else 0.0
         while self.queue and free:
             request = self.queue.popleft()
             expected = request.expected_remaining(self.mean_length)
@@ -580,7 +590,7 @@ class ManagerState:
         batch = self.batches.get(batch_id)
         if batch is None:
             raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
-        unfinished = sum(1 for group in batch.groups.values() for r in group if not r.done)
+        unfinished = batch.unfinished
         self._forget(batch)
         return unfinished
 
