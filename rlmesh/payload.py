@@ -17,12 +17,12 @@ STREAM_CHUNK_BYTES = 1 << 20
 ALIGNMENT = 64
 """Every tensor starts on a 64-byte boundary so views of any dtype are aligned."""
 
-_DTYPES = {
+DTYPE_CODES = {
     torch.float32: common_pb2.D_TYPE_FLOAT32,
     torch.bfloat16: common_pb2.D_TYPE_BFLOAT16,
     torch.float16: common_pb2.D_TYPE_FLOAT16,
 }
-_TORCH_DTYPES = {code: dtype for dtype, code in _DTYPES.items()}
+_TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class PayloadError(ValueError):
@@ -34,11 +34,11 @@ def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = 
     manifest = common_pb2.WeightManifest(version=version, bucket_bytes=bucket_bytes)
     end = 0
     for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPE_CODES:
             raise PayloadError(f"{name}: dtype {tensor.dtype} is not supported")
         nbytes = tensor.numel() * tensor.element_size()
         offset = _aligned(end)
-        manifest.tensors.add(name=name, dtype=_DTYPES[tensor.dtype], shape=list(tensor.shape), offset=offset, nbytes=nbytes)
+        manifest.tensors.add(name=name, dtype=DTYPE_CODES[tensor.dtype], shape=list(tensor.shape), offset=offset, nbytes=nbytes)
         end = offset + nbytes
     manifest.total_bytes = end
     payload = torch.zeros(end, dtype=torch.uint8)

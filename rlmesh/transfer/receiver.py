@@ -1,0 +1,201 @@
+"""The receiving end of one tensor-parallel rank's weight payload: a pre-faulted buffer that every
+backend fills, decoding of compressed buckets, a crc32 check of each bucket as it lands, and
+the version whose exact bytes the buffer holds (the base a delta may be applied to)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.payload import PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
+from rlmesh.transfer.base import ReceiveBuffer, TransferError
+
+COMPRESSION_MODES = {
+    common_pb2.COMPRESSION_UNSPECIFIED: "none",
+    common_pb2.COMPRESSION_NONE: "none",
+    common_pb2.COMPRESSION_ZSTD: "zstd",
+    common_pb2.COMPRESSION_DELTA: "delta",
+    common_pb2.COMPRESSION_INT8: "int8",
+    common_pb2.COMPRESSION_FP8: "fp8",
+}
+COMPRESSION_CODES = {mode: code for code, mode in COMPRESSION_MODES.items() if code != common_pb2.COMPRESSION_UNSPECIFIED}
+
+
+def payload_dtype(manifest: common_pb2.WeightManifest) -> torch.dtype:
+    """The one element type of a payload's tensors (codecs work per element size)."""
+    dtypes = {spec.dtype for spec in manifest.tensors}
+    if len(dtypes) > 1:
+        raise PayloadError(f"payload mixes dtypes {sorted(dtypes)}; one dtype per payload")
+    return torch_dtype(dtypes.pop()) if dtypes else torch.float32
+
+
+class RankReceiver:
+    """Receives one version at a time into a buffer allocated once and reused.
+
+    Buckets are checked as they land (on a verifier thread, so checking overlaps receiving) and
+    `on_bucket` is told of each good one, which lets an engine load tensors whose bytes are all
+    there while the rest is still on the wire. A failed or abandoned transfer leaves
+    `held_version` at -1: the next push must then be a full one."""
+
+    def __init__(self, rank: int, buffer: ReceiveBuffer, accept_lossy: bool = False) -> None:
+        self.rank = rank
+        self.buffer = buffer
+        self.accept_lossy = accept_lossy
+        self.held_version = -1
+        self._base = -1
+        self.on_bucket: Callable[[int], None] | None = None
+        self._lock = threading.Lock()
+        self._manifest: common_pb2.WeightManifest | None = None
+        self._ranges: list[tuple[int, int]] = []
+        self._written: list[int] = []
+        self._verified: list[bool] = []
+        self._bad: set[int] = set()
+        self._codecs: dict[str, object] = {}
+        self._checks: queue.Queue[tuple[common_pb2.WeightManifest, int] | None] = queue.Queue()
+        self._all_checked = threading.Condition(self._lock)
+        self._verifier = threading.Thread(target=self._verify_loop, name=f"verify-rank{rank}", daemon=True)
+        self._verifier.start()
+
+    @property
+    def manifest(self) -> common_pb2.WeightManifest | None:
+        return self._manifest
+
+    def prepare(self, manifest: common_pb2.WeightManifest) -> int:
+        """Arms the buffer for a version (validated by the caller against the model); returns the
+        version a delta may be applied to, -1 if none. From here until the version is verified
+        the buffer holds no complete version."""
+        try:
+            validate_manifest(manifest)
+            dtype = payload_dtype(manifest)
+        except PayloadError as exc:
+            raise TransferError(f"rank {self.rank} manifest: {exc}") from exc
+        with self._lock:
+            # A differently sized payload cannot serve as a delta base.
+            if self.buffer.ensure(manifest.total_bytes) or (self._manifest and self._manifest.total_bytes != manifest.total_bytes):
+                self.held_version = -1
+            self._base, self.held_version = self.held_version, -1
+            self._manifest = manifest
+            self._dtype = dtype
+            self._ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
+            self._written = [0] * len(self._ranges)
+            self._verified = [False] * len(self._ranges)
+            self._bad = set()
+
+    def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
+              raw_bytes: int = 0, base_version: int = -1) -> None:
+        """Places (and decodes) bytes at `offset`. Compressed data must be one whole bucket."""
+        manifest = self._expect(version)
+        mode = COMPRESSION_MODES.get(compression)
+        if mode is None:
+            raise TransferError(f"unknown compression {compression}")
+        raw_bytes = raw_bytes or len(data)
+        if offset < 0 or offset + raw_bytes > manifest.total_bytes:
+            raise TransferError(f"bytes [{offset}, {offset + raw_bytes}) are outside the payload of {manifest.total_bytes} bytes")
+        target = self.buffer.tensor.numpy()[offset : offset + raw_bytes]
+        if mode == "none":
+            if len(data) != raw_bytes:
+                raise TransferError(f"raw chunk of {len(data)} bytes declares {raw_bytes}")
+            target[:] = np.frombuffer(data, dtype=np.uint8)
+        else:
+            self._decode(mode, manifest, offset, raw_bytes, data, target, base_version)
+        self.landed(version, offset, raw_bytes)
+
+    def view(self, version: int, offset: int, nbytes: int) -> memoryview:
+        """Where raw bytes of a bucket go, for backends that write straight into the buffer."""
+        manifest = self._expect(version)
+        if offset < 0 or offset + nbytes > manifest.total_bytes:
+            raise TransferError(f"bytes [{offset}, {offset + nbytes}) are outside the payload of {manifest.total_bytes} bytes")
+        return memoryview(self.buffer.tensor.numpy())[offset : offset + nbytes]
+
+    def landed(self, version: int, offset: int, nbytes: int) -> None:
+        """Counts bytes written at `offset`; a bucket whose bytes are all there is queued for its check."""
+        manifest = self._expect(version)
+        bucket = offset // manifest.bucket_bytes
+        start, end = self._ranges[bucket]
+        if offset + nbytes > end:
+            raise TransferError(f"bytes [{offset}, {offset + nbytes}) cross the end of bucket {bucket} at {end}")
+        with self._lock:
+            self._written[bucket] += nbytes
+            full = self._written[bucket] == end - start
+        if full:
+            self._checks.put((manifest, bucket))
+
+    def wait_verified(self, version: int, timeout: float) -> list[int]:
+        """Blocks until every bucket was checked; returns the buckets that are missing or bad.
+        Backends that write without telling (Mooncake) are checked here in full."""
+        manifest = self._expect(version)
+        with self._lock:
+            unannounced = [i for i, written in enumerate(self._written) if written == 0]
+        for bucket in unannounced:
+            start, end = self._ranges[bucket]
+            self.landed(version, start, end - start)
+        with self._all_checked:
+            if not self._all_checked.wait_for(lambda: all(self._verified) or self._manifest is not manifest, timeout):
+                raise TransferError(f"rank {self.rank}: buckets of version {version} still unchecked after {timeout} s")
+            if self._manifest is not manifest:
+                raise TransferError(f"rank {self.rank}: version {version} was superseded while it was checked")
+            bad = sorted(self._bad)
+            self.held_version = manifest.version if not bad else -1
+            return bad
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The held version's tensors, as views into the buffer."""
+        if self._manifest is None:
+            raise TransferError(f"rank {self.rank} holds no payload")
+        return unpack(self._manifest, self.buffer.tensor)
+
+    def _expect(self, version: int) -> common_pb2.WeightManifest:
+        manifest = self._manifest
+        if manifest is None or manifest.version != version:
+            raise TransferError(f"rank {self.rank} expects version {manifest.version if manifest else None}, not {version}")
+        return manifest
+
+    def _decode(self, mode: str, manifest: common_pb2.WeightManifest, offset: int, raw_bytes: int, data: bytes | memoryview,
+                target: np.ndarray, base_version: int) -> None:
+        from rlmesh.transfer.codecs import make_codec
+
+        if mode in ("int8", "fp8") and not self.accept_lossy:
+            raise TransferError(f"{mode} is lossy and this engine does not serve quantized weights")
+        if offset % manifest.bucket_bytes:
+            raise TransferError(f"compressed data must start at a bucket boundary, not at {offset}")
+        previous = None
+        if mode == "delta":
+            if base_version < 0 or base_version != self._base:
+                raise TransferError(f"delta against version {base_version}, but rank {self.rank} held {self._base}")
+            # XOR in place: the buffer's bytes of the base become those of the new version.
+            previous = target
+        codec = self._codecs.get(mode)
+        if codec is None:
+            codec = self._codecs[mode] = make_codec(mode, self._dtype)
+        try:
+            codec.decode(data, target, previous)
+        except ValueError as exc:
+            raise TransferError(f"rank {self.rank}: bucket at {offset}: {exc}") from exc
+
+    def _verify_loop(self) -> None:
+        while True:
+            item = self._checks.get()
+            if item is None:
+                return
+            manifest, bucket = item
+            start, end = self._ranges[bucket] if manifest is self._manifest else (0, 0)
+            # zlib releases the GIL on large buffers, so this overlaps the receiving thread.
+            good = manifest is self._manifest and zlib.crc32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+            with self._all_checked:
+                if manifest is not self._manifest:
+                    continue
+                self._verified[bucket] = True
+                if not good:
+                    self._bad.add(bucket)
+                self._all_checked.notify_all()
+            if good and self.on_bucket is not None:
+                self.on_bucket(bucket)
+
+    def close(self) -> None:
+        self._checks.put(None)

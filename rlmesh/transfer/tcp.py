@@ -1,0 +1,146 @@
+"""The TCP backend: one plain connection per tensor-parallel rank carrying framed buckets. Raw
+buckets are received straight into the rank's pre-faulted buffer (`recv_into`, no copy), so the
+path costs what a bare socket costs; compressed buckets are decoded as they arrive.
+
+Frame: a 41-byte header (magic, version, offset, raw length, encoded length, compression code,
+base version), then the encoded bytes. An end frame (encoded length 0, raw length 0) asks the
+receiver to answer with one status frame: ok flag, bytes landed, and an error message."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable
+
+import structlog
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.transfer.base import TransferError
+from rlmesh.transfer.receiver import RankReceiver
+
+log = structlog.get_logger()
+
+MAGIC = b"RLW1"
+HEADER = struct.Struct("<4sqQQQBq")
+STATUS = struct.Struct("<?QI")
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Kernel socket buffers; larger than the default so one bucket is in flight while the next is sent."""
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        received = sock.recv_into(view)
+        if received == 0:
+            raise ConnectionError("the sender closed the connection mid-frame")
+        view = view[received:]
+
+
+class TcpListener:
+    """Accepts connections for one rank's receiver; each connection carries one version's buckets."""
+
+    def __init__(self, host: str, receiver: RankReceiver) -> None:
+        self.receiver = receiver
+        self._server = socket.create_server((host, 0))
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._scratch = bytearray()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-rank{receiver.rank}", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:
+                return
+            # One transfer at a time per rank: a newer version's connection waits for the older one.
+            with connection:
+                _tune(connection)
+                try:
+                    self._serve(connection)
+                except (ConnectionError, OSError) as exc:
+                    log.warning("weight transfer connection broke", rank=self.receiver.rank, error=str(exc))
+
+    def _serve(self, connection: socket.socket) -> None:
+        header = bytearray(HEADER.size)
+        landed, error = 0, ""
+        while True:
+            _recv_exactly(connection, memoryview(header))
+            magic, version, offset, raw_bytes, encoded_bytes, compression, base_version = HEADER.unpack(header)
+            if magic != MAGIC:
+                raise ConnectionError(f"not a weight frame (magic {magic!r})")
+            if encoded_bytes == 0 and raw_bytes == 0:
+                message = error.encode()[:65535]
+                connection.sendall(STATUS.pack(not error, landed, len(message)) + message)
+                return
+            if error:
+                self._drain(connection, encoded_bytes)
+                continue
+            consumed = False
+            try:
+                if compression in (common_pb2.COMPRESSION_NONE, common_pb2.COMPRESSION_UNSPECIFIED):
+                    if encoded_bytes != raw_bytes:
+                        raise TransferError(f"raw frame of {encoded_bytes} bytes declares {raw_bytes}")
+                    target = self.receiver.view(version, offset, raw_bytes)
+                    consumed = True
+                    _recv_exactly(connection, target)
+                    self.receiver.landed(version, offset, raw_bytes)
+                else:
+                    if len(self._scratch) < encoded_bytes:
+                        self._scratch = bytearray(encoded_bytes)
+                    blob = memoryview(self._scratch)[:encoded_bytes]
+                    consumed = True
+                    _recv_exactly(connection, blob)
+                    self.receiver.write(version, offset, blob, compression, raw_bytes, base_version)
+                landed += raw_bytes
+            except TransferError as exc:
+                # The rest of the stream is read and dropped so the sender gets the reason.
+                error = str(exc)
+                if not consumed:
+                    self._drain(connection, encoded_bytes)
+
+    @staticmethod
+    def _drain(connection: socket.socket, nbytes: int) -> None:
+        sink = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes:
+            chunk = sink[: min(nbytes, len(sink))]
+            _recv_exactly(connection, chunk)
+            nbytes -= len(chunk)
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+
+Frame = tuple[int, int, int, int, "bytes | memoryview"]
+"""(offset, raw length, compression code, base version, bytes on the wire)."""
+
+
+def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: float,
+                cancelled: Callable[[], bool] = lambda: False) -> int:
+    """Sends one version's frames to a rank and waits for its status; returns bytes landed.
+    Blocking: run it on a thread. `cancelled` is polled between frames (a newer version)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        _tune(sock)
+        for offset, raw_bytes, compression, base_version, data in frames:
+            if cancelled():
+                raise TransferError(f"push of version {version} was superseded")
+            sock.sendall(HEADER.pack(MAGIC, version, offset, raw_bytes, len(data), compression, base_version))
+            sock.sendall(data)
+        sock.sendall(HEADER.pack(MAGIC, version, 0, 0, 0, 0, -1))
+        status = bytearray(STATUS.size)
+        _recv_exactly(sock, memoryview(status))
+        ok, landed, length = STATUS.unpack(status)
+        message = bytearray(length)
+        _recv_exactly(sock, memoryview(message))
+    if not ok:
+        raise TransferError(f"rank at {address} refused version {version}: {message.decode()}")
+    return landed
