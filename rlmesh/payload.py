@@ -29,19 +29,25 @@ class PayloadError(ValueError):
     """A manifest or payload that is inconsistent, incomplete or corrupted."""
 
 
-def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
-    """Copies tensors into one contiguous uint8 payload and describes it."""
+def pack_layout(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> common_pb2.WeightManifest:
+    """A manifest placing tensors of these shapes and dtypes in order; checksums are left to fill."""
     manifest = common_pb2.WeightManifest(version=version, bucket_bytes=bucket_bytes)
     end = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in DTYPE_CODES:
-            raise PayloadError(f"{name}: dtype {tensor.dtype} is not supported")
-        nbytes = tensor.numel() * tensor.element_size()
+    for name, (shape, dtype) in layout.items():
+        if dtype not in DTYPE_CODES:
+            raise PayloadError(f"{name}: dtype {dtype} is not supported")
+        nbytes = _element_count(shape) * torch.empty(0, dtype=dtype).element_size()
         offset = _aligned(end)
-        manifest.tensors.add(name=name, dtype=DTYPE_CODES[tensor.dtype], shape=list(tensor.shape), offset=offset, nbytes=nbytes)
+        manifest.tensors.add(name=name, dtype=DTYPE_CODES[dtype], shape=list(shape), offset=offset, nbytes=nbytes)
         end = offset + nbytes
     manifest.total_bytes = end
-    payload = torch.zeros(end, dtype=torch.uint8)
+    return manifest
+
+
+def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
+    """Copies tensors into one contiguous uint8 payload and describes it."""
+    manifest = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version, bucket_bytes)
+    payload = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
     for spec, tensor in zip(manifest.tensors, tensors.values()):
         payload[spec.offset : spec.offset + spec.nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
     manifest.bucket_crc32.extend(bucket_checksums(payload, bucket_bytes))

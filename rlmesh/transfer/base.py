@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,20 +29,36 @@ class TransferError(RuntimeError):
     """A payload could not be delivered; the receiver keeps serving its old version."""
 
 
+class Superseded(TransferError):
+    """A push stopped because a newer version arrived; the receiver keeps its old version."""
+
+
+Frame = tuple[int, int, int, int, "bytes | memoryview"]
+"""One bucket on the wire: (offset, raw length, compression code, base version, encoded bytes)."""
+
+
 class WeightSender(abc.ABC):
-    """Moves one payload into a rollout instance's standby buffer (opened by BeginWeightUpdate)."""
+    """Moves one tensor-parallel rank's payload into the buffer that rank opened in
+    BeginWeightUpdate. Every backend gets the same inputs: the raw payload (for backends that
+    write memory directly) and its buckets as frames, encoded for the link (for streams)."""
 
     backend: rollout_pb2.TransferBackend.ValueType
+    carries_compression: bool = True
+    """False when the backend writes raw bytes into registered memory (Mooncake)."""
 
     @abc.abstractmethod
-    async def send(
+    async def send_rank(
         self,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        endpoint: rollout_pb2.RankEndpoint,
         manifest: common_pb2.WeightManifest,
         payload: torch.Tensor,
-        stub: rollout_pb2_grpc.RolloutServiceStub,
-        begin: rollout_pb2.BeginWeightUpdateResponse,
+        frames: Iterable[Frame],
         timeout: float,
-    ) -> None: ...
+        cancelled: Callable[[], bool],
+    ) -> None:
+        """Raises TransferError if the rank did not get every byte; stops early (TransferError)
+        once `cancelled()` is true, leaving the rank on its old version."""
 
     def close(self) -> None:
         """Releases transport resources."""

@@ -4,13 +4,14 @@ weights service writes into it directly (TCP here, RDMA on clusters; P2P handsha
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, WeightSender, finish_in_thread
+from rlmesh.transfer.base import Frame, ReceiveBuffer, Superseded, TransferError, WeightSender, finish_in_thread
 
 # Mooncake logs every connection at INFO; keep service logs readable (it reads this at import).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -71,24 +72,35 @@ class MooncakeReceiveBuffer(ReceiveBuffer):
 
 class MooncakeSender(WeightSender):
     backend = rollout_pb2.TRANSFER_BACKEND_MOONCAKE
+    carries_compression = False
+
+    BUCKETS_PER_WRITE = 8
+    """Buckets per batched write: large enough to keep the engine's lanes busy, small enough that
+    a superseded push stops soon."""
 
     def __init__(self, endpoint: MooncakeEndpoint) -> None:
         self.endpoint = endpoint
 
-    async def send(
+    async def send_rank(
         self,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        endpoint: rollout_pb2.RankEndpoint,
         manifest: common_pb2.WeightManifest,
         payload: torch.Tensor,
-        stub: rollout_pb2_grpc.RolloutServiceStub,
-        begin: rollout_pb2.BeginWeightUpdateResponse,
+        frames: Iterable[Frame],
         timeout: float,
+        cancelled: Callable[[], bool],
     ) -> None:
-        if not begin.transfer_session or not begin.buffer_address:
-            raise TransferError("the instance offered no Mooncake session or buffer")
-        if begin.buffer_bytes < manifest.total_bytes:
-            raise TransferError(f"the instance's buffer holds {begin.buffer_bytes} of {manifest.total_bytes} bytes")
+        if not endpoint.transfer_session or not endpoint.buffer_address:
+            raise TransferError(f"rank {endpoint.tp_rank} offered no Mooncake session or buffer")
+        if endpoint.buffer_bytes < manifest.total_bytes:
+            raise TransferError(f"rank {endpoint.tp_rank}'s buffer holds {endpoint.buffer_bytes} of {manifest.total_bytes} bytes")
         self.endpoint.register(payload)
         ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
-        # Bounded by MC_TRANSFER_TIMEOUT inside the engine: an asyncio timeout could not stop the
-        # thread, and the payload must stay untouched until it ends.
-        await finish_in_thread(self.endpoint.write, begin.transfer_session, payload.data_ptr(), begin.buffer_address, ranges)
+        for start in range(0, len(ranges), self.BUCKETS_PER_WRITE):
+            if cancelled():
+                raise Superseded(f"push of version {manifest.version} was superseded")
+            # Bounded by MC_TRANSFER_TIMEOUT inside the engine: an asyncio timeout could not stop
+            # the thread, and the payload must stay untouched until it ends.
+            await finish_in_thread(self.endpoint.write, endpoint.transfer_session, payload.data_ptr(), endpoint.buffer_address,
+                                   ranges[start : start + self.BUCKETS_PER_WRITE])

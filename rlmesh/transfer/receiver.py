@@ -158,7 +158,7 @@ class RankReceiver:
 
     def _decode(self, mode: str, manifest: common_pb2.WeightManifest, offset: int, raw_bytes: int, data: bytes | memoryview,
                 target: np.ndarray, base_version: int) -> None:
-        from rlmesh.transfer.codecs import make_codec
+        from rlmesh.transfer.codecs import BucketCodec
 
         if mode in ("int8", "fp8") and not self.accept_lossy:
             raise TransferError(f"{mode} is lossy and this engine does not serve quantized weights")
@@ -172,7 +172,7 @@ class RankReceiver:
             previous = target
         codec = self._codecs.get(mode)
         if codec is None:
-            codec = self._codecs[mode] = make_codec(mode, self._dtype)
+            codec = self._codecs[mode] = BucketCodec(mode, self._dtype)
         try:
             codec.decode(data, target, previous)
         except ValueError as exc:

@@ -14,9 +14,11 @@ import threading
 from collections.abc import Callable, Iterable
 
 import structlog
+import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.base import TransferError
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread
 from rlmesh.transfer.receiver import RankReceiver
 
 log = structlog.get_logger()
@@ -119,10 +121,6 @@ class TcpListener:
         self._server.close()
 
 
-Frame = tuple[int, int, int, int, "bytes | memoryview"]
-"""(offset, raw length, compression code, base version, bytes on the wire)."""
-
-
 def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: float,
                 cancelled: Callable[[], bool] = lambda: False) -> int:
     """Sends one version's frames to a rank and waits for its status; returns bytes landed.
@@ -132,7 +130,7 @@ def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: fl
         _tune(sock)
         for offset, raw_bytes, compression, base_version, data in frames:
             if cancelled():
-                raise TransferError(f"push of version {version} was superseded")
+                raise Superseded(f"push of version {version} was superseded")
             sock.sendall(HEADER.pack(MAGIC, version, offset, raw_bytes, len(data), compression, base_version))
             sock.sendall(data)
         sock.sendall(HEADER.pack(MAGIC, version, 0, 0, 0, 0, -1))
@@ -144,3 +142,23 @@ def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: fl
     if not ok:
         raise TransferError(f"rank at {address} refused version {version}: {message.decode()}")
     return landed
+
+
+class TcpSender(WeightSender):
+    backend = rollout_pb2.TRANSFER_BACKEND_TCP
+
+    async def send_rank(
+        self,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        endpoint: rollout_pb2.RankEndpoint,
+        manifest: common_pb2.WeightManifest,
+        payload: torch.Tensor,
+        frames: Iterable[Frame],
+        timeout: float,
+        cancelled: Callable[[], bool],
+    ) -> None:
+        if not endpoint.data_address:
+            raise TransferError(f"rank {endpoint.tp_rank} offered no TCP data address")
+        landed = await finish_in_thread(send_frames, endpoint.data_address, manifest.version, frames, timeout, cancelled)
+        if landed != manifest.total_bytes:
+            raise TransferError(f"rank {endpoint.tp_rank} landed {landed} of {manifest.total_bytes} bytes")

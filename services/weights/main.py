@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from rlmesh.rpc import GrpcServer
 from rlmesh.transfer.base import WeightSender
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
+from rlmesh.transfer.tcp import TcpSender
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.config import WeightsConfig
 from services.weights.pusher import Pusher
@@ -18,6 +19,8 @@ from services.weights.store import WeightStore
 def build_sender(config: WeightsConfig) -> WeightSender:
     if config.backend == "grpc":
         return GrpcStreamSender()
+    if config.backend == "tcp":
+        return TcpSender()
     from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
 
     return MooncakeSender(MooncakeEndpoint(config.server.advertised_host, config.mooncake_protocol))

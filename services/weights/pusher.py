@@ -1,11 +1,14 @@
-"""Pushes the latest version to every registered instance that is behind it: begin on the
-instance, move the bytes with the configured backend, commit. Failures are retried with
-backoff; the uploading trainer never waits on any of this."""
+"""Pushes the latest version to every registered instance that is behind it: each tensor-parallel
+rank of an instance gets only its own payload, encoded for the link, over the configured backend,
+all ranks at once; then the instance commits. Failures are retried with backoff, a newer version
+supersedes an unfinished push, and the uploading trainer never waits on any of this."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -14,9 +17,11 @@ import structlog
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
-from rlmesh.transfer.base import TransferError, WeightSender
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender
+from rlmesh.transfer.codecs import CompressionMode, CompressionReport, DeltaSchedule
 from services.weights.config import WeightsConfig
-from services.weights.store import Snapshot, WeightStore
+from services.weights.encoding import EncodedPayload, raw_frames
+from services.weights.store import FULL_LAYOUT, RankPayload, Snapshot, WeightStore
 
 log = structlog.get_logger()
 
@@ -28,11 +33,28 @@ class PushState:
     incarnation: int
     committed_version: int = -1
     pushing_version: int = 0
+    tensor_parallel_size: int = 1
+    compression: CompressionMode = "none"
     last_push_ms: float = 0.0
     last_push_gbps: float = 0.0
+    compression_ratio: float = 1.0
+    encode_ms: float = 0.0
+    max_abs_error: float = 0.0
+    relative_rms_error: float = 0.0
     failures: int = 0
+    superseded: int = 0
     last_error: str = ""
     retry_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Link:
+    """One rank's share of a push: what to send and how."""
+
+    endpoint: rollout_pb2.RankEndpoint
+    rank: RankPayload
+    frames: Iterable[Frame]
+    report: CompressionReport | None
 
 
 class Pusher:
@@ -41,6 +63,8 @@ class Pusher:
         self.sender = sender
         self.config = config
         self.instances: dict[str, PushState] = {}
+        self.deltas = DeltaSchedule(config.delta_full_every)
+        self._encodings_lock = threading.Lock()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._wake = asyncio.Event()
@@ -98,27 +122,57 @@ class Pusher:
             self._channels[address] = open_channel(address)
         return rollout_pb2_grpc.RolloutServiceStub(self._channels[address])
 
+    def _superseded(self, version: int) -> bool:
+        latest = self.store.latest
+        return latest is not None and latest.version > version
+
     async def _push(self, state: PushState, snapshot: Snapshot) -> None:
         version = snapshot.version
         state.pushing_version = version
         started = time.perf_counter()
         structlog.contextvars.bind_contextvars(instance_id=state.instance_id, weight_version=version)
+        base = self.store.acquire_previous()
         try:
             stub = self._stub(state.address)
             timeout = self.config.rpc_timeout_seconds
-            begin = await stub.BeginWeightUpdate(
-                rollout_pb2.BeginWeightUpdateRequest(manifest=snapshot.manifest, backend=self.sender.backend),
-                **call_options(timeout),
-            )
-            await self.sender.send(snapshot.manifest, snapshot.payload, stub, begin, self.config.push_timeout_seconds)
+            info = await stub.GetInfo(rollout_pb2.GetInfoRequest(), **call_options(timeout))
+            mode = self._link_mode(state, info)
+            tensor_parallel = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL
+            tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
+            state.tensor_parallel_size = max(1, tp)
+            ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
+            request = rollout_pb2.BeginWeightUpdateRequest(backend=self.sender.backend)
+            if tensor_parallel:
+                request.rank_manifests.extend(r.manifest for r in ranks)
+            else:
+                request.manifest.CopyFrom(ranks[0].manifest)
+            begin = await stub.BeginWeightUpdate(request, **call_options(timeout))
+            endpoints = list(begin.ranks) or [rollout_pb2.RankEndpoint(
+                tp_rank=0, transfer_session=begin.transfer_session, buffer_address=begin.buffer_address,
+                buffer_bytes=begin.buffer_bytes, held_version=-1,
+            )]
+            if len(endpoints) != len(ranks):
+                raise TransferError(f"the instance offered {len(endpoints)} receiving ranks for {len(ranks)} payloads")
+            links = await asyncio.to_thread(self._links, state, snapshot, base, tp, ranks, endpoints, mode)
+            await asyncio.gather(*(
+                self.sender.send_rank(stub, link.endpoint, link.rank.manifest, link.rank.payload, link.frames,
+                                      self.config.push_timeout_seconds, lambda: self._superseded(version))
+                for link in links
+            ))
             await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), **call_options(self.config.push_timeout_seconds))
             elapsed = time.perf_counter() - started
+            payload_bytes = sum(r.manifest.total_bytes for r in ranks)
             state.committed_version = max(state.committed_version, version)
             state.last_push_ms = elapsed * 1000
-            state.last_push_gbps = snapshot.manifest.total_bytes / elapsed / 1e9
+            state.last_push_gbps = payload_bytes / elapsed / 1e9
+            self._record_compression(state, links)
             state.failures = 0
             state.last_error = ""
-            log.info("pushed", ms=round(state.last_push_ms, 2), gbps=round(state.last_push_gbps, 3))
+            log.info("pushed", ms=round(state.last_push_ms, 2), gbps=round(state.last_push_gbps, 3), ranks=len(ranks),
+                     compression=state.compression, ratio=round(state.compression_ratio, 2))
+        except Superseded:
+            state.superseded += 1
+            log.info("push superseded by a newer version; the instance keeps its old one")
         except (grpc.aio.AioRpcError, TransferError, TimeoutError) as exc:
             state.failures += 1
             message = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -129,9 +183,60 @@ class Pusher:
         finally:
             state.pushing_version = 0
             self.store.release(snapshot)
+            if base is not None:
+                self.store.release(base)
             if self._tasks.get(state.instance_id) is asyncio.current_task():
                 del self._tasks[state.instance_id]
             self.trigger()
+
+    def _link_mode(self, state: PushState, info: rollout_pb2.GetInfoResponse) -> CompressionMode:
+        mode = self.config.link_mode(state.instance_id)
+        if not self.sender.carries_compression:
+            mode = "none"
+        if mode in ("int8", "fp8") and not info.quantized_weights:
+            raise TransferError(f"link compression {mode} is lossy and instance {state.instance_id} does not serve quantized weights")
+        state.compression = mode
+        return mode
+
+    def _links(self, state: PushState, snapshot: Snapshot, base: Snapshot | None, tp: int, ranks: list[RankPayload],
+               endpoints: list[rollout_pb2.RankEndpoint], mode: CompressionMode) -> list[Link]:
+        """Chooses each rank's frames. Blocking (may build the base version's payloads)."""
+        if mode == "none":
+            return [Link(endpoint, rank, raw_frames(rank), None) for endpoint, rank in zip(endpoints, ranks)]
+        held = {endpoint.held_version for endpoint in endpoints}
+        receiver_base = held.pop() if len(held) == 1 else None
+        base_version = base.version if base is not None and base.shape is not None else None
+        delta = mode == "delta" and self.deltas.sends_delta(state.instance_id, snapshot.version, base_version,
+                                                            receiver_base if receiver_base != -1 else None)
+        links = []
+        for rank_index, (endpoint, rank) in enumerate(zip(endpoints, ranks)):
+            if delta:
+                assert base is not None
+                base_rank = base.rank_payload(tp, rank_index)
+                key = (tp, rank_index, "delta", base.version)
+                with self._encodings_lock:
+                    encoded = snapshot.encodings.setdefault(key, EncodedPayload(rank, "delta", base_rank, base.version))
+            else:
+                # A full version on a delta link goes zstd-encoded.
+                link_mode: CompressionMode = "zstd" if mode == "delta" else mode
+                key = (tp, rank_index, link_mode, -1)
+                with self._encodings_lock:
+                    encoded = snapshot.encodings.setdefault(key, EncodedPayload(rank, link_mode))
+            links.append(Link(endpoint, rank, encoded.frames(), encoded.report))
+        return links
+
+    @staticmethod
+    def _record_compression(state: PushState, links: list[Link]) -> None:
+        reports = [link.report for link in links if link.report is not None]
+        if not reports:
+            state.compression_ratio, state.encode_ms, state.max_abs_error, state.relative_rms_error = 1.0, 0.0, 0.0, 0.0
+            return
+        raw = sum(r.raw_bytes for r in reports)
+        encoded = sum(r.encoded_bytes for r in reports)
+        state.compression_ratio = raw / encoded if encoded else 1.0
+        state.encode_ms = sum(r.encode_seconds for r in reports) * 1000
+        state.max_abs_error = max(r.max_abs_error for r in reports)
+        state.relative_rms_error = max(r.relative_rms_error for r in reports)
 
     async def close(self) -> None:
         for task in self._tasks.values():

@@ -1,10 +1,14 @@
-"""The WeightsService servicer: receives uploads into the store and reports push state."""
+"""The WeightsService servicer: receives sharded and full uploads into the store and reports push state."""
 
 from __future__ import annotations
+
+import asyncio
 
 import structlog
 
 from rlmesh.errors import InvalidArgument
+from rlmesh.shards import read_shared_memory
+from rlmesh.transfer.receiver import COMPRESSION_CODES
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher
 from services.weights.store import WeightStore
@@ -17,6 +21,44 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         self.store = store
         self.pusher = pusher
         self.backend_name = backend_name
+
+    async def UploadShards(self, request_iterator, context):
+        header = None
+        payload = None
+        received = 0
+        async for message in request_iterator:
+            if header is None:
+                if not message.HasField("header"):
+                    raise InvalidArgument("the first message of a shard upload must carry the header")
+                header = message.header
+                self.store.check_shards(header)
+                payload = self.store.shard_buffer(header)
+                if header.shm_path:
+                    try:
+                        await asyncio.to_thread(read_shared_memory, header.shm_path, header.total_bytes, payload)
+                    except ValueError as exc:
+                        raise InvalidArgument(str(exc)) from exc
+                    received = header.total_bytes
+            elif not message.HasField("chunk"):
+                raise InvalidArgument("only payload chunks may follow the header")
+            elif header.shm_path:
+                raise InvalidArgument("chunks may not follow a header that names a shared-memory file")
+            else:
+                chunk = message.chunk
+                if chunk.offset != received or chunk.offset + len(chunk.data) > header.total_bytes:
+                    raise InvalidArgument(f"chunk [{chunk.offset}, {chunk.offset + len(chunk.data)}) does not continue the "
+                                          f"{received} bytes received of {header.total_bytes}")
+                payload.numpy()[chunk.offset : chunk.offset + len(chunk.data)] = memoryview(chunk.data)
+                received += len(chunk.data)
+        if header is None:
+            raise InvalidArgument("the shard upload stream was empty")
+        if received != header.total_bytes:
+            raise InvalidArgument(f"rank {header.rank} of version {header.version} ended after {received} of {header.total_bytes} bytes")
+        ranks, snapshot = self.store.add_shards(header, payload)
+        if snapshot is not None:
+            log.info("version stored", weight_version=snapshot.version, ranks=ranks, bytes=snapshot.total_bytes)
+            self.pusher.trigger()
+        return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=ranks, complete=snapshot is not None)
 
     async def UploadWeights(self, request_iterator, context):
         upload = None
@@ -32,7 +74,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         if upload is None:
             raise InvalidArgument("the upload stream was empty")
         snapshot = self.store.finish(upload)
-        log.info("version stored", weight_version=snapshot.version, bytes=snapshot.manifest.total_bytes)
+        log.info("version stored", weight_version=snapshot.version, bytes=snapshot.total_bytes)
         self.pusher.trigger()
         return weights_pb2.UploadWeightsResponse(version=snapshot.version, received_bytes=upload.received)
 
@@ -40,7 +82,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         latest = self.store.latest
         return weights_pb2.GetStatusResponse(
             latest_version=latest.version if latest else -1,
-            latest_bytes=latest.manifest.total_bytes if latest else 0,
+            latest_bytes=latest.total_bytes if latest else 0,
             backend=self.backend_name,
             instances=[
                 weights_pb2.InstancePush(
@@ -51,6 +93,13 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                     last_push_gbps=s.last_push_gbps,
                     failures=s.failures,
                     last_error=s.last_error,
+                    tensor_parallel_size=s.tensor_parallel_size,
+                    compression=COMPRESSION_CODES[s.compression],
+                    compression_ratio=s.compression_ratio,
+                    encode_ms=s.encode_ms,
+                    max_abs_error=s.max_abs_error,
+                    relative_rms_error=s.relative_rms_error,
+                    superseded=s.superseded,
                 )
                 for s in self.pusher.instances.values()
             ],
