@@ -254,6 +254,11 @@ class DeltaSchedule:
         return True
 
 
+    def forget(self, link: str) -> None:
+        """Drops a link that went away; if it comes back its first version goes in full."""
+        self._deltas_since_full.pop(link, None)
+
+
 @dataclass(slots=True)
 class CompressionReport:
     """Totals over the buckets of one or more transfers, for logs."""

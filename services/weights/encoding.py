@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Iterator
+
+import numpy as np
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import bucket_ranges
@@ -39,6 +42,7 @@ class EncodedPayload:
         self._codec = BucketCodec(mode, payload_dtype(rank.manifest))
         self._ranges = bucket_ranges(rank.manifest.total_bytes, rank.manifest.bucket_bytes)
         self._blobs: list[bytes] = []
+        self._decoded_crc32: list[int] = []
         self._error: Exception | None = None
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -50,6 +54,8 @@ class EncodedPayload:
             for start, end in self._ranges:
                 started = time.perf_counter()
                 bucket = self._codec.encode(data[start:end], previous[start:end] if previous is not None else None)
+                if not self._codec.lossless:
+                    self._decoded_crc32.append(self._crc_of_decoded(bucket.data, end - start))
                 with self._ready:
                     self.report.add(bucket, time.perf_counter() - started)
                     self._blobs.append(bucket.data)
@@ -58,6 +64,22 @@ class EncodedPayload:
             with self._ready:
                 self._error = exc
                 self._ready.notify_all()
+
+    def _crc_of_decoded(self, blob: bytes, nbytes: int) -> int:
+        scratch = np.empty(nbytes, dtype=np.uint8)
+        self._codec.decode(blob, scratch)
+        return zlib.crc32(scratch)
+
+    def lossy_manifest(self) -> common_pb2.WeightManifest:
+        """The manifest with each bucket's crc32 of what the receiver will decode (lossy modes
+        change the bytes, and decoding is deterministic). Waits for the whole encoding."""
+        for _ in self.frames():
+            pass
+        manifest = common_pb2.WeightManifest()
+        manifest.CopyFrom(self.rank.manifest)
+        del manifest.bucket_crc32[:]
+        manifest.bucket_crc32.extend(self._decoded_crc32)
+        return manifest
 
     def frames(self) -> Iterator[Frame]:
         with self._ready:

@@ -109,6 +109,7 @@ class Pusher:
 
     def _forget(self, instance_id: str) -> None:
         self.instances.pop(instance_id)
+        self.deltas.forget(instance_id)
         task = self._tasks.pop(instance_id, None)
         if task:
             task.cancel()
@@ -141,11 +142,14 @@ class Pusher:
             tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
             state.tensor_parallel_size = max(1, tp)
             ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
+            manifests = [r.manifest for r in ranks]
+            if mode in ("int8", "fp8"):
+                manifests = await asyncio.to_thread(lambda: [self._encoding(snapshot, tp, i, r, mode).lossy_manifest() for i, r in enumerate(ranks)])
             request = rollout_pb2.BeginWeightUpdateRequest(backend=self.sender.backend)
             if tensor_parallel:
-                request.rank_manifests.extend(r.manifest for r in ranks)
+                request.rank_manifests.extend(manifests)
             else:
-                request.manifest.CopyFrom(ranks[0].manifest)
+                request.manifest.CopyFrom(manifests[0])
             begin = await stub.BeginWeightUpdate(request, **call_options(timeout))
             endpoints = list(begin.ranks) or [rollout_pb2.RankEndpoint(
                 tp_rank=0, transfer_session=begin.transfer_session, buffer_address=begin.buffer_address,
@@ -212,18 +216,23 @@ class Pusher:
         for rank_index, (endpoint, rank) in enumerate(zip(endpoints, ranks)):
             if delta:
                 assert base is not None
-                base_rank = base.rank_payload(tp, rank_index)
-                key = (tp, rank_index, "delta", base.version)
-                with self._encodings_lock:
-                    encoded = snapshot.encodings.setdefault(key, EncodedPayload(rank, "delta", base_rank, base.version))
+                encoded = self._encoding(snapshot, tp, rank_index, rank, "delta", base)
             else:
                 # A full version on a delta link goes zstd-encoded.
-                link_mode: CompressionMode = "zstd" if mode == "delta" else mode
-                key = (tp, rank_index, link_mode, -1)
-                with self._encodings_lock:
-                    encoded = snapshot.encodings.setdefault(key, EncodedPayload(rank, link_mode))
+                encoded = self._encoding(snapshot, tp, rank_index, rank, "zstd" if mode == "delta" else mode)
             links.append(Link(endpoint, rank, encoded.frames(), encoded.report))
         return links
+
+    def _encoding(self, snapshot: Snapshot, tp: int, rank_index: int, rank: RankPayload, mode: CompressionMode,
+                  base: Snapshot | None = None) -> EncodedPayload:
+        """The shared encoding of one rank's payload (blocking when it must build the base's payload)."""
+        base_rank = base.rank_payload(tp, rank_index) if base is not None else None
+        key = (tp, rank_index, mode, base.version if base is not None else -1)
+        with self._encodings_lock:
+            encoded = snapshot.encodings.get(key)
+            if encoded is None:
+                encoded = snapshot.encodings[key] = EncodedPayload(rank, mode, base_rank, base.version if base is not None else -1)
+            return encoded
 
     @staticmethod
     def _record_compression(state: PushState, links: list[Link]) -> None:
