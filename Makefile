@@ -74,6 +74,7 @@ bench: setup
 	$(PY) -m bench.relay
 	$(PY) -m bench.balance
 	$(PY) -m bench.failure
+	$(PY) -m bench.weights
 
 clean:
 	rm -rf $(GEN) runs .pytest_cache

@@ -47,10 +47,11 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 class TcpListener:
     """Accepts connections for one rank's receiver; each connection carries one version's buckets."""
 
-    def __init__(self, host: str, receiver: RankReceiver) -> None:
+    def __init__(self, host: str, receiver: RankReceiver, advertise_host: str = "") -> None:
+        """Binds `host` on a free port; peers are told `advertise_host` (default: `host`)."""
         self.receiver = receiver
         self._server = socket.create_server((host, 0))
-        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self.address = f"{advertise_host or host}:{self._server.getsockname()[1]}"
         self._scratch = bytearray()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"tcp-rank{receiver.rank}", daemon=True)
