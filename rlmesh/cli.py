@@ -48,6 +48,7 @@ def _up(args: argparse.Namespace) -> int:
         base_port=args.base_port,
         max_staleness=args.max_staleness,
         transfer_backend=args.transfer_backend,
+        trainer_ranks=args.trainer_ranks,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -72,7 +73,10 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -84,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run the whole mesh locally and train the default task")
     up.add_argument("--steps", type=_positive, default=600, help="training steps (default 600)")
     up.add_argument("--rollout-instances", type=int, default=1, help="rollout processes (default 1)")
+    up.add_argument("--trainer-ranks", type=_positive, default=1, metavar="N",
+                    help="FSDP ranks of the trainer on this machine; more than 1 runs it under torchrun (default 1)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--base-port", type=int, default=50151,
                     help="manager port; weights +1, trainer +2, rollout instances +10.. (default 50151)")

@@ -8,6 +8,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ class MeshPlan:
     base_port: int
     max_staleness: int
     transfer_backend: str
+    trainer_ranks: int = 1
+    """FSDP ranks of the trainer; more than one runs it under torchrun on this machine."""
 
     @property
     def manager_address(self) -> str:
@@ -70,16 +73,29 @@ def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[str]:
+    """`python -m torch.distributed.run ...` arguments that run a module on `ranks` local processes."""
+    return ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+            "--master-addr", master_addr, "--master-port", str(master_port)]
+
+
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
-                  python: str | None = None) -> Child:
+                  python: str | None = None, launcher: list[str] | None = None) -> Child:
     """Starts `python -m module` as its own process group with `settings` in its environment and
-    its output in `log_dir/name.log`; `python` picks another virtualenv (the vLLM one)."""
+    its output in `log_dir/name.log`; `python` picks another virtualenv (the vLLM one);
+    `launcher` runs the module through another module (`torchrun_args`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
-            [python or sys.executable, "-m", module],
+            [python or sys.executable, *(launcher or []), "-m", module],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
@@ -123,8 +139,8 @@ class Mesh:
         self.children: list[Child] = []
         self.log_dir = plan.output_dir / "logs"
 
-    def _spawn(self, name: str, module: str, address: str, settings: dict[str, str]) -> Child:
-        child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir))
+    def _spawn(self, name: str, module: str, address: str, settings: dict[str, str], launcher: list[str] | None = None) -> Child:
+        child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir), launcher=launcher)
         self.children.append(child)
         return child
 
@@ -156,7 +172,9 @@ class Mesh:
         await wait_started([weights, *rollouts])
 
     async def start_trainer(self) -> Child:
+        """One trainer process, or torchrun with `trainer_ranks` of them (rank 0 serves the port)."""
         plan = self.plan
+        launcher = torchrun_args(plan.trainer_ranks, free_port(plan.host), plan.host) if plan.trainer_ranks > 1 else None
         trainer = self._spawn("trainer", "services.trainer", plan.trainer_address, {
             "RLMESH_TRAINER_SERVER__HOST": plan.host,
             "RLMESH_TRAINER_SERVER__PORT": _port(plan.trainer_address),
@@ -165,7 +183,7 @@ class Mesh:
             "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
             "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
             "RLMESH_TRAINER_STEPS": str(plan.steps),
-        })
+        }, launcher)
         await wait_started([trainer])
         return trainer
 
@@ -248,7 +266,8 @@ async def run_mesh(plan: MeshPlan) -> int:
         interrupted.cancel()
         print(f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
               f"rollout {', '.join(plan.rollout_address(i) for i in range(plan.rollout_instances))}, "
-              f"trainer {plan.trainer_address}; logs in {mesh.log_dir}")
+              f"trainer {plan.trainer_address}"
+              + (f" ({plan.trainer_ranks} FSDP ranks)" if plan.trainer_ranks > 1 else "") + f"; logs in {mesh.log_dir}")
         trainer = await mesh.start_trainer()
         code = await follow_training(mesh, trainer, stop)
         if code == 0:

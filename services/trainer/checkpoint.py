@@ -1,5 +1,14 @@
-"""Resumable checkpoints: the policy in HF format (loadable by any engine), the optimizer, the
-step and weight version, and RNG state."""
+"""Resumable sharded checkpoints: the policy and optimizer with torch.distributed.checkpoint (each
+rank writes its own shards; a checkpoint saved by N ranks loads on any number of ranks), the step
+and weight version, each rank's RNG state, and on request the whole policy as an HF folder.
+
+Layout: `checkpoints/step_NNNNNN/` holds `.metadata` and `__<rank>_0.distcp` (DCP),
+`rng_rank<r>.pt`, `trainer_state.pt` (written last), and with an export `config.json`,
+`model.safetensors` and the tokenizer. A save goes to `step_NNNNNN.partial/` and is renamed when
+complete; the newest KEEP checkpoints are kept.
+
+Every function here is collective when a process group is initialised: every rank calls it, in
+the same order. Without a process group it runs on a plain (unsharded) model."""
 
 from __future__ import annotations
 
@@ -7,9 +16,22 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+log = structlog.get_logger()
 
 KEEP = 2
+STATE_FILE = "trainer_state.pt"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(slots=True)
@@ -21,34 +43,86 @@ class TrainerState:
     run restarted on a mesh that already holds versions must publish above them."""
 
 
-def save_checkpoint(directory: Path, model, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized() and _world() > 1:
+        dist.barrier(group=group)
+
+
+def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                    export_hf: bool = False, tokenizer_dir: Path | None = None,
+                    group: dist.ProcessGroup | None = None) -> Path:
+    """Saves every rank's shards; with `export_hf` rank 0 also writes the whole policy as an HF
+    folder (the only place the full model is gathered, offloaded to CPU). `group` is a gloo
+    group for barriers (None: the default group)."""
     target = directory / f"step_{state.step:06d}"
     partial = target.with_suffix(".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "step": state.step, "version": state.version, "rng": torch.get_rng_state()},
-        partial / "trainer_state.pt",
-    )
-    shutil.rmtree(target, ignore_errors=True)
-    # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
-    partial.rename(target)
-    for old in sorted(directory.glob("step_??????"))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(group)
+    torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial, no_dist=not dist.is_initialized())
+    full = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if export_hf else None)
+    if rank == 0:
+        if full is not None:
+            export_hf_folder(partial, model, full, tokenizer_dir)
+        torch.save({"step": state.step, "version": state.version, "world_size": _world()}, partial / STATE_FILE)
+        shutil.rmtree(target, ignore_errors=True)
+        # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
+        partial.rename(target)
+        for old in sorted(directory.glob("step_??????"))[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)
     return target
 
 
+def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, torch.Tensor],
+                     tokenizer_dir: Path | None = None) -> None:
+    """The policy as an HF-format folder any engine loads: config, safetensors (tied weights
+    once), generation config and, if given, the tokenizer."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    tensors = {name: tensor.detach().contiguous() for name, tensor in full_state.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if tokenizer_dir is not None and (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, path / name)
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
-    complete = [p for p in sorted(directory.glob("step_??????")) if (p / "trainer_state.pt").is_file()]
+    complete = [p for p in sorted(directory.glob("step_??????")) if (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
+    if not complete and any((p / STATE_FILE).is_file() for p in directory.glob("step_??????")):
+        log.warning("ignoring checkpoints without sharded (DCP) state: written by an older trainer", directory=str(directory))
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, model, optimizer: torch.optim.Optimizer) -> TrainerState:
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "model.safetensors"))
-    model.load_state_dict(weights, strict=False)
-    saved = torch.load(path / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    torch.set_rng_state(saved["rng"])
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Loads the policy and optimizer into this rank's shards (resharded if the checkpoint was
+    saved by another number of ranks) and this rank's RNG state if the checkpoint has one."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.is_file():
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    saved = torch.load(path / STATE_FILE, weights_only=True)
+    if saved.get("world_size", _world()) != _world():
+        log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved["world_size"], ranks=_world())
     return TrainerState(step=saved["step"], version=saved["version"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
@@ -50,6 +52,20 @@ class TrainerConfig(StrictModel):
     """Continue from the newest checkpoint in output_dir if there is one."""
     seed: int = 0
     threads: int = Field(default=1, ge=1)
+    """Intra-op torch threads of each rank."""
+    handoff: Literal["shm", "stream"] = "shm"
+    """How each rank hands its FSDP shards to the weights service: `shm` writes them into a
+    shared-memory file under /dev/shm and sends only the header (the weights service must run on
+    the same host); `stream` sends them as 1 MiB chunks after the header (another host)."""
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the FSDP ranks: `auto` is NCCL when CUDA is available, else
+    gloo. Commands from rank 0 always travel on a gloo group. Without torchrun (one rank) the
+    process forms a one-rank group by itself."""
+    collective_timeout_seconds: float = Field(default=1800.0, gt=0)
+    """How long a rank waits in one collective; ranks other than 0 wait in one for rank 0's next
+    command (while it waits for rollouts), so this must exceed rollout_timeout_seconds."""
+    upload_timeout_seconds: float = Field(default=60.0, gt=0)
+    """Deadline of one rank's UploadShards call (the weights service replies once it copied the bytes)."""
     rpc_timeout_seconds: float = Field(default=10.0, gt=0)
     rollout_timeout_seconds: float = Field(default=300.0, gt=0)
     """Deadline for one step's rollouts to arrive."""
@@ -63,4 +79,7 @@ class TrainerConfig(StrictModel):
             raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
         if self.min_micro_batch_groups > self.micro_batch_groups:
             raise ValueError("min_micro_batch_groups must not exceed micro_batch_groups")
+        if self.collective_timeout_seconds <= self.rollout_timeout_seconds:
+            raise ValueError("collective_timeout_seconds must exceed rollout_timeout_seconds "
+                             "(ranks other than 0 wait in a collective while rank 0 waits for rollouts)")
         return self

@@ -19,11 +19,14 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model, tokenizer: Tokenizer, problems: list[Problem], eos_id: int, pad_id: int,
-             max_tokens: int, samples: int, seed: int) -> EvalResult:
+             max_tokens: int, samples: int, seed: int, synced_gpus: bool = False,
+             device: torch.device | None = None) -> EvalResult:
+    """`synced_gpus`: the model is sharded over several ranks that all run this evaluation; every
+    rank keeps decoding until all are done, so their FSDP collectives stay matched."""
     prompts = [tokenizer.encode(p.prompt).ids for p in problems]
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     was_training = model.training
     model.eval()
 
@@ -38,6 +41,7 @@ def evaluate(model, tokenizer: Tokenizer, problems: list[Problem], eos_id: int, 
             max_new_tokens=max_tokens,
             eos_token_id=eos_id,
             pad_token_id=pad_id,
+            synced_gpus=synced_gpus,
         )
         texts = []
         for row in outputs[:, width:].tolist():

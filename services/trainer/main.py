@@ -1,18 +1,28 @@
-"""Runs the trainer: wait for the manager and weights service, train, write the summary, exit.
-The process exits 0 when training finished and 1 when it failed; SIGTERM stops it early."""
+"""Runs the trainer on every rank. Rank 0 serves TrainerService (health, reflection, status),
+waits for the manager and weights service, drives training, writes the summary and exits; the
+other ranks follow rank 0's commands until it tells them to stop. The process exits 0 when
+training finished and 1 when it failed; SIGTERM stops it early."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
+from pathlib import Path
 
 import structlog
 import torch
 
-from rlmesh.rpc import GrpcServer, stop_event_on_signals, wait_healthy
+from rlmesh.rpc import GrpcServer, open_channel, stop_event_on_signals, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from rlmesh.weights.v1 import weights_pb2_grpc
 from services.trainer.config import TrainerConfig
+from services.trainer.distributed import RankInfo, TorchThread, die_with_agent, init_distributed, shutdown_distributed
+from services.trainer.handoff import ShardHandoff, mesh_tag
 from services.trainer.mesh import MeshClient
+from services.trainer.policy import ShardedPolicy
+from services.trainer.ranks import RankGroup
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import GrpoTrainer, TrainingStatus
 
@@ -21,6 +31,25 @@ log = structlog.get_logger()
 
 async def serve(config: TrainerConfig) -> None:
     torch.set_num_threads(config.threads)
+    die_with_agent()
+    rank = await asyncio.to_thread(init_distributed, config.distributed_backend, config.collective_timeout_seconds)
+    structlog.contextvars.bind_contextvars(rank=rank.rank, world_size=rank.world_size)
+    log.info("rank started", device=str(rank.device), pid=os.getpid())
+    if rank.is_leader:
+        await lead(config, rank)
+    else:
+        await follow(config, rank)
+
+
+async def _build(config: TrainerConfig, rank: RankInfo, thread: TorchThread) -> tuple[RankGroup, object]:
+    policy = await thread.run(ShardedPolicy, config, rank)
+    channel = open_channel(config.weights_address)
+    handoff = ShardHandoff(weights_pb2_grpc.WeightsServiceStub(channel), policy.shape, rank.rank, rank.world_size,
+                           config.handoff, mesh_tag(config.output_dir), config.upload_timeout_seconds)
+    return RankGroup(rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints"), channel
+
+
+async def lead(config: TrainerConfig, rank: RankInfo) -> None:
     stop = stop_event_on_signals()
     status = TrainingStatus(total_steps=config.steps, output_dir=config.output_dir)
     server = GrpcServer(config.server, [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
@@ -28,11 +57,14 @@ async def serve(config: TrainerConfig) -> None:
     await server.start()
     await server.set_serving(True)
     mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds)
+    thread = TorchThread()
+    group, channel = None, None
     failed = False
     try:
+        group, channel = await _build(config, rank, thread)
         for address in (config.manager_address, config.weights_address):
             await wait_healthy(address, config.startup_timeout_seconds)
-        trainer = GrpoTrainer(config, mesh, status)
+        trainer = GrpoTrainer(config, mesh, status, group)
         training = asyncio.create_task(trainer.run())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -51,7 +83,44 @@ async def serve(config: TrainerConfig) -> None:
         status.error = f"{type(exc).__name__}: {exc}"
         log.exception("training failed")
     finally:
+        # The other ranks exit when told to stop; if they are mid-command they cannot hear it, and
+        # this rank's exit makes torchrun stop them.
+        told = False
+        if group is not None and not stop.is_set():
+            try:
+                told = await asyncio.wait_for(group.stop(), timeout=config.rpc_timeout_seconds)
+            except Exception as exc:  # noqa: BLE001 - the process is ending either way
+                log.warning("could not tell the other ranks to stop", error=str(exc))
+        if group is not None:
+            group.handoff.close()
+        if channel is not None:
+            await channel.close()
         await mesh.close()
         await server.stop()
+        thread.close()
+        if told and not failed:
+            shutdown_distributed()
     if failed:
         sys.exit(1)
+
+
+async def follow(config: TrainerConfig, rank: RankInfo) -> None:
+    thread = TorchThread()
+    group, channel = await _build(config, rank, thread)
+
+    def terminate(signum, frame) -> None:
+        # Blocked in a collective waiting for rank 0's next command, this rank cannot unwind:
+        # free its shared memory and go.
+        group.handoff.close()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
+    try:
+        await group.follow()
+        log.info("stopped by rank 0")
+    finally:
+        group.handoff.close()
+        await channel.close()
+        thread.close()
+    shutdown_distributed()

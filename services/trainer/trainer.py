@@ -1,5 +1,7 @@
-"""The GRPO training loop over the mesh: submit prompts ahead within the staleness bound, train
-on micro-batches as they stream in, step the optimizer per mini-batch, publish every version."""
+"""The GRPO training loop over the mesh, run by rank 0: submit prompts ahead within the staleness
+bound, train on micro-batches as they stream in, step the optimizer per mini-batch, publish every
+version. The policy is sharded over the trainer's ranks; every torch operation on it is a command
+all ranks run together (see `ranks.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -16,17 +18,17 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
-from rlmesh.models.loading import load_causal_lm, trainable_tensors
-from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
-from rlmesh.tasks.increment import ProblemStream, exact_match, held_out_problems, reward
+from rlmesh.tasks.increment import ProblemStream, exact_match, reward
 from rlmesh.trainer.v1 import trainer_pb2
-from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.batching import TrainingSample
+from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.evaluation import evaluate
-from services.trainer.grpo import group_advantages, grpo_loss
+from services.trainer.evaluation import EvalResult
+from services.trainer.grpo import group_advantages
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
+from services.trainer.policy import MicroBatchStats
+from services.trainer.ranks import Checkpoint, Evaluate, OptimizerStep, Publish, PublishResult, RankGroup, Resume, Train
 
 log = structlog.get_logger()
 
@@ -62,28 +64,24 @@ class StepTotals:
     loss: float = 0.0
     kl: list[float] = field(default_factory=list)
     clip_fraction: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
 
 
 class GrpoTrainer:
-    def __init__(self, config: TrainerConfig, mesh: MeshClient, status: TrainingStatus) -> None:
+    def __init__(self, config: TrainerConfig, mesh: MeshClient, status: TrainingStatus, group: RankGroup) -> None:
         self.config = config
         self.mesh = mesh
         self.status = status
+        self.group = group
         self.output = Path(config.output_dir)
         self.output.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(config.seed)
-        self.policy = load_causal_lm(config.model_dir)
-        self.policy.train()
-        self.reference = load_causal_lm(config.model_dir) if config.grpo.kl_coef > 0 else None
-        self.tokenizer = load_tokenizer(config.model_dir)
-        self.eos_id = self.tokenizer.token_to_id(EOS_TOKEN)
-        self.pad_id = self.tokenizer.token_to_id(PAD_TOKEN)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.grpo.learning_rate)
+        self.tokenizer = group.policy.tokenizer
+        self.eos_id = group.policy.eos_id
         self.metrics = MetricsWriter(self.output)
-        self.checkpoints = self.output / "checkpoints"
+        self.checkpoints = group.checkpoints
         self.ledger_path = self.output / "rollouts.jsonl"
         self._ledger_file = self.ledger_path.open("a", buffering=1)
-        self.held_out = held_out_problems(config.eval_prompts)
+        self.held_out = group.policy.held_out
         self.problems = ProblemStream(config.seed, self.held_out)
         self.answers: dict[tuple[str, str], str] = {}
         self.run_tag = uuid.uuid4().hex[:8]
@@ -107,7 +105,7 @@ class GrpoTrainer:
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         if checkpoint is not None:
-            state = load_checkpoint(checkpoint, self.policy, self.optimizer)
+            state = await self.group.lead(Resume(str(checkpoint)))
             log.info("resumed", checkpoint=str(checkpoint), step=state.step)
         manager = await self.mesh.manager_status()
         stored = await self.mesh.stored_version()
@@ -115,7 +113,7 @@ class GrpoTrainer:
         if stored >= state.version or manager.published_version > state.version:
             state.version = max(stored, manager.published_version) + 1
         version_offset = state.version - state.step
-        await self.mesh.publish(state.version, trainable_tensors(self.policy))
+        await self._publish(state.version)
         self.status.phase = trainer_pb2.PHASE_TRAINING
         self.status.step, self.status.version = state.step, state.version
         first_eval = last_eval = await self._evaluate(state.step)
@@ -129,7 +127,8 @@ class GrpoTrainer:
                 if state.step % self.config.eval_every == 0 or last_step:
                     last_eval = await self._evaluate(state.step)
                 if state.step % self.config.checkpoint_every == 0 or last_step:
-                    save_checkpoint(self.checkpoints, self.policy, self.optimizer, state)
+                    # The last one also holds the whole policy as an HF folder.
+                    await self.group.lead(Checkpoint(state.step, state.version, export_hf=last_step))
         finally:
             await self._cancel_unread_batches()
             self._ledger_file.close()
@@ -156,7 +155,7 @@ class GrpoTrainer:
         totals = await self._train_step(state.step, state.step + version_offset)
         state.step += 1
         state.version = state.step + version_offset
-        publish_seconds = await self.mesh.publish(state.version, trainable_tensors(self.policy))
+        published = await self._publish(state.version)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
@@ -170,7 +169,10 @@ class GrpoTrainer:
             "step_seconds": step_seconds,
             "generated_tokens_per_second": totals.response_tokens / step_seconds,
             "response_length": totals.response_tokens / len(totals.rewards),
-            "publish_seconds": publish_seconds,
+            "publish_seconds": published.seconds,
+            "publish_upload_seconds": published.upload_seconds,
+            "publish_rank_bytes": float(max(published.rank_bytes)),
+            "grad_norm": sum(totals.grad_norm) / len(totals.grad_norm),
             "rollout_wait_seconds": totals.wait_seconds,
             "weight_version": float(state.version),
             **balance,
@@ -179,7 +181,14 @@ class GrpoTrainer:
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
         log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
-                 step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
+                 step_s=round(step_seconds, 3), publish_s=round(published.seconds, 4), staleness=values["staleness_mean"])
+
+    async def _publish(self, version: int) -> PublishResult:
+        """Every rank hands its shards to the weights service; then the manager learns the version."""
+        published: PublishResult = await self.group.lead(Publish(version))
+        started = time.perf_counter()
+        await self.mesh.announce(version)
+        return replace(published, seconds=published.seconds + time.perf_counter() - started)
 
     async def _report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> dict[str, float]:
         """Tells the manager how training and rollout compared; returns its balance estimate as metrics."""
@@ -222,7 +231,6 @@ class GrpoTrainer:
         totals = StepTotals()
         received: set[str] = set()
         groups_in_mini_batch = 0
-        self.optimizer.zero_grad(set_to_none=True)
         config = self.config
         async with asyncio.timeout(config.rollout_timeout_seconds):
             for attempt in range(STREAM_ATTEMPTS):
@@ -238,10 +246,13 @@ class GrpoTrainer:
                         received.update(g.prompt_id for g in fresh)
                         if fresh:
                             samples = self._score(batch_id, fresh, policy_version, totals)
-                            await asyncio.to_thread(self._backward, samples, totals)
+                            stats: MicroBatchStats = await self.group.lead(Train(samples))
+                            totals.loss += stats.loss
+                            totals.kl.append(stats.kl)
+                            totals.clip_fraction.append(stats.clip_fraction)
                             groups_in_mini_batch += len(fresh)
                             if groups_in_mini_batch >= self.mini_batch_groups:
-                                await asyncio.to_thread(self._optimizer_step)
+                                totals.grad_norm.append(await self.group.lead(OptimizerStep()))
                                 groups_in_mini_batch = 0
                         waiting_since = time.perf_counter()
                     break
@@ -254,7 +265,7 @@ class GrpoTrainer:
                     await asyncio.sleep(1.0)
         self.unread_batches.discard(batch_id)
         if groups_in_mini_batch:
-            await asyncio.to_thread(self._optimizer_step)
+            totals.grad_norm.append(await self.group.lead(OptimizerStep()))
         return totals
 
     def _score(self, batch_id: str, groups: list[manager_pb2.Group], policy_version: int, totals: StepTotals) -> list[TrainingSample]:
@@ -278,33 +289,8 @@ class GrpoTrainer:
                           "max_version": max(max(s.weight_versions) for s in group.samples)})
         return samples
 
-    def _backward(self, samples: list[TrainingSample], totals: StepTotals) -> None:
-        batch = build_micro_batch(samples, self.pad_id)
-        logprobs = token_logprobs(self.policy, batch, self.config.grpo.temperature)
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = token_logprobs(self.reference, batch, self.config.grpo.temperature)
-        loss, stats = grpo_loss(
-            logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
-            self.config.grpo.clip_epsilon, self.mini_batch_groups * self.config.group_size,
-            reference, self.config.grpo.kl_coef,
-        )
-        loss.backward()
-        totals.loss += loss.item()
-        totals.kl.append(stats.kl)
-        totals.clip_fraction.append(stats.clip_fraction)
-
-    def _optimizer_step(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.grpo.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     async def _evaluate(self, step: int) -> dict[str, float]:
-        result = await asyncio.to_thread(
-            evaluate, self.policy, self.tokenizer, self.held_out, self.eos_id, self.pad_id,
-            self.config.grpo.max_tokens, self.config.eval_samples, self.config.seed + step,
-        )
+        result: EvalResult = await self.group.lead(Evaluate(step))
         values = {
             "eval/sampled_reward": result.sampled_reward,
             "eval/greedy_reward": result.greedy_reward,

@@ -16,7 +16,9 @@ import pytest
 
 from rlmesh.launcher import MESH_ID_ENV
 from rlmesh.rpc import call_options, open_channel
+from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from services.trainer.handoff import SLOT_PREFIX, mesh_tag
 from tests.conftest import free_port
 from tests.integration.test_contracts_on_the_wire import grpcurl
 
@@ -134,3 +136,28 @@ def test_a_rerun_resumes_from_the_last_checkpoint(model_dir, tmp_path):
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in ledger if r["event"] == "submitted") == [0, 1, 2, 3]
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == 4
+
+
+def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
+    """`--trainer-ranks 2`: the trainer runs under torchrun; both ranks hand their shards to the
+    weights service through shared memory, checkpoint their own shards, and leave nothing behind."""
+    output_dir = tmp_path / "run"
+    command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--trainer-ranks", "2"]
+    result = subprocess.run(command, env=small_run_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 FSDP ranks" in result.stdout and "held-out sampled reward" in result.stdout
+
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["weight_version"] for r in steps] == [1, 2, 3, 4]
+    model_bytes = 396_160 * 4
+    # Each rank handed over about half of the model, never the whole of it.
+    assert all(model_bytes / 2 <= r["publish_rank_bytes"] < model_bytes / 2 + 64 * 30 for r in steps)
+    logs = [json.loads(line) for line in (output_dir / "logs" / "trainer.log").read_text().splitlines() if line.startswith("{")]
+    assert {(r["rank"], r["world_size"]) for r in logs if r.get("event") == "rank started"} == {(0, 2), (1, 2)}
+    assert any(r.get("event") == "stopped by rank 0" and r["rank"] == 1 for r in logs)
+
+    checkpoint = Path(json.loads((output_dir / "summary.json").read_text())["checkpoint"])
+    assert {"__0_0.distcp", "__1_0.distcp", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+    assert mesh_processes(output_dir) == []
+    assert not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{mesh_tag(str(output_dir.resolve()))}-*")), "a rank left its shared memory behind"

@@ -1,0 +1,186 @@
+"""How the trainer's ranks move together. Rank 0 drives the mesh (manager, rollouts, metrics) and
+broadcasts each command with `broadcast_object_list` (small: samples are token lists); every
+other rank receives it and runs the same command, so their FSDP collectives match. Commands:
+train on these samples, optimizer step, evaluate, publish version v, checkpoint, resume, stop.
+
+A failure every rank sees alike (a rank could not upload its shards) is raised on every rank as
+`CollectiveFailure`: the ranks stay in step and rank 0 decides (it stops them). Any other
+failure ends the rank's process; torchrun then stops the others."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch.distributed as dist
+
+from services.trainer.batching import TrainingSample
+from services.trainer.checkpoint import TrainerState
+from services.trainer.distributed import RankInfo, TorchThread
+from services.trainer.evaluation import EvalResult
+from services.trainer.handoff import PublishError, ShardHandoff
+from services.trainer.policy import MicroBatchStats, ShardedPolicy
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Forward and backward of a micro-batch (each rank takes its share); gradients accumulate."""
+
+    samples: list[TrainingSample]
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerStep:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluate:
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Every rank hands its shards of `version` to the weights service."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    step: int
+    version: int
+    export_hf: bool
+    """Also write the whole policy as an HF folder (the final checkpoint)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Command = Train | OptimizerStep | Evaluate | Publish | Checkpoint | Resume | Stop
+
+
+class CollectiveFailure(RuntimeError):
+    """A command failed in a way every rank knows of; the ranks are still in step."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    version: int
+    seconds: float
+    """Broadcast, pack, upload and the wait for every rank."""
+    pack_seconds: float
+    upload_seconds: float
+    rank_bytes: list[int]
+    """Payload bytes each rank handed over."""
+
+
+class RankGroup:
+    def __init__(self, rank: RankInfo, policy: ShardedPolicy, handoff: ShardHandoff, thread: TorchThread,
+                 checkpoints: Path) -> None:
+        self.rank = rank
+        self.policy = policy
+        self.handoff = handoff
+        self.thread = thread
+        self.checkpoints = checkpoints
+        self.in_step = True
+        """False while a command runs on this rank: a stop then could not be broadcast safely."""
+
+    def _broadcast(self, command: Command | None) -> Command:
+        objects: list[Any] = [command]
+        dist.broadcast_object_list(objects, src=0, group=self.rank.control)
+        return objects[0]
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.rank.world_size
+        dist.all_gather_object(gathered, value, group=self.rank.control)
+        return gathered
+
+    async def lead(self, command: Command) -> Any:
+        """Rank 0: sends the command to every rank and runs it here too; returns this rank's result."""
+        if not self.rank.is_leader:
+            raise RuntimeError("only rank 0 leads")
+        self.in_step = False
+        await self.thread.run(self._broadcast, command)
+        try:
+            result = await self.execute(command)
+        except CollectiveFailure:
+            self.in_step = True
+            raise
+        self.in_step = True
+        return result
+
+    async def follow(self) -> None:
+        """Ranks other than 0: run rank 0's commands until it says stop."""
+        while True:
+            command = await self.thread.run(self._broadcast, None)
+            try:
+                await self.execute(command)
+            except CollectiveFailure as exc:
+                log.warning("command failed on every rank; waiting for rank 0", command=type(command).__name__, error=str(exc))
+            if isinstance(command, Stop):
+                return
+
+    async def stop(self) -> bool:
+        """Rank 0: tells the other ranks to exit, if they are in step to hear it; True if told."""
+        if self.rank.world_size == 1:
+            return True
+        if not self.in_step:
+            return False
+        await self.lead(Stop())
+        return True
+
+    async def execute(self, command: Command) -> Any:
+        policy, thread = self.policy, self.thread
+        match command:
+            case Train(samples):
+                stats: MicroBatchStats = await thread.run(policy.backward, samples)
+                return stats
+            case OptimizerStep():
+                return await thread.run(policy.optimizer_step)
+            case Evaluate(step):
+                result: EvalResult = await thread.run(policy.evaluate, step)
+                return result
+            case Publish(version):
+                return await self._publish(version)
+            case Checkpoint(step, version, export_hf):
+                return await thread.run(policy.save, self.checkpoints, TrainerState(step=step, version=version), export_hf)
+            case Resume(path):
+                return await thread.run(policy.load, Path(path))
+            case Stop():
+                return None
+        raise TypeError(f"unknown command {command!r}")
+
+    async def _publish(self, version: int) -> PublishResult:
+        started = time.perf_counter()
+        packed = await self.thread.run(lambda: self.handoff.pack(version, self.policy.local_shards()))
+        uploading = time.perf_counter()
+        error, complete = "", False
+        try:
+            reply = await self.handoff.upload(packed)
+            complete = reply.complete
+        except PublishError as exc:
+            error = str(exc)
+        upload_seconds = time.perf_counter() - uploading
+        # The barrier after the uploads, carrying each rank's outcome so all ranks agree on it.
+        outcomes = await self.thread.run(self._all_gather, (error, complete, packed.header.total_bytes))
+        errors = [e for e, _, _ in outcomes if e]
+        if errors:
+            raise CollectiveFailure(f"publishing version {version}: " + "; ".join(errors))
+        if not any(c for _, c, _ in outcomes):
+            raise CollectiveFailure(f"publishing version {version}: every rank uploaded its shards but the weights "
+                                    "service never reported the version complete")
+        return PublishResult(version=version, seconds=time.perf_counter() - started, pack_seconds=packed.pack_seconds,
+                             upload_seconds=upload_seconds, rank_bytes=[b for _, _, b in outcomes])

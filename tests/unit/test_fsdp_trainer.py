@@ -1,0 +1,217 @@
+"""The FSDP trainer's pieces that need no process group: packing a rank's shards for the weights
+service (shared-memory slots reused and named per mesh and process, or a stream), the thread that
+runs a rank's torch work in order, and the settings. The ranks themselves run as real processes
+in tests/integration/test_fsdp_trainer.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import zlib
+
+import grpc
+import pytest
+import structlog
+import torch
+
+from rlmesh.config import ConfigError, load_config
+from rlmesh.launcher import torchrun_args
+from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
+from rlmesh.payload import STREAM_CHUNK_BYTES
+from rlmesh.shards import SHM_DIR, LocalShard, read_shared_memory, shard_views, validate_header
+from rlmesh.weights.v1 import weights_pb2
+from services.trainer.config import TrainerConfig
+from services.trainer.distributed import TorchThread
+from services.trainer.handoff import SLOT_PREFIX, PublishError, ShardHandoff, mesh_tag, remove_stale_slots, slot_name
+
+SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
+                   num_layers=2, tie_word_embeddings=True, attention_bias=True)
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(dims, generator=generator) for name, dims in hf_parameter_shapes(SHAPE).items()}
+
+
+def rank_shards(full: dict[str, torch.Tensor], world: int, rank: int) -> dict[str, LocalShard]:
+    shards = {}
+    for name, tensor in full.items():
+        start, end = fsdp_rows(tensor.shape[0], world, rank)
+        shards[name] = LocalShard(tensor[start:end], tuple(tensor.shape), start, end)
+    return shards
+
+
+class RecordingStub:
+    """Stands in for the weights service's stub: keeps what an upload sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[weights_pb2.UploadShardsRequest] = []
+
+    async def UploadShards(self, requests, timeout=None, metadata=None):
+        assert timeout is not None, "every RPC carries a deadline"
+        self.requests = [r async for r in requests]
+        header = self.requests[0].header
+        return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=1, complete=True)
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    tag = mesh_tag(str(tmp_path))
+    yield tag
+    for path in SHM_DIR.glob(f"{SLOT_PREFIX}-{tag}-*"):
+        path.unlink()
+
+
+async def test_a_rank_packs_its_rows_into_two_reused_shared_memory_slots(mesh):
+    stub = RecordingStub()
+    handoff = ShardHandoff(stub, SHAPE, rank=1, world_size=3, mode="shm", mesh=mesh, timeout=5.0)
+    paths = []
+    try:
+        for version in (1, 2, 3):
+            full = full_tensors(version)
+            packed = handoff.pack(version, rank_shards(full, 3, 1))
+            header = packed.header
+            assert validate_header(header) == SHAPE  # the weights service's own checks
+            assert (header.version, header.rank, header.world_size) == (version, 1, 3)
+            assert os.path.basename(header.shm_path) == slot_name(mesh, os.getpid(), 1, (version - 1) % 2)
+            paths.append(header.shm_path)
+            reply = await handoff.upload(packed)
+            assert reply.complete and len(stub.requests) == 1, "shared memory: the header alone"
+            # What the weights service reads from the slot is exactly the rank's rows.
+            received = torch.empty(header.total_bytes, dtype=torch.uint8)
+            read_shared_memory(header.shm_path, header.total_bytes, received)
+            assert zlib.crc32(received.numpy()) == header.payload_crc32
+            for name, view in shard_views(header, received).items():
+                start, end = fsdp_rows(full[name].shape[0], 3, 1)
+                assert torch.equal(view, full[name][start:end]), name
+            model_bytes = sum(t.numel() * 4 for t in full.values())
+            assert header.total_bytes < model_bytes / 2, "a rank sends only its third of the model"
+        assert paths[0] == paths[2] != paths[1], "two slots, used alternately and reused"
+    finally:
+        handoff.close()
+    assert not any(os.path.exists(p) for p in paths), "closing unlinks the slots"
+
+
+async def test_a_rank_on_another_host_streams_its_shards_after_the_header(mesh):
+    stub = RecordingStub()
+    # Big enough for several chunks.
+    big = ModelShape(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=1024, vocab_size=14,
+                     num_layers=2, tie_word_embeddings=True, attention_bias=True)
+    handoff = ShardHandoff(stub, big, rank=0, world_size=1, mode="stream", mesh=mesh, timeout=5.0)
+    generator = torch.Generator().manual_seed(0)
+    full = {name: torch.randn(dims, generator=generator) for name, dims in hf_parameter_shapes(big).items()}
+    packed = handoff.pack(7, rank_shards(full, 1, 0))
+    assert packed.header.shm_path == "" and not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{mesh}-*"))
+    await handoff.upload(packed)
+    header, chunks = stub.requests[0].header, [r.chunk for r in stub.requests[1:]]
+    assert header.total_bytes > 2 * STREAM_CHUNK_BYTES and len(chunks) == -(-header.total_bytes // STREAM_CHUNK_BYTES)
+    payload = b"".join(c.data for c in chunks)
+    assert [c.offset for c in chunks] == list(range(0, header.total_bytes, STREAM_CHUNK_BYTES))
+    assert len(payload) == header.total_bytes and zlib.crc32(payload) == header.payload_crc32
+    handoff.close()
+
+
+def test_slots_of_dead_processes_of_the_same_mesh_are_removed(mesh):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale = SHM_DIR / slot_name(mesh, int(dead), 0, 0)
+    mine = SHM_DIR / slot_name(mesh, os.getpid(), 0, 1)
+    other_rank = SHM_DIR / slot_name(mesh, int(dead), 1, 0)
+    other_mesh = SHM_DIR / slot_name("0" * 10, int(dead), 0, 0)
+    for path in (stale, mine, other_rank, other_mesh):
+        path.write_bytes(b"x")
+    try:
+        assert remove_stale_slots(mesh, 0) == [stale.name]
+        assert not stale.exists() and mine.exists() and other_rank.exists() and other_mesh.exists()
+    finally:
+        for path in (mine, other_rank, other_mesh):
+            path.unlink(missing_ok=True)
+
+
+async def test_the_torch_thread_runs_calls_in_order_with_the_callers_log_context():
+    thread = TorchThread()
+    order = []
+    structlog.contextvars.bind_contextvars(rank=3)
+    try:
+        results = await asyncio.gather(*(thread.run(lambda i=i: order.append(i) or i) for i in range(20)))
+        assert results == list(range(20)) and order == list(range(20))
+        assert await thread.run(lambda: structlog.contextvars.get_contextvars()["rank"]) == 3
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(lambda: 1 / 0)
+        assert await thread.run(lambda: "still serving") == "still serving"
+    finally:
+        structlog.contextvars.unbind_contextvars("rank")
+        thread.close()
+    assert not thread._thread.is_alive()
+
+
+def test_settings_are_checked_and_come_from_the_environment():
+    config = load_config(TrainerConfig, env_prefix="RLMESH_TRAINER_",
+                         environ={"RLMESH_TRAINER_MODEL_DIR": "m", "RLMESH_TRAINER_HANDOFF": "stream"})
+    assert config.handoff == "stream" and config.distributed_backend == "auto"
+    with pytest.raises(ConfigError, match="handoff"):
+        load_config(TrainerConfig, overrides={"model_dir": "m", "handoff": "socket"})
+    with pytest.raises(ConfigError, match="collective_timeout_seconds"):
+        load_config(TrainerConfig, overrides={"model_dir": "m", "collective_timeout_seconds": 60})
+
+
+def test_rlmesh_up_runs_several_ranks_under_torchrun():
+    assert torchrun_args(2, 29500) == ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                                       "--master-addr", "127.0.0.1", "--master-port", "29500"]
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--trainer-ranks", "0"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "--trainer-ranks: must be at least 1" in result.stderr
+
+
+class NoSharedMemoryStub(RecordingStub):
+    """A weights service on another host: it cannot open the rank's shared-memory file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def UploadShards(self, requests, timeout=None, metadata=None):
+        self.calls += 1
+        requests = [r async for r in requests]
+        if requests[0].header.shm_path:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details=f"shm_path {requests[0].header.shm_path} does not exist")
+
+        async def again():
+            for r in requests:
+                yield r
+
+        return await super().UploadShards(again(), timeout=timeout)
+
+
+async def test_a_rank_whose_shared_memory_the_weights_service_cannot_read_streams_instead(mesh):
+    stub = NoSharedMemoryStub()
+    handoff = ShardHandoff(stub, SHAPE, rank=0, world_size=2, mode="shm", mesh=mesh, timeout=5.0)
+    try:
+        packed = handoff.pack(1, rank_shards(full_tensors(1), 2, 0))
+        assert packed.header.shm_path
+        reply = await handoff.upload(packed)
+        assert reply.complete and stub.calls == 2 and handoff.mode == "stream"
+        assert stub.requests[0].header.shm_path == "" and len(stub.requests) > 1
+        del packed
+        # Later versions stream at once, and the slots are gone.
+        await handoff.upload(handoff.pack(2, rank_shards(full_tensors(2), 2, 0)))
+        assert stub.calls == 3 and not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{mesh}-*"))
+    finally:
+        handoff.close()
+    # Refused for another reason: the rank reports it and keeps handing over through shared memory.
+    failing = RecordingStub()
+    failing.UploadShards = _always_invalid
+    other = ShardHandoff(failing, SHAPE, rank=1, world_size=2, mode="shm", mesh=mesh, timeout=5.0)
+    try:
+        with pytest.raises(PublishError, match="rank 1: UploadShards of version 3 failed: INVALID_ARGUMENT: rank 1 of"):
+            await other.upload(other.pack(3, rank_shards(full_tensors(3), 2, 1)))
+        assert other.mode == "shm"
+    finally:
+        other.close()
+
+
+async def _always_invalid(requests, timeout=None, metadata=None):
+    raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               details="rank 1 of version 3 disagrees with the other ranks")
