@@ -33,6 +33,9 @@ def _up(args: argparse.Namespace) -> int:
     if args.rollout_instances < 1:
         print("rlmesh up: --rollout-instances must be at least 1", file=sys.stderr)
         return 2
+    if args.transfer_backend == "mooncake" and args.compression != "none":
+        print("rlmesh up: the mooncake backend writes raw bytes; --compression needs --transfer-backend tcp or grpc", file=sys.stderr)
+        return 2
     if not 1024 <= args.base_port <= 65535 - 10 - args.rollout_instances:
         print("rlmesh up: --base-port must leave room for every service's port below 65536", file=sys.stderr)
         return 2
@@ -49,6 +52,8 @@ def _up(args: argparse.Namespace) -> int:
         max_staleness=args.max_staleness,
         transfer_backend=args.transfer_backend,
         trainer_ranks=args.trainer_ranks,
+        rollout_tp=args.rollout_tp,
+        compression=args.compression,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -95,7 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="manager port; weights +1, trainer +2, rollout instances +10.. (default 50151)")
     up.add_argument("--max-staleness", type=int, default=1, choices=range(0, 9), metavar="K",
                     help="trainer versions a rollout may lag behind (0 = synchronous; default 1)")
-    up.add_argument("--transfer-backend", choices=("mooncake", "grpc"), default="mooncake")
+    up.add_argument("--rollout-tp", type=_positive, default=1, metavar="T",
+                    help="tensor-parallel processes per rollout instance (default 1)")
+    up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"), default="tcp",
+                    help="data plane of weight pushes (default tcp)")
+    up.add_argument("--compression", choices=("none", "zstd", "delta"), default="none",
+                    help="link compression of weight pushes (default none; delta needs tcp or grpc)")
     up.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="created on first use")
     up.add_argument("--output-dir", help="metrics, plot, checkpoints and logs (default runs/<time>)")
     up.set_defaults(run=_up)

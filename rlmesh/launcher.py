@@ -39,6 +39,10 @@ class MeshPlan:
     transfer_backend: str
     trainer_ranks: int = 1
     """FSDP ranks of the trainer; more than one runs it under torchrun on this machine."""
+    rollout_tp: int = 1
+    """Tensor-parallel processes per rollout instance."""
+    compression: str = "none"
+    """Link compression of weight pushes."""
 
     @property
     def manager_address(self) -> str:
@@ -157,6 +161,7 @@ class Mesh:
             "RLMESH_WEIGHTS_SERVER__PORT": _port(plan.weights_address),
             "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
             "RLMESH_WEIGHTS_BACKEND": plan.transfer_backend,
+            "RLMESH_WEIGHTS_COMPRESSION": plan.compression,
         })
         rollouts = [
             self._spawn(f"rollout-{i}", "services.rollout", plan.rollout_address(i), {
@@ -166,6 +171,7 @@ class Mesh:
                 "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
                 "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
                 "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
+                "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
             })
             for i in range(plan.rollout_instances)
         ]
