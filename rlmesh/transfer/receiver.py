@@ -49,7 +49,8 @@ class RankReceiver:
         self.accept_lossy = accept_lossy
         self.held_version = -1
         self._base = -1
-        self.on_bucket: Callable[[int], None] | None = None
+        self.on_bucket: Callable[[common_pb2.WeightManifest, int], None] | None = None
+        """Told (manifest, bucket) of each good bucket: a version superseded meanwhile is recognised by its manifest."""
         self._lock = threading.Lock()
         self._manifest: common_pb2.WeightManifest | None = None
         self._ranges: list[tuple[int, int]] = []
@@ -86,6 +87,7 @@ class RankReceiver:
             self._written = [0] * len(self._ranges)
             self._verified = [False] * len(self._ranges)
             self._bad = set()
+            return self._base
 
     def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
               raw_bytes: int = 0, base_version: int = -1) -> None:
@@ -195,7 +197,7 @@ class RankReceiver:
                     self._bad.add(bucket)
                 self._all_checked.notify_all()
             if good and self.on_bucket is not None:
-                self.on_bucket(bucket)
+                self.on_bucket(manifest, bucket)
 
     def close(self) -> None:
         self._checks.put(None)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
+from rlmesh.models.tp_layout import ModelShape
 from services.rollout.synthetic_engine import SyntheticConfig
 
 
@@ -30,7 +32,10 @@ class EngineConfig(StrictModel):
     max_batch_size: int = Field(default=256, ge=1)
     seed: int = 0
     threads: int = Field(default=1, ge=1)
-    """torch intra-op threads; tiny models decode faster with one thread per process."""
+    """torch intra-op threads (per tensor-parallel rank); tiny models decode faster with one thread per process."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Processes the torch engine splits the model over (heads, MLP and vocabulary; gloo on this
+    machine); rank 0 is the service process, the others are workers it starts."""
     synthetic: SyntheticConfig = SyntheticConfig()
     vllm: VllmConfig = VllmConfig()
 
@@ -38,13 +43,25 @@ class EngineConfig(StrictModel):
     def _model_for_real_engines(self) -> "EngineConfig":
         if self.kind != "synthetic" and not self.model_dir:
             raise ValueError(f"engine.model_dir is required for the {self.kind} engine")
+        if self.tensor_parallel_size > 1:
+            if self.kind != "torch":
+                raise ValueError(f"engine.tensor_parallel_size: only the torch engine runs tensor-parallel, not {self.kind}")
+            if (Path(self.model_dir) / "config.json").is_file():
+                from transformers import AutoConfig
+
+                try:
+                    ModelShape.from_hf_config(AutoConfig.from_pretrained(self.model_dir)).check_tp(self.tensor_parallel_size)
+                except ValueError as exc:
+                    raise ValueError(f"engine.tensor_parallel_size: {exc}") from exc
         return self
 
 
 class TransferConfig(StrictModel):
     mooncake: bool = True
-    """Offer a Mooncake transfer-engine endpoint for weight pushes (the gRPC stream is always offered)."""
+    """Offer a Mooncake transfer-engine endpoint per tensor-parallel rank for weight pushes (the gRPC stream is always offered)."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    tcp: bool = True
+    """Offer a plain TCP receiver per tensor-parallel rank for weight pushes (framed buckets)."""
 
 
 class RolloutConfig(StrictModel):

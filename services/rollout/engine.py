@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from rlmesh.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from services.rollout.rank import RankHandle
 
 
 class Finish(Enum):
@@ -62,6 +66,16 @@ class Chunk:
     finish: Finish = Finish.NONE
 
 
+class WeightLayout(Enum):
+    """Which tensors a weight push carries."""
+
+    FULL = 1
+    """Full tensors under the model's HF names; the engine slices them itself."""
+    TENSOR_PARALLEL = 2
+    """One payload per tensor-parallel rank with only that rank's shards (fused qkv and gate_up,
+    padded vocabulary), received by the rank itself."""
+
+
 @dataclass(frozen=True, slots=True)
 class ParameterSpec:
     name: str
@@ -76,11 +90,21 @@ class Engine(abc.ABC):
     while generation goes on; `commit_staged` switches to it between two decode steps, so no
     token is ever produced by a partially loaded model."""
 
+    weight_layout: ClassVar[WeightLayout] = WeightLayout.FULL
+    quantized_weights: ClassVar[bool] = False
+    """Serves quantized weights, so lossy link compression is acceptable."""
+
     def __init__(self, max_batch_size: int, weight_version: int) -> None:
         self._max_batch = max_batch_size
         self._version = weight_version
         self._generated = 0
         self._paused = False
+        self.on_failure: Callable[[str], None] | None = None
+        """Called (from any thread) once the engine can no longer serve; the process then leaves."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1
 
     @property
     def weight_version(self) -> int:
@@ -136,6 +160,26 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def stop(self) -> None: ...
+
+
+class TensorParallelEngine(Engine):
+    """An engine whose tensor-parallel ranks each receive and load their own payload: a version
+    is staged once every rank loaded it into its standby copy."""
+
+    weight_layout = WeightLayout.TENSOR_PARALLEL
+
+    @property
+    @abc.abstractmethod
+    def ranks(self) -> Sequence[RankHandle]:
+        """Each rank's receiving end of weight pushes, in rank order."""
+
+    @abc.abstractmethod
+    def rank_parameter_specs(self) -> list[ParameterSpec]:
+        """The tensors of one rank's payload (the same names and shapes on every rank)."""
+
+    @abc.abstractmethod
+    def mark_staged(self, version: int) -> None:
+        """Every rank loaded `version` into its standby copy: it may be committed."""
 
 
 def validate_request(request: EngineRequest, vocab_size: int, max_positions: int) -> None:

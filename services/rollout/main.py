@@ -13,37 +13,44 @@ import torch
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import GrpcServer
-from rlmesh.transfer.base import ReceiveBuffer
-from services.rollout.config import EngineConfig, RolloutConfig
-from services.rollout.engine import Engine
+from services.rollout.config import RolloutConfig
+from services.rollout.engine import Engine, TensorParallelEngine
 from services.rollout.membership import Membership
+from services.rollout.rank import RankTransfer, RankWeights
 from services.rollout.server import RolloutServicer
-from services.rollout.weight_update import WeightUpdater
+from services.rollout.weight_update import Backend, WeightUpdater
 
 log = structlog.get_logger()
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    if config.kind == "synthetic":
+def rank_transfer(config: RolloutConfig) -> RankTransfer:
+    return RankTransfer(host=config.server.host, advertise_host=config.server.advertised_host, mooncake=config.transfer.mooncake,
+                        mooncake_protocol=config.transfer.mooncake_protocol, tcp=config.transfer.tcp)
+
+
+def build_engine(config: RolloutConfig) -> Engine:
+    engine = config.engine
+    if engine.kind == "synthetic":
         from services.rollout.synthetic_engine import SyntheticEngine
 
-        return SyntheticEngine(config.synthetic, config.max_batch_size, config.model_dir or None)
-    if config.kind == "vllm":
+        return SyntheticEngine(engine.synthetic, engine.max_batch_size, engine.model_dir or None)
+    if engine.kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(config.model_dir, config.max_batch_size, config.seed, config.vllm)
+        return VllmEngine(engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm)
     from services.rollout.torch_engine import TorchEngine
 
-    return TorchEngine(config.model_dir, config.max_batch_size, config.seed)
+    return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
+                       transfer=rank_transfer(config), threads=engine.threads)
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:
-    if not config.transfer.mooncake:
-        return WeightUpdater(engine, ReceiveBuffer())
-    from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeReceiveBuffer
-
-    endpoint = MooncakeEndpoint(config.server.advertised_host, config.transfer.mooncake_protocol)
-    return WeightUpdater(engine, MooncakeReceiveBuffer(endpoint), endpoint.session)
+    offered = {"grpc": True, "mooncake": config.transfer.mooncake, "tcp": config.transfer.tcp}
+    backends: frozenset[Backend] = frozenset(name for name, on in offered.items() if on)
+    if isinstance(engine, TensorParallelEngine):
+        return WeightUpdater(engine, engine.ranks, backends)
+    # Engines that take full tensors receive them here, in the service process.
+    return WeightUpdater(engine, [RankWeights(0, rank_transfer(config))], backends, owns_ranks=True)
 
 
 @dataclass(slots=True)
@@ -53,9 +60,11 @@ class RunningRollout:
     servicer: RolloutServicer
     membership: Membership
     drain_timeout: float
+    server_loop: asyncio.AbstractEventLoop
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the instance was told to leave (a preemption notice): the process then stops."""
+    """Set when the instance was told to leave (a preemption notice, a failed engine): the process then stops."""
     _drained: int | None = None
+    _leaving: asyncio.Future[int] | None = None
 
     async def drain(self, reason: str) -> int:
         """Leaves the pool without losing work: the manager stops sending requests, the running
@@ -77,27 +86,42 @@ class RunningRollout:
         self.stop_requested.set()
         return self._drained
 
+    def engine_failed(self, reason: str) -> None:
+        """From any thread: an engine that can no longer serve takes its instance out of the pool."""
+        def leave() -> None:
+            self._leaving = asyncio.ensure_future(self.drain(f"engine failed: {reason}"))
+
+        self.server_loop.call_soon_threadsafe(leave)
+
     async def stop(self) -> None:
         await self.drain("shutting down")
         await self.server.stop()
         await self.engine.stop()
+        self.servicer.updater.close()
 
 
 async def start(config: RolloutConfig) -> RunningRollout:
     structlog.contextvars.bind_contextvars(instance_id=config.instance_id)
     torch.set_num_threads(config.engine.threads)
-    engine = build_engine(config.engine)
-    model_name = Path(config.engine.model_dir).name if config.engine.model_dir else "synthetic"
-    servicer = RolloutServicer(config.instance_id, model_name, config.engine.kind, engine, build_updater(config, engine), config.preemptible)
-    server = GrpcServer(config.server, [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
-    await engine.start()
-    await server.start()
+    engine = build_engine(config)
+    try:
+        updater = build_updater(config, engine)
+        model_name = Path(config.engine.model_dir).name if config.engine.model_dir else "synthetic"
+        servicer = RolloutServicer(config.instance_id, model_name, config.engine.kind, engine, updater, config.preemptible)
+        server = GrpcServer(config.server, [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
+        await engine.start()
+        await server.start()
+    except BaseException:
+        # A tensor-parallel engine's worker processes must not outlive a failed start.
+        await engine.stop()
+        raise
     membership = Membership(config.manager_address, config.instance_id, server.address, engine, config.rpc_timeout_seconds, config.preemptible)
     servicer.membership = membership
     await server.set_serving(True)
-    running = RunningRollout(server, engine, servicer, membership, config.drain_timeout_seconds)
+    running = RunningRollout(server, engine, servicer, membership, config.drain_timeout_seconds, asyncio.get_running_loop())
     servicer.drain = running.drain
+    engine.on_failure = running.engine_failed
     try:
         await membership.register(config.register_timeout_seconds)
     except TimeoutError:

@@ -10,9 +10,17 @@ import grpc
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling
+from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
-from services.rollout.weight_update import WeightUpdater
+from services.rollout.rank import RankPort
+from services.rollout.weight_update import Backend, WeightUpdater
+
+_BACKENDS: dict[int, Backend] = {
+    rollout_pb2.TRANSFER_BACKEND_MOONCAKE: "mooncake",
+    rollout_pb2.TRANSFER_BACKEND_GRPC: "grpc",
+    rollout_pb2.TRANSFER_BACKEND_TCP: "tcp",
+}
+_LAYOUTS = {WeightLayout.FULL: rollout_pb2.WEIGHT_LAYOUT_FULL, WeightLayout.TENSOR_PARALLEL: rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL}
 
 _FINISH = {
     Finish.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -31,6 +39,17 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
         max_tokens=params.max_tokens,
         stop_token_ids=frozenset(params.stop_token_ids),
         seed=params.seed,
+    )
+
+
+def endpoint_to_proto(port: RankPort) -> rollout_pb2.RankEndpoint:
+    return rollout_pb2.RankEndpoint(
+        tp_rank=port.tp_rank,
+        transfer_session=port.transfer_session,
+        buffer_address=port.buffer_address,
+        buffer_bytes=port.buffer_bytes,
+        data_address=port.data_address,
+        held_version=port.held_version,
     )
 
 
@@ -92,20 +111,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             paused=self.engine.paused,
             preemptible=self.preemptible,
             draining=bool(self.membership and self.membership.draining),
+            tensor_parallel_size=self.engine.tensor_parallel_size,
+            weight_layout=_LAYOUTS[self.engine.weight_layout],
+            quantized_weights=self.engine.quantized_weights,
         )
 
     async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:
-        if not request.HasField("manifest"):
-            raise InvalidArgument("manifest is required")
-        if request.backend not in (rollout_pb2.TRANSFER_BACKEND_MOONCAKE, rollout_pb2.TRANSFER_BACKEND_GRPC):
-            raise InvalidArgument("backend must be TRANSFER_BACKEND_MOONCAKE or TRANSFER_BACKEND_GRPC")
-        session, address, size = self.updater.begin(request.manifest, request.backend == rollout_pb2.TRANSFER_BACKEND_MOONCAKE)
-        return rollout_pb2.BeginWeightUpdateResponse(transfer_session=session, buffer_address=address, buffer_bytes=size)
+        backend = _BACKENDS.get(request.backend)
+        if backend is None:
+            raise InvalidArgument("backend must be TRANSFER_BACKEND_MOONCAKE, TRANSFER_BACKEND_GRPC or TRANSFER_BACKEND_TCP")
+        if request.HasField("manifest") == bool(request.rank_manifests):
+            raise InvalidArgument("set exactly one of manifest (full tensors) and rank_manifests (one payload per tensor-parallel rank)")
+        manifest = request.manifest if request.HasField("manifest") else None
+        ports = await self.updater.begin(manifest, list(request.rank_manifests), backend)
+        first = ports[0]
+        mooncake = backend == "mooncake"
+        return rollout_pb2.BeginWeightUpdateResponse(
+            transfer_session=first.transfer_session if mooncake else "",
+            buffer_address=first.buffer_address if mooncake else 0,
+            buffer_bytes=first.buffer_bytes,
+            ranks=[endpoint_to_proto(port) for port in ports],
+        )
 
     async def PushWeightChunks(self, request_iterator: AsyncIterator[rollout_pb2.PushWeightChunksRequest], context: grpc.aio.ServicerContext) -> rollout_pb2.PushWeightChunksResponse:
         received = 0
         async for chunk in request_iterator:
-            received = self.updater.receive(chunk.version, chunk.offset, chunk.data)
+            await self.updater.receive(chunk.tp_rank, chunk.version, chunk.offset, chunk.data, chunk.compression, chunk.raw_bytes,
+                                       chunk.base_version)
+            received += chunk.raw_bytes or len(chunk.data)
         return rollout_pb2.PushWeightChunksResponse(received_bytes=received)
 
     async def CommitWeightUpdate(self, request: rollout_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.CommitWeightUpdateResponse:

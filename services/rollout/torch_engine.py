@@ -1,24 +1,25 @@
-"""The default engine: a HF causal LM on CPU with continuous batching over one KV cache, run on a
+"""The default engine: a HF causal LM on CPU with continuous batching over one KV cache, split
+over tensor-parallel ranks (rank 0 here, the others in worker processes) and driven by a
 dedicated thread so the gRPC event loop stays responsive while it decodes."""
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import AutoConfig
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.models.loading import copy_into, load_causal_lm
-from services.rollout.engine import Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, validate_request
+from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
+from services.rollout.engine import Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, validate_request
+from services.rollout.rank import RankHandle, RankTransfer
+from services.rollout.tp_group import TensorParallelGroup
 
 log = structlog.get_logger()
 
@@ -51,72 +52,39 @@ class _Swap:
 
 
 class _RunningBatch:
-    """The sequences being decoded and their KV cache, right-aligned: row i's valid entries are
-    the last ones of the cache (mask 1), padding is on the left (mask 0). Sequences join by
-    merging their prefill cache and leave by dropping their row, at any decode step."""
+    """The sequences being decoded, in the row order of every rank's KV cache (see KvBatch), and
+    the token each feeds next."""
 
     def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
         self.rows: list[_Sequence] = []
-        self.cache = DynamicCache()
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.positions = torch.zeros(0, dtype=torch.long)
-        """Position of the token each row feeds next."""
         self.next_tokens = torch.zeros(0, dtype=torch.long)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rows: list[_Sequence], cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        if not self.rows:
-            self.rows, self.cache, self.mask, self.positions, self.next_tokens = rows, cache, mask, positions, tokens
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, dim=2), _left_pad(theirs.keys, width, dim=2)])
-            mine.values = torch.cat([_left_pad(mine.values, width, dim=2), _left_pad(theirs.values, width, dim=2)])
-        self.mask = torch.cat([_left_pad(self.mask, width, dim=1), _left_pad(mask, width, dim=1)])
-        self.positions = torch.cat([self.positions, positions])
-        self.next_tokens = torch.cat([self.next_tokens, tokens])
+    def join(self, rows: list[_Sequence], tokens: torch.Tensor) -> None:
         self.rows = self.rows + rows
+        self.next_tokens = torch.cat([self.next_tokens, tokens])
 
-    def drop_finished(self) -> None:
-        keep = [i for i, row in enumerate(self.rows) if row.finish is Finish.NONE]
-        if len(keep) == len(self.rows):
-            return
-        if not keep:
-            self.clear()
-            return
-        index = torch.tensor(keep)
-        self.rows = [self.rows[i] for i in keep]
-        self.mask, self.positions, self.next_tokens = self.mask[index], self.positions[index], self.next_tokens[index]
-        # Columns that only the departed rows used are dropped too, so the cache shrinks.
-        first = int((self.mask.sum(0) > 0).nonzero()[0])
-        self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, first:]
-            layer.values = layer.values[index, :, first:]
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.next_tokens = self.next_tokens[rows]
 
 
-def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (tensor.dim() - 1 - dim) + [missing, 0]
-    return F.pad(tensor, pad)
-
-
-class TorchEngine(Engine):
+class TorchEngine(TensorParallelEngine):
     """Continuous batching: at every decode step waiting requests are prefilled and join the
-    running batch, and finished or aborted ones leave it; weights switch between two steps."""
+    running batch, and finished or aborted ones leave it; weights switch between two steps.
+    Every operation on the model and KV cache goes through the tensor-parallel group's step
+    program, so all ranks apply it in the same step; sampling happens here, on rank 0."""
 
-    def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
+                 tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1) -> None:
         super().__init__(max_batch_size, weight_version)
-        self._active = load_causal_lm(model_dir)
-        self._standby = copy.deepcopy(self._active)
-        config = self._active.config
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} holds no config.json: not a HF-format model folder")
+        config = AutoConfig.from_pretrained(model_dir)
+        self._shape = ModelShape.from_hf_config(config)
+        self._shape.check_tp(tensor_parallel_size)
         self._vocab_size = int(config.vocab_size)
         self._max_positions = int(config.max_position_embeddings)
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
@@ -127,18 +95,30 @@ class TorchEngine(Engine):
         self._batch = _RunningBatch()
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
-        self._paused = False
         self._paused_ack: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._staging = threading.Lock()
         self._stopped = False
+        self._failure = ""
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        self._group = TensorParallelGroup(model_dir, tensor_parallel_size, transfer, weight_version, threads, self._fail)
 
     @property
     def running_requests(self) -> int:
         return len(self._batch) + len(self._waiting)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._group.tp
+
+    @property
+    def ranks(self) -> Sequence[RankHandle]:
+        return self._group.ranks
+
     def parameter_specs(self) -> list[ParameterSpec]:
-        return [ParameterSpec(n, tuple(p.shape), p.dtype) for n, p in self._active.named_parameters()]
+        return [ParameterSpec(name, shape, torch.float32) for name, shape in hf_parameter_shapes(self._shape).items()]
+
+    def rank_parameter_specs(self) -> list[ParameterSpec]:
+        return [ParameterSpec(name, shape, torch.float32) for name, shape in tp_parameter_shapes(self._shape, self._group.tp).items()]
 
     async def start(self) -> None:
         self._thread.start()
@@ -149,7 +129,9 @@ class TorchEngine(Engine):
             self._stopped = True
             self._paused = False
             self._cond.notify_all()
-        await asyncio.to_thread(self._thread.join)
+        if self._thread.ident is not None:
+            await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._group.close)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self._vocab_size, self._max_positions)
@@ -161,6 +143,8 @@ class TorchEngine(Engine):
         with self._cond:
             if self._stopped:
                 raise FailedPrecondition("engine is stopping")
+            if self._failure:
+                raise FailedPrecondition(f"engine failed: {self._failure}")
             if any(s.request.request_id == request_id and s.finish is Finish.NONE for s in self._batch.rows) or any(
                 w.request.request_id == request_id for w in self._waiting
             ):
@@ -203,27 +187,44 @@ class TorchEngine(Engine):
             self._cond.notify_all()
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Full tensors (WEIGHT_LAYOUT_FULL): each rank gets its own cut of them."""
         if not self._staging.acquire(blocking=False):
             raise FailedPrecondition("another version is being staged")
         try:
             with self._cond:
-                if version <= self._version:
-                    raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
-                if self._swap is not None:
-                    raise FailedPrecondition("a weight switch is already pending")
+                self._check_stageable(version)
                 self._staged_version = None
-            try:
-                copy_into(self._standby, tensors)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from exc
+                served = self._version
+            expected = {spec.name: spec.shape for spec in self.parameter_specs()}
+            if expected.keys() != tensors.keys():
+                missing, unknown = sorted(expected.keys() - tensors.keys())[:5], sorted(tensors.keys() - expected.keys())[:5]
+                raise InvalidArgument(f"weight names do not match the model: missing {missing}, unknown {unknown}")
+            for name, tensor in tensors.items():
+                if tuple(tensor.shape) != expected[name]:
+                    raise InvalidArgument(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected[name]}")
+            for rank in self.ranks:
+                rank.stage(shard_full_tensors(tensors, self._shape, self._group.tp, rank.rank), served)
             with self._cond:
                 self._staged_version = version
         finally:
             self._staging.release()
 
+    def mark_staged(self, version: int) -> None:
+        with self._cond:
+            self._check_stageable(version)
+            self._staged_version = version
+
+    def _check_stageable(self, version: int) -> None:
+        if version <= self._version:
+            raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
+        if self._swap is not None:
+            raise FailedPrecondition("a weight switch is already pending")
+
     async def commit_staged(self, version: int) -> None:
         loop = asyncio.get_running_loop()
         with self._cond:
+            if self._failure:
+                raise FailedPrecondition(f"engine failed: {self._failure}")
             if self._staged_version != version:
                 raise FailedPrecondition(f"version {version} is not staged (staged: {self._staged_version})")
             swap = _Swap(version, loop.create_future(), loop)
@@ -231,22 +232,21 @@ class TorchEngine(Engine):
             self._cond.notify_all()
         await swap.done
 
-    def _apply_swap(self) -> None:
+    def _fail(self, reason: str) -> None:
+        """The tensor-parallel group broke (a rank died): nothing can be decoded any more."""
         with self._cond:
-            swap, self._swap = self._swap, None
-            if swap is None:
-                return
-            self._active, self._standby = self._standby, self._active
-            self._version = swap.version
-            self._staged_version = None
-        swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_result(None))
-        log.info("weights switched", weight_version=swap.version)
+            self._failure = reason
+            self._cond.notify_all()
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     # The decode thread ----------------------------------------------------------------------
 
     def _has_work(self) -> bool:
         if self._stopped or self._swap is not None or self._aborted:
             return True
+        if self._failure:
+            return bool(self._batch.rows or self._waiting)
         return not self._paused and bool(self._batch.rows or self._waiting)
 
     def _loop(self) -> None:
@@ -258,31 +258,49 @@ class TorchEngine(Engine):
                     self._acknowledge_pause()
                 if self._stopped:
                     return
+                if self._failure:
+                    self._abandon()
+                    continue
                 aborted, self._aborted = self._aborted, set()
                 joining: list[_Sequence] = []
                 if not self._paused:
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            self._apply_swap()
             emitted: list[tuple[_Sequence, Chunk]] = []
             try:
-                with torch.inference_mode():
-                    for sequence in self._batch.rows:
-                        if sequence.request.request_id in aborted and sequence.finish is Finish.NONE:
-                            emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
-                    self._batch.drop_finished()
-                    if joining:
-                        self._prefill(joining, emitted)
-                    if self._batch.rows and not self._paused:
-                        self._decode(emitted)
+                self._apply_swap()
+                for sequence in self._batch.rows:
+                    if sequence.request.request_id in aborted and sequence.finish is Finish.NONE:
+                        emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
+                self._drop_finished()
+                if joining:
+                    self._prefill(joining, emitted)
+                if self._batch.rows and not self._paused:
+                    self._decode(emitted)
+                self._drop_finished()
             except Exception:
                 log.exception("decode step failed; its requests end aborted")
                 for sequence in self._batch.rows + joining:
                     if sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
-                self._batch.clear()
-            self._batch.drop_finished()
+                self._batch = _RunningBatch()
+                try:
+                    self._group.run("clear")
+                except Exception as exc:
+                    log.error("cannot clear the KV cache after a failed step", error=str(exc))
             _deliver(emitted)
+
+    def _abandon(self) -> None:
+        """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""
+        emitted = [(s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE]
+        self._batch = _RunningBatch()
+        self._waiting.clear()
+        self._aborted.clear()
+        swap, self._swap = self._swap, None
+        if swap is not None:
+            error = FailedPrecondition(f"engine failed: {self._failure}")
+            swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_exception(error))
+        _deliver(emitted)
 
     def _acknowledge_pause(self) -> None:
         if self._paused or self._stopped:
@@ -290,29 +308,37 @@ class TorchEngine(Engine):
                 loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
             self._paused_ack.clear()
 
+    def _apply_swap(self) -> None:
+        with self._cond:
+            swap = self._swap
+        if swap is None:
+            return
+        self._group.run("switch", swap.version)
+        with self._cond:
+            self._swap = None
+            self._version = swap.version
+            self._staged_version = None
+        swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_result(None))
+        log.info("weights switched", weight_version=swap.version, tensor_parallel_size=self._group.tp)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, row in enumerate(self._batch.rows) if row.finish is Finish.NONE]
+        if len(keep) < len(self._batch):
+            self._group.run("keep", keep)
+            self._batch.keep(keep)
+
     def _prefill(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
         inputs = [s.request.prompt_token_ids + s.request.continued_token_ids for s in joining]
         width = max(len(ids) for ids in inputs)
         ids = torch.tensor([[self._pad_id] * (width - len(x)) + x for x in inputs])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self._active(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        tokens = self._sample(joining, out.logits[:, -1].float(), self._version, emitted)
-        self._batch.join(joining, out.past_key_values, mask, positions[:, -1] + 1, tokens)
+        logits = self._group.run("prefill", ids, mask, positions)
+        self._batch.join(joining, self._sample(joining, logits.float(), self._version, emitted))
 
     def _decode(self, emitted: list[tuple[_Sequence, Chunk]]) -> None:
-        batch = self._batch
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype)], dim=1)
-        out = self._active(
-            input_ids=batch.next_tokens[:, None],
-            attention_mask=batch.mask,
-            position_ids=batch.positions[:, None],
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        batch.cache = out.past_key_values
-        batch.positions = batch.positions + 1
-        batch.next_tokens = self._sample(batch.rows, out.logits[:, -1].float(), self._version, emitted)
+        logits = self._group.run("decode", self._batch.next_tokens)
+        self._batch.next_tokens = self._sample(self._batch.rows, logits.float(), self._version, emitted)
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int, emitted: list[tuple[_Sequence, Chunk]]) -> torch.Tensor:
         """Samples one token per row, vectorised except for seeded rows; the logprob is taken

@@ -1,92 +1,181 @@
-"""The rollout side of a weight push: validate the manifest, receive into the standby buffer,
-verify every bucket, stage into the standby model and switch between decode steps."""
+"""The rollout side of a weight push: check each payload against what its rank expects, route
+bytes to the rank that owns them, verify every bucket of every rank, load the standby copies
+and switch between two decode steps. A partially received version is never served."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.payload import PayloadError, corrupted_buckets, torch_dtype, unpack, validate_manifest
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, finish_in_thread
-from services.rollout.engine import Engine
+from rlmesh.payload import PayloadError, torch_dtype, validate_manifest
+from rlmesh.transfer.base import TransferError, finish_in_thread
+from services.rollout.engine import Engine, ParameterSpec, TensorParallelEngine, WeightLayout
+from services.rollout.rank import RankHandle, RankPort, RankWeights
 
 log = structlog.get_logger()
+
+Backend = Literal["mooncake", "grpc", "tcp"]
+VERIFY_TIMEOUT_SECONDS = 30.0
+"""How long a commit waits for buckets still being checked (a bucket only partly written never is)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    version: int
+    layout: WeightLayout
+    ranks: Sequence[RankHandle]
+    """The ranks receiving this version: every rank, or rank 0 alone for full tensors."""
 
 
 class WeightUpdater:
     """At most one version is pending; a newer Begin supersedes an uncommitted older one, and
-    nothing reaches the engine before every bucket's checksum matched."""
+    nothing reaches the engine's served copy before every bucket of every rank matched its
+    checksum. Tensor-parallel payloads load into each rank's standby copy as their buckets
+    land; full tensors are received by rank 0 and handed to the engine, which cuts them."""
 
-    def __init__(self, engine: Engine, buffer: ReceiveBuffer, transfer_session: str = "") -> None:
+    def __init__(self, engine: Engine, ranks: Sequence[RankHandle], backends: frozenset[Backend], owns_ranks: bool = False,
+                 verify_timeout: float = VERIFY_TIMEOUT_SECONDS) -> None:
+        """`ranks[0]` receives in this process (a RankWeights); `owns_ranks`: close them with the updater."""
         self.engine = engine
-        self.buffer = buffer
-        self.transfer_session = transfer_session
-        self._pending: common_pb2.WeightManifest | None = None
-        self._received = 0
-        self._lock = asyncio.Lock()
+        self.ranks = ranks
+        self.local: RankWeights = ranks[0]
+        self.backends = backends
+        self.owns_ranks = owns_ranks
+        self.verify_timeout = verify_timeout
+        self.transfer_session = self.local.session
+        self._pending: _Pending | None = None
+        self._busy = asyncio.Lock()
 
-    def begin(self, manifest: common_pb2.WeightManifest, mooncake: bool) -> tuple[str, int, int]:
-        if self._lock.locked():
-            raise FailedPrecondition("a commit is in progress; retry after it")
-        try:
-            validate_manifest(manifest)
-        except PayloadError as exc:
-            raise InvalidArgument(f"manifest: {exc}") from exc
-        if manifest.version <= self.engine.weight_version:
-            raise FailedPrecondition(
-                f"version {manifest.version} is not newer than the served version {self.engine.weight_version}"
-            )
-        expected = {spec.name: spec for spec in self.engine.parameter_specs()}
-        offered = {spec.name: spec for spec in manifest.tensors}
-        if expected.keys() != offered.keys():
-            missing = sorted(expected.keys() - offered.keys())[:5]
-            unknown = sorted(offered.keys() - expected.keys())[:5]
-            raise InvalidArgument(f"manifest tensors do not match the model: missing {missing}, unknown {unknown}")
-        for name, spec in offered.items():
-            want = expected[name]
-            if tuple(spec.shape) != want.shape or torch_dtype(spec.dtype) != want.dtype:
-                raise InvalidArgument(
-                    f"{name}: {list(spec.shape)} {torch_dtype(spec.dtype)} does not match the model's {list(want.shape)} {want.dtype}"
-                )
-        if mooncake and not self.transfer_session:
-            raise FailedPrecondition("this instance runs no Mooncake endpoint; use the gRPC backend")
-        self.buffer.ensure(manifest.total_bytes)
-        self._pending = manifest
-        self._received = 0
-        return (self.transfer_session if mooncake else "", self.buffer.address if mooncake else 0, self.buffer.tensor.numel())
+    async def begin(self, manifest: common_pb2.WeightManifest | None, rank_manifests: Sequence[common_pb2.WeightManifest],
+                    backend: Backend) -> list[RankPort]:
+        """Arms the receiving ranks; returns where each receives its payload."""
+        if self._busy.locked():
+            raise FailedPrecondition("another weight update is beginning or committing; retry after it")
+        async with self._busy:
+            if backend not in self.backends:
+                raise FailedPrecondition(f"this instance offers no {backend} endpoint (offered: {', '.join(sorted(self.backends))})")
+            if rank_manifests:
+                manifests, layout = self._check_rank_manifests(rank_manifests), WeightLayout.TENSOR_PARALLEL
+            else:
+                manifests, layout = [self._check_full_manifest(manifest)], WeightLayout.FULL
+            version = manifests[0].version
+            served = self.engine.weight_version
+            if version <= served:
+                raise FailedPrecondition(f"version {version} is not newer than the served version {served}")
+            self._pending = None
+            ranks = self.ranks[: len(manifests)]
+            load = layout is WeightLayout.TENSOR_PARALLEL
+            try:
+                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served) for rank, m in zip(ranks, manifests)))
+            except TransferError as exc:
+                raise FailedPrecondition(f"version {version}: {exc}") from exc
+            self._pending = _Pending(version, layout, ranks)
+            log.info("weight update begun", weight_version=version, layout=layout.name, ranks=len(ranks), backend=backend)
+            return list(ports)
 
-    def receive(self, version: int, offset: int, data: bytes) -> int:
+    async def receive(self, tp_rank: int, version: int, offset: int, data: bytes, compression: int, raw_bytes: int,
+                      base_version: int) -> None:
+        """Writes one chunk (gRPC backend) into the buffer of the rank it belongs to."""
         pending = self._require_pending(version)
+        if tp_rank >= len(pending.ranks):
+            raise InvalidArgument(f"tp_rank {tp_rank} is outside the {len(pending.ranks)} rank(s) receiving version {version}")
         try:
-            self.buffer.write(offset, data, pending.total_bytes)
+            await finish_in_thread(pending.ranks[tp_rank].write, version, offset, data, compression, raw_bytes, base_version)
         except TransferError as exc:
             raise InvalidArgument(str(exc)) from exc
-        self._received += len(data)
-        return self._received
 
     async def commit(self, version: int) -> float:
-        """Returns milliseconds spent verifying and loading."""
-        async with self._lock:
-            manifest = self._require_pending(version)
+        """Returns milliseconds spent verifying, loading and switching."""
+        async with self._busy:
+            pending = self._require_pending(version)
             started = time.perf_counter()
-            bad = await finish_in_thread(corrupted_buckets, manifest, self.buffer.tensor)
-            if bad:
+            served = self.engine.weight_version
+            try:
+                bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout) for rank in pending.ranks))
+                failed = {rank: buckets for rank, buckets in enumerate(bad) if buckets}
+                if failed:
+                    detail = "; ".join(f"rank {rank} buckets {buckets[:8]}" for rank, buckets in failed.items())
+                    raise FailedPrecondition(f"version {version}: {detail} missing or failed their crc32 check; nothing was loaded, "
+                                             f"version {served} is still served")
+                if pending.layout is WeightLayout.TENSOR_PARALLEL:
+                    await asyncio.gather(*(finish_in_thread(rank.finish, version) for rank in pending.ranks))
+                    self.engine.mark_staged(version)
+                else:
+                    await finish_in_thread(self.engine.stage_weights, version, self.local.tensors())
+            except TransferError as exc:
+                raise FailedPrecondition(f"version {version}: {exc}; version {served} is still served") from exc
+            finally:
                 self._pending = None
-                raise FailedPrecondition(f"version {version}: buckets {bad[:8]} failed their crc32 check; nothing was loaded")
-            tensors = unpack(manifest, self.buffer.tensor)
-            await finish_in_thread(self.engine.stage_weights, version, tensors)
             await self.engine.commit_staged(version)
-            self._pending = None
             elapsed = (time.perf_counter() - started) * 1000
-            log.info("weight version committed", weight_version=version, load_ms=round(elapsed, 2))
+            log.info("weight version committed", weight_version=version, load_ms=round(elapsed, 2), ranks=len(pending.ranks))
             return elapsed
 
-    def _require_pending(self, version: int) -> common_pb2.WeightManifest:
+    def close(self) -> None:
+        if self.owns_ranks:
+            for rank in self.ranks:
+                rank.close()
+
+    def _check_full_manifest(self, manifest: common_pb2.WeightManifest | None) -> common_pb2.WeightManifest:
+        if manifest is None:
+            raise InvalidArgument("manifest or rank_manifests is required")
+        _validate(manifest, "manifest")
+        if manifest.tensor_parallel_size:
+            raise InvalidArgument(f"manifest holds rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size} "
+                                  "tensor-parallel ranks; full tensors go in `manifest`, rank payloads in `rank_manifests`")
+        _match(manifest, self.engine.parameter_specs(), "manifest")
+        return manifest
+
+    def _check_rank_manifests(self, manifests: Sequence[common_pb2.WeightManifest]) -> list[common_pb2.WeightManifest]:
+        if not isinstance(self.engine, TensorParallelEngine):
+            raise InvalidArgument("this engine loads full tensors (WEIGHT_LAYOUT_FULL): send `manifest`, not rank_manifests")
+        tp = self.engine.tensor_parallel_size
+        if len(manifests) != tp:
+            raise InvalidArgument(f"{len(manifests)} rank manifests for {tp} tensor-parallel rank(s)")
+        expected = self.engine.rank_parameter_specs()
+        for rank, manifest in enumerate(manifests):
+            label = f"rank {rank} manifest"
+            _validate(manifest, label)
+            if manifest.tensor_parallel_size and (manifest.tensor_parallel_size, manifest.tensor_parallel_rank) != (tp, rank):
+                raise InvalidArgument(f"{label} is the payload of rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size}, "
+                                      f"not of rank {rank} of {tp}")
+            _match(manifest, expected, label)
+        versions = sorted({m.version for m in manifests})
+        if len(versions) > 1:
+            raise InvalidArgument(f"rank manifests disagree on the version: {versions}")
+        return list(manifests)
+
+    def _require_pending(self, version: int) -> _Pending:
         if self._pending is None or self._pending.version != version:
             pending = self._pending.version if self._pending else None
             raise FailedPrecondition(f"version {version} was not begun (pending: {pending})")
         return self._pending
+
+
+def _validate(manifest: common_pb2.WeightManifest, label: str) -> None:
+    try:
+        validate_manifest(manifest)
+    except PayloadError as exc:
+        raise InvalidArgument(f"{label}: {exc}") from exc
+
+
+def _match(manifest: common_pb2.WeightManifest, specs: list[ParameterSpec], label: str) -> None:
+    """Raises InvalidArgument unless the payload carries exactly these tensors (names, shapes, dtypes)."""
+    expected = {spec.name: spec for spec in specs}
+    offered = {spec.name: spec for spec in manifest.tensors}
+    if expected.keys() != offered.keys():
+        missing = sorted(expected.keys() - offered.keys())[:5]
+        unknown = sorted(offered.keys() - expected.keys())[:5]
+        raise InvalidArgument(f"{label}: tensors do not match the model: missing {missing}, unknown {unknown}")
+    for name, spec in offered.items():
+        want = expected[name]
+        if tuple(spec.shape) != want.shape or torch_dtype(spec.dtype) != want.dtype:
+            raise InvalidArgument(f"{label}: {name} is {list(spec.shape)} {torch_dtype(spec.dtype)}, the model expects "
+                                  f"{list(want.shape)} {want.dtype}")
