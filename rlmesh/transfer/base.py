@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import write_bytes
+from rlmesh.payload import bucket_ranges, write_bytes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -35,6 +35,13 @@ class Superseded(TransferError):
 
 Frame = tuple[int, int, int, int, "bytes | memoryview"]
 """One bucket on the wire: (offset, raw length, compression code, base version, encoded bytes)."""
+
+
+def raw_frames(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> Iterator[Frame]:
+    """A payload's buckets as they are: views, no copy."""
+    data = memoryview(payload.numpy())
+    for start, end in bucket_ranges(manifest.total_bytes, manifest.bucket_bytes):
+        yield start, end - start, common_pb2.COMPRESSION_NONE, -1, data[start:end]
 
 
 class WeightSender(abc.ABC):

@@ -15,6 +15,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
 from rlmesh.transfer.base import ReceiveBuffer, TransferError
+from rlmesh.transfer.codecs import BucketCodec
 
 COMPRESSION_MODES = {
     common_pb2.COMPRESSION_UNSPECIFIED: "none",
@@ -134,6 +135,11 @@ class RankReceiver:
         manifest = self._expect(version)
         with self._lock:
             unannounced = [i for i, written in enumerate(self._written) if written == 0]
+            # A bucket written in part (or twice) never gets its check: it is bad now, not after the timeout.
+            for bucket, (start, end) in enumerate(self._ranges):
+                if self._written[bucket] not in (0, end - start) and not self._verified[bucket]:
+                    self._verified[bucket] = True
+                    self._bad.add(bucket)
         for bucket in unannounced:
             start, end = self._ranges[bucket]
             self.landed(version, start, end - start)
@@ -160,8 +166,6 @@ class RankReceiver:
 
     def _decode(self, mode: str, manifest: common_pb2.WeightManifest, offset: int, raw_bytes: int, data: bytes | memoryview,
                 target: np.ndarray, base_version: int) -> None:
-        from rlmesh.transfer.codecs import BucketCodec
-
         if mode in ("int8", "fp8") and not self.accept_lossy:
             raise TransferError(f"{mode} is lossy and this engine does not serve quantized weights")
         if offset % manifest.bucket_bytes:

@@ -19,13 +19,6 @@ from rlmesh.transfer.receiver import COMPRESSION_CODES, payload_dtype
 from services.weights.store import RankPayload
 
 
-def raw_frames(rank: RankPayload) -> Iterator[Frame]:
-    """The payload's buckets as they are: views, no copy."""
-    data = memoryview(rank.payload.numpy())
-    for start, end in bucket_ranges(rank.manifest.total_bytes, rank.manifest.bucket_bytes):
-        yield start, end - start, common_pb2.COMPRESSION_NONE, -1, data[start:end]
-
-
 class EncodedPayload:
     """Encodes lazily on first use; readers iterate `frames()` and wait only for buckets not yet
     encoded. `base` is the same rank's payload of the version the receiver holds (delta)."""

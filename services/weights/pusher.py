@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from rlmesh.errors import DomainError
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
-from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, raw_frames
 from rlmesh.transfer.codecs import CompressionMode, CompressionReport, DeltaSchedule
 from services.weights.config import WeightsConfig
-from services.weights.encoding import EncodedPayload, raw_frames
+from services.weights.encoding import EncodedPayload
 from services.weights.store import FULL_LAYOUT, RankPayload, Snapshot, WeightStore
 
 log = structlog.get_logger()
@@ -138,7 +139,8 @@ class Pusher:
             timeout = self.config.rpc_timeout_seconds
             info = await stub.GetInfo(rollout_pb2.GetInfoRequest(), **call_options(timeout))
             mode = self._link_mode(state, info)
-            tensor_parallel = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL
+            # A version uploaded as full tensors has no layout to cut by: every engine takes full tensors.
+            tensor_parallel = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL and snapshot.shape is not None
             tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
             state.tensor_parallel_size = max(1, tp)
             ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
@@ -177,7 +179,7 @@ class Pusher:
         except Superseded:
             state.superseded += 1
             log.info("push superseded by a newer version; the instance keeps its old one")
-        except (grpc.aio.AioRpcError, TransferError, TimeoutError) as exc:
+        except (grpc.aio.AioRpcError, TransferError, TimeoutError, DomainError) as exc:
             state.failures += 1
             message = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             state.last_error = message or type(exc).__name__
@@ -206,7 +208,7 @@ class Pusher:
                endpoints: list[rollout_pb2.RankEndpoint], mode: CompressionMode) -> list[Link]:
         """Chooses each rank's frames. Blocking (may build the base version's payloads)."""
         if mode == "none":
-            return [Link(endpoint, rank, raw_frames(rank), None) for endpoint, rank in zip(endpoints, ranks)]
+            return [Link(endpoint, rank, raw_frames(rank.manifest, rank.payload), None) for endpoint, rank in zip(endpoints, ranks)]
         held = {endpoint.held_version for endpoint in endpoints}
         receiver_base = held.pop() if len(held) == 1 else None
         base_version = base.version if base is not None and base.shape is not None else None

@@ -24,6 +24,7 @@ from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
 from rlmesh.payload import bucket_ranges, pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
+from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.codecs import BucketCodec
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
@@ -102,11 +103,10 @@ def rank_payloads(weights, model_dir, version: int, bucket_bytes: int = 64 << 10
     return payloads
 
 
-def raw_frames(manifest, payload, pause: float = 0.0):
-    data = memoryview(payload.numpy())
-    for start, end in bucket_ranges(manifest.total_bytes, manifest.bucket_bytes):
+def slow_frames(manifest, payload, pause: float):
+    for frame in raw_frames(manifest, payload):
         time.sleep(pause)
-        yield start, end - start, common_pb2.COMPRESSION_NONE, -1, data[start:end]
+        yield frame
 
 
 def delta_frames(manifest, payload, base_manifest, base_payload):
@@ -300,7 +300,7 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
     reply = await begin(instance, payloads, TCP)
     before = engine.generated_tokens
     # About 25 buckets per rank, 10 ms apart: the version arrives over a quarter of a second.
-    await send_all(TcpSender(), instance, reply, payloads, lambda m, p: raw_frames(m, p, pause=0.01))
+    await send_all(TcpSender(), instance, reply, payloads, lambda m, p: slow_frames(m, p, pause=0.01))
     assert engine.generated_tokens - before >= 20, "decoding stalled while the version was arriving"
     rank0 = instance.rollout.servicer.updater.local
     # Rank 0's standby copy filled as buckets landed, before any commit.

@@ -8,7 +8,8 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import bucket_checksums, corrupted_buckets, pack
 from rlmesh.transfer.codecs import BucketCodec
-from services.weights.encoding import EncodedPayload, raw_frames
+from rlmesh.transfer.base import raw_frames
+from services.weights.encoding import EncodedPayload
 from services.weights.store import RankPayload
 
 
@@ -41,7 +42,7 @@ def versions():
 def test_raw_frames_are_the_payload(versions):
     _, new = versions
     out = np.zeros(new.manifest.total_bytes, dtype=np.uint8)
-    receive(raw_frames(new), out, "none", torch.bfloat16)
+    receive(raw_frames(new.manifest, new.payload), out, "none", torch.bfloat16)
     assert corrupted_buckets(new.manifest, torch.from_numpy(out)) == []
 
 

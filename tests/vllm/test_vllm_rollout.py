@@ -17,6 +17,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
 from rlmesh.payload import pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from tests.vllm.conftest import Instances
@@ -86,7 +87,7 @@ async def push_version(stub: rollout_pb2_grpc.RolloutServiceStub, tensors: dict[
     begin = await stub.BeginWeightUpdate(
         rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=RPC_TIMEOUT
     )
-    await GrpcStreamSender().send(manifest, payload, stub, begin, timeout=RPC_TIMEOUT)
+    await GrpcStreamSender().send_rank(stub, begin.ranks[0], manifest, payload, raw_frames(manifest, payload), RPC_TIMEOUT, lambda: False)
     return await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), timeout=RPC_TIMEOUT)
 
 
