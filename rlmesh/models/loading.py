@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -37,3 +37,30 @@ def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> No
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}")
         target.copy_(tensor)
+
+
+def weights_dtype(config) -> torch.dtype:
+    """The dtype a model folder's weights are stored and served in (float32 when unstated)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def load_weights(directory: str | Path, names: Collection[str]) -> dict[str, torch.Tensor]:
+    """The named tensors of a folder's safetensors files, in their stored dtype, without building a
+    model (a tied lm_head that the files also carry is left out when not asked for)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} holds no .safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                if name in names:
+                    tensors[name] = handle.get_tensor(name)
+    missing = sorted(set(names) - tensors.keys())
+    if missing:
+        raise ValueError(f"{directory}: weights {missing[:5]} are missing")
+    return tensors

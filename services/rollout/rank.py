@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, PreTrainedModel
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.models.loading import load_causal_lm, trainable_tensors
-from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
+from rlmesh.models.loading import load_weights
+from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
 from rlmesh.payload import pack_layout, unpack
 from rlmesh.transfer.base import ReceiveBuffer, TransferError
 from rlmesh.transfer.receiver import RankReceiver
@@ -318,7 +318,9 @@ def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTr
     config = AutoConfig.from_pretrained(model_dir)
     shape = ModelShape.from_hf_config(config)
     layout = RankLayout(shape, collectives.size)
-    tensors = shard_full_tensors(trainable_tensors(load_causal_lm(model_dir)), shape, collectives.size, collectives.rank)
+    full = load_weights(model_dir, hf_parameter_shapes(shape).keys())
+    tensors = shard_full_tensors(full, shape, collectives.size, collectives.rank)
+    del full
     models = []
     for _ in range(2):
         model = build_rank_model(config, collectives)

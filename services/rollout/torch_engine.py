@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from services.rollout.engine import Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, validate_request
 from services.rollout.rank import RankHandle, RankTransfer
@@ -84,6 +85,7 @@ class TorchEngine(TensorParallelEngine):
             raise FileNotFoundError(f"{model_dir} holds no config.json: not a HF-format model folder")
         config = AutoConfig.from_pretrained(model_dir)
         self._shape = ModelShape.from_hf_config(config)
+        self._dtype = weights_dtype(config)
         self._shape.check_tp(tensor_parallel_size)
         self._vocab_size = int(config.vocab_size)
         self._max_positions = int(config.max_position_embeddings)
@@ -115,10 +117,10 @@ class TorchEngine(TensorParallelEngine):
         return self._group.ranks
 
     def parameter_specs(self) -> list[ParameterSpec]:
-        return [ParameterSpec(name, shape, torch.float32) for name, shape in hf_parameter_shapes(self._shape).items()]
+        return [ParameterSpec(name, shape, self._dtype) for name, shape in hf_parameter_shapes(self._shape).items()]
 
     def rank_parameter_specs(self) -> list[ParameterSpec]:
-        return [ParameterSpec(name, shape, torch.float32) for name, shape in tp_parameter_shapes(self._shape, self._group.tp).items()]
+        return [ParameterSpec(name, shape, self._dtype) for name, shape in tp_parameter_shapes(self._shape, self._group.tp).items()]
 
     async def start(self) -> None:
         self._thread.start()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, tp_parameter_shapes
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -105,7 +106,7 @@ def build_rank_model(config: PretrainedConfig, collectives: Collectives) -> PreT
     rank_config.vocab_size = shape.padded_vocab // tp
     # Only used for training gradients, and it may lie outside this rank's vocabulary rows.
     rank_config.pad_token_id = None
-    model = AutoModelForCausalLM.from_config(rank_config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(rank_config, dtype=weights_dtype(config))
     rows = shape.padded_vocab // tp
     model.model.embed_tokens = VocabParallelEmbedding(rows, shape.hidden_size, rank * rows, collectives)
     model.lm_head = ParallelLMHead(rows, shape.hidden_size, shape.vocab_size, collectives)
