@@ -251,7 +251,7 @@ async def start_weights(services: Services, backend: str, compression: str) -> s
     address = f"127.0.0.1:{free_port()}"
     services.weights = spawn_service(f"weights-{backend}-{compression}", "services.weights", address, {
         "RLMESH_WEIGHTS_SERVER__PORT": address.rsplit(":", 1)[1],
-        "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "warning",
+        "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "info",
         "RLMESH_WEIGHTS_MANAGER_ADDRESS": services.manager.address,
         "RLMESH_WEIGHTS_BACKEND": backend,
         "RLMESH_WEIGHTS_COMPRESSION": compression,
@@ -267,9 +267,13 @@ async def stop_weights(services: Services) -> None:
         services.weights = None
 
 
-async def wait_committed(stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 600) -> weights_pb2.GetStatusResponse:
+async def wait_committed(stub: weights_pb2_grpc.WeightsServiceStub, services: Services, version: int,
+                         timeout: float = 600) -> weights_pb2.GetStatusResponse:
     deadline = time.monotonic() + timeout
     while True:
+        crashed = [c for c in services.children if c.process.poll() is not None]
+        if crashed:
+            raise RuntimeError(f"{crashed[0].name} exited with code {crashed[0].process.returncode}; see {crashed[0].log_path}")
         status = await stub.GetStatus(weights_pb2.GetStatusRequest(), **call_options(10))
         if len(status.instances) == INSTANCES and all(i.committed_version >= version for i in status.instances):
             return status
@@ -394,18 +398,39 @@ def delivered_bytes(shape: ModelShape) -> int:
 async def push_once(ranks: TrainerRanks, services: Services, stub, address: str, version: int) -> dict:
     handoff = await asyncio.to_thread(ranks.publish, version, address)
     stored = time.perf_counter()
-    status = await wait_committed(stub, version)
+    status = await wait_committed(stub, services, version)
     seconds = time.perf_counter() - stored
     link = status.instances[0]
     return {"version": version, "handoff_seconds": handoff, "push_seconds": seconds, "stored_at": stored, "done_at": stored + seconds,
             "ratio": link.compression_ratio, "encode_ms": link.encode_ms}
 
 
+async def generation_during_pushes(ranks: TrainerRanks, services: Services, stub, address: str, version: int,
+                                   repeats: int) -> tuple[dict[str, float], int]:
+    """Tokens/s of every instance while pushes land, against the same instances just before."""
+    gen = Generation([c.address for c in services.instances], concurrency=4, max_tokens=64)
+    gen.start()
+    await asyncio.sleep(5.0)
+    quiet, pushing = [], []
+    try:
+        for _ in range(repeats):
+            version += 1
+            quiet_start = time.perf_counter()
+            await asyncio.sleep(3.0)
+            quiet.append(gen.rate(quiet_start, time.perf_counter()))
+            push = await push_once(ranks, services, stub, address, version)
+            pushing.append(gen.rate(push["stored_at"], push["done_at"]))
+            print(f"generation: {quiet[-1]:.1f} tok/s before the push of version {version}, {pushing[-1]:.1f} during", flush=True)
+    finally:
+        await gen.stop()
+    return {"tokens_per_second_without_push": statistics.median(quiet), "tokens_per_second_during_push": statistics.median(pushing)}, version
+
+
 async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], repeats: int) -> dict:
     nbytes = delivered_bytes(shape)
     baseline = statistics.median(raw_socket_gbps(nbytes) for _ in range(2))
-    print(f"raw socket: {baseline:.3f} GB/s for {nbytes / 2**30:.2f} GiB", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="rlmesh-bench-weights-"))
+    print(f"raw socket: {baseline:.3f} GB/s for {nbytes / 2**30:.2f} GiB; logs in {log_dir}", flush=True)
     services = await start_instances(model_dir, log_dir)
     ranks = TrainerRanks(shape, TRAINER_RANKS, CHANGED_FRACTION)
     version = 0
@@ -418,38 +443,22 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
             stub = weights_pb2_grpc.WeightsServiceStub(channel)
             name = f"{backend}_{compression}"
             try:
-                measure_generation = (backend, compression) == ("tcp", "none")
-                gen = Generation([c.address for c in services.instances], concurrency=4, max_tokens=64) if measure_generation else None
-                if gen:
-                    gen.start()
-                    await asyncio.sleep(5.0)
                 pushes = []
-                # On a delta link the first push after a restart is a full one; the deltas follow.
-                for _ in range(repeats + (1 if compression == "delta" else 0)):
+                # The first push after a start is a cold one (buffers allocated and faulted in; on a
+                # delta link, a full version): measured apart.
+                for _ in range(1 + repeats):
                     version += 1
-                    quiet_start = time.perf_counter()
-                    if gen:
-                        await asyncio.sleep(3.0)
-                    quiet_end = time.perf_counter()
-                    push = await push_once(ranks, services, stub, address, version)
-                    if gen:
-                        push["tokens_per_second_quiet"] = gen.rate(quiet_start, quiet_end)
-                        push["tokens_per_second_pushing"] = gen.rate(push["stored_at"], push["done_at"])
-                    pushes.append(push)
-                    print(f"{name}: version {version}: {json.dumps({k: round(v, 4) for k, v in push.items()})}", flush=True)
-                if gen:
-                    await gen.stop()
-                    quiet = statistics.median(p["tokens_per_second_quiet"] for p in pushes)
-                    pushing = statistics.median(p["tokens_per_second_pushing"] for p in pushes)
-                    generation = {"tokens_per_second_without_push": quiet, "tokens_per_second_during_push": pushing}
-                measured = pushes[1:] if compression == "delta" else pushes
+                    pushes.append(await push_once(ranks, services, stub, address, version))
+                    print(f"{name}: {json.dumps({k: round(v, 4) for k, v in pushes[-1].items()})}", flush=True)
+                if (backend, compression) == ("tcp", "none"):
+                    generation, version = await generation_during_pushes(ranks, services, stub, address, version, repeats)
+                measured = pushes[1:]
                 seconds = statistics.median(p["push_seconds"] for p in measured)
                 figures[f"{name}_gbps"] = nbytes / seconds / 1e9
                 figures[f"{name}_push_seconds"] = seconds
                 figures[f"{name}_compression_ratio"] = statistics.median(p["ratio"] for p in measured)
                 figures[f"{name}_handoff_seconds"] = statistics.median(p["handoff_seconds"] for p in measured)
-                if compression == "delta":
-                    figures["tcp_delta_first_full_push_seconds"] = pushes[0]["push_seconds"]
+                figures[f"{name}_cold_push_seconds"] = pushes[0]["push_seconds"]
             finally:
                 await channel.close()
                 await stop_weights(services)
@@ -463,16 +472,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=2, help="measured pushes per mode (median)")
     parser.add_argument("--small", action="store_true", help="a 64 MiB model instead of 1 GiB (a quick check)")
+    parser.add_argument("--modes", nargs="+", default=[f"{b}:{c}" for b, c in MODES], metavar="BACKEND:COMPRESSION",
+                        help="transports and link compressions to measure (default: all)")
     args = parser.parse_args()
+    modes = [tuple(mode.split(":", 1)) for mode in args.modes]
     shape = BENCH_MODEL
     if args.small:
         shape = ModelShape(hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
                            num_layers=4, tie_word_embeddings=True, attention_bias=True)
     model_dir = ensure_bench_model(Path(".rlmesh/bench") / f"qwen2-{model_bytes(shape) >> 20}mib", shape)
-    result = asyncio.run(run(shape, model_dir, MODES, args.repeats))
+    result = asyncio.run(run(shape, model_dir, modes, args.repeats))
     figures, baseline = result["figures"], result["baseline_gbps"]
     figures.update(real_step_delta())
-    ratios = {f"{backend}_{compression}_vs_raw_socket": figures[f"{backend}_{compression}_gbps"] / baseline for backend, compression in MODES}
+    ratios = {f"{backend}_{compression}_vs_raw_socket": figures[f"{backend}_{compression}_gbps"] / baseline for backend, compression in modes}
     generation = result["generation"]
     if generation:
         figures.update(generation)

@@ -64,8 +64,8 @@ class VocabParallelEmbedding(torch.nn.Embedding):
     """Rows [start, start + rows) of the padded vocabulary; ids outside embed to zero on this rank
     and the sum over ranks is the full embedding."""
 
-    def __init__(self, rows: int, hidden: int, start: int, collectives: Collectives) -> None:
-        super().__init__(rows, hidden)
+    def __init__(self, rows: int, hidden: int, start: int, collectives: Collectives, dtype: torch.dtype) -> None:
+        super().__init__(rows, hidden, dtype=dtype)
         self.start = start
         self.collectives = collectives
 
@@ -83,8 +83,8 @@ class ParallelLMHead(torch.nn.Linear):
     """This rank's rows of the padded vocabulary; the logits of all ranks are gathered and cut to
     the real vocabulary, so every rank returns full logits."""
 
-    def __init__(self, rows: int, hidden: int, vocab_size: int, collectives: Collectives) -> None:
-        super().__init__(hidden, rows, bias=False)
+    def __init__(self, rows: int, hidden: int, vocab_size: int, collectives: Collectives, dtype: torch.dtype) -> None:
+        super().__init__(hidden, rows, bias=False, dtype=dtype)
         self.vocab_size = vocab_size
         self.collectives = collectives
 
@@ -106,10 +106,11 @@ def build_rank_model(config: PretrainedConfig, collectives: Collectives) -> PreT
     rank_config.vocab_size = shape.padded_vocab // tp
     # Only used for training gradients, and it may lie outside this rank's vocabulary rows.
     rank_config.pad_token_id = None
-    model = AutoModelForCausalLM.from_config(rank_config, dtype=weights_dtype(config))
+    dtype = weights_dtype(config)
+    model = AutoModelForCausalLM.from_config(rank_config, dtype=dtype)
     rows = shape.padded_vocab // tp
-    model.model.embed_tokens = VocabParallelEmbedding(rows, shape.hidden_size, rank * rows, collectives)
-    model.lm_head = ParallelLMHead(rows, shape.hidden_size, shape.vocab_size, collectives)
+    model.model.embed_tokens = VocabParallelEmbedding(rows, shape.hidden_size, rank * rows, collectives, dtype)
+    model.lm_head = ParallelLMHead(rows, shape.hidden_size, shape.vocab_size, collectives, dtype)
     if shape.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     if tp > 1:

@@ -143,7 +143,9 @@ class Pusher:
             tensor_parallel = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL and snapshot.shape is not None
             tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
             state.tensor_parallel_size = max(1, tp)
+            phases = {"info_ms": time.perf_counter()}
             ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
+            phases["reshard_ms"] = time.perf_counter()
             manifests = [r.manifest for r in ranks]
             if mode in ("int8", "fp8"):
                 manifests = await asyncio.to_thread(lambda: [self._encoding(snapshot, tp, i, r, mode).lossy_manifest() for i, r in enumerate(ranks)])
@@ -153,6 +155,7 @@ class Pusher:
             else:
                 request.manifest.CopyFrom(manifests[0])
             begin = await stub.BeginWeightUpdate(request, **call_options(timeout))
+            phases["begin_ms"] = time.perf_counter()
             endpoints = list(begin.ranks) or [rollout_pb2.RankEndpoint(
                 tp_rank=0, transfer_session=begin.transfer_session, buffer_address=begin.buffer_address,
                 buffer_bytes=begin.buffer_bytes, held_version=-1,
@@ -165,7 +168,9 @@ class Pusher:
                                       self.config.push_timeout_seconds, lambda: self._superseded(version))
                 for link in links
             ))
+            phases["transfer_ms"] = time.perf_counter()
             await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), **call_options(self.config.push_timeout_seconds))
+            phases["commit_ms"] = time.perf_counter()
             elapsed = time.perf_counter() - started
             payload_bytes = sum(r.manifest.total_bytes for r in ranks)
             state.committed_version = max(state.committed_version, version)
@@ -174,7 +179,9 @@ class Pusher:
             self._record_compression(state, links)
             state.failures = 0
             state.last_error = ""
-            log.info("pushed", ms=round(state.last_push_ms, 2), gbps=round(state.last_push_gbps, 3), ranks=len(ranks),
+            marks = [started, *phases.values()]
+            durations = {name: round((end - start) * 1000, 2) for name, start, end in zip(phases, marks, marks[1:])}
+            log.info("pushed", ms=round(state.last_push_ms, 2), gbps=round(state.last_push_gbps, 3), ranks=len(ranks), **durations,
                      compression=state.compression, ratio=round(state.compression_ratio, 2))
         except Superseded:
             state.superseded += 1
