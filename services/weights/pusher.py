@@ -144,6 +144,7 @@ class Pusher:
             tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
             state.tensor_parallel_size = max(1, tp)
             phases = {"info_ms": time.perf_counter()}
+            self.store.layouts_in_use.update((tp, r) for r in range(max(1, tp)))
             ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
             phases["reshard_ms"] = time.perf_counter()
             manifests = [r.manifest for r in ranks]

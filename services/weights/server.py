@@ -6,12 +6,12 @@ import asyncio
 
 import structlog
 
-from rlmesh.errors import InvalidArgument
+from rlmesh.errors import DomainError, InvalidArgument
 from rlmesh.shards import read_shared_memory
 from rlmesh.transfer.receiver import COMPRESSION_CODES
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher
-from services.weights.store import WeightStore
+from services.weights.store import Assembly, WeightStore
 
 log = structlog.get_logger()
 
@@ -21,6 +21,8 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         self.store = store
         self.pusher = pusher
         self.backend_name = backend_name
+        self._applying: dict[int, list[asyncio.Future[None]]] = {}
+        self._background: set[asyncio.Future[None]] = set()
 
     async def UploadShards(self, request_iterator, context):
         header = None
@@ -54,11 +56,30 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             raise InvalidArgument("the shard upload stream was empty")
         if received != header.total_bytes:
             raise InvalidArgument(f"rank {header.rank} of version {header.version} ended after {received} of {header.total_bytes} bytes")
-        ranks, snapshot = self.store.add_shards(header, payload)
-        if snapshot is not None:
-            log.info("version stored", weight_version=snapshot.version, ranks=ranks, bytes=snapshot.total_bytes)
-            self.pusher.trigger()
-        return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=ranks, complete=snapshot is not None)
+        await asyncio.to_thread(self.store.check_payload, header, payload)
+        assembly = self.store.add_shards(header, payload)
+        # The rank's rows go into the payloads of the layouts in use while the other ranks upload;
+        # the reply does not wait for that, so the trainer goes on at once.
+        self._applying.setdefault(assembly.version, []).append(asyncio.ensure_future(asyncio.to_thread(assembly.apply_rank, header.rank)))
+        if assembly.complete:
+            self._background.add(asyncio.ensure_future(self._install(assembly)))
+        return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=len(assembly.headers), complete=assembly.complete)
+
+    async def _install(self, assembly: Assembly) -> None:
+        try:
+            await asyncio.gather(*self._applying.pop(assembly.version, []))
+            for version in [v for v in self._applying if v < assembly.version]:
+                del self._applying[version]
+            snapshot = await asyncio.to_thread(self.store.finish_assembly, assembly)
+            self.store.install(snapshot)
+        except DomainError as exc:
+            log.warning("version not stored", weight_version=assembly.version, error=str(exc))
+            return
+        finally:
+            self._background.discard(asyncio.current_task())
+        log.info("version stored", weight_version=snapshot.version, ranks=assembly.world_size, bytes=snapshot.total_bytes,
+                 prebuilt_layouts=sorted(snapshot.payloads))
+        self.pusher.trigger()
 
     async def UploadWeights(self, request_iterator, context):
         upload = None

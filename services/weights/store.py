@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -15,12 +16,13 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.payload import DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.payload import DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
 from rlmesh.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
 FULL_LAYOUT = 0
 """The tensor-parallel size that stands for full tensors under their HF names."""
+CHECKSUM_THREADS = 2
 
 
 class BufferPool:
@@ -86,23 +88,11 @@ class Snapshot:
             if self.shape is None:
                 raise FailedPrecondition(f"version {self.version} was uploaded as full tensors without a model layout; "
                                          "tensor-parallel engines need versions uploaded with UploadShards")
-            started = time.perf_counter()
-            try:
-                targets = tp_parameter_shapes(self.shape, tp) if tp != FULL_LAYOUT else hf_parameter_shapes(self.shape)
-                slices = tp_slices(self.shape, tp, rank) if tp != FULL_LAYOUT else full_slices(self.shape)
-            except ValueError as exc:
-                raise InvalidArgument(f"cannot split version {self.version} over {tp} ranks: {exc}") from exc
-            dtype = torch_dtype(self.headers[0].shards[0].dtype)
-            manifest = pack_layout({name: (dims, dtype) for name, dims in targets.items()}, self.version, self.bucket_bytes)
-            manifest.tensor_parallel_size = 0 if tp == FULL_LAYOUT else tp
-            manifest.tensor_parallel_rank = rank
-            payload = self.pool.take(key, manifest.total_bytes)
-            outputs = unpack(manifest, payload)
-            rows = {spec.name: spec.full_shape[0] for spec in self.headers[0].shards}
-            views = [shard_views(header, shard) for header, shard in zip(self.headers, self.shards)]
-            apply_copies(reshard_plan(slices, rows, len(self.headers)), views, outputs)
-            manifest.bucket_crc32.extend(bucket_checksums(payload, self.bucket_bytes))
-            built = self.payloads[key] = RankPayload(manifest, payload, time.perf_counter() - started)
+            builder = PayloadBuilder(self.shape, key, self.version, len(self.headers), self.pool, self.bucket_bytes,
+                                     torch_dtype(self.headers[0].shards[0].dtype))
+            for header, shard in zip(self.headers, self.shards):
+                builder.apply(header, shard)
+            built = self.payloads[key] = builder.finish()
             return built
 
     def release_buffers(self) -> None:
@@ -111,6 +101,46 @@ class Snapshot:
         for key, built in self.payloads.items():
             self.pool.give(key, built.payload)
         self.shards, self.payloads, self.encodings = [], {}, {}
+
+
+class PayloadBuilder:
+    """Builds one (tp, rank) payload from FSDP shards, one FSDP rank at a time, so the copies from a
+    rank's shards can run as soon as they arrive."""
+
+    def __init__(self, shape: ModelShape, key: tuple[int, int], version: int, fsdp_world: int, pool: BufferPool,
+                 bucket_bytes: int, dtype: torch.dtype) -> None:
+        tp, rank = key
+        try:
+            targets = tp_parameter_shapes(shape, tp) if tp != FULL_LAYOUT else hf_parameter_shapes(shape)
+            slices = tp_slices(shape, tp, rank) if tp != FULL_LAYOUT else full_slices(shape)
+        except ValueError as exc:
+            raise InvalidArgument(f"cannot split version {version} over {tp} ranks: {exc}") from exc
+        self.key = key
+        self.manifest = pack_layout({name: (dims, dtype) for name, dims in targets.items()}, version, bucket_bytes)
+        self.manifest.tensor_parallel_size = 0 if tp == FULL_LAYOUT else tp
+        self.manifest.tensor_parallel_rank = rank
+        self.payload = pool.take(key, self.manifest.total_bytes)
+        self._outputs = unpack(self.manifest, self.payload)
+        rows = hf_parameter_shapes(shape)
+        self._copies = reshard_plan(slices, {name: dims[0] for name, dims in rows.items()}, fsdp_world)
+        self._fsdp_world = fsdp_world
+        self.seconds = 0.0
+
+    def apply(self, header: weights_pb2.ShardsHeader, shard: torch.Tensor) -> None:
+        """Copies what this payload needs from FSDP rank `header.rank`'s shards (blocking)."""
+        started = time.perf_counter()
+        mine = [c for c in self._copies if c.fsdp_rank == header.rank]
+        views: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fsdp_world)]
+        views[header.rank] = shard_views(header, shard)
+        apply_copies(mine, views, self._outputs)
+        self.seconds += time.perf_counter() - started
+
+    def finish(self, checksums: list[int] | None = None) -> RankPayload:
+        started = time.perf_counter()
+        if checksums is None:
+            checksums = bucket_checksums(self.payload, self.manifest.bucket_bytes)
+        self.manifest.bucket_crc32.extend(checksums)
+        return RankPayload(self.manifest, self.payload, self.seconds + time.perf_counter() - started)
 
 
 @dataclass(eq=False, slots=True)
@@ -135,13 +165,37 @@ class Upload:
 
 @dataclass(slots=True)
 class Assembly:
-    """The ranks of one version received so far."""
+    """The ranks of one version received so far, and the payloads of the layouts in use, built
+    from each rank's shards as they arrive."""
 
     version: int
     world_size: int
     shape: ModelShape
+    pool: BufferPool
+    bucket_bytes: int
     headers: dict[int, weights_pb2.ShardsHeader] = field(default_factory=dict)
     shards: dict[int, torch.Tensor] = field(default_factory=dict)
+    builders: dict[tuple[int, int], PayloadBuilder] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.headers) == self.world_size
+
+    def prepare(self, layouts: set[tuple[int, int]], dtype: torch.dtype) -> None:
+        """Starts a builder for every layout in use that this model can be split into."""
+        for key in layouts:
+            if key not in self.builders:
+                try:
+                    self.builders[key] = PayloadBuilder(self.shape, key, self.version, self.world_size, self.pool, self.bucket_bytes, dtype)
+                except InvalidArgument:
+                    continue
+
+    def apply_rank(self, rank: int) -> None:
+        """Copies rank `rank`'s rows into every prepared payload (blocking; ranks may run in parallel)."""
+        header, shard = self.headers[rank], self.shards[rank]
+        for builder in list(self.builders.values()):
+            builder.apply(header, shard)
 
 
 @dataclass(slots=True)
@@ -152,6 +206,8 @@ class WeightStore:
     previous: Snapshot | None = None
     """The version before the latest, kept as the base for delta-compressed pushes."""
     pool: BufferPool = field(default_factory=BufferPool)
+    layouts_in_use: set[tuple[int, int]] = field(default_factory=set)
+    """(tp, rank) payloads pushes asked for: built for each new version as its shards arrive."""
     _assemblies: dict[int, Assembly] = field(default_factory=dict)
     _retired: list[Snapshot] = field(default_factory=list)
 
@@ -173,50 +229,79 @@ class WeightStore:
                                       "world size or the model layout")
             if header.rank in assembly.headers:
                 raise InvalidArgument(f"rank {header.rank} of version {header.version} was already received")
+        self._check_covers(shape, header)
         return shape
 
     def shard_buffer(self, header: weights_pb2.ShardsHeader) -> torch.Tensor:
         return self.pool.take(("shard", header.rank), header.total_bytes)
 
-    def add_shards(self, header: weights_pb2.ShardsHeader, payload: torch.Tensor) -> tuple[int, Snapshot | None]:
-        """Adds a rank's verified bytes; returns the ranks received and the snapshot once complete."""
+    def add_shards(self, header: weights_pb2.ShardsHeader, payload: torch.Tensor) -> Assembly:
+        """Records a rank's bytes (already checked with `check_payload`); the version is installed
+        by `install` (after `finish_assembly`) once the assembly is complete and every rank's rows are applied."""
         shape = self.check_shards(header)
+        assembly = self._assemblies.get(header.version)
+        if assembly is None:
+            assembly = self._assemblies[header.version] = Assembly(header.version, header.world_size, shape, self.pool, self.bucket_bytes)
+            assembly.prepare(self.layouts_in_use, torch_dtype(header.shards[0].dtype))
+        assembly.headers[header.rank] = header
+        assembly.shards[header.rank] = payload
+        if assembly.complete:
+            del self._assemblies[header.version]
+        return assembly
+
+    def check_payload(self, header: weights_pb2.ShardsHeader, payload: torch.Tensor) -> None:
+        """Raises unless the rank's bytes match its crc32 (blocking: 1 GiB takes a quarter second)."""
         if zlib.crc32(payload[: header.total_bytes].numpy()) != header.payload_crc32:
             self.pool.give(("shard", header.rank), payload)
             raise InvalidArgument(f"rank {header.rank} of version {header.version}: payload crc32 mismatch")
-        assembly = self._assemblies.setdefault(header.version, Assembly(header.version, header.world_size, shape))
-        assembly.headers[header.rank] = header
-        assembly.shards[header.rank] = payload
-        if len(assembly.headers) < assembly.world_size:
-            return len(assembly.headers), None
-        del self._assemblies[header.version]
+
+    def finish_assembly(self, assembly: Assembly) -> Snapshot:
+        """Checksums the prepared payloads (blocking; zlib releases the GIL, so threads share it out)."""
         ranks = range(assembly.world_size)
-        headers = [assembly.headers[r] for r in ranks]
-        self._check_complete(assembly.version, shape, headers)
-        snapshot = Snapshot(assembly.version, shape, headers, [assembly.shards[r] for r in ranks], self.pool, self.bucket_bytes)
+        builders = list(assembly.builders.values())
+        jobs = [(b, start, end) for b in builders for start, end in bucket_ranges(b.manifest.total_bytes, self.bucket_bytes)]
+        with ThreadPoolExecutor(max_workers=CHECKSUM_THREADS) as pool:
+            sums = list(pool.map(lambda job: zlib.crc32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
+        snapshot = Snapshot(assembly.version, assembly.shape, [assembly.headers[r] for r in ranks], [assembly.shards[r] for r in ranks],
+                            self.pool, self.bucket_bytes)
+        index = 0
+        for builder in builders:
+            count = len(bucket_ranges(builder.manifest.total_bytes, self.bucket_bytes))
+            snapshot.payloads[builder.key] = builder.finish(sums[index : index + count])
+            index += count
+        return snapshot
+
+    def install(self, snapshot: Snapshot) -> None:
+        """Makes a finished version the latest (unless a newer one got there first)."""
+        if self.latest is not None and snapshot.version <= self.latest.version:
+            snapshot.release_buffers()
+            raise FailedPrecondition(f"version {snapshot.version} was overtaken by {self.latest.version}")
         self._install(snapshot)
         # Older versions still assembling can never become the latest.
         for version in [v for v in self._assemblies if v < snapshot.version]:
             stale = self._assemblies.pop(version)
             for rank, shard in stale.shards.items():
                 self.pool.give(("shard", rank), shard)
-        return assembly.world_size, snapshot
+            for builder in stale.builders.values():
+                self.pool.give(builder.key, builder.payload)
 
-    def _check_complete(self, version: int, shape: ModelShape, headers: list[weights_pb2.ShardsHeader]) -> None:
+    def _check_covers(self, shape: ModelShape, header: weights_pb2.ShardsHeader) -> None:
+        """Every parameter of the layout, with its full shape, in one dtype shared by every rank."""
         expected = hf_parameter_shapes(shape)
-        dtypes = set()
-        for header in headers:
-            names = {spec.name: spec for spec in header.shards}
-            if names.keys() != expected.keys():
-                missing = sorted(expected.keys() - names.keys())[:5]
-                unknown = sorted(names.keys() - expected.keys())[:5]
-                raise InvalidArgument(f"version {version} rank {header.rank}: shards do not match the layout: missing {missing}, unknown {unknown}")
-            for name, spec in names.items():
-                if tuple(spec.full_shape) != expected[name]:
-                    raise InvalidArgument(f"version {version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}")
-                dtypes.add(spec.dtype)
+        names = {spec.name: spec for spec in header.shards}
+        if names.keys() != expected.keys():
+            missing = sorted(expected.keys() - names.keys())[:5]
+            unknown = sorted(names.keys() - expected.keys())[:5]
+            raise InvalidArgument(f"version {header.version} rank {header.rank}: shards do not match the layout: missing {missing}, unknown {unknown}")
+        for name, spec in names.items():
+            if tuple(spec.full_shape) != expected[name]:
+                raise InvalidArgument(f"version {header.version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}")
+        dtypes = {spec.dtype for spec in header.shards}
+        assembly = self._assemblies.get(header.version)
+        if assembly is not None:
+            dtypes |= {spec.dtype for other in assembly.headers.values() for spec in other.shards[:1]}
         if len(dtypes) != 1:
-            raise InvalidArgument(f"version {version} mixes dtypes {sorted(dtypes)}; one dtype per version")
+            raise InvalidArgument(f"version {header.version} mixes dtypes {sorted(dtypes)}; one dtype per version")
 
     # Legacy uploads of full tensors ----------------------------------------------------------
 

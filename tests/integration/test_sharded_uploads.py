@@ -13,7 +13,7 @@ from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.payload import stream_chunks
 from rlmesh.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.integration.conftest import build_mesh, stop_mesh
+from tests.integration.conftest import build_mesh, stop_mesh, wait_for
 
 SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
                    num_layers=2, tie_word_embeddings=True, attention_bias=True)
@@ -38,6 +38,11 @@ def rank_shards(version: int, rank: int, world: int):
                                             shards=specs, total_bytes=total)
 
 
+async def latest_status(stub, version: int) -> weights_pb2.GetStatusResponse | None:
+    status = await stub.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)
+    return status if status.latest_version == version else None
+
+
 async def upload_through_shm(stub, version: int, rank: int, world: int) -> weights_pb2.UploadShardsResponse:
     shards, header = rank_shards(version, rank, world)
     slot = SharedMemorySlot(f"rlmesh-test-{uuid.uuid4().hex[:8]}", header.total_bytes)
@@ -59,7 +64,7 @@ async def test_ranks_hand_over_their_shards_through_shared_memory(weights):
     assert (await weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)).latest_version == -1
     second = await upload_through_shm(weights, 3, 1, 2)
     assert (second.ranks_received, second.complete) == (2, True)
-    status = await weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)
+    status = await wait_for(lambda: latest_status(weights, 3))
     model_bytes = sum(torch.Size(d).numel() * 4 for d in hf_parameter_shapes(SHAPE).values())
     assert status.latest_version == 3
     assert model_bytes <= status.latest_bytes < model_bytes + 64 * 2 * len(hf_parameter_shapes(SHAPE))
@@ -113,4 +118,5 @@ async def test_bad_uploads_are_refused_with_the_reason(weights, tmp_path):
     no_layout.layout.family = "gpt2"
     await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=no_layout)], grpc.StatusCode.INVALID_ARGUMENT, "no layout rules")
     await upload_through_shm(weights, 6, 0, 1)
+    await wait_for(lambda: latest_status(weights, 6))
     await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer")

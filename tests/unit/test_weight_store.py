@@ -87,19 +87,33 @@ def rank_upload(shape: ModelShape, full: dict[str, torch.Tensor], version: int, 
 
 
 def add_rank(store: WeightStore, header, payload):
+    """What the service does with one rank's upload: returns the ranks received and the version
+    once it is stored."""
     buffer = store.shard_buffer(header)
     buffer[: header.total_bytes].copy_(payload)
-    return store.add_shards(header, buffer)
+    store.check_payload(header, buffer)
+    assembly = store.add_shards(header, buffer)
+    assembly.apply_rank(header.rank)
+    if not assembly.complete:
+        return len(assembly.headers), None
+    snapshot = store.finish_assembly(assembly)
+    store.install(snapshot)
+    return len(assembly.headers), snapshot
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_a_version_from_fsdp_ranks_becomes_each_tp_ranks_payload(world, tp):
+@pytest.mark.parametrize("prebuilt", [False, True])
+def test_a_version_from_fsdp_ranks_becomes_each_tp_ranks_payload(world, tp, prebuilt):
+    """Whether a layout is built as the ranks arrive (in use) or on first ask, the bytes are the same."""
     shape, store = model_shape(), WeightStore(bucket_bytes=256)
+    if prebuilt:
+        store.layouts_in_use |= {(tp, r) for r in range(tp)} | {(3, 0)}
     full = full_tensors(shape, 0)
     results = [add_rank(store, *rank_upload(shape, full, 5, rank, world)) for rank in range(world)]
     assert [r[0] for r in results] == list(range(1, world + 1))
     assert all(r[1] is None for r in results[:-1]) and results[-1][1] is store.latest
+    assert set(store.latest.payloads) == ({(tp, r) for r in range(tp)} if prebuilt else set())
     for rank in range(tp):
         built = store.latest.rank_payload(tp, rank)
         assert built.manifest.tensor_parallel_size == tp and built.manifest.tensor_parallel_rank == rank
