@@ -36,6 +36,10 @@ CHANGED_FRACTION = 0.02
 BENCH_MODEL = ModelShape(hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=4096, vocab_size=32000,
                          num_layers=33, tie_word_embeddings=True, attention_bias=True)
 """About 535 M parameters: 1.0 GiB in bf16."""
+COLD_PUSHES = 3
+"""Pushes after a weights-service start that allocate and fault in its buffers (the incoming, the
+latest and the delta-base version each hold a set; on a delta link the first is a full version):
+reported apart from the warm ones."""
 MODES = [("tcp", "none"), ("mooncake", "none"), ("grpc", "none"), ("tcp", "zstd"), ("tcp", "delta")]
 
 
@@ -444,15 +448,13 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
             name = f"{backend}_{compression}"
             try:
                 pushes = []
-                # The first push after a start is a cold one (buffers allocated and faulted in; on a
-                # delta link, a full version): measured apart.
-                for _ in range(1 + repeats):
+                for _ in range(COLD_PUSHES + repeats):
                     version += 1
                     pushes.append(await push_once(ranks, services, stub, address, version))
                     print(f"{name}: {json.dumps({k: round(v, 4) for k, v in pushes[-1].items()})}", flush=True)
                 if (backend, compression) == ("tcp", "none"):
                     generation, version = await generation_during_pushes(ranks, services, stub, address, version, repeats)
-                measured = pushes[1:]
+                measured = pushes[COLD_PUSHES:]
                 seconds = statistics.median(p["push_seconds"] for p in measured)
                 figures[f"{name}_gbps"] = nbytes / seconds / 1e9
                 figures[f"{name}_push_seconds"] = seconds

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import torch
 
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
-from rlmesh.payload import ALIGNMENT, DTYPE_CODES, torch_dtype
+from rlmesh.payload import ALIGNMENT, CRC32, DTYPE_CODES, torch_dtype
 from rlmesh.weights.v1 import weights_pb2
 
 SHM_DIR = Path("/dev/shm")
@@ -75,7 +74,7 @@ def write_payload(shards: Mapping[str, LocalShard], specs: list[weights_pb2.Shar
         if spec.nbytes:
             target[spec.offset : spec.offset + spec.nbytes].copy_(shard.tensor.detach().contiguous().view(-1).view(torch.uint8))
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
-    return zlib.crc32(target[:total].numpy())
+    return CRC32(target[:total].numpy())
 
 
 def validate_header(header: weights_pb2.ShardsHeader) -> ModelShape:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import queue
 import threading
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
+from rlmesh.payload import CRC32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
 from rlmesh.transfer.base import ReceiveBuffer, TransferError
 from rlmesh.transfer.codecs import BucketCodec
 
@@ -191,8 +190,7 @@ class RankReceiver:
                 return
             manifest, bucket = item
             start, end = self._ranges[bucket] if manifest is self._manifest else (0, 0)
-            # zlib releases the GIL on large buffers, so this overlaps the receiving thread.
-            good = manifest is self._manifest and zlib.crc32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+            good = manifest is self._manifest and CRC32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
             with self._all_checked:
                 if manifest is not self._manifest:
                     continue

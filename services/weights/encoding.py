@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import bucket_ranges
+from rlmesh.payload import CRC32, bucket_ranges
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.codecs import BucketCodec, CompressionMode, CompressionReport
 from rlmesh.transfer.receiver import COMPRESSION_CODES, payload_dtype
@@ -61,7 +60,7 @@ class EncodedPayload:
     def _crc_of_decoded(self, blob: bytes, nbytes: int) -> int:
         scratch = np.empty(nbytes, dtype=np.uint8)
         self._codec.decode(blob, scratch)
-        return zlib.crc32(scratch)
+        return CRC32(scratch)
 
     def lossy_manifest(self) -> common_pb2.WeightManifest:
         """The manifest with each bucket's crc32 of what the receiver will decode (lossy modes

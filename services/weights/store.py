@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.payload import DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.payload import CRC32, DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
 from rlmesh.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
@@ -251,17 +250,17 @@ class WeightStore:
 
     def check_payload(self, header: weights_pb2.ShardsHeader, payload: torch.Tensor) -> None:
         """Raises unless the rank's bytes match its crc32 (blocking: 1 GiB takes a quarter second)."""
-        if zlib.crc32(payload[: header.total_bytes].numpy()) != header.payload_crc32:
+        if CRC32(payload[: header.total_bytes].numpy()) != header.payload_crc32:
             self.pool.give(("shard", header.rank), payload)
             raise InvalidArgument(f"rank {header.rank} of version {header.version}: payload crc32 mismatch")
 
     def finish_assembly(self, assembly: Assembly) -> Snapshot:
-        """Checksums the prepared payloads (blocking; zlib releases the GIL, so threads share it out)."""
+        """Checksums the prepared payloads (blocking)."""
         ranks = range(assembly.world_size)
         builders = list(assembly.builders.values())
         jobs = [(b, start, end) for b in builders for start, end in bucket_ranges(b.manifest.total_bytes, self.bucket_bytes)]
         with ThreadPoolExecutor(max_workers=CHECKSUM_THREADS) as pool:
-            sums = list(pool.map(lambda job: zlib.crc32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
+            sums = list(pool.map(lambda job: CRC32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
         snapshot = Snapshot(assembly.version, assembly.shape, [assembly.headers[r] for r in ranks], [assembly.shards[r] for r in ranks],
                             self.pool, self.bucket_bytes)
         index = 0
