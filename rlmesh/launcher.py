@@ -4,7 +4,6 @@ each health service, show training progress, and stop every process at the end o
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
@@ -18,10 +17,10 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from rlmesh.lifecycle import die_with_parent
 from rlmesh.rpc import call_options, open_channel, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
-_PR_SET_PDEATHSIG = 1
 MESH_ID_ENV = "RLMESH_MESH_ID"
 """Set in every process of a mesh (to its output folder) so its processes can be found."""
 STOP_TIMEOUT_SECONDS = 15.0
@@ -68,11 +67,6 @@ class Child:
     log_path: Path
 
 
-def _die_with_parent() -> None:
-    # If the launching process itself is killed, the kernel sends SIGTERM to its services too.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
 
@@ -105,7 +99,8 @@ def spawn_service(name: str, module: str, address: str, settings: dict[str, str]
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            # If the launching process itself is killed, the kernel sends SIGTERM to its services too.
+            preexec_fn=die_with_parent,
         )
     return Child(name, address, process, log_path)
 

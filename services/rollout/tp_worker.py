@@ -3,7 +3,6 @@ step program on its own shard and serves weight operations on a second thread.""
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.lifecycle import die_with_parent
 from rlmesh.logging import configure_logging
 from rlmesh.transfer.base import TransferError
 from services.rollout.rank import RankRunner, RankTransfer, RankWeights, build_rank
@@ -27,7 +27,6 @@ from services.rollout.tp_model import Collectives
 
 log = structlog.get_logger()
 
-_PR_SET_PDEATHSIG = 1
 _STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch"})
 _ERROR_KINDS = ((TransferError, "transfer"), (InvalidArgument, "invalid"), (FailedPrecondition, "precondition"), (ValueError, "invalid"))
 
@@ -69,7 +68,7 @@ def serve_weights(channel: Connection, weights: RankWeights) -> None:
 
 def main(spec: dict[str, Any]) -> int:
     # If rank 0 dies, so does this rank; if it died already, there is nothing to serve.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
     if os.getppid() != spec["parent_pid"]:
         return 1
     rank = spec["rank"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import ctypes
 import os
 import queue
 import signal
@@ -19,12 +18,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from rlmesh.lifecycle import die_with_parent
+
 log = structlog.get_logger()
 
 T = TypeVar("T")
-
-_PR_SET_PDEATHSIG = 1
-
 
 @dataclass(frozen=True, slots=True)
 class RankInfo:
@@ -77,7 +75,7 @@ def die_with_agent() -> None:
     if not under_torchrun():
         return
     parent = os.getppid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent()
     if os.getppid() != parent:  # the agent died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -15,20 +15,11 @@ from rlmesh.models.tokenizer import load_tokenizer
 from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.torch_engine import TorchEngine
+from tests.unit.test_torch_engine import collect
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
 TEXTS = ["1234=", "98765432=", "50=", "7=", "314159="]
-
-
-async def collect(engine, request):
-    tokens, logprobs, versions, finish = [], [], [], None
-    async for chunk in engine.generate(request):
-        tokens += chunk.token_ids
-        logprobs += chunk.logprobs
-        versions += chunk.weight_versions
-        finish = chunk.finish
-    return tokens, logprobs, versions, finish
 
 
 async def greedy_batch(engine, prompts, tag, max_tokens=20):
