@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Mapping
-
-import torch
+from collections.abc import AsyncIterator
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.models.tp_layout import ModelShape
-from rlmesh.payload import pack, stream_chunks
 from rlmesh.rpc import call_options, open_channel
-from rlmesh.shards import LocalShard, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 
@@ -67,38 +61,6 @@ class MeshClient:
     async def announce(self, version: int) -> None:
         """Tells the manager a version is published (after every trainer rank uploaded its shards)."""
         await self.manager.PublishVersion(manager_pb2.PublishVersionRequest(version=version), **call_options(self.rpc_timeout))
-
-    async def publish(self, version: int, tensors: Mapping[str, torch.Tensor], shape: ModelShape | None = None) -> float:
-        """Uploads whole tensors (HF names, tied ones once) from one process, then announces the
-        version; returns the seconds spent. With `shape` they go as the one rank of a one-rank
-        world through UploadShards (what tensor-parallel rollout instances need); without it
-        through the legacy UploadWeights. The trainer never does this (its ranks hand over their
-        FSDP shards, see handoff.py); tests and tools that publish a model without a trainer do."""
-        started = time.perf_counter()
-        if shape is not None:
-            shards = {name: LocalShard(t.detach(), tuple(t.shape), 0, t.shape[0]) for name, t in tensors.items()}
-            specs, total = shard_specs(shards)
-            payload = torch.empty(max(total, 1), dtype=torch.uint8)
-            header = weights_pb2.ShardsHeader(version=version, rank=0, world_size=1, layout=layout_to_proto(shape),
-                                              shards=specs, total_bytes=total, payload_crc32=write_payload(shards, specs, payload))
-
-            async def shard_parts() -> AsyncIterator[weights_pb2.UploadShardsRequest]:
-                yield weights_pb2.UploadShardsRequest(header=header)
-                for offset, data in stream_chunks(payload, total):
-                    yield weights_pb2.UploadShardsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-
-            await self.weights.UploadShards(shard_parts(), **call_options(max(self.rpc_timeout, 60.0)))
-        else:
-            manifest, payload = pack(tensors, version)
-
-            async def parts() -> AsyncIterator[weights_pb2.UploadWeightsRequest]:
-                yield weights_pb2.UploadWeightsRequest(manifest=manifest)
-                for offset, data in stream_chunks(payload, manifest.total_bytes):
-                    yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-
-            await self.weights.UploadWeights(parts(), **call_options(max(self.rpc_timeout, 60.0)))
-        await self.announce(version)
-        return time.perf_counter() - started
 
     async def close(self) -> None:
         await self._manager_channel.close()

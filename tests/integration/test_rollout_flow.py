@@ -10,12 +10,13 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
-from rlmesh.payload import pack
+from rlmesh.payload import pack, stream_chunks
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
@@ -32,6 +33,19 @@ def prompt_batch(model_dir, count: int) -> list[tuple[str, list[int]]]:
 def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
     eos = load_tokenizer(model_dir).token_to_id(EOS_TOKEN)
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
+
+
+async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A version as whole tensors from one process (UploadWeights), as tools publish a model
+    without a trainer; every engine then receives full tensors."""
+    manifest, payload = pack(tensors, version)
+
+    async def parts():
+        yield weights_pb2.UploadWeightsRequest(manifest=manifest)
+        for offset, data in stream_chunks(payload, manifest.total_bytes):
+            yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
+
+    await weights.UploadWeights(parts(), timeout=60)
 
 
 async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:
@@ -70,7 +84,8 @@ async def test_a_published_version_reaches_instances_and_late_joiners(model_dir,
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     late = None
     try:
-        await client.publish(1, scaled_weights(model_dir, 1.0))
+        await upload_full_tensors(client.weights, 1, scaled_weights(model_dir, 1.0))
+        await client.announce(1)
         rollout = mesh.rollouts[0]
         await wait_for(lambda: rollout.engine.weight_version == 1)
         # Samples for policy version 1 only run once the instance serves version 1.
