@@ -23,7 +23,7 @@ log = structlog.get_logger()
 
 Backend = Literal["mooncake", "grpc", "tcp"]
 VERIFY_TIMEOUT_SECONDS = 30.0
-"""How long a commit waits for buckets still being checked (a bucket only partly written never is)."""
+"""How long a commit waits for buckets still being checked."""
 
 
 @dataclass(frozen=True, slots=True)
