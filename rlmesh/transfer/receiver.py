@@ -16,7 +16,7 @@ from rlmesh.payload import CRC32, PayloadError, bucket_ranges, torch_dtype, unpa
 from rlmesh.transfer.base import ReceiveBuffer, TransferError
 from rlmesh.transfer.codecs import BucketCodec
 
-COMPRESSION_MODES = {
+MODE_OF_CODE = {
     common_pb2.COMPRESSION_UNSPECIFIED: "none",
     common_pb2.COMPRESSION_NONE: "none",
     common_pb2.COMPRESSION_ZSTD: "zstd",
@@ -24,7 +24,7 @@ COMPRESSION_MODES = {
     common_pb2.COMPRESSION_INT8: "int8",
     common_pb2.COMPRESSION_FP8: "fp8",
 }
-COMPRESSION_CODES = {mode: code for code, mode in COMPRESSION_MODES.items() if code != common_pb2.COMPRESSION_UNSPECIFIED}
+CODE_OF_MODE = {mode: code for code, mode in MODE_OF_CODE.items() if code != common_pb2.COMPRESSION_UNSPECIFIED}
 
 
 def payload_dtype(manifest: common_pb2.WeightManifest) -> torch.dtype:
@@ -93,7 +93,7 @@ class RankReceiver:
               raw_bytes: int = 0, base_version: int = -1) -> None:
         """Places (and decodes) bytes at `offset`. Compressed data must be one whole bucket."""
         manifest = self._expect(version)
-        mode = COMPRESSION_MODES.get(compression)
+        mode = MODE_OF_CODE.get(compression)
         if mode is None:
             raise TransferError(f"unknown compression {compression}")
         raw_bytes = raw_bytes or len(data)

@@ -14,7 +14,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import CRC32, bucket_ranges
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.codecs import BucketCodec, CompressionMode, CompressionReport
-from rlmesh.transfer.receiver import COMPRESSION_CODES, payload_dtype
+from rlmesh.transfer.receiver import CODE_OF_MODE, payload_dtype
 from services.weights.store import RankPayload
 
 
@@ -29,7 +29,7 @@ class EncodedPayload:
         self.mode = mode
         self.base = base
         self.base_version = base_version if mode == "delta" else -1
-        self.code = COMPRESSION_CODES[mode]
+        self.code = CODE_OF_MODE[mode]
         self.report = CompressionReport(mode)
         self._codec = BucketCodec(mode, payload_dtype(rank.manifest))
         self._ranges = bucket_ranges(rank.manifest.total_bytes, rank.manifest.bucket_bytes)

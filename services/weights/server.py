@@ -8,7 +8,7 @@ import structlog
 
 from rlmesh.errors import DomainError, InvalidArgument
 from rlmesh.shards import read_shared_memory
-from rlmesh.transfer.receiver import COMPRESSION_CODES
+from rlmesh.transfer.receiver import CODE_OF_MODE
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher
 from services.weights.store import Assembly, WeightStore
@@ -115,7 +115,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                     failures=s.failures,
                     last_error=s.last_error,
                     tensor_parallel_size=s.tensor_parallel_size,
-                    compression=COMPRESSION_CODES[s.compression],
+                    compression=CODE_OF_MODE[s.compression],
                     compression_ratio=s.compression_ratio,
                     encode_ms=s.encode_ms,
                     max_abs_error=s.max_abs_error,
