@@ -15,7 +15,6 @@ import socket
 import statistics
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 

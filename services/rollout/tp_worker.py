@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
