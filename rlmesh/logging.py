@@ -25,7 +25,9 @@ def configure_logging(level: str = "info", service: str = "", json: bool | None 
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # One write per line (print() writes the newline apart): processes sharing a log file,
+        # like torchrun's ranks, then never interleave inside a line.
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(numeric, logging.WARNING), stream=sys.stderr)
