@@ -6,24 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import platform
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import Child, spawn_service, stop_children, wait_started
+from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

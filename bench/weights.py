@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import free_port, write_result
+from bench.common import write_result
+from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import Child, spawn_service, stop_children, wait_started
-from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
+from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
@@ -393,8 +393,6 @@ def real_step_delta() -> dict[str, float]:
 def delivered_bytes(shape: ModelShape) -> int:
     """Bytes every instance receives: each TP rank only its own shards (norms and KV heads
     replicated where the layout says so)."""
-    from rlmesh.models.tp_layout import tp_parameter_shapes
-
     return INSTANCES * TP * sum(torch.Size(dims).numel() * 2 for dims in tp_parameter_shapes(shape, TP).values())
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
-from rlmesh.payload import ALIGNMENT, CRC32, DTYPE_CODES, torch_dtype
+from rlmesh.payload import DTYPE_CODES, aligned, crc32, torch_dtype
 from rlmesh.weights.v1 import weights_pb2
 
 SHM_DIR = Path("/dev/shm")
@@ -48,10 +48,6 @@ def layout_from_proto(layout: weights_pb2.ModelLayout) -> ModelShape:
     )
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
 def shard_specs(shards: Mapping[str, LocalShard]) -> tuple[list[weights_pb2.ShardSpec], int]:
     """Where each shard lies in the payload, and the payload's size."""
     specs, end = [], 0
@@ -59,7 +55,7 @@ def shard_specs(shards: Mapping[str, LocalShard]) -> tuple[list[weights_pb2.Shar
         if shard.tensor.dtype not in DTYPE_CODES:
             raise ValueError(f"{name}: dtype {shard.tensor.dtype} is not supported")
         nbytes = shard.tensor.numel() * shard.tensor.element_size()
-        offset = _aligned(end)
+        offset = aligned(end)
         specs.append(weights_pb2.ShardSpec(
             name=name, dtype=DTYPE_CODES[shard.tensor.dtype], full_shape=list(shard.full_shape),
             row_start=shard.row_start, row_end=shard.row_end, offset=offset, nbytes=nbytes,
@@ -74,7 +70,7 @@ def write_payload(shards: Mapping[str, LocalShard], specs: list[weights_pb2.Shar
         if spec.nbytes:
             target[spec.offset : spec.offset + spec.nbytes].copy_(shard.tensor.detach().contiguous().view(-1).view(torch.uint8))
     total = specs[-1].offset + specs[-1].nbytes if specs else 0
-    return CRC32(target[:total].numpy())
+    return crc32(target[:total].numpy())
 
 
 def validate_header(header: weights_pb2.ShardsHeader) -> ModelShape:
@@ -105,8 +101,8 @@ def validate_header(header: weights_pb2.ShardsHeader) -> ModelShape:
         expected = (spec.row_end - spec.row_start) * row_elements * torch.empty(0, dtype=torch_dtype(spec.dtype)).element_size()
         if spec.nbytes != expected:
             raise ValueError(f"{spec.name}: nbytes {spec.nbytes} does not match its rows and dtype ({expected})")
-        if spec.offset != _aligned(end):
-            raise ValueError(f"{spec.name}: offset {spec.offset}, expected {_aligned(end)}")
+        if spec.offset != aligned(end):
+            raise ValueError(f"{spec.name}: offset {spec.offset}, expected {aligned(end)}")
         end = spec.offset + spec.nbytes
     if end != header.total_bytes:
         raise ValueError(f"shards end at byte {end} but total_bytes is {header.total_bytes}")

@@ -1,8 +1,7 @@
-"""Shared fixtures: a small model folder created once per session, and free loopback ports."""
+"""Shared fixtures: a small model folder created once per session."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,3 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's architecture with a short warm-up: enough for real forward passes."""
     return create_default_model(tmp_path_factory.mktemp("model"), TinyModelSpec(warmup_iterations=30))
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

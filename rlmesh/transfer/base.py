@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import bucket_ranges, write_bytes
+from rlmesh.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -84,13 +84,6 @@ class ReceiveBuffer:
             return False
         self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
         return True
-
-    def write(self, offset: int, data: bytes, limit: int) -> None:
-        if not data:
-            return
-        if offset < 0 or offset + len(data) > limit:
-            raise TransferError(f"chunk [{offset}, {offset + len(data)}) is outside the payload of {limit} bytes")
-        write_bytes(self.tensor, offset, data)
 
     @property
     def address(self) -> int:

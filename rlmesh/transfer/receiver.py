@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import CRC32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
+from rlmesh.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
 from rlmesh.transfer.base import ReceiveBuffer, TransferError
 from rlmesh.transfer.codecs import BucketCodec
 
@@ -57,7 +57,7 @@ class RankReceiver:
         self._written: list[int] = []
         self._verified: list[bool] = []
         self._bad: set[int] = set()
-        self._codecs: dict[str, object] = {}
+        self._codecs: dict[str, BucketCodec] = {}
         self._checks: queue.Queue[tuple[common_pb2.WeightManifest, int] | None] = queue.Queue()
         self._all_checked = threading.Condition(self._lock)
         self._verifier = threading.Thread(target=self._verify_loop, name=f"verify-rank{rank}", daemon=True)
@@ -92,14 +92,11 @@ class RankReceiver:
     def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
               raw_bytes: int = 0, base_version: int = -1) -> None:
         """Places (and decodes) bytes at `offset`. Compressed data must be one whole bucket."""
-        manifest = self._expect(version)
         mode = MODE_OF_CODE.get(compression)
         if mode is None:
             raise TransferError(f"unknown compression {compression}")
         raw_bytes = raw_bytes or len(data)
-        if offset < 0 or offset + raw_bytes > manifest.total_bytes:
-            raise TransferError(f"bytes [{offset}, {offset + raw_bytes}) are outside the payload of {manifest.total_bytes} bytes")
-        target = self.buffer.tensor.numpy()[offset : offset + raw_bytes]
+        manifest, target = self._region(version, offset, raw_bytes)
         if mode == "none":
             if len(data) != raw_bytes:
                 raise TransferError(f"raw chunk of {len(data)} bytes declares {raw_bytes}")
@@ -110,10 +107,13 @@ class RankReceiver:
 
     def view(self, version: int, offset: int, nbytes: int) -> memoryview:
         """Where raw bytes of a bucket go, for backends that write straight into the buffer."""
+        return memoryview(self._region(version, offset, nbytes)[1])
+
+    def _region(self, version: int, offset: int, nbytes: int) -> tuple[common_pb2.WeightManifest, np.ndarray]:
         manifest = self._expect(version)
         if offset < 0 or offset + nbytes > manifest.total_bytes:
             raise TransferError(f"bytes [{offset}, {offset + nbytes}) are outside the payload of {manifest.total_bytes} bytes")
-        return memoryview(self.buffer.tensor.numpy())[offset : offset + nbytes]
+        return manifest, self.buffer.tensor.numpy()[offset : offset + nbytes]
 
     def landed(self, version: int, offset: int, nbytes: int) -> None:
         """Counts bytes written at `offset`; a bucket whose bytes are all there is queued for its check."""
@@ -190,7 +190,7 @@ class RankReceiver:
                 return
             manifest, bucket = item
             start, end = self._ranges[bucket] if manifest is self._manifest else (0, 0)
-            good = manifest is self._manifest and CRC32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+            good = manifest is self._manifest and crc32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
             with self._all_checked:
                 if manifest is not self._manifest:
                     continue

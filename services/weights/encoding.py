@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import CRC32, bucket_ranges
+from rlmesh.payload import crc32, bucket_ranges
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.codecs import BucketCodec, CompressionMode, CompressionReport
 from rlmesh.transfer.receiver import CODE_OF_MODE, payload_dtype
@@ -60,7 +60,7 @@ class EncodedPayload:
     def _crc_of_decoded(self, blob: bytes, nbytes: int) -> int:
         scratch = np.empty(nbytes, dtype=np.uint8)
         self._codec.decode(blob, scratch)
-        return CRC32(scratch)
+        return crc32(scratch)
 
     def lossy_manifest(self) -> common_pb2.WeightManifest:
         """The manifest with each bucket's crc32 of what the receiver will decode (lossy modes

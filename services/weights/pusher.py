@@ -34,7 +34,8 @@ class PushState:
     incarnation: int
     committed_version: int = -1
     pushing_version: int = 0
-    tensor_parallel_size: int = 1
+    layout_tp: int | None = None
+    """The payloads the instance's engine takes: FULL_LAYOUT or its TP size; None until asked."""
     compression: CompressionMode = "none"
     last_push_ms: float = 0.0
     last_push_gbps: float = 0.0
@@ -46,6 +47,10 @@ class PushState:
     superseded: int = 0
     last_error: str = ""
     retry_at: float = 0.0
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(1, self.layout_tp or 0)
 
 
 @dataclass(slots=True)
@@ -108,9 +113,16 @@ class Pusher:
             assert snapshot is not None
             self._tasks[instance_id] = asyncio.create_task(self._push(state, snapshot))
 
+    def _update_layouts_in_use(self) -> None:
+        """The payloads the live instances take are built for each new version as its shards arrive."""
+        self.store.layouts_in_use = {
+            (s.layout_tp, rank) for s in self.instances.values() if s.layout_tp is not None for rank in range(max(1, s.layout_tp))
+        }
+
     def _forget(self, instance_id: str) -> None:
         self.instances.pop(instance_id)
         self.deltas.forget(instance_id)
+        self._update_layouts_in_use()
         task = self._tasks.pop(instance_id, None)
         if task:
             task.cancel()
@@ -139,12 +151,13 @@ class Pusher:
             timeout = self.config.rpc_timeout_seconds
             info = await stub.GetInfo(rollout_pb2.GetInfoRequest(), **call_options(timeout))
             mode = self._link_mode(state, info)
+            takes_ranks = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL
+            state.layout_tp = max(1, info.tensor_parallel_size) if takes_ranks else FULL_LAYOUT
+            self._update_layouts_in_use()
             # A version uploaded as full tensors has no layout to cut by: every engine takes full tensors.
-            tensor_parallel = info.weight_layout == rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL and snapshot.shape is not None
-            tp = max(1, info.tensor_parallel_size) if tensor_parallel else FULL_LAYOUT
-            state.tensor_parallel_size = max(1, tp)
+            tensor_parallel = takes_ranks and snapshot.shape is not None
+            tp = state.layout_tp if tensor_parallel else FULL_LAYOUT
             phases = {"info_ms": time.perf_counter()}
-            self.store.layouts_in_use.update((tp, r) for r in range(max(1, tp)))
             ranks = [await asyncio.to_thread(snapshot.rank_payload, tp, r) for r in range(max(1, tp))]
             phases["reshard_ms"] = time.perf_counter()
             manifests = [r.manifest for r in ranks]

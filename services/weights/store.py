@@ -6,7 +6,6 @@ once per layout, and buffers still read by a push are never overwritten."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -15,7 +14,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.payload import CRC32, DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
 from rlmesh.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
@@ -51,7 +50,6 @@ class RankPayload:
 
     manifest: common_pb2.WeightManifest
     payload: torch.Tensor
-    build_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -123,23 +121,19 @@ class PayloadBuilder:
         rows = hf_parameter_shapes(shape)
         self._copies = reshard_plan(slices, {name: dims[0] for name, dims in rows.items()}, fsdp_world)
         self._fsdp_world = fsdp_world
-        self.seconds = 0.0
 
     def apply(self, header: weights_pb2.ShardsHeader, shard: torch.Tensor) -> None:
         """Copies what this payload needs from FSDP rank `header.rank`'s shards (blocking)."""
-        started = time.perf_counter()
         mine = [c for c in self._copies if c.fsdp_rank == header.rank]
         views: list[dict[str, torch.Tensor]] = [{} for _ in range(self._fsdp_world)]
         views[header.rank] = shard_views(header, shard)
         apply_copies(mine, views, self._outputs)
-        self.seconds += time.perf_counter() - started
 
     def finish(self, checksums: list[int] | None = None) -> RankPayload:
-        started = time.perf_counter()
         if checksums is None:
             checksums = bucket_checksums(self.payload, self.manifest.bucket_bytes)
         self.manifest.bucket_crc32.extend(checksums)
-        return RankPayload(self.manifest, self.payload, self.seconds + time.perf_counter() - started)
+        return RankPayload(self.manifest, self.payload)
 
 
 @dataclass(eq=False, slots=True)
@@ -250,7 +244,7 @@ class WeightStore:
 
     def check_payload(self, header: weights_pb2.ShardsHeader, payload: torch.Tensor) -> None:
         """Raises unless the rank's bytes match its crc32 (blocking: 1 GiB takes a quarter second)."""
-        if CRC32(payload[: header.total_bytes].numpy()) != header.payload_crc32:
+        if crc32(payload[: header.total_bytes].numpy()) != header.payload_crc32:
             self.pool.give(("shard", header.rank), payload)
             raise InvalidArgument(f"rank {header.rank} of version {header.version}: payload crc32 mismatch")
 
@@ -260,7 +254,7 @@ class WeightStore:
         builders = list(assembly.builders.values())
         jobs = [(b, start, end) for b in builders for start, end in bucket_ranges(b.manifest.total_bytes, self.bucket_bytes)]
         with ThreadPoolExecutor(max_workers=CHECKSUM_THREADS) as pool:
-            sums = list(pool.map(lambda job: CRC32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
+            sums = list(pool.map(lambda job: crc32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
         snapshot = Snapshot(assembly.version, assembly.shape, [assembly.headers[r] for r in ranks], [assembly.shards[r] for r in ranks],
                             self.pool, self.bucket_bytes)
         index = 0

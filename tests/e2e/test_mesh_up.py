@@ -14,12 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.launcher import MESH_ID_ENV
+from rlmesh.launcher import MESH_ID_ENV, free_port
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.conftest import free_port
 from tests.integration.test_contracts_on_the_wire import grpcurl
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.config import ServerConfig
-from rlmesh.launcher import Child, spawn_service
+from rlmesh.launcher import Child, free_port, spawn_service
 from rlmesh.rpc import open_channel
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
@@ -17,7 +17,6 @@ from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from services.weights.config import WeightsConfig
 from services.weights.main import start as start_weights
-from tests.conftest import free_port
 
 
 def loopback() -> ServerConfig:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmesh.launcher import torchrun_args
+from rlmesh.launcher import free_port, torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import fsdp_rows
@@ -25,7 +25,6 @@ from rlmesh.payload import ALIGNMENT
 from rlmesh.shards import SHM_DIR, shard_views
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.conftest import free_port
 from tests.integration.conftest import build_mesh, stop_mesh
 
 WORKER = "tests.integration.test_fsdp_trainer_worker"

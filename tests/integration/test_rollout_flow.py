@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.launcher import free_port
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
@@ -21,7 +22,6 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
-from tests.conftest import free_port
 from tests.integration.conftest import build_mesh, rollout_config, stop_mesh, wait_for
 
 

@@ -17,6 +17,7 @@ import torch
 
 from rlmesh.config import ServerConfig
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
+from rlmesh.launcher import free_port
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2_grpc
 from rlmesh.rpc import open_channel
@@ -24,7 +25,6 @@ from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
