@@ -96,6 +96,53 @@ def test_delta_of_two_percent_changed_bf16_compresses_more_than_5x():
     assert encoded.raw_bytes / len(encoded.data) > 5
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    count=st.integers(min_value=0, max_value=5_000),
+    changed_fraction=st.sampled_from([0.0, 0.001, 0.02, 0.05, 0.2]),
+    in_place=st.booleans(),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+def test_sparse_and_dense_deltas_reproduce_the_new_bucket(dtype, count, changed_fraction, in_place, seed):
+    generator = torch.Generator().manual_seed(seed)
+    old = (torch.randn(count, generator=generator) * 0.02).to(dtype)
+    new = with_changed_fraction(old, changed_fraction, seed)
+    codec = BucketCodec("delta", dtype)
+    blob = codec.encode(as_bytes(new), as_bytes(old)).data
+    changed = int((as_bytes(new).view(np.uint8) != as_bytes(old)).reshape(-1, dtype.itemsize).any(axis=1).sum()) if count else 0
+    if count and changed <= 0.05 * count:
+        assert blob[0] == 5, "few changed elements go as a sparse delta"
+    out = as_bytes(old).copy() if in_place else np.full(as_bytes(old).size, 0xAB, dtype=np.uint8)
+    codec.decode(blob, out, out if in_place else as_bytes(old))
+    assert np.array_equal(out, as_bytes(new))
+
+
+def test_a_two_percent_delta_goes_sparse_and_a_dense_change_goes_through_zstd():
+    old = weights(1 << 16, torch.bfloat16)
+    codec = BucketCodec("delta", torch.bfloat16)
+    sparse = codec.encode(as_bytes(with_changed_fraction(old, 0.02)), as_bytes(old))
+    dense = codec.encode(as_bytes(with_changed_fraction(old, 0.5)), as_bytes(old))
+    assert (sparse.data[0], dense.data[0]) == (5, 2)
+    # 4-byte index and 2-byte value per changed element: 6 % of the bucket.
+    assert sparse.raw_bytes / len(sparse.data) > 15
+
+
+def test_corrupt_sparse_deltas_are_named():
+    codec = BucketCodec("delta", torch.bfloat16)
+    old = as_bytes(weights(256, torch.bfloat16))
+    blob = bytearray(codec.encode(as_bytes(with_changed_fraction(weights(256, torch.bfloat16), 0.02)), old).data)
+    assert blob[0] == 5
+    out = old.copy()
+    with pytest.raises(ValueError, match="not whole \\(index, value\\) pairs"):
+        codec.decode(bytes(blob[:-1]), out, out)
+    blob[HEADER.size : HEADER.size + 4] = (1 << 20).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="corrupt blob: index 1048576 is out of bounds"):
+        codec.decode(bytes(blob), out, out)
+    with pytest.raises(ValueError, match="decoding needs `previous`"):
+        codec.decode(bytes(blob), out)
+
+
 def test_byte_planes_beat_plain_zstd_on_bf16_weights():
     import zstandard
 
@@ -277,7 +324,7 @@ def test_bad_buckets_and_blobs_are_named():
         codec.encode(raw, raw[:4].copy())
     with pytest.raises(ValueError, match="raw must be a 1-D uint8 numpy array"):
         codec.encode(np.zeros(4, dtype=np.float32))
-    delta_blob = codec.encode(with_changed_fraction(weights(256, torch.bfloat16), 0.02).view(torch.uint8).numpy(), raw).data
+    delta_blob = codec.encode(with_changed_fraction(weights(256, torch.bfloat16), 0.5).view(torch.uint8).numpy(), raw).data
     assert delta_blob[0] == 2
     with pytest.raises(ValueError, match="decoding needs `previous`"):
         codec.decode(delta_blob, np.zeros(512, dtype=np.uint8))
