@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -14,15 +17,26 @@ from rlmesh.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 
-async def finish_in_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Runs blocking buffer work in a thread. If the caller is cancelled, it still waits for the
-    thread: the thread keeps reading or writing the buffer, which must not be reused before then."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+async def finish_in_thread(fn: Callable[..., Any], *args: Any, executor: Executor | None = None) -> Any:
+    """Runs blocking buffer work in a thread (of `executor`, default the loop's). If the caller is
+    cancelled, it still waits for the thread: the thread keeps reading or writing the buffer, which
+    must not be reused before then."""
+    loop = asyncio.get_running_loop()
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args) if executor is None else loop.run_in_executor(executor, fn, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
         await asyncio.wait([work])
         raise
+
+
+BACKGROUND_NICE = 19
+"""The nice value of threads that move or copy weights: they take only the CPU that generation leaves."""
+
+
+def lower_thread_priority() -> None:
+    """Drops the calling thread (not its process: on Linux nice is per thread) to BACKGROUND_NICE."""
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 
 
 class TransferError(RuntimeError):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
-from rlmesh.transfer.base import ReceiveBuffer, TransferError
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, lower_thread_priority
 from rlmesh.transfer.codecs import BucketCodec
 
 MODE_OF_CODE = {
@@ -36,21 +35,19 @@ def payload_dtype(manifest: common_pb2.WeightManifest) -> torch.dtype:
 
 
 class RankReceiver:
-    """Receives one version at a time into a buffer allocated once and reused.
+    """Receives one version at a time into a buffer the caller names for each version (a rollout
+    rank's standby model copy, whose parameters are views into it).
 
-    Buckets are checked as they land (on a verifier thread, so checking overlaps receiving) and
-    `on_bucket` is told of each good one, which lets an engine load tensors whose bytes are all
-    there while the rest is still on the wire. A failed or abandoned transfer leaves
-    `held_version` at -1: the next push must then be a full one."""
+    Buckets are checked as they land, on a verifier thread, so checking overlaps receiving. A
+    failed or abandoned transfer leaves `held_version` at -1: the buffer then holds no version."""
 
-    def __init__(self, rank: int, buffer: ReceiveBuffer, accept_lossy: bool = False) -> None:
+    def __init__(self, rank: int, accept_lossy: bool = False) -> None:
         self.rank = rank
-        self.buffer = buffer
         self.accept_lossy = accept_lossy
+        self.buffer: ReceiveBuffer | None = None
         self.held_version = -1
+        """The version whose bytes `buffer` holds, all checked; -1 while none (or one in flight)."""
         self._base = -1
-        self.on_bucket: Callable[[common_pb2.WeightManifest, int], None] | None = None
-        """Told (manifest, bucket) of each good bucket: a version superseded meanwhile is recognised by its manifest."""
         self._lock = threading.Lock()
         self._manifest: common_pb2.WeightManifest | None = None
         self._ranges: list[tuple[int, int]] = []
@@ -67,27 +64,31 @@ class RankReceiver:
     def manifest(self) -> common_pb2.WeightManifest | None:
         return self._manifest
 
-    def prepare(self, manifest: common_pb2.WeightManifest) -> int:
-        """Arms the buffer for a version (validated by the caller against the model); returns the
-        version a delta may be applied to, -1 if none. From here until the version is verified
-        the buffer holds no complete version."""
+    def prepare(self, manifest: common_pb2.WeightManifest, buffer: ReceiveBuffer, base_version: int) -> None:
+        """Arms `buffer` (at least the payload's size) for a version validated by the caller
+        against the model; `base_version` is the version the buffer holds, which a delta may be
+        applied to (-1: none). From here until the version is verified the buffer holds none."""
         try:
             validate_manifest(manifest)
             dtype = payload_dtype(manifest)
         except PayloadError as exc:
             raise TransferError(f"rank {self.rank} manifest: {exc}") from exc
+        if buffer.tensor.numel() < manifest.total_bytes:
+            raise TransferError(f"rank {self.rank}: a {buffer.tensor.numel()}-byte buffer cannot hold {manifest.total_bytes} bytes")
         with self._lock:
-            # A differently sized payload cannot serve as a delta base.
-            if self.buffer.ensure(manifest.total_bytes) or (self._manifest and self._manifest.total_bytes != manifest.total_bytes):
-                self.held_version = -1
-            self._base, self.held_version = self.held_version, -1
+            self.buffer = buffer
+            self._base, self.held_version = base_version, -1
             self._manifest = manifest
             self._dtype = dtype
             self._ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
             self._written = [0] * len(self._ranges)
             self._verified = [False] * len(self._ranges)
             self._bad = set()
-            return self._base
+
+    def progress(self) -> tuple[int, int]:
+        """(buckets of the version being received that landed and passed their check, all its buckets)."""
+        with self._lock:
+            return sum(v for v in self._verified) - len(self._bad), len(self._verified)
 
     def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
               raw_bytes: int = 0, base_version: int = -1) -> None:
@@ -113,6 +114,7 @@ class RankReceiver:
         manifest = self._expect(version)
         if offset < 0 or offset + nbytes > manifest.total_bytes:
             raise TransferError(f"bytes [{offset}, {offset + nbytes}) are outside the payload of {manifest.total_bytes} bytes")
+        assert self.buffer is not None
         return manifest, self.buffer.tensor.numpy()[offset : offset + nbytes]
 
     def landed(self, version: int, offset: int, nbytes: int) -> None:
@@ -153,7 +155,7 @@ class RankReceiver:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held version's tensors, as views into the buffer."""
-        if self._manifest is None:
+        if self._manifest is None or self.buffer is None:
             raise TransferError(f"rank {self.rank} holds no payload")
         return unpack(self._manifest, self.buffer.tensor)
 
@@ -184,13 +186,16 @@ class RankReceiver:
             raise TransferError(f"rank {self.rank}: bucket at {offset}: {exc}") from exc
 
     def _verify_loop(self) -> None:
+        lower_thread_priority()
         while True:
             item = self._checks.get()
             if item is None:
                 return
             manifest, bucket = item
-            start, end = self._ranges[bucket] if manifest is self._manifest else (0, 0)
-            good = manifest is self._manifest and crc32(self.buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+            with self._lock:
+                current, buffer = manifest is self._manifest, self.buffer
+            start, end = self._ranges[bucket] if current else (0, 0)
+            good = current and buffer is not None and crc32(buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
             with self._all_checked:
                 if manifest is not self._manifest:
                     continue
@@ -198,8 +203,6 @@ class RankReceiver:
                 if not good:
                     self._bad.add(bucket)
                 self._all_checked.notify_all()
-            if good and self.on_bucket is not None:
-                self.on_bucket(manifest, bucket)
 
     def close(self) -> None:
         self._checks.put(None)

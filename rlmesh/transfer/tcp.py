@@ -12,13 +12,14 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread, lower_thread_priority
 from rlmesh.transfer.receiver import RankReceiver
 
 log = structlog.get_logger()
@@ -58,6 +59,7 @@ class TcpListener:
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        lower_thread_priority()
         while not self._closed:
             try:
                 connection, _ = self._server.accept()
@@ -148,6 +150,9 @@ def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: fl
 class TcpSender(WeightSender):
     backend = rollout_pb2.TRANSFER_BACKEND_TCP
 
+    def __init__(self) -> None:
+        self._threads = ThreadPoolExecutor(thread_name_prefix="tcp-send", initializer=lower_thread_priority)
+
     async def send_rank(
         self,
         stub: rollout_pb2_grpc.RolloutServiceStub,
@@ -160,6 +165,10 @@ class TcpSender(WeightSender):
     ) -> None:
         if not endpoint.data_address:
             raise TransferError(f"rank {endpoint.tp_rank} offered no TCP data address")
-        landed = await finish_in_thread(send_frames, endpoint.data_address, manifest.version, frames, timeout, cancelled)
+        landed = await finish_in_thread(send_frames, endpoint.data_address, manifest.version, frames, timeout, cancelled,
+                                        executor=self._threads)
         if landed != manifest.total_bytes:
             raise TransferError(f"rank {endpoint.tp_rank} landed {landed} of {manifest.total_bytes} bytes")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -5,12 +5,12 @@ the receiving end of weight pushes that loads verified tensors into the standby 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
 from rlmesh.payload import pack_layout, unpack
-from rlmesh.transfer.base import ReceiveBuffer, TransferError
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, lower_thread_priority
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
 from services.rollout.tp_model import Collectives, RankLayout, build_rank_model
@@ -108,6 +108,8 @@ class RankRunner:
         self.standby = standby
         self.version = version
         self.batch = KvBatch()
+        self.on_switch: Callable[[], None] | None = None
+        """Called after each switch, before the new version counts as served."""
         self._switched = threading.Condition()
 
     @torch.inference_mode()
@@ -136,6 +138,9 @@ class RankRunner:
         with self._switched:
             self.active, self.standby = self.standby, self.active
             self.version = version
+            # Before anyone waiting for this version may touch the new standby copy.
+            if self.on_switch is not None:
+                self.on_switch()
             self._switched.notify_all()
 
     def wait_served(self, version: int, timeout: float = SWITCH_TIMEOUT_SECONDS) -> None:
@@ -173,80 +178,111 @@ class RankPort:
     held_version: int
 
 
-class _StandbyLoad:
-    """One version on its way into a standby model: each tensor is copied as soon as every bucket
-    it spans passed its check, the rest when the version is complete."""
+class ModelSlot:
+    """A model copy whose parameters are views into one flat pre-faulted buffer laid out as a rank
+    payload: a push lands straight in the parameters, and nothing is copied after the transfer."""
 
-    def __init__(self, layout: RankLayout, model: PreTrainedModel, manifest: common_pb2.WeightManifest, buffer: torch.Tensor) -> None:
-        self.manifest = manifest
+    def __init__(self, model: PreTrainedModel, layout: RankLayout, buffer: ReceiveBuffer) -> None:
+        self.model = model
         self.layout = layout
-        self.params = dict(model.named_parameters())
-        self.tensors = unpack(manifest, buffer)
-        self.missing: dict[str, int] = {}
-        """Buckets each tensor still waits for."""
-        self.by_bucket: dict[int, list[str]] = defaultdict(list)
-        self.loaded: set[str] = set()
-        size = manifest.bucket_bytes
-        for spec in manifest.tensors:
-            buckets = range(spec.offset // size, (spec.offset + spec.nbytes - 1) // size + 1)
-            self.missing[spec.name] = len(buckets)
-            for bucket in buckets:
-                self.by_bucket[bucket].append(spec.name)
+        self.buffer = buffer
+        self.held_version = -1
+        """The version whose checked payload bytes the buffer holds; -1 while none is known."""
+        self.manifest: common_pb2.WeightManifest | None = None
+        """The payload layout the parameters are laid over."""
+        self._params = dict(model.named_parameters())
 
-    def bucket(self, bucket: int) -> None:
-        for name in self.by_bucket.pop(bucket, ()):
-            self.missing[name] -= 1
-            if self.missing[name] == 0:
-                self._copy(name)
+    def bind(self, manifest: common_pb2.WeightManifest) -> None:
+        """Lays the parameters over the buffer where `manifest` places the payload's tensors; if
+        they move (another layout, a bigger buffer) the buffer holds no known version any more."""
+        moved = self.buffer.ensure(manifest.total_bytes) or self.manifest is None or _placements(self.manifest) != _placements(manifest)
+        if moved:
+            with torch.no_grad():
+                for name, tensor in unpack(manifest, self.buffer.tensor).items():
+                    for target, start, end in self.layout.targets[name]:
+                        self._params[target].data = tensor[start:end]
+            self.held_version = -1
+        self.manifest = manifest
 
-    def rest(self) -> int:
-        """Copies what is left; returns how many tensors were already loaded before."""
-        early = len(self.loaded)
-        for name in self.missing.keys() - self.loaded:
-            self._copy(name)
-        return early
+    def copy_from(self, other: ModelSlot) -> None:
+        """Makes this copy hold what `other` holds, byte for byte."""
+        assert other.manifest is not None
+        self.bind(other.manifest)
+        size = other.manifest.total_bytes
+        # numpy copies on the calling thread, which keeps the copy at that thread's priority.
+        np.copyto(self.buffer.tensor[:size].numpy(), other.buffer.tensor[:size].numpy())
+        self.held_version = other.held_version
 
-    def _copy(self, name: str) -> None:
-        self.layout.load(self.params, name, self.tensors[name])
-        self.loaded.add(name)
+
+def _placements(manifest: common_pb2.WeightManifest) -> list[tuple]:
+    return [(s.name, s.offset, s.dtype, tuple(s.shape)) for s in manifest.tensors]
 
 
 class RankWeights:
-    """One rank's receiving end of weight pushes: a receiver over a buffer allocated (and, with
-    Mooncake, registered) once, its TCP listener, and the loading of verified tensors into the
-    rank's standby model while the rest of the version is still arriving."""
+    """One rank's receiving end of weight pushes: its two model copies' buffers (with Mooncake,
+    registered once), its TCP listener, and the checks that let a version in. A version lands in
+    the standby copy's own memory; after each switch the new standby copy catches up with the
+    served one in the background, so it is a delta base for the next version."""
 
     def __init__(self, rank: int, transfer: RankTransfer, runner: RankRunner | None = None, layout: RankLayout | None = None,
-                 expected_bytes: int = 0) -> None:
+                 manifest: common_pb2.WeightManifest | None = None) -> None:
+        """`manifest`: the payload layout the models' parameters are laid over at first."""
         self.rank = rank
         self.runner = runner
         self.layout = layout
-        buffer = ReceiveBuffer()
         self.session = ""
+        self._endpoint = None
         if transfer.mooncake:
-            from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeReceiveBuffer
+            from rlmesh.transfer.mooncake import MooncakeEndpoint
 
-            endpoint = MooncakeEndpoint(transfer.advertised_host, transfer.mooncake_protocol)
-            buffer, self.session = MooncakeReceiveBuffer(endpoint), endpoint.session
-        # Allocated and touched now, so the first push pays neither page faults nor registration.
-        buffer.ensure(expected_bytes)
-        self.receiver = RankReceiver(rank, buffer)
-        self.receiver.on_bucket = self._bucket_verified
+            self._endpoint = MooncakeEndpoint(transfer.advertised_host, transfer.mooncake_protocol)
+            self.session = self._endpoint.session
+        self._slots: dict[int, ModelSlot] = {}
+        if runner is not None and layout is not None and manifest is not None:
+            for model in (runner.active, runner.standby):
+                slot = self._slots[id(model)] = ModelSlot(model, layout, self._new_buffer())
+                slot.bind(manifest)
+            runner.on_switch = self._switched
+        self._full: ReceiveBuffer | None = None
+        """Where full tensors (WEIGHT_LAYOUT_FULL) land before the engine cuts them: made on first use."""
+        self.receiver = RankReceiver(rank)
         self.tcp = TcpListener(transfer.host, self.receiver, transfer.advertised_host) if transfer.tcp else None
         self._lock = threading.Lock()
-        self._load: _StandbyLoad | None = None
+        self._receiving: ModelSlot | None = None
+        self._catching_up: threading.Thread | None = None
+
+    def _new_buffer(self) -> ReceiveBuffer:
+        if self._endpoint is None:
+            return ReceiveBuffer()
+        from rlmesh.transfer.mooncake import MooncakeReceiveBuffer
+
+        return MooncakeReceiveBuffer(self._endpoint)
+
+    @property
+    def standby(self) -> ModelSlot:
+        return self._slots[id(self.runner.standby)]
 
     def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int) -> RankPort:
-        """Arms the receiver for a version. With `load`, verified tensors go into the standby model
-        as they land, once this rank serves `after_version` (its standby copy is then unused)."""
+        """Arms the receiver for a version. With `load` it lands in the standby model itself, once
+        this rank serves `after_version` (its standby copy is then unused) and that copy caught up;
+        without, in a separate buffer of full tensors."""
         if load:
             self.runner.wait_served(after_version)
+            self._wait_caught_up()
         with self._lock:
-            held = self.receiver.prepare(manifest)
-            buffer = self.receiver.buffer
-            self._load = _StandbyLoad(self.layout, self.runner.standby, manifest, buffer.tensor) if load else None
+            if load:
+                slot = self._receiving = self.standby
+                slot.bind(manifest)
+                base, slot.held_version = slot.held_version, -1
+                buffer = slot.buffer
+            else:
+                self._receiving = None
+                buffer = self._full = self._full or self._new_buffer()
+                buffer.ensure(manifest.total_bytes)
+                base = -1
+            self.receiver.prepare(manifest, buffer, base)
         return RankPort(self.rank, self.session, buffer.address if self.session else 0, buffer.tensor.numel(),
-                        self.tcp.address if self.tcp else "", held)
+                        self.tcp.address if self.tcp else "", base)
 
     def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
               base_version: int = -1) -> None:
@@ -270,42 +306,56 @@ class RankWeights:
         return self.receiver.wait_verified(version, timeout)
 
     def finish(self, version: int) -> None:
-        """Loads what the pipelined load has not yet: the standby model then holds `version`."""
+        """Records that the standby model holds `version`, every bucket checked: it may switch."""
         with self._lock:
-            load = self._load
-            if load is None or load.manifest.version != version or self.receiver.held_version != version:
-                raise TransferError(f"rank {self.rank} holds no verified version {version} to load")
-            early = load.rest()
-            self._load = None
-        log.info("standby loaded", tp_rank=self.rank, weight_version=version, tensors=len(load.missing), loaded_while_receiving=early)
+            slot = self._receiving
+            manifest = self.receiver.manifest
+            if slot is None or manifest is None or manifest.version != version or self.receiver.held_version != version:
+                raise TransferError(f"rank {self.rank} holds no verified version {version} in its standby copy")
+            slot.held_version = version
+            self._receiving = None
 
     def stage(self, tensors: Mapping[str, torch.Tensor], after_version: int) -> None:
-        """Loads this rank's tensors given whole (not through the receiver) into the standby model."""
+        """Copies this rank's tensors given whole (not through the receiver) into the standby model."""
         self.runner.wait_served(after_version)
+        self._wait_caught_up()
         with self._lock:
-            self._load = None
-            params = dict(self.runner.standby.named_parameters())
+            self._receiving = None
+            slot = self.standby
+            slot.held_version = -1
+            params = dict(slot.model.named_parameters())
             for name, tensor in tensors.items():
                 self.layout.load(params, name, tensor)
 
     def loading(self) -> tuple[int, int]:
-        """(tensors already in the standby copy, tensors of the version being received); (0, 0) if none."""
+        """(buckets of the version being received already checked in place, all its buckets); (0, 0) if none."""
         with self._lock:
-            load = self._load
-            return (len(load.loaded), len(load.missing)) if load else (0, 0)
+            receiving = self._receiving is not None
+        return self.receiver.progress() if receiving else (0, 0)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The verified payload's tensors, as views into the buffer."""
         return self.receiver.tensors()
 
-    def _bucket_verified(self, manifest: common_pb2.WeightManifest, bucket: int) -> None:
-        # Runs on the receiver's verifier thread, which must survive whatever happens here.
-        try:
-            with self._lock:
-                if self._load is not None and self._load.manifest is manifest:
-                    self._load.bucket(bucket)
-        except Exception:
-            log.exception("loading a verified bucket failed; the commit will load it again", tp_rank=self.rank, bucket=bucket)
+    def _switched(self) -> None:
+        # On the decode thread, right after a switch: the copy runs elsewhere, at low priority.
+        self._catching_up = threading.Thread(target=self._catch_up, name=f"catch-up-rank{self.rank}", daemon=True)
+        self._catching_up.start()
+
+    def _catch_up(self) -> None:
+        lower_thread_priority()
+        with self._lock:
+            active = self._slots[id(self.runner.active)]
+            try:
+                self.standby.copy_from(active)
+            except Exception:
+                self.standby.held_version = -1
+                log.exception("the standby copy could not catch up; the next version goes in full", tp_rank=self.rank)
+
+    def _wait_caught_up(self) -> None:
+        catching_up = self._catching_up
+        if catching_up is not None:
+            catching_up.join()
 
     def close(self) -> None:
         if self.tcp:
@@ -321,14 +371,14 @@ def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTr
     full = load_weights(model_dir, hf_parameter_shapes(shape).keys())
     tensors = shard_full_tensors(full, shape, collectives.size, collectives.rank)
     del full
-    models = []
-    for _ in range(2):
-        model = build_rank_model(config, collectives)
+    manifest = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version)
+    models = [build_rank_model(config, collectives) for _ in range(2)]
+    for model in models:
         layout.check(model)
+    runner = RankRunner(models[0], models[1], version)
+    weights = RankWeights(collectives.rank, transfer, runner, layout, manifest)
+    for model in models:
         params = dict(model.named_parameters())
         for name, tensor in tensors.items():
             layout.load(params, name, tensor)
-        models.append(model)
-    runner = RankRunner(models[0], models[1], version)
-    expected = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version).total_bytes
-    return runner, RankWeights(collectives.rank, transfer, runner, layout, expected)
+    return runner, weights

@@ -65,19 +65,27 @@ class EncodedPayload:
     def lossy_manifest(self) -> common_pb2.WeightManifest:
         """The manifest with each bucket's crc32 of what the receiver will decode (lossy modes
         change the bytes, and decoding is deterministic). Waits for the whole encoding."""
-        for _ in self.frames():
-            pass
+        self.wait()
         manifest = common_pb2.WeightManifest()
         manifest.CopyFrom(self.rank.manifest)
         del manifest.bucket_crc32[:]
         manifest.bucket_crc32.extend(self._decoded_crc32)
         return manifest
 
-    def frames(self) -> Iterator[Frame]:
+    def start(self) -> None:
+        """Starts encoding, if not yet started."""
         with self._ready:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._encode_all, name=f"encode-v{self.rank.manifest.version}", daemon=True)
                 self._thread.start()
+
+    def wait(self) -> None:
+        """Blocks until every bucket is encoded."""
+        for _ in self.frames():
+            pass
+
+    def frames(self) -> Iterator[Frame]:
+        self.start()
         for index, (start, end) in enumerate(self._ranges):
             with self._ready:
                 self._ready.wait_for(lambda: len(self._blobs) > index or self._error is not None)

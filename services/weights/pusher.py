@@ -39,6 +39,7 @@ class PushState:
     compression: CompressionMode = "none"
     last_push_ms: float = 0.0
     last_push_gbps: float = 0.0
+    last_version_latency_ms: float = 0.0
     compression_ratio: float = 1.0
     encode_ms: float = 0.0
     max_abs_error: float = 0.0
@@ -189,6 +190,7 @@ class Pusher:
             payload_bytes = sum(r.manifest.total_bytes for r in ranks)
             state.committed_version = max(state.committed_version, version)
             state.last_push_ms = elapsed * 1000
+            state.last_version_latency_ms = (time.monotonic() - snapshot.stored_at) * 1000
             state.last_push_gbps = payload_bytes / elapsed / 1e9
             self._record_compression(state, links)
             state.failures = 0
@@ -224,6 +226,26 @@ class Pusher:
             raise TransferError(f"link compression {mode} is lossy and instance {state.instance_id} does not serve quantized weights")
         state.compression = mode
         return mode
+
+    def compressed_links(self) -> set[tuple[int, CompressionMode]]:
+        """(layout, compression) of every compressed link pushed to so far."""
+        return {(s.layout_tp, s.compression) for s in self.instances.values() if s.layout_tp is not None and s.compression != "none"}
+
+    def encode_ahead(self, snapshot: Snapshot, base: Snapshot | None, links: set[tuple[int, CompressionMode]]) -> None:
+        """Encodes a version about to be stored for these links, once per layout, rank and mode
+        (deltas against `base`, the latest version), so their pushes only send. Blocking; the
+        ranks encode in parallel."""
+        encodings = []
+        for tp, mode in links:
+            if mode == "delta" and (base is None or base.shape is None):
+                continue
+            for rank_index in range(max(1, tp)):
+                rank = snapshot.rank_payload(tp, rank_index)
+                encodings.append(self._encoding(snapshot, tp, rank_index, rank, mode, base if mode == "delta" else None))
+        for encoded in encodings:
+            encoded.start()
+        for encoded in encodings:
+            encoded.wait()
 
     def _links(self, state: PushState, snapshot: Snapshot, base: Snapshot | None, tp: int, ranks: list[RankPayload],
                endpoints: list[rollout_pb2.RankEndpoint], mode: CompressionMode) -> list[Link]:

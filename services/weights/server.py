@@ -71,6 +71,12 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             for version in [v for v in self._applying if v < assembly.version]:
                 del self._applying[version]
             snapshot = await asyncio.to_thread(self.store.finish_assembly, assembly)
+            base = self.store.acquire()
+            try:
+                await asyncio.to_thread(self.pusher.encode_ahead, snapshot, base, self.pusher.compressed_links())
+            finally:
+                if base is not None:
+                    self.store.release(base)
             self.store.install(snapshot)
         except DomainError as exc:
             log.warning("version not stored", weight_version=assembly.version, error=str(exc))
@@ -121,6 +127,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                     max_abs_error=s.max_abs_error,
                     relative_rms_error=s.relative_rms_error,
                     superseded=s.superseded,
+                    last_version_latency_ms=s.last_version_latency_ms,
                 )
                 for s in self.pusher.instances.values()
             ],

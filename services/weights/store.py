@@ -6,6 +6,7 @@ once per layout, and buffers still read by a push are never overwritten."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -65,6 +66,8 @@ class Snapshot:
     pool: BufferPool
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     readers: int = 0
+    stored_at: float = 0.0
+    """time.monotonic() when it became the latest version."""
     payloads: dict[tuple[int, int], RankPayload] = field(default_factory=dict)
     encodings: dict[tuple, object] = field(default_factory=dict)
     """Encoded forms of the payloads, shared by the links that send the same bytes."""
@@ -344,6 +347,7 @@ class WeightStore:
             raise FailedPrecondition(f"version {version} is not newer than the stored version {self.latest.version}")
 
     def _install(self, snapshot: Snapshot) -> None:
+        snapshot.stored_at = time.monotonic()
         if self.previous is not None:
             self._retired.append(self.previous)
         self.previous, self.latest = self.latest, snapshot
