@@ -39,6 +39,8 @@ COLD_PUSHES = 3
 """Pushes after a weights-service start that allocate and fault in its buffers (the incoming, the
 latest and the delta-base version each hold a set; on a delta link the first is a full version):
 reported apart from the warm ones."""
+GENERATION_PUSHES = 6
+"""Pushes while generating: about 5 s of push windows in all."""
 BASELINE_RUNS = 3
 """Raw-socket runs per bench (median): loopback throughput here varies by 2x from run to run."""
 MODES = [("tcp", "none"), ("mooncake", "none"), ("grpc", "none"), ("tcp", "zstd"), ("tcp", "delta")]
@@ -122,9 +124,9 @@ class TrainerRanks:
             self.pipes.append(parent)
             self.processes.append(process)
 
-    def publish(self, version: int, weights_address: str) -> float:
-        """Prepares `version` on every rank, then starts every hand-off at once; returns the
-        seconds from the start to the last rank's reply (the version is then stored)."""
+    def publish(self, version: int, weights_address: str) -> tuple[float, float]:
+        """Prepares `version` on every rank, then starts every hand-off at once; returns when
+        they started (perf_counter) and the seconds to the last rank's reply."""
         for pipe in self.pipes:
             pipe.send(("prepare", version))
         for pipe in self.pipes:
@@ -136,7 +138,7 @@ class TrainerRanks:
             reply = pipe.recv()
             if isinstance(reply, str):
                 raise RuntimeError(reply)
-        return time.perf_counter() - started
+        return started, time.perf_counter() - started
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -315,7 +317,12 @@ class Generation:
             self._tasks += [asyncio.create_task(self._stream(stub, f"g{index}-{k}")) for k in range(self.concurrency)]
 
     def rate(self, start: float, end: float) -> float:
-        return sum(1 for t in self.stamps if start <= t < end) / (end - start)
+        return self.pooled_rate([(start, end)])
+
+    def pooled_rate(self, windows: list[tuple[float, float]]) -> float:
+        """Tokens received in any of the windows over their total length."""
+        tokens = sum(1 for t in self.stamps if any(start <= t < end for start, end in windows))
+        return tokens / sum(end - start for start, end in windows)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -402,8 +409,7 @@ async def push_once(ranks: TrainerRanks, services: Services, stub, address: str,
     """One version from the trainer ranks to every instance. push: from the version stored in the
     weights service (shards in, resharded, checked, encoded for the links) to the last instance
     serving it, as the service measured it; end to end: from the trainer ranks' hand-off on."""
-    started = time.perf_counter()
-    handoff = await asyncio.to_thread(ranks.publish, version, address)
+    started, handoff = await asyncio.to_thread(ranks.publish, version, address)
     status = await wait_committed(stub, services, version)
     done = time.perf_counter()
     push = max(i.last_version_latency_ms for i in status.instances) / 1000
@@ -413,24 +419,28 @@ async def push_once(ranks: TrainerRanks, services: Services, stub, address: str,
 
 
 async def generation_during_pushes(ranks: TrainerRanks, services: Services, stub, address: str, version: int,
-                                   repeats: int) -> tuple[dict[str, float], int]:
-    """Tokens/s of every instance while pushes land, against the same instances just before."""
+                                   pushes: int) -> tuple[dict[str, float], int]:
+    """Tokens/s of every instance over all the push windows together, against the same instances
+    over quiet windows between them (a push lasts under a second, a few decode steps: one window
+    alone is too coarse)."""
     gen = Generation([c.address for c in services.instances], concurrency=4, max_tokens=64)
     gen.start()
     await asyncio.sleep(5.0)
     quiet, pushing = [], []
     try:
-        for _ in range(repeats):
+        for _ in range(pushes):
             version += 1
             quiet_start = time.perf_counter()
             await asyncio.sleep(3.0)
-            quiet.append(gen.rate(quiet_start, time.perf_counter()))
+            quiet.append((quiet_start, time.perf_counter()))
             push = await push_once(ranks, services, stub, address, version)
-            pushing.append(gen.rate(push["stored_at"], push["done_at"]))
-            print(f"generation: {quiet[-1]:.1f} tok/s before the push of version {version}, {pushing[-1]:.1f} during", flush=True)
+            pushing.append((push["stored_at"], push["done_at"]))
+            print(f"generation: {gen.rate(*quiet[-1]):.1f} tok/s before the push of version {version}, "
+                  f"{gen.rate(*pushing[-1]):.1f} during its {push['push_seconds']:.2f} s", flush=True)
     finally:
         await gen.stop()
-    return {"tokens_per_second_without_push": statistics.median(quiet), "tokens_per_second_during_push": statistics.median(pushing)}, version
+    return {"tokens_per_second_without_push": gen.pooled_rate(quiet), "tokens_per_second_during_push": gen.pooled_rate(pushing),
+            "seconds_of_push_windows": sum(end - start for start, end in pushing)}, version
 
 
 async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], repeats: int) -> dict:
@@ -458,7 +468,7 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
                     pushes.append(await push_once(ranks, services, stub, address, version))
                     print(f"{name}: {json.dumps({k: round(v, 4) for k, v in pushes[-1].items()})}", flush=True)
                 if (backend, compression) == ("tcp", "none"):
-                    generation, version = await generation_during_pushes(ranks, services, stub, address, version, repeats)
+                    generation, version = await generation_during_pushes(ranks, services, stub, address, version, GENERATION_PUSHES)
                 measured = pushes[COLD_PUSHES:]
                 seconds = statistics.median(p["push_seconds"] for p in measured)
                 figures[f"{name}_gbps"] = nbytes / seconds / 1e9

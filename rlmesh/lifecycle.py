@@ -1,9 +1,16 @@
-"""Process lifetime shared by every process the mesh starts: die with the parent."""
+"""Process lifetime and CPU class shared by the processes the mesh starts: die with the parent,
+yield the CPU to the work that matters more on a shared host."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
 
 _PR_SET_PDEATHSIG = 1
 
@@ -12,3 +19,19 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Asks the kernel to send `sig` to this process when its parent (strictly: the thread that
     forked it) ends, so no child outlives the process that started it, even after a SIGKILL."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+BACKGROUND_NICE = 19
+
+
+def background_process() -> None:
+    """Gives this process the least CPU share: nice 19 for the threads it starts from now on and,
+    where the kernel groups each session's processes (autogroup) and weighs the groups against
+    each other, for its group too, since per-thread nice counts only inside the group."""
+    os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
+    autogroup = Path("/proc/self/autogroup")
+    if autogroup.exists():
+        try:
+            autogroup.write_text(str(BACKGROUND_NICE))
+        except OSError as exc:
+            log.warning("cannot lower the autogroup's priority; the process competes at its session's", error=str(exc))

@@ -30,13 +30,12 @@ async def finish_in_thread(fn: Callable[..., Any], *args: Any, executor: Executo
         raise
 
 
-BACKGROUND_NICE = 19
-"""The nice value of threads that move or copy weights: they take only the CPU that generation leaves."""
-
-
-def lower_thread_priority() -> None:
-    """Drops the calling thread (not its process: on Linux nice is per thread) to BACKGROUND_NICE."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+def background_thread() -> None:
+    """Puts the calling thread in SCHED_IDLE: it runs only when no other thread of its process
+    group (on Linux, its session's autogroup) wants the CPU, and yields the moment one wakes. A
+    tensor-parallel decode step waits on its peers dozens of times; a transfer thread that is
+    merely niced still delays those wake-ups, one that is idle-class does not."""
+    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
 
 
 class TransferError(RuntimeError):

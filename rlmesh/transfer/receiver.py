@@ -12,7 +12,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, lower_thread_priority
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.codecs import BucketCodec
 
 MODE_OF_CODE = {
@@ -41,9 +41,11 @@ class RankReceiver:
     Buckets are checked as they land, on a verifier thread, so checking overlaps receiving. A
     failed or abandoned transfer leaves `held_version` at -1: the buffer then holds no version."""
 
-    def __init__(self, rank: int, accept_lossy: bool = False) -> None:
+    def __init__(self, rank: int, accept_lossy: bool = False, background: bool = False) -> None:
+        """`background`: check (and, through a TcpListener, receive) on idle-class threads."""
         self.rank = rank
         self.accept_lossy = accept_lossy
+        self.background = background
         self.buffer: ReceiveBuffer | None = None
         self.held_version = -1
         """The version whose bytes `buffer` holds, all checked; -1 while none (or one in flight)."""
@@ -102,9 +104,12 @@ class RankReceiver:
             if len(data) != raw_bytes:
                 raise TransferError(f"raw chunk of {len(data)} bytes declares {raw_bytes}")
             target[:] = np.frombuffer(data, dtype=np.uint8)
+            self.landed(version, offset, raw_bytes)
         else:
             self._decode(mode, manifest, offset, raw_bytes, data, target, base_version)
-        self.landed(version, offset, raw_bytes)
+            # Checked at once, while the decoded bucket is still in the CPU cache: a second pass
+            # from memory would cost as much as the decoding of a sparse delta.
+            self.landed(version, offset, raw_bytes, check_now=True)
 
     def view(self, version: int, offset: int, nbytes: int) -> memoryview:
         """Where raw bytes of a bucket go, for backends that write straight into the buffer."""
@@ -117,8 +122,9 @@ class RankReceiver:
         assert self.buffer is not None
         return manifest, self.buffer.tensor.numpy()[offset : offset + nbytes]
 
-    def landed(self, version: int, offset: int, nbytes: int) -> None:
-        """Counts bytes written at `offset`; a bucket whose bytes are all there is queued for its check."""
+    def landed(self, version: int, offset: int, nbytes: int, check_now: bool = False) -> None:
+        """Counts bytes written at `offset`; a bucket whose bytes are all there is checked, on the
+        verifier thread or, with `check_now`, on the calling one."""
         manifest = self._expect(version)
         bucket = offset // manifest.bucket_bytes
         start, end = self._ranges[bucket]
@@ -127,7 +133,9 @@ class RankReceiver:
         with self._lock:
             self._written[bucket] += nbytes
             full = self._written[bucket] == end - start
-        if full:
+        if full and check_now:
+            self._check(manifest, bucket)
+        elif full:
             self._checks.put((manifest, bucket))
 
     def wait_verified(self, version: int, timeout: float) -> list[int]:
@@ -186,23 +194,26 @@ class RankReceiver:
             raise TransferError(f"rank {self.rank}: bucket at {offset}: {exc}") from exc
 
     def _verify_loop(self) -> None:
-        lower_thread_priority()
+        if self.background:
+            background_thread()
         while True:
             item = self._checks.get()
             if item is None:
                 return
-            manifest, bucket = item
-            with self._lock:
-                current, buffer = manifest is self._manifest, self.buffer
-            start, end = self._ranges[bucket] if current else (0, 0)
-            good = current and buffer is not None and crc32(buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
-            with self._all_checked:
-                if manifest is not self._manifest:
-                    continue
-                self._verified[bucket] = True
-                if not good:
-                    self._bad.add(bucket)
-                self._all_checked.notify_all()
+            self._check(*item)
+
+    def _check(self, manifest: common_pb2.WeightManifest, bucket: int) -> None:
+        with self._lock:
+            current, buffer = manifest is self._manifest, self.buffer
+        start, end = self._ranges[bucket] if current else (0, 0)
+        good = current and buffer is not None and crc32(buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+        with self._all_checked:
+            if manifest is not self._manifest:
+                return
+            self._verified[bucket] = True
+            if not good:
+                self._bad.add(bucket)
+            self._all_checked.notify_all()
 
     def close(self) -> None:
         self._checks.put(None)

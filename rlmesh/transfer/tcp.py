@@ -19,7 +19,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread, lower_thread_priority
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread, background_thread
 from rlmesh.transfer.receiver import RankReceiver
 
 log = structlog.get_logger()
@@ -59,7 +59,8 @@ class TcpListener:
         self._thread.start()
 
     def _accept_loop(self) -> None:
-        lower_thread_priority()
+        if self.receiver.background:
+            background_thread()
         while not self._closed:
             try:
                 connection, _ = self._server.accept()
@@ -150,8 +151,9 @@ def send_frames(address: str, version: int, frames: Iterable[Frame], timeout: fl
 class TcpSender(WeightSender):
     backend = rollout_pb2.TRANSFER_BACKEND_TCP
 
-    def __init__(self) -> None:
-        self._threads = ThreadPoolExecutor(thread_name_prefix="tcp-send", initializer=lower_thread_priority)
+    def __init__(self, background: bool = False) -> None:
+        """`background`: send on idle-class threads."""
+        self._threads = ThreadPoolExecutor(thread_name_prefix="tcp-send", initializer=background_thread if background else None)
 
     async def send_rank(
         self,

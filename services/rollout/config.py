@@ -62,6 +62,9 @@ class TransferConfig(StrictModel):
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     tcp: bool = True
     """Offer a plain TCP receiver per tensor-parallel rank for weight pushes (framed buckets)."""
+    background_priority: bool = True
+    """Receive, check and copy weights on idle-class threads, which run only when generation
+    leaves a CPU free: a push slows down under load instead of slowing generation."""
 
 
 class RolloutConfig(StrictModel):

@@ -20,7 +20,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
 from rlmesh.payload import pack_layout, unpack
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, lower_thread_priority
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
 from services.rollout.tp_model import Collectives, RankLayout, build_rank_model
@@ -43,6 +43,8 @@ class RankTransfer:
     mooncake: bool = False
     mooncake_protocol: str = "tcp"
     tcp: bool = False
+    background: bool = True
+    """Receiving, checking and catch-up copies run on idle-class threads."""
 
     @property
     def advertised_host(self) -> str:
@@ -245,7 +247,8 @@ class RankWeights:
             runner.on_switch = self._switched
         self._full: ReceiveBuffer | None = None
         """Where full tensors (WEIGHT_LAYOUT_FULL) land before the engine cuts them: made on first use."""
-        self.receiver = RankReceiver(rank)
+        self.background = transfer.background
+        self.receiver = RankReceiver(rank, background=transfer.background)
         self.tcp = TcpListener(transfer.host, self.receiver, transfer.advertised_host) if transfer.tcp else None
         self._lock = threading.Lock()
         self._receiving: ModelSlot | None = None
@@ -343,7 +346,8 @@ class RankWeights:
         self._catching_up.start()
 
     def _catch_up(self) -> None:
-        lower_thread_priority()
+        if self.background:
+            background_thread()
         with self._lock:
             active = self._slots[id(self.runner.active)]
             try:

@@ -18,8 +18,9 @@ class WeightsConfig(StrictModel):
     Mooncake transfer engine (RDMA links; raw bytes only), or a gRPC stream (no data port reachable)."""
     mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
     compression: CompressionMode = "none"
-    """Default link compression: none, zstd (lossless, byte planes), delta (XOR against the version the
-    instance holds, then zstd; lossless), int8 / fp8 (lossy; only to engines serving quantized weights)."""
+    """Default link compression: none, zstd (lossless, byte planes), delta (against the version the
+    instance holds: the changed elements when few changed, else XOR + zstd; lossless), int8 / fp8
+    (lossy; only to engines serving quantized weights)."""
     link_compression: dict[str, CompressionMode] = {}
     """Per-instance override of `compression`, by instance id."""
     delta_full_every: int = Field(default=8, ge=1)
@@ -30,6 +31,9 @@ class WeightsConfig(StrictModel):
     retry_backoff_seconds: float = Field(default=1.0, ge=0)
     """Wait after a failed push before the same instance is tried again (doubles per failure, max 30 s)."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    background_priority: bool = True
+    """Run at the lowest CPU priority (nice 19 for the whole process, idle-class sending threads):
+    on a host shared with training or generation, moving weights takes only the CPU they leave."""
     max_version_gb: float = Field(default=64.0, gt=0)
     """Largest weight version accepted; a bigger manifest is refused before anything is allocated."""
 

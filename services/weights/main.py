@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from rlmesh.lifecycle import background_process
 from rlmesh.rpc import GrpcServer
 from rlmesh.transfer.base import WeightSender
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
@@ -20,7 +21,7 @@ def build_sender(config: WeightsConfig) -> WeightSender:
     if config.backend == "grpc":
         return GrpcStreamSender()
     if config.backend == "tcp":
-        return TcpSender()
+        return TcpSender(background=config.background_priority)
     from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
 
     return MooncakeSender(MooncakeEndpoint(config.server.advertised_host, config.mooncake_protocol))
@@ -40,6 +41,8 @@ class RunningWeights:
 
 
 async def start(config: WeightsConfig) -> RunningWeights:
+    if config.background_priority:
+        background_process()
     store = WeightStore(max_bytes=int(config.max_version_gb * (1 << 30)))
     pusher = Pusher(store, build_sender(config), config)
     server = GrpcServer(config.server, [weights_pb2.DESCRIPTOR.services_by_name["WeightsService"].full_name])

@@ -66,8 +66,10 @@ async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness:
                      max_batch_size: int = 64, weights_settings: dict | None = None, **manager_settings) -> Mesh:
     manager = await start_manager(ManagerConfig(server=loopback(), max_staleness=max_staleness, lease_seconds=lease_seconds,
                                                 heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
+    # The test process hosts the manager too: it must not run at background priority.
     weights = await start_weights(WeightsConfig(server=loopback(), manager_address=manager.server.address, backend=backend,
-                                                poll_interval_seconds=0.2, retry_backoff_seconds=0.2, **(weights_settings or {})))
+                                                poll_interval_seconds=0.2, retry_backoff_seconds=0.2, background_priority=False,
+                                                **(weights_settings or {})))
     rollouts = [
         await start_rollout(rollout_config(model_dir, manager.server.address, f"instance-{i}", backend == "mooncake", max_batch_size))
         for i in range(instances)
