@@ -27,8 +27,9 @@ log = structlog.get_logger()
 MAGIC = b"RLW1"
 HEADER = struct.Struct("<4sqQQQBq")
 STATUS = struct.Struct("<?QI")
-SOCKET_BUFFER_BYTES = 4 << 20
-"""Kernel socket buffers; larger than the default so one bucket is in flight while the next is sent."""
+SOCKET_BUFFER_BYTES = 512 << 10
+"""Kernel socket buffers. Measured with 4 ranks receiving 2 GiB here: 512 KiB per connection
+moves 4.0-4.4 GB/s, 4 MiB only 2.8-3.0 (the bytes in flight no longer stay in the CPU cache)."""
 
 
 def _tune(sock: socket.socket) -> None:

@@ -157,7 +157,7 @@ class RankHandle(Protocol):
 
     rank: int
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int) -> RankPort: ...
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort: ...
 
     def write(self, version: int, offset: int, data: bytes, compression: int = ..., raw_bytes: int = ..., base_version: int = ...) -> None: ...
 
@@ -252,6 +252,7 @@ class RankWeights:
         self.tcp = TcpListener(transfer.host, self.receiver, transfer.advertised_host) if transfer.tcp else None
         self._lock = threading.Lock()
         self._receiving: ModelSlot | None = None
+        self._keep_base = False
         self._catching_up: threading.Thread | None = None
 
     def _new_buffer(self) -> ReceiveBuffer:
@@ -265,14 +266,16 @@ class RankWeights:
     def standby(self) -> ModelSlot:
         return self._slots[id(self.runner.standby)]
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int) -> RankPort:
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort:
         """Arms the receiver for a version. With `load` it lands in the standby model itself, once
         this rank serves `after_version` (its standby copy is then unused) and that copy caught up;
-        without, in a separate buffer of full tensors."""
+        without, in a separate buffer of full tensors. `keep_base`: once the version is served,
+        copy it into the new standby buffer, the base of the next delta."""
         if load:
             self.runner.wait_served(after_version)
             self._wait_caught_up()
         with self._lock:
+            self._keep_base = keep_base and load
             if load:
                 slot = self._receiving = self.standby
                 slot.bind(manifest)
@@ -341,7 +344,10 @@ class RankWeights:
         return self.receiver.tensors()
 
     def _switched(self) -> None:
-        # On the decode thread, right after a switch: the copy runs elsewhere, at low priority.
+        # On the decode thread, right after a switch: the copy runs elsewhere, at low priority,
+        # and only for delta links (it costs a pass over the model's memory, which decoding shares).
+        if not self._keep_base:
+            return
         self._catching_up = threading.Thread(target=self._catch_up, name=f"catch-up-rank{self.rank}", daemon=True)
         self._catching_up.start()
 

@@ -123,7 +123,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if request.HasField("manifest") == bool(request.rank_manifests):
             raise InvalidArgument("set exactly one of manifest (full tensors) and rank_manifests (one payload per tensor-parallel rank)")
         manifest = request.manifest if request.HasField("manifest") else None
-        ports = await self.updater.begin(manifest, list(request.rank_manifests), backend)
+        keep_base = request.link_compression == common_pb2.COMPRESSION_DELTA
+        ports = await self.updater.begin(manifest, list(request.rank_manifests), backend, keep_base)
         first = ports[0]
         mooncake = backend == "mooncake"
         return rollout_pb2.BeginWeightUpdateResponse(

@@ -134,8 +134,8 @@ class Worker:
         raise _ERRORS.get(reply[1], TransferError)(reply[2])
 
     # The weight operations of a rank, as RankWeights offers them in-process.
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int) -> RankPort:
-        return self.call("prepare", manifest.SerializeToString(), load, after_version)
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort:
+        return self.call("prepare", manifest.SerializeToString(), load, after_version, keep_base)
 
     def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
               base_version: int = -1) -> None:

@@ -54,8 +54,9 @@ class WeightUpdater:
         self._busy = asyncio.Lock()
 
     async def begin(self, manifest: common_pb2.WeightManifest | None, rank_manifests: Sequence[common_pb2.WeightManifest],
-                    backend: Backend) -> list[RankPort]:
-        """Arms the receiving ranks; returns where each receives its payload."""
+                    backend: Backend, keep_base: bool = False) -> list[RankPort]:
+        """Arms the receiving ranks; returns where each receives its payload. `keep_base`: the link
+        sends deltas, so once this version is served the ranks keep a copy of it to apply the next to."""
         if self._busy.locked():
             raise FailedPrecondition("another weight update is beginning or committing; retry after it")
         async with self._busy:
@@ -73,7 +74,7 @@ class WeightUpdater:
             ranks = self.ranks[: len(manifests)]
             load = layout is WeightLayout.TENSOR_PARALLEL
             try:
-                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served) for rank, m in zip(ranks, manifests)))
+                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served, keep_base) for rank, m in zip(ranks, manifests)))
             except TransferError as exc:
                 raise FailedPrecondition(f"version {version}: {exc}") from exc
             self._pending = _Pending(version, layout, ranks)

@@ -20,6 +20,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, raw_frames
 from rlmesh.transfer.codecs import CompressionMode, CompressionReport, DeltaSchedule
+from rlmesh.transfer.receiver import CODE_OF_MODE
 from services.weights.config import WeightsConfig
 from services.weights.encoding import EncodedPayload
 from services.weights.store import FULL_LAYOUT, RankPayload, Snapshot, WeightStore
@@ -164,7 +165,7 @@ class Pusher:
             manifests = [r.manifest for r in ranks]
             if mode in ("int8", "fp8"):
                 manifests = await asyncio.to_thread(lambda: [self._encoding(snapshot, tp, i, r, mode).lossy_manifest() for i, r in enumerate(ranks)])
-            request = rollout_pb2.BeginWeightUpdateRequest(backend=self.sender.backend)
+            request = rollout_pb2.BeginWeightUpdateRequest(backend=self.sender.backend, link_compression=CODE_OF_MODE[mode])
             if tensor_parallel:
                 request.rank_manifests.extend(manifests)
             else:

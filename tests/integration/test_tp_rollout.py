@@ -116,9 +116,9 @@ def delta_frames(manifest, payload, base_manifest, base_payload):
         yield start, end - start, common_pb2.COMPRESSION_DELTA, base_manifest.version, codec.encode(new[start:end], old[start:end]).data
 
 
-async def begin(instance, payloads, backend):
-    return await instance.stub.BeginWeightUpdate(
-        rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend), timeout=10)
+async def begin(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
+    request = rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link)
+    return await instance.stub.BeginWeightUpdate(request, timeout=10)
 
 
 async def send_all(sender, instance, reply, payloads, frames):
@@ -183,10 +183,19 @@ async def test_a_push_over_tcp_then_a_delta_over_grpc_against_the_version_each_r
     await commit(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "tcp")
 
+    # The first version of a delta link goes in full; a raw link kept no copy to apply it to.
     version += 1
     weights = perturbed(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
-    reply = await begin(instance, payloads, rollout_pb2.TRANSFER_BACKEND_GRPC)
+    reply = await begin(instance, payloads, TCP, link=common_pb2.COMPRESSION_DELTA)
+    assert [r.held_version for r in reply.ranks] == [-1] * TP
+    await send_all(TcpSender(), instance, reply, payloads, raw_frames)
+    await commit(instance, version, weights, payloads)
+
+    version += 1
+    weights = perturbed(instance.served, version)
+    payloads = rank_payloads(weights, instance.model_dir, version)
+    reply = await begin(instance, payloads, rollout_pb2.TRANSFER_BACKEND_GRPC, link=common_pb2.COMPRESSION_DELTA)
     assert [r.held_version for r in reply.ranks] == [version - 1] * TP
     held = instance.held
     await send_all(GrpcStreamSender(), instance, reply, payloads,
