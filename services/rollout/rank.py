@@ -223,8 +223,8 @@ def _placements(manifest: common_pb2.WeightManifest) -> list[tuple]:
 class RankWeights:
     """One rank's receiving end of weight pushes: its two model copies' buffers (with Mooncake,
     registered once), its TCP listener, and the checks that let a version in. A version lands in
-    the standby copy's own memory; after each switch the new standby copy catches up with the
-    served one in the background, so it is a delta base for the next version."""
+    the standby copy's own memory; on a delta link, after each switch the new standby copy catches
+    up with the served one in the background, so it is the base the next delta applies to."""
 
     def __init__(self, rank: int, transfer: RankTransfer, runner: RankRunner | None = None, layout: RankLayout | None = None,
                  manifest: common_pb2.WeightManifest | None = None) -> None:

@@ -240,9 +240,13 @@ class Pusher:
         for tp, mode in links:
             if mode == "delta" and (base is None or base.shape is None):
                 continue
-            for rank_index in range(max(1, tp)):
-                rank = snapshot.rank_payload(tp, rank_index)
-                encodings.append(self._encoding(snapshot, tp, rank_index, rank, mode, base if mode == "delta" else None))
+            try:
+                for rank_index in range(max(1, tp)):
+                    rank = snapshot.rank_payload(tp, rank_index)
+                    encodings.append(self._encoding(snapshot, tp, rank_index, rank, mode, base if mode == "delta" else None))
+            except DomainError as exc:
+                # The push to that link fails with the same reason; the version is stored regardless.
+                log.warning("cannot encode ahead for a link", tensor_parallel_size=tp, compression=mode, error=str(exc))
         for encoded in encodings:
             encoded.start()
         for encoded in encodings:
