@@ -494,7 +494,7 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=2, help="measured pushes per mode (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="measured pushes per mode (median)")
     parser.add_argument("--small", action="store_true", help="a 64 MiB model instead of 1 GiB (a quick check)")
     parser.add_argument("--modes", nargs="+", default=[f"{b}:{c}" for b, c in MODES], metavar="BACKEND:COMPRESSION",
                         help="transports and link compressions to measure (default: all)")
