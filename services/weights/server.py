@@ -71,6 +71,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             for version in [v for v in self._applying if v < assembly.version]:
                 del self._applying[version]
             snapshot = await asyncio.to_thread(self.store.finish_assembly, assembly)
+            self.store.drop_previous()
             base = self.store.acquire()
             try:
                 await asyncio.to_thread(self.pusher.encode_ahead, snapshot, base, self.pusher.compressed_links())

@@ -346,10 +346,21 @@ class WeightStore:
         if self.latest is not None and version <= self.latest.version:
             raise FailedPrecondition(f"version {version} is not newer than the stored version {self.latest.version}")
 
-    def _install(self, snapshot: Snapshot) -> None:
-        snapshot.stored_at = time.monotonic()
+    def drop_previous(self) -> None:
+        """Lets the version before the latest go (once no push reads it): called when a newer
+        version is about to be stored, which makes the latest the delta base. Holding three
+        versions at once would cost a third copy of the model."""
         if self.previous is not None:
             self._retired.append(self.previous)
+            self.previous = None
+            self._recycle()
+
+    def _install(self, snapshot: Snapshot) -> None:
+        snapshot.stored_at = time.monotonic()
+        self.drop_previous()
+        if self.latest is not None:
+            # Only pushes of the latest version start from now on; running ones keep theirs.
+            self.latest.encodings = {}
         self.previous, self.latest = self.latest, snapshot
         self._recycle()
 

@@ -49,6 +49,18 @@ def test_incomplete_or_corrupted_uploads_never_become_latest():
     assert store.latest.version == 1
 
 
+def test_at_most_the_latest_and_its_base_are_held_and_only_the_latest_keeps_encodings():
+    store = WeightStore()
+    first = upload(store, 1)
+    first.encodings["link"] = object()
+    second = upload(store, 2)
+    assert (store.previous, store.latest) == (first, second) and first.encodings == {}
+    store.drop_previous()
+    assert store.previous is None and first.payloads == {}, "a version no push reads is released"
+    third = upload(store, 3)
+    assert (store.previous, store.latest) == (second, third)
+
+
 def test_a_buffer_being_pushed_is_not_reused():
     store = WeightStore()
     first = upload(store, 1, value=1.0)
