@@ -41,7 +41,7 @@ COLD_PUSHES = 3
 latest and the delta-base version each hold a set; on a delta link the first is a full version):
 reported apart from the warm ones."""
 GENERATION_PUSHES = 6
-"""Pushes while generating: about 5 s of push windows in all."""
+"""Pushes while generating; under load each takes seconds (the transfers yield the CPU)."""
 MODES = [("tcp", "none"), ("mooncake", "none"), ("grpc", "none"), ("tcp", "zstd"), ("tcp", "delta")]
 
 
@@ -420,8 +420,8 @@ async def push_once(ranks: TrainerRanks, services: Services, stub, address: str,
 async def generation_during_pushes(ranks: TrainerRanks, services: Services, stub, address: str, version: int,
                                    pushes: int) -> tuple[dict[str, float], int]:
     """Tokens/s of every instance over all the push windows together, against the same instances
-    over quiet windows between them (a push lasts under a second, a few decode steps: one window
-    alone is too coarse)."""
+    over quiet windows between them (one push's window holds few decode steps: alone it is too
+    coarse)."""
     gen = Generation([c.address for c in services.instances], concurrency=4, max_tokens=64)
     gen.start()
     await asyncio.sleep(5.0)
