@@ -1,6 +1,6 @@
-"""The receiving end of one tensor-parallel rank's weight payload: a pre-faulted buffer that every
-backend fills, decoding of compressed buckets, a crc32 check of each bucket as it lands, and
-the version whose exact bytes the buffer holds (the base a delta may be applied to)."""
+"""The receiving end of one tensor-parallel rank's weight payload: the pre-faulted buffer each
+version lands in, which every backend fills, decoding of compressed buckets, a crc32 check of each
+bucket as it lands, and the version whose exact bytes the buffer holds (a delta's base)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What every tensor-parallel rank holds, in the rollout process (rank 0) and in worker processes
 alike: two model copies and its share of the KV cache with the operations of a decode step, and
-the receiving end of weight pushes that loads verified tensors into the standby copy."""
+the receiving end of weight pushes, which land in the standby copy's own memory."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The rollout side of a weight push: check each payload against what its rank expects, route
-bytes to the rank that owns them, verify every bucket of every rank, load the standby copies
-and switch between two decode steps. A partially received version is never served."""
+bytes to the rank that owns them (straight into its standby copy), verify every bucket of every
+rank and switch between two decode steps. A partially received version is never served."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ class _Pending:
 class WeightUpdater:
     """At most one version is pending; a newer Begin supersedes an uncommitted older one, and
     nothing reaches the engine's served copy before every bucket of every rank matched its
-    checksum. Tensor-parallel payloads load into each rank's standby copy as their buckets
-    land; full tensors are received by rank 0 and handed to the engine, which cuts them."""
+    checksum. Tensor-parallel payloads land in each rank's standby copy, bucket by bucket; full
+    tensors are received by rank 0 and handed to the engine, which cuts them."""
 
     def __init__(self, engine: Engine, ranks: Sequence[RankHandle], backends: frozenset[Backend], owns_ranks: bool = False,
                  verify_timeout: float = VERIFY_TIMEOUT_SECONDS) -> None:
