@@ -3,7 +3,7 @@ a crc32 per bucket): what the trainer uploads, the weights service holds and rol
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -120,6 +120,15 @@ def unpack(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> dict[s
         raw = payload[spec.offset : spec.offset + spec.nbytes]
         tensors[spec.name] = raw.view(_TORCH_DTYPES[spec.dtype]).view(tuple(spec.shape))
     return tensors
+
+
+def name_mismatch(expected: Collection[str], offered: Collection[str]) -> str | None:
+    """"missing [...], unknown [...]" (five of each at most) when the two sets of tensor names
+    differ, None when they are the same."""
+    missing, unknown = set(expected) - set(offered), set(offered) - set(expected)
+    if not missing and not unknown:
+        return None
+    return f"missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}"
 
 
 def torch_dtype(code: int) -> torch.dtype:

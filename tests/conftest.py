@@ -16,4 +16,3 @@ torch.set_num_threads(1)
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's architecture with a short warm-up: enough for real forward passes."""
     return create_default_model(tmp_path_factory.mktemp("model"), TinyModelSpec(warmup_iterations=30))
-

@@ -6,6 +6,8 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
+
+from rlmesh.payload import name_mismatch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
@@ -28,10 +30,9 @@ def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def copy_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Overwrites every parameter of `model` from `tensors`; the names must match exactly."""
     params = dict(model.named_parameters())
-    missing = params.keys() - tensors.keys()
-    unknown = tensors.keys() - params.keys()
-    if missing or unknown:
-        raise ValueError(f"weight names do not match the model: missing {sorted(missing)[:5]}, unknown {sorted(unknown)[:5]}")
+    mismatch = name_mismatch(params, tensors)
+    if mismatch:
+        raise ValueError(f"weight names do not match the model: {mismatch}")
     for name, tensor in tensors.items():
         target = params[name]
         if tuple(target.shape) != tuple(tensor.shape):

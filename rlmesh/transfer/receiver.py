@@ -90,7 +90,7 @@ class RankReceiver:
     def progress(self) -> tuple[int, int]:
         """(buckets of the version being received that landed and passed their check, all its buckets)."""
         with self._lock:
-            return sum(v for v in self._verified) - len(self._bad), len(self._verified)
+            return sum(self._verified) - len(self._bad), len(self._verified)
 
     def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
               raw_bytes: int = 0, base_version: int = -1) -> None:

@@ -247,7 +247,6 @@ class RankWeights:
             runner.on_switch = self._switched
         self._full: ReceiveBuffer | None = None
         """Where full tensors (WEIGHT_LAYOUT_FULL) land before the engine cuts them: made on first use."""
-        self.background = transfer.background
         self.receiver = RankReceiver(rank, background=transfer.background)
         self.tcp = TcpListener(transfer.host, self.receiver, transfer.advertised_host) if transfer.tcp else None
         self._lock = threading.Lock()
@@ -352,7 +351,7 @@ class RankWeights:
         self._catching_up.start()
 
     def _catch_up(self) -> None:
-        if self.background:
+        if self.receiver.background:
             background_thread()
         with self._lock:
             active = self._slots[id(self.runner.active)]

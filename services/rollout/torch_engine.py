@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
+from rlmesh.payload import name_mismatch
 from services.rollout.engine import Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, validate_request
 from services.rollout.rank import RankHandle, RankTransfer
 from services.rollout.tp_group import TensorParallelGroup
@@ -198,9 +199,9 @@ class TorchEngine(TensorParallelEngine):
                 self._staged_version = None
                 served = self._version
             expected = {spec.name: spec.shape for spec in self.parameter_specs()}
-            if expected.keys() != tensors.keys():
-                missing, unknown = sorted(expected.keys() - tensors.keys())[:5], sorted(tensors.keys() - expected.keys())[:5]
-                raise InvalidArgument(f"weight names do not match the model: missing {missing}, unknown {unknown}")
+            mismatch = name_mismatch(expected, tensors)
+            if mismatch:
+                raise InvalidArgument(f"weight names do not match the model: {mismatch}")
             for name, tensor in tensors.items():
                 if tuple(tensor.shape) != expected[name]:
                     raise InvalidArgument(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected[name]}")

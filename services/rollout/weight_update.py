@@ -14,7 +14,7 @@ import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.payload import PayloadError, torch_dtype, validate_manifest
+from rlmesh.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
 from rlmesh.transfer.base import TransferError, finish_in_thread
 from services.rollout.engine import Engine, ParameterSpec, TensorParallelEngine, WeightLayout
 from services.rollout.rank import RankHandle, RankPort, RankWeights
@@ -171,10 +171,9 @@ def _match(manifest: common_pb2.WeightManifest, specs: list[ParameterSpec], labe
     """Raises InvalidArgument unless the payload carries exactly these tensors (names, shapes, dtypes)."""
     expected = {spec.name: spec for spec in specs}
     offered = {spec.name: spec for spec in manifest.tensors}
-    if expected.keys() != offered.keys():
-        missing = sorted(expected.keys() - offered.keys())[:5]
-        unknown = sorted(offered.keys() - expected.keys())[:5]
-        raise InvalidArgument(f"{label}: tensors do not match the model: missing {missing}, unknown {unknown}")
+    mismatch = name_mismatch(expected, offered)
+    if mismatch:
+        raise InvalidArgument(f"{label}: tensors do not match the model: {mismatch}")
     for name, spec in offered.items():
         want = expected[name]
         if tuple(spec.shape) != want.shape or torch_dtype(spec.dtype) != want.dtype:

@@ -24,6 +24,7 @@ log = structlog.get_logger()
 
 T = TypeVar("T")
 
+
 @dataclass(frozen=True, slots=True)
 class RankInfo:
     rank: int

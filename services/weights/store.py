@@ -15,7 +15,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, name_mismatch, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
 from rlmesh.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
@@ -285,10 +285,9 @@ class WeightStore:
         """Every parameter of the layout, with its full shape, in one dtype shared by every rank."""
         expected = hf_parameter_shapes(shape)
         names = {spec.name: spec for spec in header.shards}
-        if names.keys() != expected.keys():
-            missing = sorted(expected.keys() - names.keys())[:5]
-            unknown = sorted(names.keys() - expected.keys())[:5]
-            raise InvalidArgument(f"version {header.version} rank {header.rank}: shards do not match the layout: missing {missing}, unknown {unknown}")
+        mismatch = name_mismatch(expected, names)
+        if mismatch:
+            raise InvalidArgument(f"version {header.version} rank {header.rank}: shards do not match the layout: {mismatch}")
         for name, spec in names.items():
             if tuple(spec.full_shape) != expected[name]:
                 raise InvalidArgument(f"version {header.version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}")
