@@ -19,6 +19,7 @@ from tests.integration.conftest import build_mesh, spawn_rollout, stop_mesh, wai
 from tests.integration.test_rollout_flow import gather_batch, prompt_batch
 
 NO_STOP = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
+PROMPTS = 32
 
 
 def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
@@ -36,12 +37,13 @@ async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manage
     try:
         await wait_started([leaving])
         await wait_for(lambda: "leaving" in mesh.manager.state.instances, timeout=30)
-        await client.submit("b", 0, prompt_batch(model_dir, 8), 4, NO_STOP)
+        # Enough work that the instance is still generating when it leaves, however fast it decodes.
+        await client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
         await wait_for(lambda: "leaving" in mesh.manager.state.instances
                        and mesh.manager.state.instances["leaving"].generated_tokens > 0)
         await leave(leaving)
-        samples = assert_exactly_once(await collecting, 8, 4)
+        samples = assert_exactly_once(await collecting, PROMPTS, 4)
         code = await asyncio.to_thread(leaving.process.wait, 30)
         return samples, await client.manager_status(), code
     finally:
@@ -93,11 +95,12 @@ async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_d
     try:
         await wait_started([hung])
         await wait_for(lambda: "hung" in mesh.manager.state.instances, timeout=30)
-        await client.submit("b", 0, prompt_batch(model_dir, 8), 4, NO_STOP)
+        # Enough work that the instance is still generating when it leaves, however fast it decodes.
+        await client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
         await wait_for(lambda: "hung" in mesh.manager.state.instances and mesh.manager.state.instances["hung"].generated_tokens > 0)
         hung.process.send_signal(signal.SIGSTOP)
-        samples = assert_exactly_once(await collecting, 8, 4)
+        samples = assert_exactly_once(await collecting, PROMPTS, 4)
         assert all(len(s.token_ids) == 55 for s in samples)
         assert any(s.instance_ids == ["hung", "instance-0"] for s in samples)
         assert "hung" not in mesh.manager.state.instances
