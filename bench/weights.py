@@ -40,6 +40,10 @@ COLD_PUSHES = 3
 """Pushes after a weights-service start that allocate and fault in its buffers (the incoming, the
 latest and the delta-base version each hold a set; on a delta link the first is a full version):
 reported apart from the warm ones."""
+CATCH_UP_SECONDS = 2.5
+"""After a delta push each rollout rank copies the served version into its standby buffer, 1 s
+later (catch_up_delay_seconds) and for a fraction of a second: the raw-socket run waits that out,
+so it does not share the CPU and memory with the copies."""
 GENERATION_PUSHES = 6
 """Pushes while generating; under load each takes seconds (the transfers yield the CPU)."""
 MODES = [("tcp", "none"), ("mooncake", "none"), ("grpc", "none"), ("tcp", "zstd"), ("tcp", "delta")]
@@ -465,6 +469,7 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
                     version += 1
                     pushes.append(await push_once(ranks, services, stub, address, version))
                     if index >= COLD_PUSHES:
+                        await asyncio.sleep(CATCH_UP_SECONDS)
                         raw.append(await asyncio.to_thread(raw_socket_gbps, nbytes))
                         pushes[-1]["raw_socket_gbps"] = raw[-1]
                     print(f"{name}: {json.dumps({k: round(v, 4) for k, v in pushes[-1].items()})}", flush=True)

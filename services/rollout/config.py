@@ -65,6 +65,9 @@ class TransferConfig(StrictModel):
     background_priority: bool = True
     """Receive, check and copy weights on idle-class threads, which run only when generation
     leaves a CPU free: a push slows down under load instead of slowing generation."""
+    catch_up_delay_seconds: float = Field(default=1.0, ge=0)
+    """On a delta link, how long after serving a version each rank waits before copying it into
+    its standby buffer (the next delta's base); the next version's push starts the copy at once."""
 
 
 class RolloutConfig(StrictModel):

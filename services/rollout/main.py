@@ -26,7 +26,7 @@ log = structlog.get_logger()
 def rank_transfer(config: RolloutConfig) -> RankTransfer:
     return RankTransfer(host=config.server.host, advertise_host=config.server.advertised_host, mooncake=config.transfer.mooncake,
                         mooncake_protocol=config.transfer.mooncake_protocol, tcp=config.transfer.tcp,
-                        background=config.transfer.background_priority)
+                        background=config.transfer.background_priority, catch_up_delay_seconds=config.transfer.catch_up_delay_seconds)
 
 
 def build_engine(config: RolloutConfig) -> Engine:
