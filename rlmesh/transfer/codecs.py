@@ -51,10 +51,10 @@ _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).flo
 """float32 value of each fp8 bit pattern: a table lookup is ~4x faster than torch's conversion."""
 _WORD_TYPES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MIN_ZSTD_LEVEL = -(1 << 17)
+"""ZSTD_minCLevel(): negative levels trade ratio for speed; zstandard does not export the bound."""
 SPARSE_MAX_FRACTION = 0.05
 """A delta bucket goes sparse when at most this fraction of its elements changed: 2 % changed bf16
 then costs 6 % of the bucket on the wire, and encoding it runs ~10x faster than XOR + zstd."""
-"""ZSTD_minCLevel(): negative levels trade ratio for speed; zstandard does not export the bound."""
 
 
 @dataclass(frozen=True, slots=True)
