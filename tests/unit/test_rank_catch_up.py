@@ -23,7 +23,7 @@ def rank(model_dir, request):
     weights.close()
 
 
-def land_and_switch(runner, weights: RankWeights, version: int, keep_base: bool = True):
+def land_and_switch(runner, weights: RankWeights, version: int, keep_base: bool = True) -> None:
     """Receives a version with every value moved into the standby copy, as a push does, and serves it."""
     served = unpack(weights.standby.manifest, weights.standby.buffer.tensor)
     manifest, payload = pack({name: t + 0.25 * version for name, t in served.items()}, version)
@@ -32,7 +32,6 @@ def land_and_switch(runner, weights: RankWeights, version: int, keep_base: bool 
     assert weights.verify(version, timeout=10) == []
     weights.finish(version)
     runner.switch(version)
-    return manifest
 
 
 def slot_bytes(weights: RankWeights, model) -> torch.Tensor:
