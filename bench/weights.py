@@ -40,10 +40,11 @@ COLD_PUSHES = 3
 """Pushes after a weights-service start that allocate and fault in its buffers (the incoming, the
 latest and the delta-base version each hold a set; on a delta link the first is a full version):
 reported apart from the warm ones."""
-CATCH_UP_SECONDS = 2.5
-"""After a delta push each rollout rank copies the served version into its standby buffer, 1 s
-later (catch_up_delay_seconds) and for a fraction of a second: the raw-socket run waits that out,
-so it does not share the CPU and memory with the copies."""
+CATCH_UP_DELAY_SECONDS = 1.0
+"""The rollouts' catch_up_delay_seconds: after a delta push each rank copies the served version
+into its standby buffer this long after switching, for a fraction of a second."""
+CATCH_UP_SECONDS = CATCH_UP_DELAY_SECONDS + 1.5
+"""What the raw-socket run after a push waits, so it does not share the CPU and memory with those copies."""
 GENERATION_PUSHES = 6
 """Pushes while generating; under load each takes seconds (the transfers yield the CPU)."""
 MODES = [("tcp", "none"), ("mooncake", "none"), ("grpc", "none"), ("tcp", "zstd"), ("tcp", "delta")]
@@ -252,6 +253,7 @@ async def start_instances(model_dir: Path, log_dir: Path) -> Services:
             "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": "16",
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true",
             "RLMESH_ROLLOUT_TRANSFER__TCP": "true",
+            "RLMESH_ROLLOUT_TRANSFER__CATCH_UP_DELAY_SECONDS": str(CATCH_UP_DELAY_SECONDS),
         }, log_dir, str(log_dir)))
     await wait_started(instances, timeout=600)
     return Services(log_dir, manager, instances)
