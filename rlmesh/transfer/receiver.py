@@ -38,7 +38,8 @@ class RankReceiver:
     """Receives one version at a time into a buffer the caller names for each version (a rollout
     rank's standby model copy, whose parameters are views into it).
 
-    Buckets are checked as they land, on a verifier thread, so checking overlaps receiving. A
+    Each bucket is checked once all its bytes landed: by the backend's thread when it says so
+    (TCP, compressed buckets), else on a verifier thread, so checking overlaps receiving. A
     failed or abandoned transfer leaves `held_version` at -1: the buffer then holds no version."""
 
     def __init__(self, rank: int, accept_lossy: bool = False, background: bool = False) -> None:
