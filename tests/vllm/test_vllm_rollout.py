@@ -33,8 +33,8 @@ LONG = 500
 ATTEMPTS = 8
 """A loaded machine can stall this process long enough for such a request to finish before the
 pause or abort reaches it; the scenario is then set up again with new request ids, after a
-growing wait (`settle`): once, in a full `make test`, five attempts in a row came within a second
-of each other and all saw the request's 500 tokens arrive at once."""
+growing wait (`settle`): once, in a full `make test`, five attempts made back to back all saw the
+request's 500 tokens arrive at once."""
 LONG_PROMPT = "1234567890" * 13 + "="
 """131 tokens: longer than one 128-token KV block, so vLLM's prefix cache keeps its first block."""
 
