@@ -6,9 +6,9 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.payload import name_mismatch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 
 def load_causal_lm(directory: str | Path) -> PreTrainedModel:
