@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
 
 from rlmesh.config import ServerConfig
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
