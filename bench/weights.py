@@ -24,6 +24,7 @@ import torch
 from bench.common import write_result
 from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
 from rlmesh.common.v1 import common_pb2
+from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
@@ -180,6 +181,7 @@ def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction:
             if command == "prepare":
                 if prepared:
                     rows.step()
+                    return_freed_memory()
                 prepared += 1
                 shards = {name: LocalShard(t, full_shapes[name], *fsdp_rows(full_shapes[name][0], world, rank)) for name, t in rows.rows.items()}
                 specs, total = shard_specs(shards)
@@ -223,6 +225,8 @@ def ensure_bench_model(directory: Path, shape: ModelShape) -> Path:
     tensors = {name: (torch.randn(dims, generator=generator) * 0.02).bfloat16() for name, dims in hf_parameter_shapes(shape).items()}
     save_file(tensors, str(directory / "model.safetensors"))
     save_tokenizer(build_char_tokenizer(), directory)
+    del tensors
+    return_freed_memory()
     return directory
 
 

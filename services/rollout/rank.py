@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, DynamicCache, PreTrainedModel
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
 from rlmesh.payload import pack_layout, unpack
@@ -406,4 +407,6 @@ def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTr
         params = dict(model.named_parameters())
         for name, tensor in tensors.items():
             layout.load(params, name, tensor)
+    del tensors
+    return_freed_memory()
     return runner, weights

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
@@ -73,6 +74,8 @@ class ShardedPolicy:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
             self.reference = shard_model(reference, rank)
+        # The full tensors each rank loaded are freed now that it keeps only its shards.
+        return_freed_memory()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.eos_id = self.tokenizer.token_to_id(EOS_TOKEN)
