@@ -1,0 +1,68 @@
+"""One rank's TCP link, bucket by bucket: the receiving rank checks each bucket as it lands, while
+the sender is still sending the next ones (receiving, checking and sending overlap)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from rlmesh.payload import pack
+from rlmesh.transfer.base import ReceiveBuffer, raw_frames
+from rlmesh.transfer.receiver import RankReceiver
+from rlmesh.transfer.tcp import TcpListener, send_frames
+from services.weights.store import RankPayload
+
+BUCKET_BYTES = 64 << 10
+BUCKETS = 8
+WAIT_SECONDS = 30
+
+
+def payload(version: int) -> RankPayload:
+    torch.manual_seed(version)
+    tensors = {f"w{i}": torch.randn(BUCKET_BYTES // 4 // 128, 128) for i in range(BUCKETS)}
+    return RankPayload(*pack(tensors, version, bucket_bytes=BUCKET_BYTES))
+
+
+def armed_rank(rank: RankPayload) -> tuple[RankReceiver, TcpListener, ReceiveBuffer]:
+    receiver = RankReceiver(0)
+    listener = TcpListener("127.0.0.1", receiver)
+    buffer = ReceiveBuffer()
+    buffer.ensure(rank.manifest.total_bytes)
+    receiver.prepare(rank.manifest, buffer, -1)
+    return receiver, listener, buffer
+
+
+def wait_until(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent() -> None:
+    rank = payload(3)
+    receiver, listener, buffer = armed_rank(rank)
+    release = threading.Event()
+
+    def first_bucket_then_the_rest():
+        for index, frame in enumerate(raw_frames(rank.manifest, rank.payload)):
+            yield frame
+            if index == 0:
+                assert release.wait(WAIT_SECONDS)
+
+    landed: list[int] = []
+    sending = threading.Thread(target=lambda: landed.append(send_frames(listener.address, 3, first_bucket_then_the_rest(), WAIT_SECONDS)))
+    sending.start()
+    try:
+        wait_until(lambda: receiver.progress() == (1, BUCKETS), "the first bucket was not checked while the others were held")
+    finally:
+        release.set()
+        sending.join()
+        listener.close()
+    assert landed == [rank.manifest.total_bytes]
+    assert receiver.wait_verified(3, WAIT_SECONDS) == []
+    assert np.array_equal(buffer.tensor[: rank.manifest.total_bytes].numpy(), rank.payload.numpy())
+
