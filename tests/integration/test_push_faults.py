@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 import pytest
+import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
@@ -40,7 +41,7 @@ class GatedSender(TcpSender):
         stub: rollout_pb2_grpc.RolloutServiceStub,
         endpoint: rollout_pb2.RankEndpoint,
         manifest: common_pb2.WeightManifest,
-        payload,
+        payload: torch.Tensor,
         frames: Iterable[Frame],
         timeout: float,
         cancelled: Callable[[], bool],
