@@ -4,7 +4,6 @@ parent, yield the CPU to the work that matters more on a shared host, give back 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 from pathlib import Path
@@ -14,6 +13,8 @@ import structlog
 log = structlog.get_logger()
 
 _PR_SET_PDEATHSIG = 1
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
+"""glibc's malloc_trim, looked up once among the symbols the process already has; None elsewhere."""
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -44,7 +45,5 @@ def return_freed_memory() -> None:
     a tensor-parallel rank of the 1 GiB bench model held 2.2 GB instead of 1.45 GB, and the weights
     bench (4 such ranks, the weights service, 2 trainer ranks) ran this 24 GiB machine out of
     memory. A no-op where the C library is not glibc."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
