@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlmesh.lifecycle import return_freed_memory
+from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
@@ -65,6 +66,8 @@ class ShardedPolicy:
         self.config = config
         self.rank = rank
         torch.manual_seed(config.seed)
+        # An architecture without layout rules is refused before any weight is loaded.
+        check_model_dir(config.model_dir)
         policy = load_causal_lm(config.model_dir).to(rank.device)
         self.shape = ModelShape.from_hf_config(policy.config)
         policy.train()
