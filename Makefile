@@ -8,8 +8,9 @@ GEN := gen
 RELEASED_IMAGE := protos/released.binpb
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
+NODE_VERIFIER := examples/node-verifier
 
-.PHONY: setup setup-vllm protos run test test-vllm bench lint-protos check-compose release-protos clean
+.PHONY: setup setup-vllm node-verifier protos run test test-vllm bench lint-protos check-compose release-protos clean
 
 setup: $(VENV)/.installed $(GEN)/.stamp
 
@@ -47,6 +48,15 @@ $(GEN)/.stamp: $(PROTO_SRC) $(VENV)/.installed
 	$(PY) -m rlmesh.protogen
 	@touch $@
 
+# The example verifier in Node: its packages from the npm registry, then its gRPC stubs generated
+# from the reward contract (buf + ts-proto, compiled by tsc) into $(NODE_VERIFIER)/gen.
+node-verifier: $(NODE_VERIFIER)/.installed
+
+$(NODE_VERIFIER)/.installed: $(NODE_VERIFIER)/package.json $(NODE_VERIFIER)/package-lock.json \
+		$(NODE_VERIFIER)/buf.gen.yaml $(NODE_VERIFIER)/tsconfig.json protos/rlmesh/reward/v1/reward.proto
+	cd $(NODE_VERIFIER) && npm ci --no-audit --no-fund && npm run build
+	@touch $@
+
 lint-protos: $(VENV)/.installed
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against $(RELEASED_IMAGE)
@@ -61,7 +71,7 @@ check-compose: $(VENV)/.installed
 run: setup
 	$(BIN)/rlmesh up
 
-test: setup setup-vllm lint-protos check-compose
+test: setup setup-vllm $(NODE_VERIFIER)/.installed lint-protos check-compose
 	$(PY) -m pytest tests
 
 # The vLLM rollout tests alone: the main environment's pytest starts the vLLM rollout service as

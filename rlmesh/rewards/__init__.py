@@ -1,0 +1,1 @@
+"""Reward functions and the ways to provide one: built-in, a Python callable, a remote verifier."""
