@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlmesh.config import ConfigError
 
-class UnsupportedModel(ValueError):
-    """A model folder or configuration of an architecture (or option) with no layout rules."""
+
+class UnsupportedModel(ConfigError):
+    """A model folder or configuration of an architecture (or option) with no layout rules: a
+    service given one stops at start with this message (see rlmesh.entrypoint)."""
 
 
 @dataclass(frozen=True, slots=True)

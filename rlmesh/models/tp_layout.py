@@ -1,5 +1,5 @@
-"""Tensor-parallel layout rules of the Qwen2/Llama family (vLLM's conventions) and the resharding
-plan from FSDP shards (rows of dim 0) to the bytes each tensor-parallel rank needs."""
+"""Tensor-parallel layout rules of the supported families (Qwen2, Llama, Qwen3; vLLM's conventions)
+and the resharding plan from FSDP shards (rows of dim 0) to the bytes each tensor-parallel rank needs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmesh.models.families import Family, family_named, supported_family
+
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary of embed_tokens and lm_head to a multiple of this before splitting it."""
-FAMILIES = ("qwen2", "llama")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +27,11 @@ class ModelShape:
     num_layers: int
     tie_word_embeddings: bool
     attention_bias: bool
+    """q/k/v carry a bias (and, outside Qwen2, o_proj too: see `Family.fixed_qkv_bias`)."""
     family: str = "qwen2"
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"model family {self.family!r} has no layout rules (known: {', '.join(FAMILIES)})")
+        family_named(self.family)
         for field_name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "num_layers"):
             if getattr(self, field_name) < 1:
                 raise ValueError(f"{field_name} must be at least 1, got {getattr(self, field_name)}")
@@ -41,9 +42,23 @@ class ModelShape:
     def padded_vocab(self) -> int:
         return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
 
+    @property
+    def rules(self) -> Family:
+        return family_named(self.family)
+
+    @property
+    def output_bias(self) -> bool:
+        """o_proj carries a bias (full on every rank, added once after the row-parallel sum)."""
+        return self.attention_bias and not self.rules.fixed_qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.rules.qk_norm
+
     @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
-        family = getattr(config, "model_type", "qwen2")
+    def from_hf_config(cls, config, source: str = "model") -> ModelShape:
+        """Raises UnsupportedModel (a ValueError) for a family or option without layout rules."""
+        family = supported_family(config, source)
         heads = int(config.num_attention_heads)
         return cls(
             hidden_size=int(config.hidden_size),
@@ -54,9 +69,8 @@ class ModelShape:
             vocab_size=int(config.vocab_size),
             num_layers=int(config.num_hidden_layers),
             tie_word_embeddings=bool(config.tie_word_embeddings),
-            # Qwen2 always has q/k/v biases; Llama has them only when configured.
-            attention_bias=family == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            family=family,
+            attention_bias=family.fixed_qkv_bias or bool(getattr(config, "attention_bias", False)),
+            family=family.name,
         )
 
     def check_tp(self, tp: int) -> None:
@@ -98,6 +112,11 @@ def hf_parameter_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (shape.num_kv_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (shape.num_kv_heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, shape.num_heads * d)
+        if shape.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if shape.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "mlp.gate_proj.weight"] = (shape.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (shape.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, shape.intermediate_size)
@@ -136,6 +155,11 @@ def tp_parameter_shapes(shape: ModelShape, tp: int) -> dict[str, tuple[int, ...]
         if shape.attention_bias:
             shapes[p + "self_attn.qkv_proj.bias"] = (q_rows + 2 * kv_rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_rows)
+        if shape.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if shape.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = (h,)
@@ -175,6 +199,11 @@ def tp_slices(shape: ModelShape, tp: int, rank: int) -> list[Slice]:
             if shape.attention_bias:
                 slices.append(Slice(f"{p}self_attn.{proj}.bias", (start, start + rows), None, f"{p}self_attn.qkv_proj.bias", at))
         slices.append(Slice(f"{p}self_attn.o_proj.weight", (0, h), (rank * q_rows, (rank + 1) * q_rows), f"{p}self_attn.o_proj.weight", 0))
+        if shape.output_bias:
+            slices.append(Slice(f"{p}self_attn.o_proj.bias", (0, h), None, f"{p}self_attn.o_proj.bias", 0))
+        if shape.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                slices.append(Slice(f"{p}self_attn.{norm}.weight", (0, d), None, f"{p}self_attn.{norm}.weight", 0))
         slices.append(Slice(f"{p}mlp.gate_proj.weight", (rank * inter, (rank + 1) * inter), (0, h), f"{p}mlp.gate_up_proj.weight", 0))
         slices.append(Slice(f"{p}mlp.up_proj.weight", (rank * inter, (rank + 1) * inter), (0, h), f"{p}mlp.gate_up_proj.weight", inter))
         slices.append(Slice(f"{p}mlp.down_proj.weight", (0, h), (rank * inter, (rank + 1) * inter), f"{p}mlp.down_proj.weight", 0))

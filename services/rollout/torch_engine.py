@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.payload import name_mismatch
@@ -82,10 +83,9 @@ class TorchEngine(TensorParallelEngine):
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
                  tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1) -> None:
         super().__init__(max_batch_size, weight_version)
-        if not (Path(model_dir) / "config.json").is_file():
-            raise FileNotFoundError(f"{model_dir} holds no config.json: not a HF-format model folder")
+        check_model_dir(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
-        self._shape = ModelShape.from_hf_config(config)
+        self._shape = ModelShape.from_hf_config(config, f"model folder {model_dir}")
         self._dtype = weights_dtype(config)
         self._shape.check_tp(tensor_parallel_size)
         self._vocab_size = int(config.vocab_size)

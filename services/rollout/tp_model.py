@@ -92,9 +92,24 @@ class ParallelLMHead(torch.nn.Linear):
         return self.collectives.all_gather_last(F.linear(hidden, self.weight))[..., : self.vocab_size]
 
 
+class RowParallelLinear(torch.nn.Linear):
+    """This rank's slice of the input dimension: outputs are partial sums, added up over the ranks.
+    A bias (whole on every rank) is added by rank 0 alone, before the sum, as vLLM does."""
+
+    def __init__(self, linear: torch.nn.Linear, collectives: Collectives) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.collectives = collectives
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        out = F.linear(inputs, self.weight, self.bias if self.collectives.rank == 0 else None)
+        self.collectives.all_reduce(out)
+        return out
+
+
 def build_rank_model(config: PretrainedConfig, collectives: Collectives) -> PreTrainedModel:
     """The HF model of rank `collectives.rank` (random weights; see `RankLayout.load`). HF's own
-    attention, RoPE and KV cache run on the rank's heads."""
+    attention, RoPE, q/k norms and KV cache run on the rank's heads."""
     tp, rank = collectives.size, collectives.rank
     shape = ModelShape.from_hf_config(config)
     shape.check_tp(tp)
@@ -115,9 +130,8 @@ def build_rank_model(config: PretrainedConfig, collectives: Collectives) -> PreT
         model.lm_head.weight = model.model.embed_tokens.weight
     if tp > 1:
         for layer in model.model.layers:
-            # Row-parallel: each rank holds a slice of the input dimension, so outputs are partial sums.
-            layer.self_attn.o_proj.register_forward_hook(lambda _module, _inputs, out: collectives.all_reduce(out))
-            layer.mlp.down_proj.register_forward_hook(lambda _module, _inputs, out: collectives.all_reduce(out))
+            layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, collectives)
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, collectives)
     model.eval()
     return model
 

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.models.families import check_model_dir
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, ParameterSpec, model_parameter_specs, validate_request
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def _versions(starts: Sequence[tuple[str, int]], first: int, count: int, fallbac
 class VllmEngine(Engine):
     def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0) -> None:
         super().__init__(max_batch_size, weight_version)
+        check_model_dir(model_dir)
         # vLLM reads these at import and engine start: CPU KV cache, one thread per engine core
         # (tiny models decode much faster so).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))

@@ -1,7 +1,8 @@
 """The torch engine split over two tensor-parallel processes (gloo on loopback): the same greedy
 tokens and logprobs as one process for the same weights, with KV heads split or replicated,
-through continuous batching and after a version staged from full tensors; the configuration
-refuses layouts that do not split."""
+through continuous batching and after a version staged from full tensors; Llama and Qwen3 models
+(row-parallel o_proj bias, q/k norms, head_dim apart from hidden / heads) decode as HF does; the
+configuration refuses layouts that do not split."""
 
 import asyncio
 
@@ -11,6 +12,7 @@ import torch
 
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
+from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.models.tokenizer import load_tokenizer
 from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
@@ -114,3 +116,30 @@ def test_the_configuration_refuses_layouts_that_do_not_split(model_dir):
     with pytest.raises(ValueError, match="only the torch engine"):
         EngineConfig(kind="vllm", model_dir=str(model_dir), tensor_parallel_size=2)
     assert EngineConfig(model_dir=str(model_dir), tensor_parallel_size=2).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("family", "settings"),
+    [("llama", {"tie_word_embeddings": True, "attention_bias": True}), ("qwen3", {"tie_word_embeddings": False, "attention_bias": True})],
+)
+@module_loop
+async def test_other_families_decode_on_two_ranks_as_hf_does(family, settings, tmp_path):
+    """The combinations tests/integration/test_model_families.py leaves out: biases on all four
+    attention projections (o_proj's added once, after the row-parallel sum)."""
+    model_dir = write_random_model(tmp_path / family, scaled_config(family, **settings), seed=5)
+    model = load_causal_lm(model_dir)
+    # The engine stops on a request's stop tokens only, and these requests name none.
+    model.generation_config.eos_token_id = None
+    split = TorchEngine(model_dir, max_batch_size=8, tensor_parallel_size=2)
+    await split.start()
+    try:
+        prompts = prompt_ids(model_dir)
+        results = await greedy_batch(split, prompts, family, max_tokens=12)
+    finally:
+        await split.stop()
+    for prompt, (tokens, logprobs, _, _) in zip(prompts, results):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert tokens == want
+        with torch.no_grad():
+            reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        assert logprobs == pytest.approx(reference.gather(1, torch.tensor(tokens)[:, None]).flatten().tolist(), abs=1e-4)

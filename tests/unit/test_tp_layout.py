@@ -1,4 +1,5 @@
-"""Properties of the tensor-parallel layout rules and the FSDP → TP resharding plan."""
+"""Properties of the tensor-parallel layout rules of every family (Qwen2, Llama, Qwen3; tied or
+untied, with or without attention biases) and the FSDP → TP resharding plan."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlmesh.models.families import FAMILIES
 from rlmesh.models.tp_layout import (
     ModelShape,
     apply_copies,
@@ -39,7 +41,7 @@ def shapes_and_tp(draw):
         num_layers=draw(st.integers(1, 2)),
         tie_word_embeddings=draw(st.booleans()),
         attention_bias=draw(st.booleans()),
-        family=draw(st.sampled_from(["qwen2", "llama"])),
+        family=draw(st.sampled_from(sorted(FAMILIES))),
     )
     if shape.padded_vocab % tp:
         tp = 1
@@ -81,6 +83,10 @@ def vllm_reference_shard(full: dict[str, torch.Tensor], shape: ModelShape, tp: i
                 heads(full[f"{p}self_attn.v_proj.{kind}"], kv_heads),
             ])
         out[f"{p}self_attn.o_proj.weight"] = full[f"{p}self_attn.o_proj.weight"].chunk(tp, dim=1)[rank]
+        # Row-parallel bias: whole on every rank (rank 0 adds it); q/k norms act per head: whole too.
+        for name in ("self_attn.o_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            if p + name in full:
+                out[p + name] = full[p + name]
         out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([
             full[f"{p}mlp.gate_proj.weight"][rank * inter : (rank + 1) * inter],
             full[f"{p}mlp.up_proj.weight"][rank * inter : (rank + 1) * inter],
@@ -120,6 +126,9 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], shape: ModelShape, tp: int
             full[f"{p}self_attn.k_proj.{kind}"] = torch.cat([fused[r][q_rows : q_rows + kv_rows] for _, r in kv_owner])
             full[f"{p}self_attn.v_proj.{kind}"] = torch.cat([fused[r][q_rows + kv_rows :] for _, r in kv_owner])
         full[f"{p}self_attn.o_proj.weight"] = torch.cat([r[f"{p}self_attn.o_proj.weight"] for r in ranks], dim=1)
+        for name in ("self_attn.o_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+            if p + name in ranks[0]:
+                full[p + name] = ranks[0][p + name]
         full[f"{p}mlp.gate_proj.weight"] = torch.cat([r[f"{p}mlp.gate_up_proj.weight"][:inter] for r in ranks])
         full[f"{p}mlp.up_proj.weight"] = torch.cat([r[f"{p}mlp.gate_up_proj.weight"][inter:] for r in ranks])
         full[f"{p}mlp.down_proj.weight"] = torch.cat([r[f"{p}mlp.down_proj.weight"] for r in ranks], dim=1)
@@ -176,12 +185,13 @@ def test_each_rank_receives_only_its_own_bytes(case, fsdp_world):
             width = copy.cols[1] - copy.cols[0] if copy.cols else 1
             moved += (copy.rows[1] - copy.rows[0]) * width
     h, d = shape.hidden_size, shape.head_dim
-    norms = (2 * shape.num_layers + 1) * h
+    per_layer = 2 * h + shape.output_bias * h + shape.qk_norm * 2 * d
+    replicated = shape.num_layers * per_layer + h
     kv = 2 * shape.num_layers * shape.kv_heads_per_rank(tp) * d * (h + shape.attention_bias)
     kv_total = kv * tp
     kv_unique = 2 * shape.num_layers * shape.num_kv_heads * d * (h + shape.attention_bias)
     total = sum(torch.Size(dims).numel() for dims in hf_parameter_shapes(shape).values())
-    assert moved == total + (tp - 1) * norms + (kv_total - kv_unique)
+    assert moved == total + (tp - 1) * replicated + (kv_total - kv_unique)
     per_rank = sum(torch.Size(dims).numel() for dims in tp_parameter_shapes(shape, tp).values())
     vocab_tensors = 1 if shape.tie_word_embeddings else 2
     assert per_rank * tp == moved + vocab_tensors * (shape.padded_vocab - shape.vocab_size) * h
@@ -236,6 +246,23 @@ def test_layouts_that_do_not_split_are_refused_with_the_reason(kwargs, tp, messa
         tp_parameter_shapes(shape, tp)
 
 
-def test_unknown_family_is_refused():
-    with pytest.raises(ValueError, match="no layout rules"):
+def test_unknown_family_is_refused_with_the_supported_ones():
+    with pytest.raises(ValueError, match=r"'gpt2' has no layout rules; supported: qwen2 \(Qwen2ForCausalLM\), llama"):
         ModelShape(8, 4, 2, 2, 8, 14, 1, True, True, family="gpt2")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_family_tensors(family, attention_bias):
+    """Qwen2's q/k/v biases come without an o_proj bias; Llama's and Qwen3's attention_bias puts one
+    on all four; Qwen3 alone has q/k norms of head_dim, replicated on every rank."""
+    shape = ModelShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=6, intermediate_size=8, vocab_size=14,
+                       num_layers=1, tie_word_embeddings=False, attention_bias=attention_bias, family=family)
+    hf = hf_parameter_shapes(shape)
+    tp = tp_parameter_shapes(shape, 2)
+    p = "model.layers.0.self_attn."
+    assert (p + "q_proj.bias" in hf) == attention_bias
+    assert (p + "o_proj.bias" in hf) == (attention_bias and family != "qwen2")
+    assert (p + "q_norm.weight" in hf) == (p + "k_norm.weight" in hf) == (family == "qwen3")
+    for name in ("o_proj.bias", "q_norm.weight", "k_norm.weight"):
+        assert tp.get(p + name) == hf.get(p + name)
