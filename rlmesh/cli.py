@@ -1,59 +1,161 @@
-"""The `rlmesh` command: `up` runs the whole mesh locally, `<service>` runs one service,
-`init-model` creates the default model, `health` checks a service."""
+"""The `rlmesh` command: `up` runs a training job on the whole mesh locally, `<service>` runs one
+service, `init-model` creates a built-in model, `health` checks a service."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
-DEFAULT_MODEL_DIR = Path(".rlmesh/models/tiny-qwen2-increment")
+FLAG_FIELDS = {
+    "steps": "algorithm.steps",
+    "max_staleness": "algorithm.max_staleness",
+    "rollout_instances": "mesh.rollout_instances",
+    "trainer_ranks": "mesh.trainer_ranks",
+    "rollout_tp": "mesh.rollout_tp",
+    "transfer_backend": "mesh.transfer_backend",
+    "compression": "mesh.compression",
+    "engine": "mesh.engine",
+    "host": "mesh.host",
+    "base_port": "mesh.base_port",
+    "model_dir": "model.path",
+    "output_dir": "output.dir",
+}
+"""`rlmesh up` flags and the job fields they override."""
 
 
-def _ensure_model(model_dir: Path) -> None:
-    from rlmesh.models.qwen2_tiny import create_default_model, is_model_dir
+def _ensure_builtin_model(name: str) -> Path:
+    from rlmesh.job import DEFAULT_MODELS
 
-    if is_model_dir(model_dir):
-        return
-    print(f"creating the default model in {model_dir} (random init + supervised warm-up)...", flush=True)
-    started = time.perf_counter()
-    create_default_model(model_dir)
-    print(f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
+    model_dir = DEFAULT_MODELS[name].resolve()
+    if name == "tiny-chat":
+        from rlmesh.models.chat_tiny import create_chat_model as create, is_model_dir
+    else:
+        from rlmesh.models.qwen2_tiny import create_default_model as create, is_model_dir
+    if not is_model_dir(model_dir):
+        print(f"creating the built-in model {name} in {model_dir} (random init + supervised warm-up)...", flush=True)
+        started = time.perf_counter()
+        create(model_dir)
+        print(f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
+    return model_dir
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    from rlmesh.config import ConfigError
+    from rlmesh.job import parse_value
+
+    overrides: dict[str, object] = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
+                                    if getattr(args, flag) is not None}
+    for assignment in args.set or []:
+        key, sep, value = assignment.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {assignment!r}: write it FIELD=VALUE, e.g. algorithm.learning_rate=1e-4")
+        overrides[key.strip()] = parse_value(value.strip())
+    return overrides
+
+
+def prepare_job(args: argparse.Namespace):
+    """The job of `--job` (or the default job) with the flags applied, its model folder ready, and
+    every task checked against the model's tokenizer. Raises ConfigError or TaskError."""
+    from rlmesh.job import load_job
+    from rlmesh.models.tokenizer import load_hf_tokenizer
+    from rlmesh.tasks.build import build_task
+
+    job, base = load_job(args.job, _overrides(args))
+    model_dir = Path(job.model.path) if job.model.path else _ensure_builtin_model(job.model.builtin)
+    if not (model_dir / "config.json").is_file():
+        from rlmesh.config import ConfigError
+
+        raise ConfigError(f"model.path: {model_dir} is not a HF-format model folder (no config.json)")
+    check_model_family(model_dir)
+    tokenizer = load_hf_tokenizer(model_dir)
+    for task in job.tasks:
+        if task.reward.remote:
+            continue
+        asyncio.run(build_task(task, tokenizer, job.algorithm.seed, [str(base)]).reward.close())
+    return job, base, model_dir
+
+
+def check_model_family(model_dir: Path) -> None:
+    """Refuses a model folder of an architecture rlmesh has no layout rules for."""
+    from transformers import AutoConfig
+
+    from rlmesh.config import ConfigError
+    from rlmesh.models.tp_layout import ModelShape
+
+    try:
+        ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    except ValueError as exc:
+        raise ConfigError(f"model.path: {model_dir}: {exc}") from exc
+
+
+def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
+    """The trainer's config, from the job."""
+    algorithm = job.algorithm
+    return {
+        "model_dir": str(model_dir),
+        "output_dir": str(output_dir),
+        "steps": algorithm.steps,
+        "prompts_per_step": algorithm.prompts_per_step,
+        "group_size": algorithm.group_size,
+        "micro_batch_groups": algorithm.micro_batch_groups,
+        "mini_batches_per_step": algorithm.mini_batches_per_step,
+        "seed": algorithm.seed,
+        "eval_every": algorithm.eval_every,
+        "checkpoint_every": algorithm.checkpoint_every,
+        "grpo": {"learning_rate": algorithm.learning_rate, "clip_epsilon": algorithm.clip_epsilon,
+                 "kl_coef": algorithm.kl_coef, "max_grad_norm": algorithm.max_grad_norm},
+        "tasks": [task.model_dump(mode="json") for task in job.tasks],
+        "python_path": [str(base)],
+    }
 
 
 def _up(args: argparse.Namespace) -> int:
+    from rlmesh.config import ConfigError
     from rlmesh.launcher import MeshPlan, run_mesh
     from rlmesh.logging import configure_logging
+    from rlmesh.tasks.build import TaskError
 
     configure_logging("warning")
-    if args.rollout_instances < 1:
-        print("rlmesh up: --rollout-instances must be at least 1", file=sys.stderr)
+    try:
+        job, base, model_dir = prepare_job(args)
+        mesh = job.mesh
+        if mesh.engine == "vllm":
+            from rlmesh.launcher import VLLM_PYTHON
+
+            if not VLLM_PYTHON.exists():
+                raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
+        output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        output_dir.mkdir(parents=True, exist_ok=True)
+        from services.trainer.config import TrainerConfig
+
+        settings = trainer_settings(job, base, model_dir, output_dir)
+        TrainerConfig.model_validate(settings)
+    except (ConfigError, TaskError, ValueError, FileNotFoundError) as exc:
+        print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
-    if args.transfer_backend == "mooncake" and args.compression != "none":
-        print("rlmesh up: the mooncake backend writes raw bytes; --compression needs --transfer-backend tcp or grpc", file=sys.stderr)
-        return 2
-    if not 1024 <= args.base_port <= 65535 - 10 - args.rollout_instances:
-        print("rlmesh up: --base-port must leave room for every service's port below 65536", file=sys.stderr)
-        return 2
-    model_dir = Path(args.model_dir).resolve()
-    _ensure_model(model_dir)
-    output_dir = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    (output_dir / "job.json").write_text(json.dumps(job.model_dump(mode="json"), indent=2))
+    trainer_config = output_dir / "trainer.json"
+    trainer_config.write_text(json.dumps(settings, indent=2))
     plan = MeshPlan(
         output_dir=output_dir,
         model_dir=model_dir,
-        steps=args.steps,
-        rollout_instances=args.rollout_instances,
-        host=args.host,
-        base_port=args.base_port,
-        max_staleness=args.max_staleness,
-        transfer_backend=args.transfer_backend,
-        trainer_ranks=args.trainer_ranks,
-        rollout_tp=args.rollout_tp,
-        compression=args.compression,
+        steps=job.algorithm.steps,
+        rollout_instances=mesh.rollout_instances,
+        host=mesh.host,
+        base_port=mesh.base_port,
+        max_staleness=job.algorithm.max_staleness,
+        transfer_backend=mesh.transfer_backend,
+        trainer_ranks=mesh.trainer_ranks,
+        rollout_tp=mesh.rollout_tp,
+        compression=mesh.compression,
+        trainer_config=trainer_config,
+        engine=mesh.engine,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -65,7 +167,16 @@ def _init_model(args: argparse.Namespace) -> int:
     from rlmesh.logging import configure_logging
 
     configure_logging("info")
-    _ensure_model(Path(args.model_dir))
+    if args.model_dir is None:
+        _ensure_builtin_model(args.kind)
+    elif args.kind == "tiny-chat":
+        from rlmesh.models.chat_tiny import create_chat_model
+
+        create_chat_model(Path(args.model_dir))
+    else:
+        from rlmesh.models.qwen2_tiny import create_default_model
+
+        create_default_model(Path(args.model_dir))
     return 0
 
 
@@ -90,27 +201,35 @@ def _positive(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="run the whole mesh locally and train the default task")
-    up.add_argument("--steps", type=_positive, default=600, help="training steps (default 600)")
-    up.add_argument("--rollout-instances", type=int, default=1, help="rollout processes (default 1)")
-    up.add_argument("--trainer-ranks", type=_positive, default=1, metavar="N",
-                    help="FSDP ranks of the trainer on this machine; more than 1 runs it under torchrun (default 1)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--base-port", type=int, default=50151,
-                    help="manager port; weights +1, trainer +2, rollout instances +10.. (default 50151)")
-    up.add_argument("--max-staleness", type=int, default=1, choices=range(0, 9), metavar="K",
-                    help="trainer versions a rollout may lag behind (0 = synchronous; default 1)")
-    up.add_argument("--rollout-tp", type=_positive, default=1, metavar="T",
-                    help="tensor-parallel processes per rollout instance (default 1)")
-    up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"), default="tcp",
-                    help="data plane of weight pushes (default tcp)")
-    up.add_argument("--compression", choices=("none", "zstd", "delta"), default="none",
-                    help="link compression of weight pushes (default none; delta needs tcp or grpc)")
-    up.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR), help="created on first use")
-    up.add_argument("--output-dir", help="metrics, plot, checkpoints and logs (default runs/<time>)")
+    up = commands.add_parser("up", help="run a training job on the whole mesh locally (default: the built-in job)",
+                             description="Run a job (--job job.toml; without it the built-in default job) on local "
+                                         "processes. Each flag overrides the job field named in its help.")
+    up.add_argument("--job", help="the job file (model, tasks, algorithm, mesh, output); see examples/")
+    up.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override any job field, e.g. --set algorithm.learning_rate=1e-4 --set tasks.0.weight=2")
+    up.add_argument("--steps", type=_positive, help="algorithm.steps (default 600)")
+    up.add_argument("--rollout-instances", type=_positive, help="mesh.rollout_instances: rollout processes (default 1)")
+    up.add_argument("--trainer-ranks", type=_positive, metavar="N",
+                    help="mesh.trainer_ranks: FSDP ranks of the trainer; more than 1 runs it under torchrun (default 1)")
+    up.add_argument("--host", help="mesh.host (default 127.0.0.1)")
+    up.add_argument("--base-port", type=int,
+                    help="mesh.base_port: manager port; weights +1, trainer +2, rollout instances +10.. (default 50151)")
+    up.add_argument("--max-staleness", type=int, choices=range(0, 9), metavar="K",
+                    help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)")
+    up.add_argument("--rollout-tp", type=_positive, metavar="T",
+                    help="mesh.rollout_tp: tensor-parallel processes per rollout instance (default 1)")
+    up.add_argument("--engine", choices=("torch", "vllm"), help="mesh.engine: rollout engine (default torch)")
+    up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"),
+                    help="mesh.transfer_backend: data plane of weight pushes (default tcp)")
+    up.add_argument("--compression", choices=("none", "zstd", "delta"),
+                    help="mesh.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
+    up.add_argument("--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)")
+    up.add_argument("--output-dir", help="output.dir: metrics, plot, checkpoints and logs (default runs/<time>)")
     up.set_defaults(run=_up)
-    init = commands.add_parser("init-model", help="create the default tiny model")
-    init.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
+    init = commands.add_parser("init-model", help="create a built-in tiny model")
+    init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
+                      help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat template")
+    init.add_argument("--model-dir", help="where to write it (default: where jobs look for the built-in model)")
     init.set_defaults(run=_init_model)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -63,11 +64,13 @@ def load_config(
     data: dict[str, Any] = {}
     if path:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            text = Path(path).read_text()
+            # JSON is what `rlmesh up` writes for a service from a job; people write TOML.
+            data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}") from exc
     environ = os.environ if environ is None else environ
     if env_prefix:
         for name, value in environ.items():

@@ -24,6 +24,8 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 MESH_ID_ENV = "RLMESH_MESH_ID"
 """Set in every process of a mesh (to its output folder) so its processes can be found."""
 STOP_TIMEOUT_SECONDS = 15.0
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+"""The vLLM engine's own virtualenv (`make setup-vllm`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,10 @@ class MeshPlan:
     """Tensor-parallel processes per rollout instance."""
     compression: str = "none"
     """Link compression of weight pushes."""
+    trainer_config: Path | None = None
+    """The trainer's config file, written from the job (tasks, algorithm, outputs)."""
+    engine: str = "torch"
+    """Rollout engine: `torch`, or `vllm` run with the vLLM virtualenv's Python."""
 
     @property
     def manager_address(self) -> str:
@@ -84,16 +90,16 @@ def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") 
 
 
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
-                  python: str | None = None, launcher: list[str] | None = None) -> Child:
-    """Starts `python -m module` as its own process group with `settings` in its environment and
-    its output in `log_dir/name.log`; `python` picks another virtualenv (the vLLM one);
-    `launcher` runs the module through another module (`torchrun_args`)."""
+                  python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None) -> Child:
+    """Starts `python -m module args...` as its own process group with `settings` in its
+    environment and its output in `log_dir/name.log`; `python` picks another virtualenv (the
+    vLLM one); `launcher` runs the module through another module (`torchrun_args`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
-            [python or sys.executable, *(launcher or []), "-m", module],
+            [python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
@@ -138,8 +144,10 @@ class Mesh:
         self.children: list[Child] = []
         self.log_dir = plan.output_dir / "logs"
 
-    def _spawn(self, name: str, module: str, address: str, settings: dict[str, str], launcher: list[str] | None = None) -> Child:
-        child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir), launcher=launcher)
+    def _spawn(self, name: str, module: str, address: str, settings: dict[str, str], launcher: list[str] | None = None,
+               python: str | None = None, args: list[str] | None = None) -> Child:
+        child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir), python=python,
+                              launcher=launcher, args=args)
         self.children.append(child)
         return child
 
@@ -167,7 +175,8 @@ class Mesh:
                 "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
                 "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
                 "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
-            })
+                "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
+            }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None)
             for i in range(plan.rollout_instances)
         ]
         await wait_started([weights, *rollouts])
@@ -184,7 +193,7 @@ class Mesh:
             "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
             "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
             "RLMESH_TRAINER_STEPS": str(plan.steps),
-        }, launcher)
+        }, launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
         await wait_started([trainer])
         return trainer
 

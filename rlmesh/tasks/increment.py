@@ -8,7 +8,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from rlmesh.tasks.base import PromptSource, TaskPrompt
+
 HELD_OUT_SEED = 1_000_003
+HELD_OUT_COUNT = 256
+"""Size of the fixed held-out set; training problems never repeat one of them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,22 +35,24 @@ def held_out_problems(count: int = 64) -> list[Problem]:
     return [make_problem(rng) for _ in range(count)]
 
 
-class ProblemStream:
-    """Training problems for step `step`, reproducible from (seed, step) so a resumed run sees
-    the same data, and disjoint from the held-out set."""
+class IncrementSource(PromptSource):
+    """Training problems reproducible from (seed, position), so a resumed run sees the same data,
+    and disjoint from the held-out set. The ground truth is in the metadata under `answer`."""
 
-    def __init__(self, seed: int, held_out: list[Problem]) -> None:
+    def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.excluded = {p.prompt for p in held_out}
+        self.excluded = {p.prompt for p in held_out_problems(HELD_OUT_COUNT)}
 
-    def problems_for_step(self, step: int, count: int) -> list[Problem]:
-        rng = random.Random(self.seed * 1_000_033 + step)
-        problems: list[Problem] = []
-        while len(problems) < count:
+    def prompt_at(self, position: int) -> TaskPrompt:
+        rng = random.Random(self.seed * 1_000_033 + position)
+        while True:
             problem = make_problem(rng)
             if problem.prompt not in self.excluded:
-                problems.append(problem)
-        return problems
+                return TaskPrompt(f"gen-{position}", text=problem.prompt, metadata={"answer": problem.answer})
+
+    def held_out(self, count: int) -> list[TaskPrompt]:
+        return [TaskPrompt(f"eval-{i}", text=p.prompt, metadata={"answer": p.answer})
+                for i, p in enumerate(held_out_problems(min(count, HELD_OUT_COUNT)))]
 
 
 def reward(response: str, answer: str) -> float:

@@ -259,7 +259,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         queued = self.state.submit(
             request.batch_id,
             request.policy_version,
-            [(p.prompt_id, list(p.token_ids), p.n) for p in request.prompts],
+            [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
             request.sampling,
         )
         self._changed()

@@ -244,24 +244,23 @@ class ManagerState:
 
     # Requests ----------------------------------------------------------------------------
 
-    def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int], int]], sampling: common_pb2.SamplingParams) -> int:
-        """Queues n samples per prompt; validates everything before accepting anything."""
+    def submit(self, batch_id: str, policy_version: int,
+               prompts: list[tuple[str, list[int], int] | tuple[str, list[int], int, common_pb2.SamplingParams | None]],
+               sampling: common_pb2.SamplingParams) -> int:
+        """Queues n samples per prompt, each prompt with its own sampling if it has one, else the
+        batch's; validates everything before accepting anything."""
         if not batch_id:
             raise InvalidArgument("batch_id is required")
         if batch_id in self.batches:
             raise AlreadyExists(f"batch {batch_id!r} was already submitted")
         if not prompts:
             raise InvalidArgument("prompts is empty")
-        if sampling.max_tokens < 1:
-            raise InvalidArgument("sampling.max_tokens must be at least 1")
-        if sampling.temperature < 0:
-            raise InvalidArgument("sampling.temperature must be >= 0")
-        if not 0 <= sampling.top_p <= 1:
-            raise InvalidArgument("sampling.top_p must be in [0, 1] (0 means 1)")
+        check_sampling(sampling, "sampling")
         if policy_version < 0:
             raise InvalidArgument("policy_version must be >= 0")
         seen: set[str] = set()
-        for prompt_id, token_ids, n in prompts:
+        for entry in prompts:
+            prompt_id, token_ids, n = entry[:3]
             if not prompt_id or "/" in prompt_id or "@" in prompt_id:
                 raise InvalidArgument(f"prompt_id {prompt_id!r} must be non-empty and contain no '/' or '@'")
             if prompt_id in seen:
@@ -271,11 +270,15 @@ class ManagerState:
                 raise InvalidArgument(f"prompt {prompt_id!r} has no tokens")
             if not 1 <= n <= MAX_GROUP_SIZE:
                 raise InvalidArgument(f"prompt {prompt_id!r}: n must be in [1, {MAX_GROUP_SIZE}], got {n}")
+            if len(entry) > 3 and entry[3] is not None:
+                check_sampling(entry[3], f"prompt {prompt_id!r}: sampling")
         groups: dict[str, list[SampleRequest]] = {}
-        for prompt_id, token_ids, n in prompts:
+        for entry in prompts:
+            prompt_id, token_ids, n = entry[:3]
+            own = entry[3] if len(entry) > 3 and entry[3] is not None else sampling
             groups[prompt_id] = [
                 SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids),
-                              per_sample_sampling(sampling, f"{batch_id}/{prompt_id}/{i}"), policy_version)
+                              per_sample_sampling(own, f"{batch_id}/{prompt_id}/{i}"), policy_version)
                 for i in range(n)
             ]
         self.batches[batch_id] = Batch(batch_id, policy_version, groups, submitted_at=self.clock())
@@ -647,6 +650,15 @@ class ManagerState:
     @property
     def ready_groups(self) -> int:
         return sum(len(b.ready) for b in self.batches.values())
+
+
+def check_sampling(sampling: common_pb2.SamplingParams, where: str) -> None:
+    if sampling.max_tokens < 1:
+        raise InvalidArgument(f"{where}.max_tokens must be at least 1")
+    if sampling.temperature < 0:
+        raise InvalidArgument(f"{where}.temperature must be >= 0")
+    if not 0 <= sampling.top_p <= 1:
+        raise InvalidArgument(f"{where}.top_p must be in [0, 1] (0 means 1)")
 
 
 def per_sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:

@@ -14,6 +14,10 @@ class TrainingSample:
     behaviour_logprobs: list[float]
     """Log-probabilities the rollout engine sampled with (after temperature)."""
     advantage: float
+    temperature: float = 1.0
+    """The temperature the sample was drawn at (its task's): logprobs are compared at it."""
+    token_rewards: list[float] | None = None
+    """Per-token rewards from the task, added to the sample's advantage token by token."""
 
 
 @dataclass(slots=True)
@@ -24,6 +28,9 @@ class MicroBatch:
     """[B, L-1]: 1 where position i predicts a response token."""
     behaviour_logprobs: torch.Tensor
     advantages: torch.Tensor
+    """[B, L-1]: each response token's advantage (the sample's, plus its token reward if any)."""
+    temperatures: torch.Tensor
+    """[B]"""
 
 
 def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
@@ -33,6 +40,7 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     response_mask = torch.zeros((len(rows), width - 1))
     behaviour = torch.zeros((len(rows), width - 1))
+    advantages = torch.zeros((len(rows), width - 1))
     for i, (sample, row) in enumerate(zip(samples, rows)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
@@ -40,12 +48,17 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         end = start + len(sample.response_ids)
         response_mask[i, start:end] = 1
         behaviour[i, start:end] = torch.tensor(sample.behaviour_logprobs)
-    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages)
+        advantages[i, start:end] = sample.advantage
+        if sample.token_rewards is not None:
+            advantages[i, start:end] += torch.tensor(sample.token_rewards)
+    temperatures = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
+    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages, temperatures)
 
 
-def token_logprobs(model: torch.nn.Module, batch: MicroBatch, temperature: float) -> torch.Tensor:
-    """[B, L-1] log-probability of each next token under `model` at the sampling temperature."""
+def token_logprobs(model: torch.nn.Module, batch: MicroBatch, temperature: float | None = None) -> torch.Tensor:
+    """[B, L-1] log-probability of each next token under `model` at each sample's temperature
+    (or at `temperature` for every sample)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    scale = batch.temperatures[:, None, None].to(logits.device) if temperature is None else temperature
+    logprobs = torch.log_softmax(logits / scale, dim=-1)
     return logprobs.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)

@@ -13,7 +13,7 @@ the same order. Without a process group it runs on a plain (unsharded) model."""
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -41,6 +41,9 @@ class TrainerState:
     version: int
     """Weight version of the policy: the step plus an offset fixed when a run starts, since a
     run restarted on a mesh that already holds versions must publish above them."""
+    task_cursors: dict[str, int] = field(default_factory=dict)
+    """Each task's prompts taken before the first step not yet trained: a resumed run submits
+    that step's prompts again, and goes on from there."""
 
 
 def _rank() -> int:
@@ -77,7 +80,8 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     if rank == 0:
         if full is not None:
             export_hf_folder(partial, model, full, tokenizer_dir)
-        torch.save({"step": state.step, "version": state.version, "world_size": _world()}, partial / STATE_FILE)
+        torch.save({"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors),
+                    "world_size": _world()}, partial / STATE_FILE)
         shutil.rmtree(target, ignore_errors=True)
         # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
         partial.rename(target)
@@ -125,4 +129,4 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     saved = torch.load(path / STATE_FILE, weights_only=True)
     if saved.get("world_size", _world()) != _world():
         log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved["world_size"], ranks=_world())
-    return TrainerState(step=saved["step"], version=saved["version"])
+    return TrainerState(step=saved["step"], version=saved["version"], task_cursors=dict(saved.get("task_cursors", {})))

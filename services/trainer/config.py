@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
+from rlmesh.tasks.config import TaskConfig
 
 
 class GrpoConfig(StrictModel):
@@ -16,9 +17,6 @@ class GrpoConfig(StrictModel):
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
-    temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    max_tokens: int = Field(default=12, ge=1)
 
 
 class TrainerConfig(StrictModel):
@@ -43,10 +41,13 @@ class TrainerConfig(StrictModel):
     mini_batches_per_step: int = Field(default=1, ge=1)
     """Optimizer steps per training step; prompts_per_step must divide evenly."""
     grpo: GrpoConfig = GrpoConfig()
+    tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
+    """What the policy is trained on: prompts, rendering, reward and sampling per task; several
+    tasks are mixed by weight within every step."""
+    python_path: list[str] = Field(default_factory=list)
+    """Folders put first on the import path before user code (reward functions) is loaded: the
+    job file's folder."""
     eval_every: int = Field(default=10, ge=1)
-    eval_prompts: int = Field(default=64, ge=1)
-    eval_samples: int = Field(default=4, ge=1)
-    """Sampled responses per held-out prompt for the sampled-reward estimate."""
     checkpoint_every: int = Field(default=25, ge=1)
     resume: bool = True
     """Continue from the newest checkpoint in output_dir if there is one."""

@@ -1,63 +1,69 @@
-"""Held-out evaluation of the policy: mean sampled reward (temperature 1) and greedy exact match."""
+"""Held-out generation with the trainer's own policy: sampled and greedy responses to rendered
+prompts, as token ids (rank 0 decodes and scores them with the task's reward)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tokenizers import Tokenizer
-
-from rlmesh.tasks.increment import Problem, exact_match, reward
 
 
 @dataclass(frozen=True, slots=True)
-class EvalResult:
-    sampled_reward: float
-    greedy_reward: float
-    exact_match: float
+class EvalRequest:
+    """One task's held-out prompts and how to sample them."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    samples: int
+    """Sampled responses per prompt (plus one greedy)."""
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResponses:
+    sampled: list[list[int]]
+    """`samples` rounds over the prompts: response i of round k is at k * len(prompts) + i."""
+    greedy: list[list[int]]
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer: Tokenizer, problems: list[Problem], eos_id: int, pad_id: int,
-             max_tokens: int, samples: int, seed: int, synced_gpus: bool = False,
-             device: torch.device | None = None) -> EvalResult:
+def generate_responses(model, request: EvalRequest, stop_ids: Sequence[int], pad_id: int, synced_gpus: bool = False,
+                       device: torch.device | None = None) -> EvalResponses:
     """`synced_gpus`: the model is sharded over several ranks that all run this evaluation; every
     rank keeps decoding until all are done, so their FSDP collectives stay matched."""
-    prompts = [tokenizer.encode(p.prompt).ids for p in problems]
+    prompts = request.prompts
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     was_training = model.training
     model.eval()
 
-    def responses(do_sample: bool, repeat: int) -> list[str]:
+    def responses(do_sample: bool, repeat: int) -> list[list[int]]:
         outputs = model.generate(
             input_ids=input_ids.repeat(repeat, 1),
             attention_mask=attention.repeat(repeat, 1),
             do_sample=do_sample,
-            temperature=1.0 if do_sample else None,
-            top_p=1.0 if do_sample else None,
+            temperature=request.temperature if do_sample else None,
+            top_p=request.top_p if do_sample else None,
             top_k=None,
-            max_new_tokens=max_tokens,
-            eos_token_id=eos_id,
+            max_new_tokens=request.max_tokens,
+            eos_token_id=list(stop_ids),
             pad_token_id=pad_id,
             synced_gpus=synced_gpus,
         )
-        texts = []
+        cut = []
         for row in outputs[:, width:].tolist():
-            tokens = row[: row.index(eos_id)] if eos_id in row else row
-            texts.append(tokenizer.decode([t for t in tokens if t != pad_id]))
-        return texts
+            end = next((i for i, token in enumerate(row) if token in stop_ids), len(row))
+            cut.append(row[:end])
+        return cut
 
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        sampled = responses(True, samples)
+        torch.manual_seed(request.seed)
+        sampled = responses(True, request.samples)
     greedy = responses(False, 1)
     if was_training:
         model.train()
-    answers = [p.answer for p in problems]
-    return EvalResult(
-        sampled_reward=sum(reward(r, a) for r, a in zip(sampled, answers * samples)) / len(sampled),
-        greedy_reward=sum(reward(r, a) for r, a in zip(greedy, answers)) / len(greedy),
-        exact_match=sum(exact_match(r, a) for r, a in zip(greedy, answers)) / len(greedy),
-    )
+    return EvalResponses(sampled, greedy)

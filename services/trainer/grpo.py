@@ -9,10 +9,12 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(r - mean) / std within each group (rows); a group with equal rewards teaches nothing: 0."""
-    mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
-    return torch.where(std > eps, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
+    """(r - mean) / std within each group (rows); a group with equal rewards teaches nothing: 0.
+    Computed in float64: rewards a few ulps apart in float32 would otherwise lose their centring."""
+    values = rewards.double()
+    mean = values.mean(dim=-1, keepdim=True)
+    std = values.std(dim=-1, keepdim=True, unbiased=False)
+    return torch.where(std > eps, (values - mean) / (std + eps), torch.zeros_like(values)).to(rewards.dtype)
 
 
 def k3_kl(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
@@ -41,10 +43,11 @@ def grpo_loss(
     """Loss of one micro-batch, scaled so that summing micro-batches of a mini-batch of
     `normaliser` sequences gives the mini-batch mean of per-sequence token means.
 
-    logprobs, behaviour_logprobs, mask: [sequences, tokens]; advantages: [sequences]."""
+    logprobs, behaviour_logprobs, mask: [sequences, tokens]; advantages: [sequences] (one per
+    sequence) or [sequences, tokens] (one per token)."""
     mask = mask.to(logprobs.dtype)
     ratio = (logprobs - behaviour_logprobs).exp()
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
     clipped = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
     token_loss = -torch.minimum(ratio * adv, clipped * adv)
     kl_tokens = (

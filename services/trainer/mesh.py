@@ -30,13 +30,15 @@ class MeshClient:
     async def cancel(self, batch_id: str) -> None:
         await self.manager.CancelBatch(manager_pb2.CancelBatchRequest(batch_id=batch_id), **call_options(self.rpc_timeout))
 
-    async def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int]]], n: int, sampling: common_pb2.SamplingParams) -> None:
+    async def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+                     n: int) -> None:
+        """Each prompt carries its task's sampling settings."""
         await self.manager.SubmitPrompts(
             manager_pb2.SubmitPromptsRequest(
                 batch_id=batch_id,
                 policy_version=policy_version,
-                prompts=[manager_pb2.Prompt(prompt_id=pid, token_ids=ids, n=n) for pid, ids in prompts],
-                sampling=sampling,
+                prompts=[manager_pb2.Prompt(prompt_id=pid, token_ids=ids, n=n, sampling=sampling) for pid, ids, sampling in prompts],
+                sampling=prompts[0][2],
             ),
             **call_options(self.rpc_timeout),
         )

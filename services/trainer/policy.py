@@ -23,15 +23,14 @@ from torch.distributed.tensor import DTensor
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import load_causal_lm
-from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
+from rlmesh.models.tokenizer import load_hf_tokenizer, stop_token_ids
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.shards import LocalShard
-from rlmesh.tasks.increment import held_out_problems
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
-from services.trainer.evaluation import EvalResult, evaluate
+from services.trainer.evaluation import EvalRequest, EvalResponses, generate_responses
 from services.trainer.grpo import grpo_loss
 
 
@@ -80,10 +79,9 @@ class ShardedPolicy:
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
-        self.tokenizer = load_tokenizer(config.model_dir)
-        self.eos_id = self.tokenizer.token_to_id(EOS_TOKEN)
-        self.pad_id = self.tokenizer.token_to_id(PAD_TOKEN)
-        self.held_out = held_out_problems(config.eval_prompts)
+        self.tokenizer = load_hf_tokenizer(config.model_dir)
+        self.stop_ids = stop_token_ids(self.model.config, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.normaliser = config.prompts_per_step // config.mini_batches_per_step * config.group_size
         """Sequences per mini-batch: the loss of every micro-batch is divided by it."""
 
@@ -98,12 +96,12 @@ class ShardedPolicy:
         if share:
             batch = build_micro_batch(share, self.pad_id)
             batch = type(batch)(*(t.to(self.rank.device) for t in (batch.input_ids, batch.attention_mask, batch.response_mask,
-                                                                   batch.behaviour_logprobs, batch.advantages)))
-            logprobs = token_logprobs(self.model, batch, grpo.temperature)
+                                                                   batch.behaviour_logprobs, batch.advantages, batch.temperatures)))
+            logprobs = token_logprobs(self.model, batch)
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
-                    reference = token_logprobs(self.reference, batch, grpo.temperature)
+                    reference = token_logprobs(self.reference, batch)
             loss, stats = grpo_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
                                     grpo.clip_epsilon, self.normaliser, reference, grpo.kl_coef)
             tokens = float(batch.response_mask.sum())
@@ -134,12 +132,11 @@ class ShardedPolicy:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def evaluate(self, step: int) -> EvalResult:
-        """The held-out evaluation; every rank runs the same one (FSDP forwards need every rank),
-        generation kept in lockstep (synced_gpus) until every rank is done."""
-        return evaluate(self.model, self.tokenizer, self.held_out, self.eos_id, self.pad_id, self.config.grpo.max_tokens,
-                        self.config.eval_samples, self.config.seed + step, synced_gpus=self.rank.world_size > 1,
-                        device=self.rank.device)
+    def evaluate(self, request: EvalRequest) -> EvalResponses:
+        """Held-out responses; every rank runs the same generation (FSDP forwards need every rank),
+        kept in lockstep (synced_gpus) until every rank is done."""
+        return generate_responses(self.model, request, self.stop_ids, self.pad_id, synced_gpus=self.rank.world_size > 1,
+                                  device=self.rank.device)
 
     def local_shards(self) -> dict[str, LocalShard]:
         """This rank's rows of every parameter (HF names, tied weights once): views, no copy, no gather."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState
 from services.trainer.distributed import RankInfo, TorchThread
-from services.trainer.evaluation import EvalResult
+from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.handoff import PublishError, ShardHandoff
 from services.trainer.policy import MicroBatchStats, ShardedPolicy
 
@@ -41,7 +41,9 @@ class OptimizerStep:
 
 @dataclass(frozen=True, slots=True)
 class Evaluate:
-    step: int
+    """Held-out responses to one task's prompts."""
+
+    request: EvalRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +55,7 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    step: int
-    version: int
+    state: TrainerState
     export_hf: bool
     """Also write the whole policy as an HF folder (the final checkpoint)."""
 
@@ -150,13 +151,13 @@ class RankGroup:
                 return stats
             case OptimizerStep():
                 return await thread.run(policy.optimizer_step)
-            case Evaluate(step):
-                result: EvalResult = await thread.run(policy.evaluate, step)
-                return result
+            case Evaluate(request):
+                responses: EvalResponses = await thread.run(policy.evaluate, request)
+                return responses
             case Publish(version):
                 return await self._publish(version)
-            case Checkpoint(step, version, export_hf):
-                return await thread.run(policy.save, self.checkpoints, TrainerState(step=step, version=version), export_hf)
+            case Checkpoint(state, export_hf):
+                return await thread.run(policy.save, self.checkpoints, state, export_hf)
             case Resume(path):
                 return await thread.run(policy.load, Path(path))
             case Stop():

@@ -1,7 +1,7 @@
-"""The GRPO training loop over the mesh, run by rank 0: submit prompts ahead within the staleness
-bound, train on micro-batches as they stream in, step the optimizer per mini-batch, publish every
-version. The policy is sharded over the trainer's ranks; every torch operation on it is a command
-all ranks run together (see `ranks.py`)."""
+"""The GRPO training loop over the mesh, run by rank 0: draw each step's prompts from the job's
+tasks and submit them ahead within the staleness bound, score and train on micro-batches as they
+stream in, step the optimizer per mini-batch, publish every version. The policy is sharded over
+the trainer's ranks; every torch operation on it is a command all ranks run together (`ranks.py`)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
-from rlmesh.tasks.increment import ProblemStream, exact_match, reward
+from rlmesh.rewards.base import RewardItem, RewardResult
+from rlmesh.tasks.base import SourceExhausted, TaskPrompt
+from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.evaluation import EvalResult
+from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.grpo import group_advantages
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
@@ -54,9 +56,41 @@ class TrainingStatus:
 
 
 @dataclass(slots=True)
+class Submitted:
+    """A prompt in flight: which task it came from, and what the policy saw."""
+
+    task: Task
+    prompt: TaskPrompt
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class TaskTotals:
+    rewards: list[float] = field(default_factory=list)
+    components: dict[str, list[float]] = field(default_factory=dict)
+    failures: int = 0
+
+    def add(self, result: RewardResult) -> None:
+        self.rewards.append(result.reward)
+        self.failures += result.failed
+        for name, value in result.components.items():
+            self.components.setdefault(name, []).append(value)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        values = {f"{prefix}reward": sum(self.rewards) / len(self.rewards), f"{prefix}reward_failures": float(self.failures)}
+        values.update({f"{prefix}{name}": sum(v) / len(v) for name, v in self.components.items()})
+        return values
+
+
+SOLVED = 1.0 - 1e-9
+"""A sample with at least this reward earned the full reward (for the 0..1 rewards of the built-in tasks: exact)."""
+
+
+@dataclass(slots=True)
 class StepTotals:
     rewards: list[float] = field(default_factory=list)
-    exact: list[bool] = field(default_factory=list)
+    per_task: dict[str, TaskTotals] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)
     response_tokens: int = 0
     wait_seconds: float = 0.0
@@ -76,23 +110,24 @@ class GrpoTrainer:
         self.output = Path(config.output_dir)
         self.output.mkdir(parents=True, exist_ok=True)
         self.tokenizer = group.policy.tokenizer
-        self.eos_id = group.policy.eos_id
+        self.stop_ids = group.policy.stop_ids
+        self.mixture = TaskMixture([build_task(t, self.tokenizer, config.seed, config.python_path) for t in config.tasks], config.seed)
         self.metrics = MetricsWriter(self.output)
         self.checkpoints = group.checkpoints
         self.ledger_path = self.output / "rollouts.jsonl"
         self._ledger_file = self.ledger_path.open("a", buffering=1)
-        self.held_out = group.policy.held_out
-        self.problems = ProblemStream(config.seed, self.held_out)
-        self.answers: dict[tuple[str, str], str] = {}
+        self.in_flight: dict[tuple[str, str], Submitted] = {}
+        self.cursors_before: dict[int, dict[str, int]] = {}
+        """Every task's cursor before a step's prompts were drawn: what a checkpoint of that step saves."""
         self.run_tag = uuid.uuid4().hex[:8]
-        self.sampling = common_pb2.SamplingParams(
-            temperature=config.grpo.temperature,
-            top_p=config.grpo.top_p,
-            max_tokens=config.grpo.max_tokens,
-            stop_token_ids=[self.eos_id],
-        )
         self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
         self.unread_batches: set[str] = set()
+        self.total_steps = config.steps
+
+    def _sampling(self, task: Task) -> common_pb2.SamplingParams:
+        sampling = task.config.sampling
+        return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                         max_tokens=task.config.max_tokens, stop_token_ids=self.stop_ids)
 
     def _ledger(self, record: dict) -> None:
         self._ledger_file.write(json.dumps(record) + "\n")
@@ -106,7 +141,8 @@ class GrpoTrainer:
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         if checkpoint is not None:
             state = await self.group.lead(Resume(str(checkpoint)))
-            log.info("resumed", checkpoint=str(checkpoint), step=state.step)
+            self.mixture.restore(state.task_cursors)
+            log.info("resumed", checkpoint=str(checkpoint), step=state.step, task_cursors=state.task_cursors)
         manager = await self.mesh.manager_status()
         stored = await self.mesh.stored_version()
         # Versions only grow: a policy restarted on a mesh that already holds versions is published above them.
@@ -118,19 +154,24 @@ class GrpoTrainer:
         self.status.step, self.status.version = state.step, state.version
         first_eval = last_eval = await self._evaluate(state.step)
         try:
-            for step in range(state.step, self.config.steps):
-                for ahead in range(step, min(self.config.steps, step + manager.max_staleness + 1)):
-                    if self._batch_id(ahead) not in self.unread_batches:
-                        await self._submit(ahead, ahead + version_offset)
+            while state.step < self.total_steps:
+                for ahead in range(state.step, min(self.total_steps, state.step + manager.max_staleness + 1)):
+                    if self._batch_id(ahead) not in self.unread_batches and not await self._submit(ahead, ahead + version_offset):
+                        break
+                if state.step >= self.total_steps:
+                    break
                 await self._step(state, version_offset)
-                last_step = state.step == self.config.steps
+                last_step = state.step == self.total_steps
                 if state.step % self.config.eval_every == 0 or last_step:
                     last_eval = await self._evaluate(state.step)
                 if state.step % self.config.checkpoint_every == 0 or last_step:
                     # The last one also holds the whole policy as an HF folder.
-                    await self.group.lead(Checkpoint(state.step, state.version, export_hf=last_step))
+                    cursors = self.cursors_before.get(state.step, self.mixture.cursors())
+                    await self.group.lead(Checkpoint(TrainerState(state.step, state.version, cursors), export_hf=last_step))
+                self.cursors_before = {s: c for s, c in self.cursors_before.items() if s >= state.step}
         finally:
             await self._cancel_unread_batches()
+            await self.mixture.close()
             self._ledger_file.close()
         plot = self.metrics.plot()
         self.metrics.close()
@@ -160,7 +201,8 @@ class GrpoTrainer:
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
             "reward": sum(totals.rewards) / len(totals.rewards),
-            "exact_match": sum(totals.exact) / len(totals.exact),
+            "exact_match": sum(r >= SOLVED for r in totals.rewards) / len(totals.rewards),
+            "reward_failures": float(sum(t.failures for t in totals.per_task.values())),
             "loss": totals.loss,
             "kl": sum(totals.kl) / len(totals.kl),
             "clip_fraction": sum(totals.clip_fraction) / len(totals.clip_fraction),
@@ -177,6 +219,8 @@ class GrpoTrainer:
             "weight_version": float(state.version),
             **balance,
         }
+        for name, task_totals in totals.per_task.items():
+            values.update(task_totals.metrics(f"task/{name}/"))
         self.metrics.write(state.step, values)
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
@@ -214,17 +258,31 @@ class GrpoTrainer:
                 log.warning("could not cancel a batch", batch_id=batch_id, code=exc.code().name)
         self.unread_batches.clear()
 
-    async def _submit(self, step: int, policy_version: int) -> None:
+    async def _submit(self, step: int, policy_version: int) -> bool:
+        """Draws and submits a step's prompts; False (and the run ends before that step) when a
+        task's dataset ran out of epochs."""
         batch_id = self._batch_id(step)
+        cursors = self.mixture.cursors()
+        try:
+            drawn = self.mixture.draw(step, self.config.prompts_per_step)
+        except SourceExhausted as exc:
+            log.warning("a task ran out of prompts: training ends here", step=step, reason=str(exc))
+            self.total_steps = step
+            return False
+        self.cursors_before[step] = cursors
         prompts = []
-        for index, problem in enumerate(self.problems.problems_for_step(step, self.config.prompts_per_step)):
+        for index, (task, prompt) in enumerate(drawn):
             prompt_id = f"p{index}"
-            self.answers[(batch_id, prompt_id)] = problem.answer
-            prompts.append((prompt_id, self.tokenizer.encode(problem.prompt).ids))
-        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, self.sampling)
+            text = task.renderer.text(prompt)
+            submitted = Submitted(task, prompt, text, task.renderer.token_ids(prompt))
+            self.in_flight[(batch_id, prompt_id)] = submitted
+            prompts.append((prompt_id, submitted.token_ids, self._sampling(task)))
+        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size)
         self.unread_batches.add(batch_id)
         self._ledger({"event": "submitted", "batch_id": batch_id, "step": step, "policy_version": policy_version,
-                      "prompt_ids": [p for p, _ in prompts], "group_size": self.config.group_size})
+                      "prompts": {pid: [task.name, prompt.uid] for pid, (task, prompt) in zip((p for p, _, _ in prompts), drawn)},
+                      "group_size": self.config.group_size})
+        return True
 
     async def _train_step(self, step: int, policy_version: int) -> StepTotals:
         batch_id = self._batch_id(step)
@@ -245,7 +303,7 @@ class GrpoTrainer:
                         fresh = [g for g in groups if g.prompt_id not in received]
                         received.update(g.prompt_id for g in fresh)
                         if fresh:
-                            samples = self._score(batch_id, fresh, policy_version, totals)
+                            samples = await self._score(batch_id, fresh, policy_version, totals)
                             stats: MicroBatchStats = await self.group.lead(Train(samples))
                             totals.loss += stats.loss
                             totals.kl.append(stats.kl)
@@ -268,34 +326,85 @@ class GrpoTrainer:
             totals.grad_norm.append(await self.group.lead(OptimizerStep()))
         return totals
 
-    def _score(self, batch_id: str, groups: list[manager_pb2.Group], policy_version: int, totals: StepTotals) -> list[TrainingSample]:
-        samples: list[TrainingSample] = []
+    def _completion(self, token_ids) -> tuple[list[int], str]:
+        """A response's tokens without its final stop token, and their text."""
+        ids = list(token_ids)
+        if ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def _score_groups(self, keyed: list[tuple[Submitted, list[RewardItem]]]) -> list[list[RewardResult]]:
+        """Each task scores its own items, all tasks at once; results come back per group."""
+        by_task: dict[str, list[RewardItem]] = {}
+        for submitted, items in keyed:
+            by_task.setdefault(submitted.task.name, []).extend(items)
+        names = list(by_task)
+        scored = await asyncio.gather(*(self.mixture.by_name[n].reward.score(by_task[n]) for n in names))
+        results = {n: iter(r) for n, r in zip(names, scored)}
+        return [[next(results[s.task.name]) for _ in items] for s, items in keyed]
+
+    async def _score(self, batch_id: str, groups: list[manager_pb2.Group], policy_version: int, totals: StepTotals) -> list[TrainingSample]:
+        keyed = []
         for group in groups:
-            answer = self.answers.pop((batch_id, group.prompt_id))
-            rewards = []
-            for sample in group.samples:
-                tokens = [t for t in sample.token_ids if t != self.eos_id]
-                text = self.tokenizer.decode(tokens)
-                rewards.append(reward(text, answer))
-                totals.exact.append(exact_match(text, answer))
+            submitted = self.in_flight[(batch_id, group.prompt_id)]
+            items = []
+            for index, sample in enumerate(group.samples):
+                _, text = self._completion(sample.token_ids)
+                items.append(RewardItem(f"{batch_id}/{group.prompt_id}/{index}", submitted.text, text,
+                                        submitted.prompt.metadata, list(sample.token_ids)))
+            keyed.append((submitted, items))
+        scored = await self._score_groups(keyed)
+        samples: list[TrainingSample] = []
+        for group, (submitted, _), results in zip(groups, keyed, scored):
+            del self.in_flight[(batch_id, group.prompt_id)]
+            task_totals = totals.per_task.setdefault(submitted.task.name, TaskTotals())
+            rewards = [r.reward for r in results]
+            for sample, result in zip(group.samples, results):
+                task_totals.add(result)
                 totals.staleness.append(policy_version - min(sample.weight_versions))
                 totals.response_tokens += len(sample.token_ids)
             totals.rewards += rewards
-            advantages = group_advantages(torch.tensor(rewards)[None])[0].tolist()
-            for sample, advantage in zip(group.samples, advantages):
-                samples.append(TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage))
-            self._ledger({"event": "received", "batch_id": batch_id, "prompt_id": group.prompt_id, "samples": len(group.samples),
+            advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64)[None])[0].tolist()
+            temperature = submitted.task.config.sampling.temperature
+            for sample, advantage, result in zip(group.samples, advantages, results):
+                samples.append(TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage,
+                                              temperature, list(result.token_rewards) if result.token_rewards is not None else None))
+            self._ledger({"event": "received", "batch_id": batch_id, "prompt_id": group.prompt_id, "task": submitted.task.name,
+                          "uid": submitted.prompt.uid, "samples": len(group.samples), "rewards": rewards,
                           "min_version": min(min(s.weight_versions) for s in group.samples),
                           "max_version": max(max(s.weight_versions) for s in group.samples)})
         return samples
 
     async def _evaluate(self, step: int) -> dict[str, float]:
-        result: EvalResult = await self.group.lead(Evaluate(step))
-        values = {
-            "eval/sampled_reward": result.sampled_reward,
-            "eval/greedy_reward": result.greedy_reward,
-            "eval/exact_match": result.exact_match,
-        }
+        """Every task's held-out prompts: sampled reward, greedy reward, and the share solved greedily."""
+        values: dict[str, float] = {}
+        pooled: dict[str, list[float]] = {"sampled": [], "greedy": []}
+        for task in self.mixture.tasks:
+            held_out = task.source.held_out(task.config.eval.prompts)
+            texts = [task.renderer.text(p) for p in held_out]
+            sampling = task.config.sampling
+            request = EvalRequest([task.renderer.token_ids(p) for p in held_out], task.config.max_tokens,
+                                  task.config.eval.samples, sampling.temperature, sampling.top_p, self.config.seed + step)
+            responses: EvalResponses = await self.group.lead(Evaluate(request))
+            prompts = held_out * task.config.eval.samples + held_out
+            rendered = texts * task.config.eval.samples + texts
+            items = []
+            for index, (prompt, text, ids) in enumerate(zip(prompts, rendered, responses.sampled + responses.greedy)):
+                items.append(RewardItem(f"eval-{step}-{index}", text, self._completion(ids)[1], prompt.metadata, ids))
+            results = [r.reward for r in await task.reward.score(items)]
+            sampled, greedy = results[: len(responses.sampled)], results[len(responses.sampled):]
+            pooled["sampled"] += sampled
+            pooled["greedy"] += greedy
+            values.update({
+                f"eval/{task.name}/sampled_reward": sum(sampled) / len(sampled),
+                f"eval/{task.name}/greedy_reward": sum(greedy) / len(greedy),
+                f"eval/{task.name}/exact_match": sum(r >= SOLVED for r in greedy) / len(greedy),
+            })
+        values.update({
+            "eval/sampled_reward": sum(pooled["sampled"]) / len(pooled["sampled"]),
+            "eval/greedy_reward": sum(pooled["greedy"]) / len(pooled["greedy"]),
+            "eval/exact_match": sum(r >= SOLVED for r in pooled["greedy"]) / len(pooled["greedy"]),
+        })
         self.metrics.write(step, values)
         self.status.metrics.update(values)
         log.info("held-out evaluation", step=step, **{k: round(v, 4) for k, v in values.items()})

@@ -4,7 +4,6 @@ outputs, serves reflection on every port, and leaves no process behind (also aft
 import asyncio
 import collections
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -49,23 +48,22 @@ def free_base_port() -> int:
 
 
 def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
+    """A short run: held-out evaluation of 16 prompts every 2 steps."""
     return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
-            "--model-dir", str(model_dir), "--output-dir", str(output_dir)]
+            "--model-dir", str(model_dir), "--output-dir", str(output_dir),
+            "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=16"]
 
-
-def small_run_env() -> dict[str, str]:
-    return {**os.environ, "RLMESH_TRAINER_EVAL_EVERY": "2", "RLMESH_TRAINER_EVAL_PROMPTS": "16"}
 
 
 def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
     output_dir = tmp_path / "run"
-    result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=4), env=small_run_env(),
+    result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=4),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "held-out sampled reward" in result.stdout
 
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
-    submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompt_ids"])
+    submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"])
     received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
     assert len(submitted) == 4 * 16 and set(submitted.values()) == {1}
     assert received == submitted, "a prompt was lost or delivered twice"
@@ -102,7 +100,7 @@ async def training_step(address: str) -> int:
 def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     base = free_base_port()
-    process = subprocess.Popen(up_command(model_dir, output_dir, base, steps=10_000), env=small_run_env(),
+    process = subprocess.Popen(up_command(model_dir, output_dir, base, steps=10_000),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -126,7 +124,7 @@ def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_pat
 def test_a_rerun_resumes_from_the_last_checkpoint(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     for steps in (2, 4):
-        result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=steps), env=small_run_env(),
+        result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=steps),
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +140,7 @@ def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
     weights service through shared memory, checkpoint their own shards, and leave nothing behind."""
     output_dir = tmp_path / "run"
     command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--trainer-ranks", "2"]
-    result = subprocess.run(command, env=small_run_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 FSDP ranks" in result.stdout and "held-out sampled reward" in result.stdout
 

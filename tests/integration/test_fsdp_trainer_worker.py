@@ -20,17 +20,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from rlmesh.logging import configure_logging
-from services.trainer.checkpoint import latest_checkpoint
+from rlmesh.tasks.increment import held_out_problems
+from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import TorchThread, init_distributed, shutdown_distributed
+from services.trainer.evaluation import EvalRequest
 from services.trainer.main import _build
 from services.trainer.ranks import Checkpoint, Evaluate, OptimizerStep, Publish, Resume, Stop, Train
 
 
 def config_for(spec: dict) -> TrainerConfig:
     return TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], weights_address=spec["weights_address"],
-                         handoff=spec["handoff"], prompts_per_step=2, group_size=8, micro_batch_groups=1, eval_prompts=4,
-                         eval_samples=1, seed=3)
+                         handoff=spec["handoff"], prompts_per_step=2, group_size=8, micro_batch_groups=1, seed=3)
 
 
 def full_state(policy) -> dict:
@@ -56,8 +57,11 @@ async def run(spec: dict) -> None:
                 result["stats"] = [await group.lead(Train(samples)) for samples in micro_batches]
                 result["grad_norm"] = await group.lead(OptimizerStep())
                 result["publish"].append(await group.lead(Publish(spec["versions"][1])))
-                result["eval"] = await group.lead(Evaluate(1))
-                result["checkpoint"] = str(await group.lead(Checkpoint(1, spec["versions"][1], export_hf=True)))
+                prompts = [group.policy.tokenizer.encode(p.prompt) for p in held_out_problems(4)]
+                result["eval"] = await group.lead(Evaluate(EvalRequest(prompts, max_tokens=12, samples=1, temperature=1.0,
+                                                                       top_p=1.0, seed=4)))
+                result["checkpoint"] = str(await group.lead(Checkpoint(TrainerState(1, spec["versions"][1], {"increment": 32}),
+                                                                       export_hf=True)))
             else:
                 checkpoint = latest_checkpoint(Path(config.output_dir) / "checkpoints")
                 result["state"] = await group.lead(Resume(str(checkpoint)))

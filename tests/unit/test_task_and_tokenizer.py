@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from rlmesh.models.tokenizer import DEFAULT_ALPHABET, EOS_TOKEN, build_char_tokenizer, load_tokenizer
-from rlmesh.tasks.increment import ProblemStream, answer_for, exact_match, held_out_problems, make_problem, reward
+from rlmesh.tasks.increment import HELD_OUT_COUNT, IncrementSource, answer_for, exact_match, held_out_problems, make_problem, reward
 
 digits = st.text(alphabet="0123456789", min_size=0, max_size=12)
 
@@ -30,12 +30,17 @@ def test_reward_counts_positions():
     assert exact_match("1234", "1234") and not exact_match("123", "1234")
 
 
-def test_problems_are_reproducible_and_disjoint_from_held_out():
-    held_out = held_out_problems(64)
-    stream = ProblemStream(seed=3, held_out=held_out)
-    assert stream.problems_for_step(5, 16) == ProblemStream(3, held_out).problems_for_step(5, 16)
-    seen = {p.prompt for step in range(50) for p in stream.problems_for_step(step, 16)}
-    assert not seen & {p.prompt for p in held_out}
+def test_problems_are_reproducible_by_position_and_disjoint_from_held_out():
+    source = IncrementSource(seed=3)
+    first = source.take(16)
+    again = IncrementSource(seed=3)
+    again.cursor = 8
+    assert again.take(8) == first[8:]
+    assert source.cursor == 16
+    seen = {p.text for p in IncrementSource(3).take(800)}
+    assert not seen & {p.prompt for p in held_out_problems(HELD_OUT_COUNT)}
+    assert [p.text for p in source.held_out(64)] == [p.prompt for p in held_out_problems(64)]
+    assert all(p.metadata["answer"] == answer_for(p.text[:-1]) for p in first)
     problem = make_problem(random.Random(0))
     assert 4 <= len(problem.prompt) - 1 <= 8 and problem.prompt.endswith("=")
 

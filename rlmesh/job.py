@@ -1,0 +1,154 @@
+"""A training job: one typed file (`job.toml`) naming the model, the tasks, the algorithm, the
+mesh's shape and the outputs. `rlmesh up --job job.toml` runs it; flags override its fields."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from rlmesh.config import ConfigError, StrictModel
+from rlmesh.tasks.config import TaskConfig
+
+DEFAULT_MODELS = {
+    "tiny-increment": Path(".rlmesh/models/tiny-qwen2-increment"),
+    "tiny-chat": Path(".rlmesh/models/tiny-qwen2-chat"),
+}
+"""Built-in models, created on first use (random init and a short supervised warm-up)."""
+
+
+class ModelSection(StrictModel):
+    path: str | None = None
+    """A local HF-format model folder (config.json, safetensors, tokenizer) of a supported family.
+    Relative to the job file. None takes the built-in model `builtin`."""
+    builtin: Literal["tiny-increment", "tiny-chat"] = "tiny-increment"
+    """`tiny-increment`: a tiny Qwen2 with a digit tokenizer (the default task); `tiny-chat`: a tiny
+    Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task)."""
+
+
+class AlgorithmSection(StrictModel):
+    steps: int = Field(default=600, ge=1)
+    prompts_per_step: int = Field(default=16, ge=1)
+    group_size: int = Field(default=8, ge=2)
+    """Samples per prompt; group-normalised advantages need at least two."""
+    learning_rate: float = Field(default=3e-4, gt=0)
+    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the k3 KL penalty to the initial policy (0 loads no reference model)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    micro_batch_groups: int = Field(default=4, ge=1)
+    mini_batches_per_step: int = Field(default=1, ge=1)
+    max_staleness: int = Field(default=1, ge=0, le=8)
+    """Trainer versions a rollout may lag behind (0 = synchronous on-policy)."""
+    seed: int = 0
+    eval_every: int = Field(default=10, ge=1)
+    checkpoint_every: int = Field(default=25, ge=1)
+
+
+class MeshSection(StrictModel):
+    trainer_ranks: int = Field(default=1, ge=1)
+    """FSDP ranks of the trainer on this machine (more than one runs it under torchrun)."""
+    rollout_instances: int = Field(default=1, ge=1)
+    rollout_tp: int = Field(default=1, ge=1)
+    """Tensor-parallel processes per rollout instance."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Rollout engine; `vllm` runs each instance with the vLLM virtualenv (`make setup-vllm`)."""
+    transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
+    compression: Literal["none", "zstd", "delta"] = "none"
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=50151, ge=1024, le=65000)
+    """The manager's port; weights +1, trainer +2, rollout instances +10..."""
+
+    @model_validator(mode="after")
+    def _compatible(self) -> "MeshSection":
+        if self.transfer_backend == "mooncake" and self.compression != "none":
+            raise ValueError("the mooncake backend writes raw bytes; compression needs transfer_backend tcp or grpc")
+        if self.engine == "vllm" and self.rollout_tp > 1:
+            raise ValueError("rollout_tp > 1 runs on the torch engine only")
+        if self.base_port + 10 + self.rollout_instances > 65535:
+            raise ValueError("base_port leaves no room for every rollout instance's port")
+        return self
+
+
+class OutputSection(StrictModel):
+    dir: str | None = None
+    """Metrics, plot, checkpoints and logs; None: runs/<time>. A folder holding a checkpoint resumes."""
+
+
+class Job(StrictModel):
+    model: ModelSection = ModelSection()
+    tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
+    """One [[tasks]] table per task; several are mixed by weight within every step."""
+    algorithm: AlgorithmSection = AlgorithmSection()
+    mesh: MeshSection = MeshSection()
+    output: OutputSection = OutputSection()
+
+    @model_validator(mode="after")
+    def _unique_tasks(self) -> "Job":
+        names = [t.name for t in self.tasks]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"task names must be unique; repeated: {duplicates}")
+        return self
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node: Any = data
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        if isinstance(node, list):
+            node = node[int(key)]
+        else:
+            node = node.setdefault(key, {})
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value as TOML reads it (numbers, booleans, quoted strings), else the raw text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -> tuple[Job, Path]:
+    """The job of a file (None: the built-in default job) with dotted-key overrides applied; paths
+    in it resolved against the file's folder, which is returned too. Raises ConfigError naming
+    the field."""
+    data: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"job file not found: {path}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"job file {path} is not valid TOML: {exc}") from exc
+        base = path.resolve().parent
+    if "tasks" not in data and any(key.startswith("tasks.") for key in overrides or {}):
+        # `--set tasks.0....` on the default job addresses its default task.
+        data["tasks"] = [task.model_dump(exclude_defaults=True) for task in Job().tasks]
+    for dotted, value in (overrides or {}).items():
+        try:
+            _set_dotted(data, dotted, value)
+        except (IndexError, ValueError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"cannot set {dotted}: {exc}") from exc
+    try:
+        job = Job.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
+        where = f"job {path}" if path else "job"
+        raise ConfigError(f"invalid {where}: {problems}") from exc
+    tasks = [task.resolve_paths(base) for task in job.tasks]
+    model_path = job.model.path
+    if model_path is not None and not Path(model_path).is_absolute():
+        model_path = str((base / model_path).resolve())
+    job = job.model_copy(update={"tasks": tasks, "model": job.model.model_copy(update={"path": model_path})})
+    return job, base

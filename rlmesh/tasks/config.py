@@ -1,0 +1,159 @@
+"""Typed configuration of a task in a job: its prompts (built-in generator or a dataset file with a
+field mapping), how they are rendered, the reward, sampling settings and held-out evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlmesh.config import StrictModel
+
+BUILTIN_REWARDS = ("increment", "math")
+
+
+class DatasetConfig(StrictModel):
+    path: str
+    """A JSONL file, a Parquet file, or a local HF `datasets` folder (saved with `save_to_disk`).
+    Relative paths are relative to the job file."""
+    format: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
+    """`auto` goes by the suffix (.jsonl / .parquet) or a folder (hf)."""
+    split: str = "train"
+    """For an HF folder holding several splits (a DatasetDict): the training split."""
+    fields: dict[str, str] = Field(default_factory=lambda: {"prompt": "prompt"})
+    """The task's names for dataset columns: {name: column}. `prompt` names the column holding the
+    prompt text or its chat messages (a list of {role, content}); every other entry becomes
+    metadata under its name (for example `answer = "solution"`). Columns not named here are
+    passed to the reward under their own names. Every named column must exist in every row."""
+    shuffle: bool = True
+    """Shuffle the rows, with a new order every epoch (seeded: a resumed run sees the same order)."""
+    epochs: int | None = Field(default=None, ge=1)
+    """Passes over the data; None repeats for as many steps as the job runs."""
+
+
+class EvalConfig(StrictModel):
+    path: str | None = None
+    """A separate held-out file (same format and fields as the dataset)."""
+    split: str | None = None
+    """A held-out split of the dataset's HF folder (for example `test`)."""
+    holdout: int = Field(default=0, ge=0)
+    """Rows taken out of the training data for evaluation (seeded), when there is no file or split."""
+    prompts: int = Field(default=64, ge=1)
+    """Held-out prompts evaluated (at most this many)."""
+    samples: int = Field(default=4, ge=1)
+    """Sampled responses per held-out prompt for the sampled-reward estimate (plus one greedy)."""
+
+
+class PromptConfig(StrictModel):
+    template: str | None = None
+    """A Python format string over the prompt and metadata fields (`"Q: {prompt}\\nA:"`); None uses
+    the prompt field as it is."""
+    chat: bool = False
+    """Render with the tokenizer's chat template (`apply_chat_template`, generation prompt added);
+    the model folder's tokenizer must have one."""
+    system: str | None = None
+    """A system message put before the user's message (chat only)."""
+
+
+class RewardConfig(StrictModel):
+    builtin: Literal["increment", "math"] | None = None
+    """A reward shipped with rlmesh: `increment` (share of correct characters against `answer`) or
+    `math` (the answer checked by math-verify against `answer`)."""
+    function: str | None = None
+    """A Python callable: `module:function` (the job file's folder is on the import path) or
+    `path/to/file.py:function`. Sync or async; it receives the arguments it names among `prompt`,
+    `completion`, `metadata`, `completion_token_ids` and the metadata fields (e.g. `answer`), and
+    returns a number or {"reward", "components", "token_rewards"}."""
+    batched: bool = False
+    """The function takes lists (one entry per sample) and returns a list."""
+    remote: str | None = None
+    """host:port of a verifier serving rlmesh.reward.v1.RewardService (any language)."""
+    timeout_seconds: float = Field(default=30.0, gt=0)
+    """Deadline of one scoring call (a batch); past it every sample of the call fails."""
+    attempts: int = Field(default=3, ge=1)
+    """Tries of a remote call that fails with UNAVAILABLE or DEADLINE_EXCEEDED."""
+    failure_reward: float = 0.0
+    """What a sample gets when its reward raised, hung past the deadline or was not a finite number."""
+    max_error_rate: float = Field(default=0.1, ge=0, le=1)
+    """The job stops when more than this share of the last `error_window` samples failed to score."""
+    error_window: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "RewardConfig":
+        chosen = [k for k in ("builtin", "function", "remote") if getattr(self, k)]
+        if len(chosen) > 1:
+            raise ValueError(f"give one of builtin, function or remote, not {' and '.join(chosen)}")
+        if self.function and ":" not in self.function:
+            raise ValueError(f"function {self.function!r} must be written module:function or file.py:function")
+        if self.batched and not self.function:
+            raise ValueError("batched applies to a Python function only")
+        return self
+
+    @property
+    def given(self) -> bool:
+        return bool(self.builtin or self.function or self.remote)
+
+
+class SamplingConfig(StrictModel):
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    """Response token budget; None takes the task kind's default (12 for increment, 48 otherwise)."""
+
+
+TASK_KINDS = ("increment", "word_problems", "dataset")
+
+
+class TaskConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """Names the task in metrics (`task/<name>/reward`) and the ledger."""
+    kind: Literal["increment", "word_problems", "dataset"] = "dataset"
+    """`increment` (built-in: add 1 to every digit), `word_problems` (built-in: arithmetic word
+    problems, checked by math-verify) or `dataset` (a file of yours)."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of each step's prompts drawn from this task, relative to the other tasks' weights."""
+    dataset: DatasetConfig | None = None
+    eval: EvalConfig = EvalConfig()
+    prompt: PromptConfig = PromptConfig()
+    reward: RewardConfig = RewardConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0
+    """Seeds the task's shuffle or generator (together with the job's seed)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TaskConfig":
+        if self.kind == "dataset":
+            if self.dataset is None:
+                raise ValueError(f"task {self.name!r}: kind 'dataset' needs a [dataset] section with its path")
+            if not self.reward.given:
+                raise ValueError(f"task {self.name!r}: a dataset task needs a reward (builtin, function or remote)")
+            if "prompt" not in self.dataset.fields and self.prompt.template is None:
+                raise ValueError(f"task {self.name!r}: dataset.fields needs a 'prompt' column, or give prompt.template")
+        elif self.dataset is not None:
+            raise ValueError(f"task {self.name!r}: kind {self.kind!r} generates its own prompts; remove [dataset]")
+        if self.eval.path and self.eval.split:
+            raise ValueError(f"task {self.name!r}: give eval.path or eval.split, not both")
+        return self
+
+    @property
+    def max_tokens(self) -> int:
+        if self.sampling.max_tokens is not None:
+            return self.sampling.max_tokens
+        return 12 if self.kind == "increment" else 48
+
+    def resolve_paths(self, base: Path) -> "TaskConfig":
+        """Paths relative to `base` (the job file's folder) made absolute."""
+
+        def absolute(path: str | None) -> str | None:
+            return None if path is None else str((base / path).resolve()) if not Path(path).is_absolute() else path
+
+        update = {}
+        if self.dataset is not None:
+            update["dataset"] = self.dataset.model_copy(update={"path": absolute(self.dataset.path)})
+        if self.eval.path:
+            update["eval"] = self.eval.model_copy(update={"path": absolute(self.eval.path)})
+        if self.reward.function and ".py:" in self.reward.function:
+            file, function = self.reward.function.rsplit(":", 1)
+            update["reward"] = self.reward.model_copy(update={"function": f"{absolute(file)}:{function}"})
+        return self.model_copy(update=update)
