@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
 import grpc
 import structlog
 
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
+from rlmesh.rewards.base import RewardItem, RewardResult
 from rlmesh.rpc import call_options, open_channel
 
 log = structlog.get_logger()
@@ -20,31 +19,6 @@ log = structlog.get_logger()
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 """Statuses that say "not now" rather than "never": the verifier is down, slow or overloaded.
 Score is a pure function of its request, so sending it again is safe."""
-
-
-@dataclass(frozen=True, slots=True)
-class RewardItem:
-    """One finished sample to score."""
-
-    sample_id: str
-    prompt: str
-    """The rendered prompt text the policy saw."""
-    completion: str
-    """The decoded response (special tokens removed)."""
-    metadata: Mapping[str, Any]
-    """The prompt's metadata from its task (for example the ground truth under `answer`)."""
-    completion_token_ids: Sequence[int] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class RewardResult:
-    """A sample's score: a scalar reward, named components and optionally one reward per token."""
-
-    reward: float
-    components: Mapping[str, float] = field(default_factory=dict)
-    token_rewards: Sequence[float] | None = None
-    error: str = ""
-    """Non-empty when the verifier could not score the sample."""
 
 
 class RemoteRewardError(RuntimeError):
