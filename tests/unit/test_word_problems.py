@@ -1,0 +1,180 @@
+"""The word-problem task: its generator, the math-verify reward, the chat tokenizer and the tiny chat model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from math_verify import parse
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model, is_model_dir
+from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, build_text_tokenizer
+from rlmesh.rewards.base import RewardItem
+from rlmesh.rewards.guard import GuardedReward
+from rlmesh.rewards.math import MathReward, check
+from rlmesh.tasks.word_problems import (
+    HELD_OUT_COUNT,
+    INSTRUCTION,
+    KINDS,
+    WordProblemSource,
+    held_out_problems,
+    messages_for,
+    solution_text,
+)
+
+OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
+
+
+def item(completion: str, answer: str = "12") -> RewardItem:
+    return RewardItem("s", "prompt", completion, {"answer": answer})
+
+
+def test_source_is_reproducible_by_position_and_disjoint_from_held_out():
+    source = WordProblemSource(seed=3)
+    first = source.take(16)
+    again = WordProblemSource(seed=3)
+    again.cursor = 8
+    assert again.take(8) == first[8:]
+    assert source.cursor == 16
+    assert WordProblemSource(seed=4).take(16) != first
+    held_out = {p.text for p in held_out_problems(HELD_OUT_COUNT)}
+    training = [WordProblemSource(3).problem_at(i) for i in range(1500)]
+    assert not {p.text for p in training} & held_out
+    evaluation = source.held_out(300)
+    assert len(evaluation) == HELD_OUT_COUNT and evaluation == WordProblemSource(9).held_out(300)
+    assert [p.messages[0]["content"] for p in evaluation] == [f"{p.text} {INSTRUCTION}" for p in held_out_problems(HELD_OUT_COUNT)]
+    assert {p.kind for p in training} == set(KINDS)
+
+
+def test_every_answer_is_an_integer_equal_to_the_problems_arithmetic():
+    source = WordProblemSource(seed=1)
+    problems = [source.problem_at(i) for i in range(1000)] + held_out_problems(HELD_OUT_COUNT)
+    assert any(op == "/" for p in problems for _, op, _ in p.steps)
+    assert any(len(p.steps) == 2 and {p.steps[0][1], p.steps[1][1]} != {"+"} for p in problems)
+    for problem in problems:
+        given_numbers = [int(n) for n in re.findall(r"\d+", problem.text)]
+        previous = None
+        for left, op, right in problem.steps:
+            operands = [left, right]
+            if previous is not None:
+                operands.remove(previous)  # one operand is the result of the step before
+            assert all(n in given_numbers for n in operands), problem
+            previous = OPERATORS[op](Fraction(left), Fraction(right))
+            assert previous.denominator == 1 and previous > 0, problem
+        assert previous == problem.answer, problem
+    for prompt, problem in zip(source.take(50), [source.problem_at(i) for i in range(50)]):
+        assert prompt.metadata == {"answer": str(problem.answer)}
+        assert list(prompt.messages) == list(messages_for(problem))
+        assert prompt.messages[0]["role"] == "user" and "\\boxed{}" in prompt.messages[0]["content"]
+
+
+def test_solution_text_is_short_and_ends_in_the_boxed_answer():
+    for problem in [WordProblemSource(2).problem_at(i) for i in range(300)]:
+        solution = solution_text(problem)
+        assert solution.endswith(f"\\boxed{{{problem.answer}}}")
+        # The task's default response budget is 48 tokens, one per character, <|im_end|> included.
+        assert len(solution) < 40
+        assert check(solution, str(problem.answer)).reward == 1.0
+
+
+def test_math_reward_scores_with_math_verify():
+    reward = MathReward()
+    results = asyncio.run(reward.score([
+        item("4*3=12. \\boxed{12}"),
+        item("The answer is 12"),  # math-verify accepts a bare final number
+        item("4*3=13. \\boxed{13}"),
+        item("\\boxed{12} or \\boxed{13}"),  # two boxed answers parse as the set {12, 13}
+        item(""),
+        item("35. \\boxed{15}", "15"),  # the boxed answer wins over an earlier number
+        item("so \\boxed{1+x}", "x+1"),  # a symbolic answer is compared symbolically
+    ]))
+    assert [r.reward for r in results] == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert [r.components["correct"] for r in results] == [r.reward for r in results]
+    assert [r.components["formatted"] for r in results] == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="no 'answer'"):
+        asyncio.run(reward.score_one(RewardItem("s", "p", "\\boxed{1}", {})))
+    with pytest.raises(ValueError, match="cannot parse"):
+        check("\\boxed{1}", "")
+
+
+def test_math_reward_works_off_the_main_thread():
+    # The reason for parsing_timeout=None: math-verify's default timeout uses signal.alarm.
+    failures: list[BaseException] = []
+
+    def default_parse() -> None:
+        try:
+            parse("\\boxed{12}")
+        except ValueError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=default_parse)
+    thread.start()
+    thread.join()
+    assert failures and "thread" in str(failures[0])
+
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(asyncio.run(MathReward().score([item("\\boxed{12}"), item("11")]))))
+    thread.start()
+    thread.join()
+    assert [r.reward for r in results[0]] == [1.0, 0.0]
+
+    guarded = GuardedReward("math", MathReward(), timeout_seconds=30, failure_reward=0.0, max_error_rate=0.1, error_window=64)
+    answers = [str(n) for n in range(40)]
+    scored = asyncio.run(guarded.score([item(f"So \\boxed{{{n}}}", n) for n in answers] + [item("\\boxed{3}", "4")]))
+    assert [r.reward for r in scored] == [1.0] * 40 + [0.0] and guarded.counters.failed == 0
+
+
+@given(st.text(alphabet=TEXT_ALPHABET, max_size=80))
+def test_text_tokenizer_round_trips_one_token_per_character(text):
+    tokenizer = build_text_tokenizer()
+    ids = tokenizer.encode(text).ids
+    assert len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_chat_model(tmp_path_factory.mktemp("chat"), ChatModelSpec(warmup_iterations=3, warmup_batch=4))
+
+
+def test_auto_tokenizer_agrees_and_renders_chatml(chat_model_dir):
+    ours = Tokenizer.from_file(str(chat_model_dir / "tokenizer.json"))
+    theirs = AutoTokenizer.from_pretrained(str(chat_model_dir))
+    assert len(theirs) == ours.get_vocab_size()
+    assert theirs.eos_token == IM_END_TOKEN and theirs.eos_token_id == ours.token_to_id(IM_END_TOKEN)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?\nSay it."}]
+    rendered = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                        "<|im_start|>user\nWhat is 2+3?\nSay it.<|im_end|>\n<|im_start|>assistant\n")
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert ids == ours.encode(rendered).ids == theirs.encode(rendered, add_special_tokens=False)
+    assert ids.count(ours.token_to_id("<|im_start|>")) == 3 and theirs.unk_token_id not in ids
+    text = "Sam has 12 apples, gives {3} away: 12-3=9. \\boxed{9} ~!"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text).ids
+    assert theirs.decode(ours.encode(text).ids + [theirs.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_chat_model_loads_and_generates(chat_model_dir):
+    assert is_model_dir(chat_model_dir)
+    config = json.loads((chat_model_dir / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_model_dir))
+    assert config["vocab_size"] == len(tokenizer) and config["tie_word_embeddings"]
+    assert config["eos_token_id"] == tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+    assert config["max_position_embeddings"] == 512 and config["num_key_value_heads"] == 4
+    model = AutoModelForCausalLM.from_pretrained(str(chat_model_dir))
+    prompt = WordProblemSource(0).held_out(1)[0]
+    ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=config["pad_token_id"])
+    assert out.shape[1] > ids.shape[1]
+    assert isinstance(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), str)
