@@ -283,7 +283,9 @@ async def run_mesh(plan: MeshPlan) -> int:
         if code == 0:
             print_summary(plan, time.perf_counter() - started)
         elif code != 130:
-            print(f"training failed (exit {code}); see {trainer.log_path}", file=sys.stderr)
+            reason = plan.output_dir / "error.txt"
+            why = f": {reason.read_text().strip()}" if reason.is_file() else ""
+            print(f"training failed (exit {code}){why}\nsee {trainer.log_path}", file=sys.stderr)
         return code
     except (RuntimeError, TimeoutError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,10 @@ class PythonReward:
         self.spec = spec
         signature = inspect.signature(function)
         self.takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        self.names = [p.name for p in signature.parameters.values()
-                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        named = [p for p in signature.parameters.values()
+                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        self.names = [p.name for p in named]
+        self.required = {p.name for p in named if p.default is inspect.Parameter.empty}
         self.is_async = inspect.iscoroutinefunction(function)
 
     def _arguments(self, item: RewardItem) -> dict[str, Any]:
@@ -77,16 +80,40 @@ class PythonReward:
             available.setdefault(key, value)
         if self.takes_all:
             return available
-        missing = [n for n in self.names if n not in available]
+        missing = [n for n in self.names if n in self.required and n not in available]
         if missing:
             raise RewardLoadError(f"reward function {self.spec}: no value for parameter {missing[0]!r} "
                                   f"(available: {', '.join(sorted(available))})")
-        return {n: available[n] for n in self.names}
+        return {n: available[n] for n in self.names if n in available}
 
     async def _call(self, **kwargs: Any) -> Any:
         if self.is_async:
             return await self.function(**kwargs)
-        return await asyncio.to_thread(self.function, **kwargs)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(value)
+
+        def run() -> None:
+            try:
+                outcome = (self.function(**kwargs), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which decides
+                outcome = (None, exc)
+            try:
+                loop.call_soon_threadsafe(settle, *outcome)
+            except RuntimeError:
+                pass  # the loop closed while this call ran past its deadline: nobody waits for it
+
+        # A daemon thread of its own: a function that never returns is abandoned at its deadline
+        # and cannot hold up the trainer's exit, as a pool's worker would.
+        threading.Thread(target=run, name="reward-function", daemon=True).start()
+        return await done
 
     async def score_one(self, item: RewardItem) -> RewardResult:
         return as_result(await self._call(**self._arguments(item)))

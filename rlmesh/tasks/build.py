@@ -50,13 +50,22 @@ class PromptRenderer:
             messages.insert(0, {"role": "system", "content": self.system})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
+    def _round_trips(self, text: str, ids: list[int]) -> bool:
+        """Whether decoding gives the text back, up to whitespace and special tokens: a tokenizer
+        without an unknown token silently drops what it cannot encode."""
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=False)
+        for special in getattr(self.tokenizer, "all_special_tokens", []):
+            text, decoded = text.replace(special, ""), decoded.replace(special, "")
+        return "".join(text.split()) == "".join(decoded.split())
+
     def token_ids(self, prompt: TaskPrompt) -> list[int]:
         # A chat template writes its own special tokens (BOS included) as text.
-        ids = list(self.tokenizer.encode(self.text(prompt), add_special_tokens=not self.chat))
+        text = self.text(prompt)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=not self.chat))
         unknown = getattr(self.tokenizer, "unk_token_id", None)
-        if unknown is not None and unknown in ids:
+        if (unknown is not None and unknown in ids) or not self._round_trips(text, ids):
             raise TaskError(f"task {self.task!r}: the model's tokenizer cannot encode prompt {prompt.uid} "
-                            f"({self.text(prompt)[:60]!r}): it has characters outside its vocabulary")
+                            f"({text[:60]!r}): it has characters outside its vocabulary")
         if not ids:
             raise TaskError(f"task {self.task!r}: prompt {prompt.uid} renders to no tokens")
         return ids

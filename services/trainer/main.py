@@ -28,6 +28,9 @@ from services.trainer.trainer import GrpoTrainer, TrainingStatus
 
 log = structlog.get_logger()
 
+ERROR_FILE = "error.txt"
+"""Written to the output folder when training fails: why."""
+
 
 async def serve(config: TrainerConfig) -> None:
     torch.set_num_threads(config.threads)
@@ -56,6 +59,8 @@ async def lead(config: TrainerConfig, rank: RankInfo) -> None:
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(status), server.server)
     await server.start()
     await server.set_serving(True)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(config.output_dir) / ERROR_FILE).unlink(missing_ok=True)
     mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds)
     thread = TorchThread()
     group, channel = None, None
@@ -82,6 +87,8 @@ async def lead(config: TrainerConfig, rank: RankInfo) -> None:
         status.phase = trainer_pb2.PHASE_FAILED
         status.error = f"{type(exc).__name__}: {exc}"
         log.exception("training failed")
+        # `rlmesh up` shows the reason from here: the process is gone before anyone asks it.
+        (Path(config.output_dir) / ERROR_FILE).write_text(status.error + "\n")
     finally:
         # The other ranks exit when told to stop; if they are mid-command they cannot hear it, and
         # this rank's exit makes torchrun stop them.

@@ -1,0 +1,103 @@
+"""The job file: defaults, overrides, paths relative to the file, and a bad job stopped at start
+with a message naming what is wrong (unknown key, missing file, missing dataset field)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmesh.config import ConfigError
+from rlmesh.job import Job, load_job, parse_value
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def dataset_job(tmp_path: Path, extra: str = "", fields: str = '{ answer = "solution" }') -> Path:
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}=", "solution": str(i)}) + "\n" for i in range(20)))
+    (tmp_path / "my_reward.py").write_text("def score(completion, answer):\n    return float(completion == answer)\n")
+    return write(tmp_path / "job.toml", f"""
+[[tasks]]
+name = "mine"
+prompt.template = "{{question}}"
+reward.function = "my_reward:score"
+[tasks.dataset]
+path = "data.jsonl"
+fields = {fields}
+[tasks.eval]
+holdout = 4
+{extra}
+""")
+
+
+def test_the_default_job_trains_the_increment_task():
+    job, _ = load_job(None)
+    assert [t.kind for t in job.tasks] == ["increment"]
+    assert job.algorithm.steps == 600 and job.mesh.rollout_instances == 1 and job.model.path is None
+
+
+def test_paths_resolve_against_the_job_folder_and_overrides_apply(tmp_path):
+    job, base = load_job(dataset_job(tmp_path), {"algorithm.steps": 7, "tasks.0.weight": 2.5, "mesh.rollout_tp": 2})
+    assert base == tmp_path.resolve()
+    assert job.tasks[0].dataset.path == str(tmp_path.resolve() / "data.jsonl")
+    assert (job.algorithm.steps, job.tasks[0].weight, job.mesh.rollout_tp) == (7, 2.5, 2)
+
+
+def test_set_on_the_default_job_addresses_its_task():
+    job, _ = load_job(None, {"tasks.0.eval.prompts": 16})
+    assert job.tasks[0].eval.prompts == 16 and job.tasks[0].kind == "increment"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[algorithm]\nstepz = 3\n", "algorithm.stepz: Extra inputs are not permitted"),
+    ("[[tasks]]\nname = 'x'\nkind = 'dataset'\n", "kind 'dataset' needs a [dataset] section"),
+    ("[[tasks]]\nname = 'a'\nkind = 'increment'\n[[tasks]]\nname = 'a'\nkind = 'increment'\n", "repeated: ['a']"),
+    ("[[tasks]]\nname = 'x'\nkind = 'increment'\nreward.function = 'nocolon'\n", "module:function"),
+    ("[mesh]\ntransfer_backend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
+    ("[algorithm\n", "not valid TOML"),
+])
+def test_a_bad_job_names_the_problem(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=None) as caught:
+        load_job(write(tmp_path / "job.toml", text))
+    assert expected in str(caught.value)
+
+
+def test_values_given_on_the_command_line_read_as_toml():
+    assert parse_value("1e-4") == 1e-4 and parse_value("true") is True and parse_value("'a b'") == "a b"
+    assert parse_value("plain") == "plain"
+
+
+def up(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_up_stops_a_bad_job_before_starting_anything(tmp_path):
+    missing_file = dataset_job(tmp_path)
+    (tmp_path / "data.jsonl").unlink()
+    result = up("--job", str(missing_file))
+    assert result.returncode == 2 and "dataset" in result.stderr and "data.jsonl does not exist" in result.stderr
+
+    other = tmp_path / "other"
+    other.mkdir()
+    result = up("--job", str(dataset_job(other, fields='{ answer = "solutoin" }')))
+    assert result.returncode == 2
+    assert "task 'mine'" in result.stderr and "row 0 has no field 'solutoin'" in result.stderr
+
+    result = up("--job", str(dataset_job(other)), "--set", "tasks.0.reward.function=my_reward:nope")
+    assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
+
+    result = up("--job", str(tmp_path / "absent.toml"))
+    assert result.returncode == 2 and "job file not found" in result.stderr
+
+    result = up("--set", "algorithm.learning_rate")
+    assert result.returncode == 2 and "FIELD=VALUE" in result.stderr
+
+
+def test_the_job_model_carries_every_documented_section():
+    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "mesh", "output"}
