@@ -1,0 +1,115 @@
+"""Jobs run by `rlmesh up --job` as real processes: the user's own example task trains (its
+held-out reward rises), a two-task mixture reports each task's reward with one task scored by the
+Node verifier over gRPC, and a reward that always fails stops the job saying why."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlmesh.launcher import free_port
+from tests.e2e.test_mesh_up import free_base_port
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "nines-complement"
+NODE_VERIFIER = ROOT / "examples" / "node-verifier"
+
+
+def up(job: Path, output_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output_dir),
+               "--base-port", str(free_base_port()), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_example_task_from_its_own_files_trains(tmp_path):
+    result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    evaluations = [r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r]
+    assert [r["step"] for r in evaluations] == [0, 20, 40]
+    start, end = evaluations[0]["eval/complement/sampled_reward"], evaluations[-1]["eval/complement/sampled_reward"]
+    assert end > start + 0.03, f"held-out reward {start:.3f} -> {end:.3f}"
+    steps = [r for r in metrics(tmp_path / "run") if "reward" in r]
+    assert {"task/complement/reward", "task/complement/exact", "task/complement/length_ok"} <= set(steps[-1])
+    assert sum(r["reward_failures"] for r in steps) == 0
+
+
+@pytest.fixture
+def node_verifier():
+    node = shutil.which("node")
+    assert node, "node is needed for the example verifier"
+    port = free_port()
+    process = subprocess.Popen([node, "server.js", "--host", "127.0.0.1", "--port", str(port)], cwd=NODE_VERIFIER,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout.readline().strip() == f"listening on {port}"
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_a_mixture_reports_each_task_and_the_node_verifier_scores_one(tmp_path, node_verifier):
+    job = tmp_path / "job.toml"
+    job.write_text(f"""
+[[tasks]]
+name = "increment"
+kind = "increment"
+weight = 1.0
+eval.prompts = 16
+
+[[tasks]]
+name = "complement"
+kind = "dataset"
+weight = 1.0
+prompt.template = "{{number}}="
+reward.remote = "{node_verifier}"
+dataset.path = "{EXAMPLE / 'train.jsonl'}"
+dataset.fields = {{ answer = "complement" }}
+eval.path = "{EXAMPLE / 'held_out.jsonl'}"
+eval.prompts = 16
+
+[algorithm]
+steps = 4
+eval_every = 2
+""")
+    result = up(job, tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in metrics(tmp_path / "run") if "reward" in r]
+    assert len(steps) == 4
+    for record in steps:
+        assert {"task/increment/reward", "task/complement/reward"} <= set(record)
+        # The verifier's own components: proof it scored every complement sample.
+        assert {"task/complement/char_match", "task/complement/exact"} <= set(record)
+        assert record["task/complement/reward_failures"] == 0 and record["reward_failures"] == 0
+    evaluations = [r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r]
+    assert all({"eval/increment/sampled_reward", "eval/complement/sampled_reward"} <= set(r) for r in evaluations)
+    ledger = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in ledger if r["event"] == "received"} == {"increment", "complement"}
+
+
+def test_a_reward_that_always_fails_stops_the_job_saying_why(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(completion, answer):\n    raise KeyError('no verifier today')\n")
+    job = tmp_path / "job.toml"
+    job.write_text("""
+[[tasks]]
+name = "increment"
+kind = "increment"
+reward.function = "broken:score"
+reward.max_error_rate = 0.2
+
+[algorithm]
+steps = 50
+""")
+    result = up(job, tmp_path / "run", timeout=300)
+    assert result.returncode == 1
+    assert "RewardErrorRateExceeded" in result.stderr and "task 'increment'" in result.stderr
+    assert "no verifier today" in result.stderr and "reward.max_error_rate = 20%" in result.stderr
