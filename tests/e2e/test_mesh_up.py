@@ -4,6 +4,7 @@ outputs, serves reflection on every port, and leaves no process behind (also aft
 import asyncio
 import collections
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,6 +134,30 @@ def test_a_rerun_resumes_from_the_last_checkpoint(model_dir, tmp_path):
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     assert sorted(r["step"] for r in ledger if r["event"] == "submitted") == [0, 1, 2, 3]
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == 4
+    # The task's cursor came back with the checkpoint: the second run went on with the next prompts.
+    assert submitted_uids(ledger) == {step: [f"gen-{16 * step + i}" for i in range(16)] for step in range(4)}
+
+
+def submitted_uids(ledger: list[dict]) -> dict[int, list[str]]:
+    """Each step's prompts (by task position), from the last submission of the step."""
+    return {r["step"]: [uid for _, uid in r["prompts"].values()] for r in ledger if r["event"] == "submitted"}
+
+
+def test_a_checkpoint_taken_while_the_next_step_was_out_resubmits_that_steps_prompts(model_dir, tmp_path):
+    """With max_staleness 1, step 3's prompts are out when step 2's checkpoint is written: the
+    checkpoint keeps the cursor from before them, so a run resumed from it submits them again."""
+    output_dir = tmp_path / "run"
+    command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--set", "algorithm.checkpoint_every=2"]
+    assert subprocess.run(command, capture_output=True, text=True, timeout=600).returncode == 0
+    first = submitted_uids([json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()])
+    shutil.rmtree(output_dir / "checkpoints" / "step_000004")
+    (output_dir / "rollouts.jsonl").unlink()
+    command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--set", "algorithm.checkpoint_every=2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    second = submitted_uids([json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()])
+    assert sorted(second) == [2, 3]
+    assert second == {step: first[step] for step in (2, 3)}
 
 
 def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
