@@ -79,6 +79,12 @@ test: setup setup-vllm $(NODE_VERIFIER)/.installed lint-protos check-compose
 test-vllm: setup setup-vllm
 	$(PY) -m pytest tests/vllm
 
+# Models at real sizes (pytest marker `large`, deselected from `make test` by pyproject.toml): the
+# Qwen2.5-0.5B shape through an FSDP-2 trainer, the weights service and a TP-2 torch-engine instance.
+.PHONY: test-large
+test-large: setup
+	$(PY) -m pytest tests -m large
+
 # Each benchmark prints its figures with the same-run baseline and writes bench/results/<name>.json.
 bench: setup
 	$(PY) -m bench.relay
