@@ -1,5 +1,6 @@
 """GRPO's pieces: advantages, the clipped loss and its gradient, the KL estimate."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -64,3 +65,18 @@ def test_micro_batch_masks_exactly_the_response_tokens():
     assert batch.response_mask.tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
     assert torch.allclose(batch.behaviour_logprobs[0, 2:], torch.tensor([-0.1, -0.2]))
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+
+
+def test_token_rewards_add_to_each_tokens_advantage_and_each_sample_keeps_its_temperature():
+    samples = [TrainingSample([5, 6], [1, 2, 3], [-0.1, -0.2, -0.3], 0.5, temperature=0.7, token_rewards=[0.0, 1.0, -1.0]),
+               TrainingSample([5], [4], [-0.4], -1.0)]
+    batch = build_micro_batch(samples, pad_id=0)
+    assert batch.advantages[0].tolist() == [0.0, 0.5, 1.5, -0.5]
+    assert batch.advantages[1].tolist() == [-1.0, 0.0, 0.0, 0.0]
+    assert batch.temperatures.tolist() == [pytest.approx(0.7), 1.0]
+    per_sequence = torch.tensor([0.5, -1.0])
+    logprobs = torch.zeros(2, 4, requires_grad=True)
+    dense, _ = grpo_loss(logprobs, torch.zeros(2, 4), batch.advantages, batch.response_mask, 0.2, 2)
+    flat, _ = grpo_loss(logprobs, torch.zeros(2, 4), per_sequence, batch.response_mask, 0.2, 2)
+    # The token rewards of sample 0 sum to zero: on average its tokens move as without them.
+    assert float(dense) == pytest.approx(float(flat))
