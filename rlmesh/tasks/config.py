@@ -70,9 +70,11 @@ class RewardConfig(StrictModel):
     remote: str | None = None
     """host:port of a verifier serving rlmesh.reward.v1.RewardService (any language)."""
     timeout_seconds: float = Field(default=30.0, gt=0)
-    """Deadline of one scoring call (a batch); past it every sample of the call fails."""
+    """Deadline of scoring one sample (a per-sample function) or one batch (a batched function, a
+    remote verifier: every attempt included, each getting timeout_seconds / attempts); past it
+    the samples fail."""
     attempts: int = Field(default=3, ge=1)
-    """Tries of a remote call that fails with UNAVAILABLE or DEADLINE_EXCEEDED."""
+    """Tries of a remote call that fails with UNAVAILABLE, DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED."""
     failure_reward: float = 0.0
     """What a sample gets when its reward raised, hung past the deadline or was not a finite number."""
     max_error_rate: float = Field(default=0.1, ge=0, le=1)
