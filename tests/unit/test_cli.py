@@ -13,7 +13,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 def test_up_refuses_bad_arguments():
     result = run("up", "--rollout-instances", "0")
-    assert result.returncode == 2 and "--rollout-instances must be at least 1" in result.stderr
+    assert result.returncode == 2 and "argument --rollout-instances: must be at least 1, got 0" in result.stderr
     result = run("up", "--steps", "0")
     assert result.returncode == 2 and "must be at least 1" in result.stderr
     result = run("up", "--max-staleness", "-1")
