@@ -84,7 +84,9 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-def _spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_path: Path) -> tuple[subprocess.Popen, int]:
+def _spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_path: Path,
+                        max_model_len: int = 0) -> tuple[subprocess.Popen, int]:
+    """`max_model_len` 0: the model's own limit."""
     port = free_port()
     config = log_path.with_suffix(".toml")
     config.write_text(
@@ -94,6 +96,7 @@ def _spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log
         f"drain_timeout_seconds = 5\n"
         f'[server]\nhost = "127.0.0.1"\nport = {port}\ngrace_seconds = 0.5\n'
         f'[engine]\nkind = "vllm"\nmodel_dir = "{model_dir}"\nmax_batch_size = {MAX_BATCH}\nseed = 1\n'
+        f"[engine.vllm]\nmax_model_len = {max_model_len}\n"
         f"[transfer]\nmooncake = false\n"
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
