@@ -113,7 +113,7 @@ async def push_and_generate(models: dict[str, Path], directory: Path, timeout: f
         seconds["trainer (start, publish)"] = time.monotonic() - started
         out = {}
         for name, model_dir in models.items():
-            await wait_for(lambda: rollouts[name].engine.weight_version == VERSION, timeout=timeout)
+            await wait_for(lambda engine=rollouts[name].engine: engine.weight_version == VERSION, timeout=timeout)
             push = meshes[name].weights.pusher.instances[f"{name}-tp"]
             seconds[f"{name} push"] = push.last_push_ms / 1000
             seconds[f"{name} version stored to served"] = push.last_version_latency_ms / 1000
@@ -188,7 +188,7 @@ def test_a_rollout_process_refuses_another_architecture_at_start(tmp_path):
     GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
     env = {**os.environ, "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(tmp_path), "RLMESH_ROLLOUT_SERVER__PORT": "0",
            "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false"}
-    done = subprocess.run([sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     assert (f"rlmesh rollout: model folder {tmp_path}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; "
             "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM)") in done.stderr

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import torch
 
 from rlmesh.config import ServerConfig
-from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from rlmesh.launcher import free_port
+from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2_grpc
 from rlmesh.rpc import open_channel
