@@ -30,15 +30,17 @@ class MeshClient:
     async def cancel(self, batch_id: str) -> None:
         await self.manager.CancelBatch(manager_pb2.CancelBatchRequest(batch_id=batch_id), **call_options(self.rpc_timeout))
 
-    async def submit(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
-                     n: int) -> None:
-        """Each prompt carries its task's sampling settings."""
+    async def submit(self, batch_id: str, policy_version: int,
+                     prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]], n: int,
+                     sampling: common_pb2.SamplingParams) -> None:
+        """A prompt given with its own sampling settings (its task's) uses them instead of the batch's."""
         await self.manager.SubmitPrompts(
             manager_pb2.SubmitPromptsRequest(
                 batch_id=batch_id,
                 policy_version=policy_version,
-                prompts=[manager_pb2.Prompt(prompt_id=pid, token_ids=ids, n=n, sampling=sampling) for pid, ids, sampling in prompts],
-                sampling=prompts[0][2],
+                prompts=[manager_pb2.Prompt(prompt_id=entry[0], token_ids=entry[1], n=n,
+                                            sampling=entry[2] if len(entry) > 2 else None) for entry in prompts],
+                sampling=sampling,
             ),
             **call_options(self.rpc_timeout),
         )

@@ -277,7 +277,7 @@ class GrpoTrainer:
             submitted = Submitted(task, prompt, text, task.renderer.token_ids(prompt))
             self.in_flight[(batch_id, prompt_id)] = submitted
             prompts.append((prompt_id, submitted.token_ids, self._sampling(task)))
-        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size)
+        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, prompts[0][2])
         self.unread_batches.add(batch_id)
         self._ledger({"event": "submitted", "batch_id": batch_id, "step": step, "policy_version": policy_version,
                       "prompts": {pid: [task.name, prompt.uid] for pid, (task, prompt) in zip((p for p, _, _ in prompts), drawn)},

@@ -147,6 +147,7 @@ def test_micro_batches_never_split_groups_and_wait_for_the_lower_bound():
         ("b", [("a/b", [1], 1)], sampling(), "prompt_id"),
         ("b", [("a@1", [1], 1)], sampling(), "prompt_id"),
         ("b", [("p", [1], 1)], sampling(0), "max_tokens"),
+        ("b", [("p", [1], 1), ("q", [1], 1, sampling(0))], sampling(), "prompt 'q': sampling.max_tokens"),
     ],
 )
 def test_bad_submissions_are_refused_whole(batch_id, prompts, params, error):
@@ -154,6 +155,15 @@ def test_bad_submissions_are_refused_whole(batch_id, prompts, params, error):
     with pytest.raises(InvalidArgument, match=error):
         state.submit(batch_id, 0, prompts, params)
     assert not state.queue and not state.batches
+
+
+def test_a_prompt_with_its_own_sampling_keeps_it_and_the_others_take_the_batchs():
+    state = state_with({"a": 0})
+    own = common_pb2.SamplingParams(temperature=0.5, max_tokens=40)
+    state.submit("b", 0, [("task1", [1], 2, own), ("task2", [1], 2, None), ("task3", [1], 2)], sampling(8))
+    by_prompt = {a.request.prompt_id: a.request.sampling for a in state.assign()}
+    assert (by_prompt["task1"].temperature, by_prompt["task1"].max_tokens) == (0.5, 40)
+    assert by_prompt["task2"].max_tokens == by_prompt["task3"].max_tokens == 8
 
 
 def test_a_batch_id_is_used_once():
