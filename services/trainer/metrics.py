@@ -41,6 +41,12 @@ class MetricsWriter:
         if held_out:
             axis.plot([r["step"] for r in held_out], [r["eval/sampled_reward"] for r in held_out], "o-", label="held-out reward (sampled)")
             axis.plot([r["step"] for r in held_out], [r["eval/exact_match"] for r in held_out], "s--", label="held-out exact match (greedy)")
+            tasks = sorted({key.split("/")[1] for r in held_out for key in r if key.startswith("eval/") and key.count("/") == 2})
+            if len(tasks) > 1:
+                for task in tasks:
+                    key = f"eval/{task}/sampled_reward"
+                    rows = [r for r in held_out if key in r]
+                    axis.plot([r["step"] for r in rows], [r[key] for r in rows], ".:", label=f"held-out reward: {task}")
         axis.set_xlabel("training step")
         axis.set_ylim(0, 1.02)
         axis.set_title("rlmesh: reward over steps")
