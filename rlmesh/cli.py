@@ -75,8 +75,7 @@ def prepare_job(args: argparse.Namespace):
     check_model_family(model_dir)
     tokenizer = load_hf_tokenizer(model_dir)
     for task in job.tasks:
-        if task.reward.remote:
-            continue
+        # A remote verifier is not called here: its channel opens on the first score.
         asyncio.run(build_task(task, tokenizer, job.algorithm.seed, [str(base)]).reward.close())
     return job, base, model_dir
 
