@@ -10,8 +10,9 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+from rlmesh.models.qwen2_tiny import supervised_step, tiny_qwen2_config
 from rlmesh.models.tokenizer import EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, build_text_tokenizer, save_chat_tokenizer
 from rlmesh.tasks.word_problems import WordProblemSource, messages_for, solution_text
 
@@ -43,19 +44,8 @@ def create_chat_model(directory: str | Path, spec: ChatModelSpec = ChatModelSpec
     save_chat_tokenizer(tokenizer, directory, model_max_length=spec.max_positions)
     eos_id = tokenizer.token_to_id(IM_END_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    config = Qwen2Config(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.token_to_id(EOS_TOKEN),
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
+    config = tiny_qwen2_config(spec, tokenizer.get_vocab_size(), bos_id=tokenizer.token_to_id(EOS_TOKEN), eos_id=eos_id,
+                               pad_id=pad_id)
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).float()
     # The warm-up renders prompts with the saved tokenizer's own chat template: exactly what the
@@ -72,28 +62,15 @@ def _supervised_warmup(model, tokenizer, spec: ChatModelSpec, eos_id: int, pad_i
     started = time.monotonic()
     model.train()
     for iteration in range(spec.warmup_iterations):
-        rows, masks = [], []
+        pairs = []
         for index in range(spec.warmup_batch):
             problem = source.problem_at(iteration * spec.warmup_batch + index)
             prompt_text = tokenizer.apply_chat_template(list(messages_for(problem)), add_generation_prompt=True, tokenize=False)
-            prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
-            answer = tokenizer.encode(solution_text(problem), add_special_tokens=False) + [eos_id]
-            rows.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        token_loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
-        ).view(ids.size(0), -1)
-        loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+            pairs.append((tokenizer.encode(prompt_text, add_special_tokens=False),
+                          tokenizer.encode(solution_text(problem), add_special_tokens=False) + [eos_id]))
+        loss = supervised_step(model, optimizer, pairs, pad_id)
         if iteration % 10 == 0 or iteration == spec.warmup_iterations - 1:
-            log.info("chat warm-up", iteration=iteration, loss=round(loss.item(), 4),
+            log.info("chat warm-up", iteration=iteration, loss=round(loss, 4),
                      seconds=round(time.monotonic() - started, 1))
     model.eval()
 

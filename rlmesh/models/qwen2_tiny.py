@@ -38,19 +38,7 @@ def create_default_model(directory: str | Path, spec: TinyModelSpec = TinyModelS
     tokenizer = build_char_tokenizer()
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    config = Qwen2Config(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads,
-        num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-    )
+    config = tiny_qwen2_config(spec, tokenizer.get_vocab_size(), bos_id=eos_id, eos_id=eos_id, pad_id=pad_id)
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).float()
     _supervised_warmup(model, tokenizer, spec, eos_id, pad_id)
@@ -60,32 +48,52 @@ def create_default_model(directory: str | Path, spec: TinyModelSpec = TinyModelS
     return directory
 
 
+def tiny_qwen2_config(spec, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> Qwen2Config:
+    """A tied Qwen2 config of a spec's shape (this module's or the chat model's)."""
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+
+
+def supervised_step(model, optimizer: torch.optim.Optimizer, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> float:
+    """One step of next-token cross-entropy on (prompt, answer) token pairs, the loss on the answers only."""
+    rows = [prompt + answer for prompt, answer in pairs]
+    masks = [[0] * len(prompt) + [1] * len(answer) for prompt, answer in pairs]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.size(0), -1)
+    loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_id: int) -> None:
     rng = random.Random(spec.seed + HELD_OUT_SEED + 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.warmup_lr)
     model.train()
     for iteration in range(spec.warmup_iterations):
-        rows, masks = [], []
-        for _ in range(spec.warmup_batch):
-            problem = make_problem(rng)
-            prompt = tokenizer.encode(problem.prompt).ids
-            answer = tokenizer.encode(problem.answer).ids + [eos_id]
-            rows.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
-        token_loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
-        ).view(ids.size(0), -1)
-        loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        problems = [make_problem(rng) for _ in range(spec.warmup_batch)]
+        loss = supervised_step(model, optimizer, [(tokenizer.encode(p.prompt).ids, tokenizer.encode(p.answer).ids + [eos_id])
+                                                  for p in problems], pad_id)
         if iteration % 20 == 0 or iteration == spec.warmup_iterations - 1:
-            log.info("warm-up", iteration=iteration, loss=round(loss.item(), 4))
+            log.info("warm-up", iteration=iteration, loss=round(loss, 4))
     model.eval()
 
 
