@@ -21,6 +21,8 @@ class RewardItem:
     metadata: Mapping[str, Any]
     """The prompt's metadata from its task (for example the ground truth under `answer`)."""
     completion_token_ids: Sequence[int] = ()
+    """The response's token ids as generated, its final stop token included if it produced one:
+    per-token rewards are one per id here."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ class EvalRequest:
 @dataclass(frozen=True, slots=True)
 class EvalResponses:
     sampled: list[list[int]]
-    """`samples` rounds over the prompts: response i of round k is at k * len(prompts) + i."""
+    """`samples` rounds over the prompts: response i of round k is at k * len(prompts) + i. Each
+    response ends with its stop token if it generated one."""
     greedy: list[list[int]]
 
 
@@ -56,7 +57,8 @@ def generate_responses(model, request: EvalRequest, stop_ids: Sequence[int], pad
         )
         cut = []
         for row in outputs[:, width:].tolist():
-            end = next((i for i, token in enumerate(row) if token in stop_ids), len(row))
+            # Up to and including the first stop token, as the rollout engines return a response.
+            end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))
             cut.append(row[:end])
         return cut
 

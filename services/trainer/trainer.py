@@ -326,12 +326,12 @@ class GrpoTrainer:
             totals.grad_norm.append(await self.group.lead(OptimizerStep()))
         return totals
 
-    def _completion(self, token_ids) -> tuple[list[int], str]:
-        """A response's tokens without its final stop token, and their text."""
+    def _completion(self, token_ids) -> str:
+        """A response's text: its tokens without the final stop token, special tokens removed."""
         ids = list(token_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return ids, self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def _score_groups(self, keyed: list[tuple[Submitted, list[RewardItem]]]) -> list[list[RewardResult]]:
         """Each task scores its own items, all tasks at once; results come back per group."""
@@ -349,8 +349,7 @@ class GrpoTrainer:
             submitted = self.in_flight[(batch_id, group.prompt_id)]
             items = []
             for index, sample in enumerate(group.samples):
-                _, text = self._completion(sample.token_ids)
-                items.append(RewardItem(f"{batch_id}/{group.prompt_id}/{index}", submitted.text, text,
+                items.append(RewardItem(f"{batch_id}/{group.prompt_id}/{index}", submitted.text, self._completion(sample.token_ids),
                                         submitted.prompt.metadata, list(sample.token_ids)))
             keyed.append((submitted, items))
         scored = await self._score_groups(keyed)
@@ -390,7 +389,7 @@ class GrpoTrainer:
             rendered = texts * task.config.eval.samples + texts
             items = []
             for index, (prompt, text, ids) in enumerate(zip(prompts, rendered, responses.sampled + responses.greedy)):
-                items.append(RewardItem(f"eval-{step}-{index}", text, self._completion(ids)[1], prompt.metadata, ids))
+                items.append(RewardItem(f"eval-{step}-{index}", text, self._completion(ids), prompt.metadata, ids))
             results = [r.reward for r in await task.reward.score(items)]
             sampled, greedy = results[: len(responses.sampled)], results[len(responses.sampled):]
             pooled["sampled"] += sampled
