@@ -63,6 +63,7 @@ def prepare_job(args: argparse.Namespace):
     """The job of `--job` (or the default job) with the flags applied, its model folder ready, and
     every task checked against the model's tokenizer. Raises ConfigError or TaskError."""
     from rlmesh.job import load_job
+    from rlmesh.models.families import check_model_dir
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.tasks.build import build_task
 
@@ -72,25 +73,12 @@ def prepare_job(args: argparse.Namespace):
         from rlmesh.config import ConfigError
 
         raise ConfigError(f"model.path: {model_dir} is not a HF-format model folder (no config.json)")
-    check_model_family(model_dir)
+    check_model_dir(model_dir)
     tokenizer = load_hf_tokenizer(model_dir)
     for task in job.tasks:
         # A remote verifier is not called here: its channel opens on the first score.
         asyncio.run(build_task(task, tokenizer, job.algorithm.seed, [str(base)]).reward.close())
     return job, base, model_dir
-
-
-def check_model_family(model_dir: Path) -> None:
-    """Refuses a model folder of an architecture rlmesh has no layout rules for."""
-    from transformers import AutoConfig
-
-    from rlmesh.config import ConfigError
-    from rlmesh.models.tp_layout import ModelShape
-
-    try:
-        ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    except ValueError as exc:
-        raise ConfigError(f"model.path: {model_dir}: {exc}") from exc
 
 
 def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:

@@ -49,6 +49,10 @@ class EngineConfig(StrictModel):
             if (Path(self.model_dir) / "config.json").is_file():
                 from transformers import AutoConfig
 
+                from rlmesh.models.families import check_model_dir
+
+                # An architecture without layout rules is named as such, not as a split that fails.
+                check_model_dir(self.model_dir)
                 try:
                     ModelShape.from_hf_config(AutoConfig.from_pretrained(self.model_dir)).check_tp(self.tensor_parallel_size)
                 except ValueError as exc:
