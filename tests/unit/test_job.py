@@ -101,3 +101,10 @@ def test_up_stops_a_bad_job_before_starting_anything(tmp_path):
 
 def test_the_job_model_carries_every_documented_section():
     assert set(Job.model_fields) == {"model", "tasks", "algorithm", "mesh", "output"}
+
+
+def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    result = up("--model-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
