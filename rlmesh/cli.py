@@ -119,16 +119,12 @@ def _up(args: argparse.Namespace) -> int:
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
-        from services.trainer.config import TrainerConfig
-
-        settings = trainer_settings(job, base, model_dir, output_dir)
-        TrainerConfig.model_validate(settings)
     except (ConfigError, TaskError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
     (output_dir / "job.json").write_text(json.dumps(job.model_dump(mode="json"), indent=2))
     trainer_config = output_dir / "trainer.json"
-    trainer_config.write_text(json.dumps(settings, indent=2))
+    trainer_config.write_text(json.dumps(trainer_settings(job, base, model_dir, output_dir), indent=2))
     plan = MeshPlan(
         output_dir=output_dir,
         model_dir=model_dir,

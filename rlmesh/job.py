@@ -28,6 +28,14 @@ class ModelSection(StrictModel):
     Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task)."""
 
 
+def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_batch_groups: int) -> None:
+    """Raises ValueError unless a step's prompts split evenly into mini-batches of whole micro-batches."""
+    if prompts_per_step % mini_batches_per_step:
+        raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
+    if (prompts_per_step // mini_batches_per_step) % micro_batch_groups:
+        raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
+
+
 class AlgorithmSection(StrictModel):
     steps: int = Field(default=600, ge=1)
     prompts_per_step: int = Field(default=16, ge=1)
@@ -45,6 +53,11 @@ class AlgorithmSection(StrictModel):
     seed: int = 0
     eval_every: int = Field(default=10, ge=1)
     checkpoint_every: int = Field(default=25, ge=1)
+
+    @model_validator(mode="after")
+    def _batches_split(self) -> "AlgorithmSection":
+        check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
+        return self
 
 
 class MeshSection(StrictModel):

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
+from rlmesh.job import check_batch_shape
 from rlmesh.tasks.config import TaskConfig
 
 
@@ -74,10 +75,7 @@ class TrainerConfig(StrictModel):
 
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> "TrainerConfig":
-        if self.prompts_per_step % self.mini_batches_per_step:
-            raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
-        if (self.prompts_per_step // self.mini_batches_per_step) % self.micro_batch_groups:
-            raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
+        check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
         if self.min_micro_batch_groups > self.micro_batch_groups:
             raise ValueError("min_micro_batch_groups must not exceed micro_batch_groups")
         if self.collective_timeout_seconds <= self.rollout_timeout_seconds:
