@@ -15,7 +15,7 @@ SERVICES = ("manager", "rollout", "weights", "trainer")
 FLAG_FIELDS = {
     "steps": "algorithm.steps",
     "max_staleness": "algorithm.max_staleness",
-    "rollout_instances": "mesh.rollout_instances",
+    "autoscale": "mesh.autoscale",
     "trainer_ranks": "mesh.trainer_ranks",
     "rollout_tp": "mesh.rollout_tp",
     "transfer_backend": "mesh.transfer_backend",
@@ -51,6 +51,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
     overrides: dict[str, object] = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
                                     if getattr(args, flag) is not None}
+    if args.rollout_instances is not None:
+        overrides["mesh.rollout_instances"], overrides["mesh.max_rollout_instances"] = args.rollout_instances
     for assignment in args.set or []:
         key, sep, value = assignment.partition("=")
         if not sep or not key:
@@ -103,6 +105,9 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
 
 
 def _up(args: argparse.Namespace) -> int:
+    # Every process this one starts is a fork followed at once by an exec: gRPC's fork handlers
+    # have nothing to protect, and they log a line per restarted service when they skip.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from rlmesh.config import ConfigError
     from rlmesh.launcher import MeshPlan, run_mesh
     from rlmesh.logging import configure_logging
@@ -139,6 +144,8 @@ def _up(args: argparse.Namespace) -> int:
         compression=mesh.compression,
         trainer_config=trainer_config,
         engine=mesh.engine,
+        max_rollout_instances=mesh.max_rollout_instances or mesh.rollout_instances,
+        autoscale=mesh.autoscale,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -181,6 +188,46 @@ def _positive(text: str) -> int:
     return value
 
 
+def _instance_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    bounds = (_positive(low), _positive(high)) if sep else (_positive(low),) * 2
+    if bounds[1] < bounds[0]:
+        raise argparse.ArgumentTypeError(f"MIN:MAX needs MIN <= MAX, got {text}")
+    return bounds
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from rlmesh.launcher import SCALE_FILE, STATE_FILE, find_running_mesh
+
+    run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
+    if run is None or not (run / STATE_FILE).is_file():
+        where = args.run or "runs/"
+        print(f"rlmesh scale: no running mesh found in {where} (rlmesh up writes {STATE_FILE} in its output folder)", file=sys.stderr)
+        return 2
+    state = json.loads((run / STATE_FILE).read_text())
+    bounds = state["rollout_instances"]
+    if not bounds["min"] <= args.rollout_instances <= bounds["max"]:
+        print(f"rlmesh scale: this mesh runs {bounds['min']} to {bounds['max']} rollout instances "
+              f"(rlmesh up --rollout-instances MIN:MAX); {args.rollout_instances} is outside", file=sys.stderr)
+        return 2
+    request = run / SCALE_FILE
+    partial = request.with_suffix(".partial")
+    partial.write_text(json.dumps({"rollout_instances": args.rollout_instances}))
+    partial.replace(request)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        try:
+            current = json.loads((run / STATE_FILE).read_text())["rollout_instances"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        if current["target"] == args.rollout_instances and len(current["running"]) == args.rollout_instances:
+            print(f"rollout instances: {len(current['running'])} ({', '.join(r['name'] for r in current['running'])})")
+            return 0
+    print(f"rlmesh scale: the mesh in {run} did not reach {args.rollout_instances} instances in {args.timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -191,7 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--set", action="append", metavar="FIELD=VALUE",
                     help="override any job field, e.g. --set algorithm.learning_rate=1e-4 --set tasks.0.weight=2")
     up.add_argument("--steps", type=_positive, help="algorithm.steps (default 600)")
-    up.add_argument("--rollout-instances", type=_positive, help="mesh.rollout_instances: rollout processes (default 1)")
+    up.add_argument("--rollout-instances", type=_instance_range, metavar="N|MIN:MAX",
+                    help="mesh.rollout_instances (and mesh.max_rollout_instances): rollout processes at start, and "
+                         "the range `rlmesh scale` and --autoscale move in (default 1)")
+    up.add_argument("--autoscale", action="store_true", default=None,
+                    help="mesh.autoscale: follow the manager's recommended instance count within MIN:MAX")
     up.add_argument("--trainer-ranks", type=_positive, metavar="N",
                     help="mesh.trainer_ranks: FSDP ranks of the trainer; more than 1 runs it under torchrun (default 1)")
     up.add_argument("--host", help="mesh.host (default 127.0.0.1)")
@@ -208,19 +259,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
     up.add_argument("--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)")
     up.add_argument("--output-dir", help="output.dir: metrics, plot, checkpoints and logs (default runs/<time>)")
-    up.set_defaults(run=_up)
+    up.set_defaults(handler=_up)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
     init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
                       help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat template")
     init.add_argument("--model-dir", help="where to write it (default: where jobs look for the built-in model)")
-    init.set_defaults(run=_init_model)
+    init.set_defaults(handler=_init_model)
+    scale = commands.add_parser("scale", help="change the number of rollout instances of a running `rlmesh up`")
+    scale.add_argument("--rollout-instances", type=_positive, required=True, metavar="N",
+                       help="within the MIN:MAX the mesh was started with")
+    scale.add_argument("--run", help="the mesh's output folder (default: the newest running one under runs/)")
+    scale.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the instances (default 120)")
+    scale.set_defaults(handler=_scale)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)
-    health.set_defaults(run=_health)
+    health.set_defaults(handler=_health)
     for service in SERVICES:
         sub = commands.add_parser(service, help=f"run the {service} service", add_help=False)
-        sub.set_defaults(run=None, service=service)
+        sub.set_defaults(handler=None, service=service)
     return parser
 
 
@@ -230,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         # Services run as their own module so this package never imports service code.
         os.execv(sys.executable, [sys.executable, "-m", f"services.{argv[0]}", *argv[1:]])
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,12 @@ class MeshSection(StrictModel):
     trainer_ranks: int = Field(default=1, ge=1)
     """FSDP ranks of the trainer on this machine (more than one runs it under torchrun)."""
     rollout_instances: int = Field(default=1, ge=1)
+    """Rollout instances at start, and the fewest `rlmesh scale` or the autoscaler may leave."""
+    max_rollout_instances: int | None = Field(default=None, ge=1)
+    """The most rollout instances `rlmesh scale` or the autoscaler may run (None: rollout_instances)."""
+    autoscale: bool = False
+    """Follow the manager's recommended number of rollout instances (rollout time against training
+    time), one instance at a time, with hysteresis, between the two bounds."""
     rollout_tp: int = Field(default=1, ge=1)
     """Tensor-parallel processes per rollout instance."""
     engine: Literal["torch", "vllm"] = "torch"
@@ -80,7 +86,12 @@ class MeshSection(StrictModel):
             raise ValueError("the mooncake backend writes raw bytes; compression needs transfer_backend tcp or grpc")
         if self.engine == "vllm" and self.rollout_tp > 1:
             raise ValueError("rollout_tp > 1 runs on the torch engine only")
-        if self.base_port + 10 + self.rollout_instances > 65535:
+        cap = self.max_rollout_instances or self.rollout_instances
+        if cap < self.rollout_instances:
+            raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
+        if self.autoscale and cap == self.rollout_instances:
+            raise ValueError("autoscale needs room: set max_rollout_instances above rollout_instances (--rollout-instances MIN:MAX)")
+        if self.base_port + 10 + cap > 65535:
             raise ValueError("base_port leaves no room for every rollout instance's port")
         return self
 

@@ -1,5 +1,7 @@
 """`rlmesh up`: the whole mesh as local processes on loopback: start in dependency order, wait on
-each health service, show training progress, and stop every process at the end or on Ctrl-C."""
+each health service, show training progress, keep the rollout instances and the weights service
+running (restarted with backoff when they exit; scaled by `rlmesh scale` or the autoscaler), and
+stop every process at the end or on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from tqdm import tqdm
 
+from rlmesh.autoscale import Autoscaler
 from rlmesh.lifecycle import die_with_parent
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -26,6 +31,15 @@ MESH_ID_ENV = "RLMESH_MESH_ID"
 STOP_TIMEOUT_SECONDS = 15.0
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
+RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+"""Waits before restarting a service that exited, growing with each restart in a row."""
+STABLE_SECONDS = 60.0
+"""A service that ran this long is healthy again: its next restart waits the shortest time."""
+STATE_FILE = "mesh.json"
+"""Written by `rlmesh up` in the output folder: its pid and the rollout instances, for `rlmesh scale`."""
+SCALE_FILE = "scale.json"
+"""Written by `rlmesh scale` in the output folder: the number of rollout instances wanted."""
+AUTOSCALE_POLL_SECONDS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +62,14 @@ class MeshPlan:
     """The trainer's config file, written from the job (tasks, algorithm, outputs)."""
     engine: str = "torch"
     """Rollout engine: `torch`, or `vllm` run with the vLLM virtualenv's Python."""
+    max_rollout_instances: int = 0
+    """Most rollout instances `rlmesh scale` or the autoscaler may run (0: rollout_instances)."""
+    autoscale: bool = False
+    """Follow the manager's recommended instance count within [rollout_instances, max_rollout_instances]."""
+
+    @property
+    def instance_cap(self) -> int:
+        return max(self.max_rollout_instances, self.rollout_instances)
 
     @property
     def manager_address(self) -> str:
@@ -138,11 +160,41 @@ def stop_children(children: list[Child]) -> None:
                 child.process.wait()
 
 
+@dataclass(slots=True)
+class Supervised:
+    """A service the launcher keeps running: when it exits it is reported and, after a backoff,
+    started again (`start` spawns it)."""
+
+    name: str
+    start: Callable[[], Child]
+    child: Child
+    started_at: float
+    restarts_in_a_row: int = 0
+    restart_at: float | None = None
+    retiring: bool = False
+    """Being scaled down: its exit is expected and it is not restarted."""
+
+
+@dataclass(slots=True)
+class MeshEvents:
+    """What the supervisor did in one tick, for the console."""
+
+    lines: list[str] = field(default_factory=list)
+    fatal: str = ""
+
+
 class Mesh:
     def __init__(self, plan: MeshPlan) -> None:
         self.plan = plan
         self.children: list[Child] = []
         self.log_dir = plan.output_dir / "logs"
+        self.manager: Child | None = None
+        self.weights: Supervised | None = None
+        self.rollouts: dict[int, Supervised] = {}
+        self.target_instances = plan.rollout_instances
+        self.autoscaler = Autoscaler(plan.rollout_instances, plan.instance_cap) if plan.autoscale else None
+        self._scale_seen = 0.0
+        self._autoscale_at = 0.0
 
     def _spawn(self, name: str, module: str, address: str, settings: dict[str, str], launcher: list[str] | None = None,
                python: str | None = None, args: list[str] | None = None) -> Child:
@@ -151,35 +203,45 @@ class Mesh:
         self.children.append(child)
         return child
 
-    async def start_services(self) -> None:
+    def _spawn_weights(self) -> Child:
         plan = self.plan
-        manager = self._spawn("manager", "services.manager", plan.manager_address, {
-            "RLMESH_MANAGER_SERVER__HOST": plan.host,
-            "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
-            "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
-        })
-        await wait_started([manager])
-        weights = self._spawn("weights", "services.weights", plan.weights_address, {
+        return self._spawn("weights", "services.weights", plan.weights_address, {
             "RLMESH_WEIGHTS_SERVER__HOST": plan.host,
             "RLMESH_WEIGHTS_SERVER__PORT": _port(plan.weights_address),
             "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
             "RLMESH_WEIGHTS_BACKEND": plan.transfer_backend,
             "RLMESH_WEIGHTS_COMPRESSION": plan.compression,
         })
-        rollouts = [
-            self._spawn(f"rollout-{i}", "services.rollout", plan.rollout_address(i), {
-                "RLMESH_ROLLOUT_SERVER__HOST": plan.host,
-                "RLMESH_ROLLOUT_SERVER__PORT": _port(plan.rollout_address(i)),
-                "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{i}",
-                "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
-                "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
-                "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
-                "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
-                "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
-            }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None)
-            for i in range(plan.rollout_instances)
-        ]
-        await wait_started([weights, *rollouts])
+
+    def _spawn_rollout(self, index: int) -> Child:
+        plan = self.plan
+        return self._spawn(f"rollout-{index}", "services.rollout", plan.rollout_address(index), {
+            "RLMESH_ROLLOUT_SERVER__HOST": plan.host,
+            "RLMESH_ROLLOUT_SERVER__PORT": _port(plan.rollout_address(index)),
+            "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
+            "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
+            "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
+            "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
+            "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
+            "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
+        }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None)
+
+    def _supervise(self, name: str, start: Callable[[], Child]) -> Supervised:
+        return Supervised(name, start, start(), time.monotonic())
+
+    async def start_services(self) -> None:
+        plan = self.plan
+        self.manager = self._spawn("manager", "services.manager", plan.manager_address, {
+            "RLMESH_MANAGER_SERVER__HOST": plan.host,
+            "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
+            "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
+        })
+        await wait_started([self.manager])
+        self.weights = self._supervise("weights", self._spawn_weights)
+        for index in range(plan.rollout_instances):
+            self.rollouts[index] = self._supervise(f"rollout-{index}", lambda index=index: self._spawn_rollout(index))
+        await wait_started([self.weights.child, *(r.child for r in self.rollouts.values())])
+        self.write_state()
 
     async def start_trainer(self) -> Child:
         """One trainer process, or torchrun with `trainer_ranks` of them (rank 0 serves the port)."""
@@ -197,18 +259,128 @@ class Mesh:
         await wait_started([trainer])
         return trainer
 
-    def crashed(self) -> Child | None:
-        return next((c for c in self.children if c.name != "trainer" and c.process.poll() is not None), None)
+    def running_instances(self) -> list[int]:
+        return sorted(i for i, r in self.rollouts.items() if not r.retiring)
+
+    def write_state(self) -> None:
+        """mesh.json: what `rlmesh scale` reads (written whole, then renamed into place)."""
+        plan = self.plan
+        state = {
+            "pid": os.getpid(),
+            "manager": plan.manager_address,
+            "rollout_instances": {
+                "min": plan.rollout_instances, "max": plan.instance_cap, "target": self.target_instances,
+                "running": [{"name": r.name, "pid": r.child.process.pid, "address": r.child.address,
+                             "restarts": r.restarts_in_a_row} for i, r in sorted(self.rollouts.items()) if not r.retiring],
+            },
+            "autoscale": plan.autoscale,
+        }
+        path = plan.output_dir / STATE_FILE
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(state, indent=2))
+        partial.replace(path)
+
+    def _restart_due(self, service: Supervised, now: float, events: MeshEvents) -> None:
+        code = service.child.process.returncode
+        if service.restart_at is None:
+            if now - service.started_at >= STABLE_SECONDS:
+                service.restarts_in_a_row = 0
+            wait = RESTART_BACKOFF_SECONDS[min(service.restarts_in_a_row, len(RESTART_BACKOFF_SECONDS) - 1)]
+            service.restart_at = now + wait
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            events.lines.append(f"{service.name} exited ({how}); restarting in {wait:.0f} s; see {service.child.log_path}")
+        elif now >= service.restart_at:
+            self.children.remove(service.child)
+            service.child = service.start()
+            service.started_at, service.restart_at = now, None
+            service.restarts_in_a_row += 1
+            events.lines.append(f"{service.name} restarted (pid {service.child.process.pid}, restart {service.restarts_in_a_row} in a row)")
+            self.write_state()
+
+    def _scale_to(self, count: int, events: MeshEvents, why: str) -> None:
+        count = min(max(count, self.plan.rollout_instances), self.plan.instance_cap)
+        if count == self.target_instances:
+            return
+        events.lines.append(f"rollout instances: {self.target_instances} -> {count} ({why})")
+        self.target_instances = count
+        running = self.running_instances()
+        for index in running[count:]:
+            # SIGTERM drains: the instance hands its requests back with their tokens, then leaves.
+            service = self.rollouts[index]
+            service.retiring = True
+            if service.child.process.poll() is None:
+                service.child.process.send_signal(signal.SIGTERM)
+        free = (i for i in range(self.plan.instance_cap) if i not in self.rollouts)
+        for _ in range(count - len(running)):
+            index = next(free)
+            self.rollouts[index] = self._supervise(f"rollout-{index}", lambda index=index: self._spawn_rollout(index))
+        self.write_state()
+
+    def _read_scale_request(self, events: MeshEvents) -> None:
+        path = self.plan.output_dir / SCALE_FILE
+        try:
+            modified = path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if modified <= self._scale_seen:
+            return
+        self._scale_seen = modified
+        try:
+            wanted = int(json.loads(path.read_text())["rollout_instances"])
+        except (ValueError, KeyError, TypeError) as exc:
+            events.lines.append(f"ignored {path}: {exc}")
+            return
+        self._scale_to(wanted, events, "rlmesh scale")
+
+    async def _autoscale(self, now: float, manager: manager_pb2_grpc.ManagerServiceStub, events: MeshEvents) -> None:
+        if self.autoscaler is None or now < self._autoscale_at:
+            return
+        self._autoscale_at = now + AUTOSCALE_POLL_SECONDS
+        try:
+            status = await manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(2.0))
+        except grpc.aio.AioRpcError:
+            return
+        recommended = status.stage_balance.recommended_rollout_instances
+        new = self.autoscaler.observe(now, recommended, self.target_instances)
+        if new is not None:
+            self._scale_to(new, events, f"autoscale: the manager recommends {recommended}")
+
+    async def supervise(self, manager: manager_pb2_grpc.ManagerServiceStub) -> MeshEvents:
+        """One tick: restart what exited, apply scale requests and the autoscaler. Only the
+        manager's exit is fatal (its state is in memory)."""
+        events = MeshEvents()
+        now = time.monotonic()
+        if self.manager is not None and self.manager.process.poll() is not None:
+            events.fatal = f"manager exited with code {self.manager.process.returncode}; see {self.manager.log_path}"
+            return events
+        self._read_scale_request(events)
+        await self._autoscale(now, manager, events)
+        for index, service in list(self.rollouts.items()):
+            if service.child.process.poll() is None:
+                continue
+            if service.retiring:
+                self.children.remove(service.child)
+                del self.rollouts[index]
+                events.lines.append(f"{service.name} left (drained)")
+                self.write_state()
+            else:
+                self._restart_due(service, now, events)
+        if self.weights is not None and self.weights.child.process.poll() is not None:
+            self._restart_due(self.weights, now, events)
+        return events
 
     def stop(self) -> None:
         """Trainer first, manager last."""
         stop_children(self.children)
+        (self.plan.output_dir / STATE_FILE).unlink(missing_ok=True)
 
 
 async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> int:
     """Shows a progress bar until the trainer exits; returns its exit code (130 if interrupted)."""
     channel = open_channel(trainer.address)
     stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+    manager_channel = open_channel(mesh.plan.manager_address)
+    manager = manager_pb2_grpc.ManagerServiceStub(manager_channel)
     interactive = sys.stderr.isatty()
     bar = tqdm(total=mesh.plan.steps, unit="step", desc="training", dynamic_ncols=True, disable=not interactive)
     reported = 0
@@ -216,9 +388,12 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
         while trainer.process.poll() is None:
             if stop.is_set():
                 return 130
-            crashed = mesh.crashed()
-            if crashed:
-                print(f"\n{crashed.name} exited with code {crashed.process.returncode}; see {crashed.log_path}", file=sys.stderr)
+            events = await mesh.supervise(manager)
+            for line in events.lines:
+                # Through tqdm, so a redrawn progress bar does not overwrite the line.
+                tqdm.write(line, file=sys.stderr)
+            if events.fatal:
+                print(f"\n{events.fatal}", file=sys.stderr)
                 return 1
             try:
                 status = await stub.GetTrainingStatus(trainer_pb2.GetTrainingStatusRequest(), **call_options(2.0))
@@ -238,6 +413,7 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
     finally:
         bar.close()
         await channel.close()
+        await manager_channel.close()
 
 
 def print_summary(plan: MeshPlan, elapsed: float) -> None:
@@ -275,7 +451,9 @@ async def run_mesh(plan: MeshPlan) -> int:
         starting.result()
         interrupted.cancel()
         print(f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
-              f"rollout {', '.join(plan.rollout_address(i) for i in range(plan.rollout_instances))}, "
+              f"rollout {', '.join(plan.rollout_address(i) for i in range(plan.rollout_instances))}"
+              + (f" (up to {plan.instance_cap}{', autoscaled' if plan.autoscale else ''})" if plan.instance_cap > plan.rollout_instances else "")
+              + ", "
               f"trainer {plan.trainer_address}"
               + (f" ({plan.trainer_ranks} FSDP ranks)" if plan.trainer_ranks > 1 else "") + f"; logs in {mesh.log_dir}")
         trainer = await mesh.start_trainer()
@@ -285,10 +463,24 @@ async def run_mesh(plan: MeshPlan) -> int:
         elif code != 130:
             reason = plan.output_dir / "error.txt"
             why = f": {reason.read_text().strip()}" if reason.is_file() else ""
-            print(f"training failed (exit {code}){why}\nsee {trainer.log_path}", file=sys.stderr)
+            print(f"training failed (exit {code}){why}\nsee {trainer.log_path}\n"
+                  f"the run resumes from its last checkpoint when started again with --output-dir {plan.output_dir}",
+                  file=sys.stderr)
         return code
     except (RuntimeError, TimeoutError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 1
     finally:
         await asyncio.to_thread(mesh.stop)
+
+
+def find_running_mesh(runs: Path) -> Path | None:
+    """The newest output folder under `runs` whose `rlmesh up` is still alive."""
+    candidates = sorted(runs.glob(f"*/{STATE_FILE}"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for state in candidates:
+        try:
+            os.kill(json.loads(state.read_text())["pid"], 0)
+        except (ProcessLookupError, KeyError, ValueError, PermissionError):
+            continue
+        return state.parent
+    return None
