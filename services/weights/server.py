@@ -33,6 +33,12 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                 if not message.HasField("header"):
                     raise InvalidArgument("the first message of a shard upload must carry the header")
                 header = message.header
+                earlier = self.store.earlier_upload(header)
+                if earlier is not None:
+                    async for _ in request_iterator:
+                        pass
+                    log.info("an upload already taken came again; answered as before", weight_version=header.version, rank=header.rank)
+                    return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=earlier[0], complete=earlier[1])
                 self.store.check_shards(header)
                 payload = self.store.shard_buffer(header)
                 if header.shm_path:

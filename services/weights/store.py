@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from rlmesh.weights.v1 import weights_pb2
 FULL_LAYOUT = 0
 """The tensor-parallel size that stands for full tensors under their HF names."""
 CHECKSUM_THREADS = 2
+RECEIVED_MEMORY = 256
+"""(version, rank) uploads remembered, so one sent again after a lost reply is recognised."""
 
 
 class BufferPool:
@@ -205,9 +208,19 @@ class WeightStore:
     layouts_in_use: set[tuple[int, int]] = field(default_factory=set)
     """(tp, rank) payloads pushes asked for: built for each new version as its shards arrive."""
     _assemblies: dict[int, Assembly] = field(default_factory=dict)
+    _received: OrderedDict[tuple[int, int], int] = field(default_factory=OrderedDict)
+    """crc32 of each (version, rank) upload taken, oldest first."""
     _retired: list[Snapshot] = field(default_factory=list)
 
     # Sharded uploads --------------------------------------------------------------------------
+
+    def earlier_upload(self, header: weights_pb2.ShardsHeader) -> tuple[int, bool] | None:
+        """(ranks received, complete) if this very upload (version, rank and crc32) was already
+        taken: a sender whose reply was lost sends it again, and must hear it succeeded."""
+        if self._received.get((header.version, header.rank)) != header.payload_crc32:
+            return None
+        assembly = self._assemblies.get(header.version)
+        return (len(assembly.headers), False) if assembly is not None else (header.world_size, True)
 
     def check_shards(self, header: weights_pb2.ShardsHeader) -> ModelShape:
         """Validates a rank's header before its bytes are read."""
@@ -241,6 +254,9 @@ class WeightStore:
             assembly.prepare(self.layouts_in_use, torch_dtype(header.shards[0].dtype))
         assembly.headers[header.rank] = header
         assembly.shards[header.rank] = payload
+        self._received[(header.version, header.rank)] = header.payload_crc32
+        while len(self._received) > RECEIVED_MEMORY:
+            self._received.popitem(last=False)
         if assembly.complete:
             del self._assemblies[header.version]
         return assembly

@@ -120,3 +120,19 @@ async def test_bad_uploads_are_refused_with_the_reason(weights, tmp_path):
     await upload_through_shm(weights, 6, 0, 1)
     await wait_for(lambda: latest_status(weights, 6))
     await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer")
+
+
+async def test_an_upload_sent_again_after_a_lost_reply_succeeds_and_stores_nothing_twice(weights):
+    """A sender that never heard the reply sends the same shards again: the same answer, once
+    the version is stored too; other bytes under the same version are still refused."""
+    first = await upload_through_shm(weights, 7, 0, 2)
+    again = await upload_through_shm(weights, 7, 0, 2)
+    assert (first.ranks_received, first.complete) == (again.ranks_received, again.complete) == (1, False)
+    await upload_through_shm(weights, 7, 1, 2)
+    await wait_for(lambda: latest_status(weights, 7))
+    late = await upload_through_shm(weights, 7, 1, 2)
+    assert (late.version, late.ranks_received, late.complete) == (7, 2, True)
+    assert (await weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)).latest_version == 7
+    _, header = rank_shards(7, 1, 2)
+    header.payload_crc32 = 12345
+    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer")
