@@ -7,6 +7,7 @@ import inspect
 import signal
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,34 +29,52 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
-# Keepalive pings let both ends notice a peer that vanished without closing its socket (a
-# preempted spot machine); the server must tolerate the clients' ping rate or it answers
-# "Too many pings" and drops the connection.
-_KEEPALIVE_TIME_MS = 20_000
-_KEEPALIVE_TIMEOUT_MS = 10_000
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    """Keepalive pings let both ends notice a peer that vanished without closing its socket (a
+    preempted spot machine). Clients and servers take their settings from the same instance so that
+    a server never counts the pings of a client at its own rate as abuse (a GOAWAY "too_many_pings")."""
+
+    time_ms: int = 20_000
+    """Each end pings a quiet connection this often (grpc core's clients at most once a second)."""
+    timeout_ms: int = 10_000
+    """...and closes it when a ping goes unanswered this long."""
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.keepalive_time_ms", self.time_ms),
+            ("grpc.keepalive_timeout_ms", self.timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    def server_options(self) -> list[tuple[str, int]]:
+        # The server's ping policy: pings at least half a period apart are fine, with or without
+        # calls in flight (permit_without_calls, above). This is the key grpc core reads for
+        # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS; it ignores unknown keys silently,
+        # and under its 5-minute default a client pinging every 20 s is sent away after 3 pings.
+        return [*self.channel_options(), ("grpc.http2.min_ping_interval_without_data_ms", self.time_ms // 2)]
 
 
-def server_options(max_message_mb: int) -> list[tuple[str, int]]:
-    return [
-        *channel_options(max_message_mb),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", _KEEPALIVE_TIME_MS // 2),
-    ]
+KEEPALIVE = Keepalive()
 
 
-def channel_options(max_message_mb: int = 64) -> list[tuple[str, int]]:
+def server_options(max_message_mb: int, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, int]]:
+    return [*_message_limits(max_message_mb), *keepalive.server_options()]
+
+
+def channel_options(max_message_mb: int = 64, keepalive: Keepalive = KEEPALIVE) -> list[tuple[str, int]]:
+    return [*_message_limits(max_message_mb), *keepalive.channel_options()]
+
+
+def _message_limits(max_message_mb: int) -> list[tuple[str, int]]:
     size = max_message_mb << 20
-    return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
-        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-    ]
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
-def open_channel(address: str, max_message_mb: int = 64) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_mb))
+def open_channel(address: str, max_message_mb: int = 64, keepalive: Keepalive = KEEPALIVE) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=channel_options(max_message_mb, keepalive))
 
 
 def call_options(timeout: float) -> dict[str, Any]:
@@ -136,12 +155,12 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """A grpc.aio server with reflection, the health service and a graceful drain."""
 
-    def __init__(self, config: ServerConfig, service_names: Iterable[str]) -> None:
+    def __init__(self, config: ServerConfig, service_names: Iterable[str], keepalive: Keepalive = KEEPALIVE) -> None:
         self.config = config
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
             interceptors=[RequestContextInterceptor()],
-            options=server_options(config.max_message_mb),
+            options=server_options(config.max_message_mb, keepalive),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
