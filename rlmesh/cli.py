@@ -221,7 +221,9 @@ def _scale(args: argparse.Namespace) -> int:
             current = json.loads((run / STATE_FILE).read_text())["rollout_instances"]
         except (FileNotFoundError, json.JSONDecodeError):
             continue
-        if current["target"] == args.rollout_instances and len(current["running"]) == args.rollout_instances:
+        # Done once the new instances run and the drained ones have handed their work back and left.
+        if current["target"] == args.rollout_instances and len(current["running"]) == args.rollout_instances \
+                and not current["leaving"]:
             print(f"rollout instances: {len(current['running'])} ({', '.join(r['name'] for r in current['running'])})")
             return 0
     print(f"rlmesh scale: the mesh in {run} did not reach {args.rollout_instances} instances in {args.timeout:.0f} s", file=sys.stderr)

@@ -272,6 +272,7 @@ class Mesh:
                 "min": plan.rollout_instances, "max": plan.instance_cap, "target": self.target_instances,
                 "running": [{"name": r.name, "pid": r.child.process.pid, "address": r.child.address,
                              "restarts": r.restarts_in_a_row} for i, r in sorted(self.rollouts.items()) if not r.retiring],
+                "leaving": [r.name for _, r in sorted(self.rollouts.items()) if r.retiring],
             },
             "autoscale": plan.autoscale,
         }

@@ -66,6 +66,9 @@ class TrainerConfig(StrictModel):
     collective_timeout_seconds: float = Field(default=1800.0, gt=0)
     """How long a rank waits in one collective; ranks other than 0 wait in one for rank 0's next
     command (while it waits for rollouts), so this must exceed rollout_timeout_seconds."""
+    publish_timeout_seconds: float = Field(default=300.0, gt=0)
+    """How long a version is handed over again while the weights service is unreachable (it is
+    restarted by `rlmesh up`) before training fails."""
     upload_timeout_seconds: float = Field(default=60.0, gt=0)
     """Deadline of one rank's UploadShards call (the weights service replies once it copied the bytes)."""
     rpc_timeout_seconds: float = Field(default=10.0, gt=0)

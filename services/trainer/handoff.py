@@ -66,7 +66,12 @@ def remove_stale_slots(tag: str, rank: int) -> list[str]:
 
 
 class PublishError(RuntimeError):
-    """A rank could not hand its shards of a version to the weights service."""
+    """A rank could not hand its shards of a version to the weights service. `retryable`: the
+    service was unreachable or too slow (down, restarting), not refusing the shards."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass(slots=True)
@@ -159,7 +164,8 @@ class ShardHandoff:
 
     def _failed(self, packed: PackedShards, exc: grpc.aio.AioRpcError) -> PublishError:
         return PublishError(f"rank {self.rank}: UploadShards of version {packed.header.version} failed: "
-                            f"{exc.code().name}: {exc.details()}")
+                            f"{exc.code().name}: {exc.details()}",
+                            retryable=exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
 
     def close(self) -> None:
         """Unmaps and unlinks the slots. A slot something still views keeps its memory until the

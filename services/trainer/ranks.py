@@ -9,6 +9,7 @@ failure ends the rank's process; torchrun then stops the others."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +75,12 @@ Command = Train | OptimizerStep | Evaluate | Publish | Checkpoint | Resume | Sto
 
 
 class CollectiveFailure(RuntimeError):
-    """A command failed in a way every rank knows of; the ranks are still in step."""
+    """A command failed in a way every rank knows of; the ranks are still in step. `retryable`:
+    the same command may succeed later (the weights service was unreachable)."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +104,8 @@ class RankGroup:
         self.checkpoints = checkpoints
         self.in_step = True
         """False while a command runs on this rank: a stop then could not be broadcast safely."""
+        self._leading = asyncio.Lock()
+        """One command at a time: the training loop and the weights watcher both lead."""
 
     def _broadcast(self, command: Command | None) -> Command:
         objects: list[Any] = [command]
@@ -113,15 +121,16 @@ class RankGroup:
         """Rank 0: sends the command to every rank and runs it here too; returns this rank's result."""
         if not self.rank.is_leader:
             raise RuntimeError("only rank 0 leads")
-        self.in_step = False
-        await self.thread.run(self._broadcast, command)
-        try:
-            result = await self.execute(command)
-        except CollectiveFailure:
+        async with self._leading:
+            self.in_step = False
+            await self.thread.run(self._broadcast, command)
+            try:
+                result = await self.execute(command)
+            except CollectiveFailure:
+                self.in_step = True
+                raise
             self.in_step = True
-            raise
-        self.in_step = True
-        return result
+            return result
 
     async def follow(self) -> None:
         """Ranks other than 0: run rank 0's commands until it says stop."""
@@ -168,20 +177,21 @@ class RankGroup:
         started = time.perf_counter()
         packed = await self.thread.run(lambda: self.handoff.pack(version, self.policy.local_shards()))
         uploading = time.perf_counter()
-        error, complete = "", False
+        error, retryable, complete = "", False, False
         try:
             reply = await self.handoff.upload(packed)
             complete = reply.complete
         except PublishError as exc:
-            error = str(exc)
+            error, retryable = str(exc), exc.retryable
         upload_seconds = time.perf_counter() - uploading
         # The barrier after the uploads, carrying each rank's outcome so all ranks agree on it.
-        outcomes = await self.thread.run(self._all_gather, (error, complete, packed.header.total_bytes))
-        errors = [e for e, _, _ in outcomes if e]
-        if errors:
-            raise CollectiveFailure(f"publishing version {version}: " + "; ".join(errors))
-        if not any(c for _, c, _ in outcomes):
+        outcomes = await self.thread.run(self._all_gather, (error, retryable, complete, packed.header.total_bytes))
+        failed = [(e, r) for e, r, _, _ in outcomes if e]
+        if failed:
+            raise CollectiveFailure(f"publishing version {version}: " + "; ".join(e for e, _ in failed),
+                                    retryable=all(r for _, r in failed))
+        if not any(c for _, _, c, _ in outcomes):
             raise CollectiveFailure(f"publishing version {version}: every rank uploaded its shards but the weights "
                                     "service never reported the version complete")
         return PublishResult(version=version, seconds=time.perf_counter() - started, pack_seconds=packed.pack_seconds,
-                             upload_seconds=upload_seconds, rank_bytes=[b for _, _, b in outcomes])
+                             upload_seconds=upload_seconds, rank_bytes=[b for _, _, _, b in outcomes])

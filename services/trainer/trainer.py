@@ -30,12 +30,18 @@ from services.trainer.grpo import group_advantages
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
 from services.trainer.policy import MicroBatchStats
-from services.trainer.ranks import Checkpoint, Evaluate, OptimizerStep, Publish, PublishResult, RankGroup, Resume, Train
+from services.trainer.ranks import (Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult, RankGroup,
+                                    Resume, Train)
 
 log = structlog.get_logger()
 
 STREAM_ATTEMPTS = 3
 """Times a step's rollout stream is opened when the connection to the manager breaks."""
+PUBLISH_RETRY_FIRST_SECONDS = 0.5
+PUBLISH_RETRY_MAX_SECONDS = 8.0
+WEIGHTS_CHECK_SECONDS = 2.0
+"""While waiting for rollouts, how often the weights service is asked whether it still holds the
+latest version (a restarted one holds none, and no instance could then catch up)."""
 
 
 class RolloutsUnavailable(RuntimeError):
@@ -123,6 +129,9 @@ class GrpoTrainer:
         self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
         self.unread_batches: set[str] = set()
         self.total_steps = config.steps
+        self.published_version = -1
+        self.stepped_since_publish = False
+        """The optimizer stepped after the last publish: the policy is no longer that version."""
 
     def _sampling(self, task: Task) -> common_pb2.SamplingParams:
         sampling = task.config.sampling
@@ -228,8 +237,24 @@ class GrpoTrainer:
                  step_s=round(step_seconds, 3), publish_s=round(published.seconds, 4), staleness=values["staleness_mean"])
 
     async def _publish(self, version: int) -> PublishResult:
-        """Every rank hands its shards to the weights service; then the manager learns the version."""
-        published: PublishResult = await self.group.lead(Publish(version))
+        """Every rank hands its shards to the weights service; then the manager learns the version.
+        While the weights service is unreachable (restarting) the same version is handed over again,
+        with backoff, for up to publish_timeout_seconds; ranks whose upload it already took are
+        answered as before."""
+        deadline = time.monotonic() + self.config.publish_timeout_seconds
+        delay = PUBLISH_RETRY_FIRST_SECONDS
+        while True:
+            try:
+                published: PublishResult = await self.group.lead(Publish(version))
+                break
+            except CollectiveFailure as exc:
+                if not exc.retryable or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("the weights service is unreachable; publishing the version again", weight_version=version,
+                            retry_in_s=delay, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, PUBLISH_RETRY_MAX_SECONDS)
+        self.published_version, self.stepped_since_publish = version, False
         started = time.perf_counter()
         await self.mesh.announce(version)
         return replace(published, seconds=published.seconds + time.perf_counter() - started)
@@ -287,9 +312,44 @@ class GrpoTrainer:
     async def _train_step(self, step: int, policy_version: int) -> StepTotals:
         batch_id = self._batch_id(step)
         totals = StepTotals()
+        done_waiting = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_weights(done_waiting))
+        try:
+            await self._stream_step(batch_id, step, policy_version, totals)
+        finally:
+            done_waiting.set()
+            await watcher
+        return totals
+
+    async def _watch_weights(self, done: asyncio.Event) -> None:
+        """Hands the latest version over again if the weights service lost it (it was restarted)
+        while the policy is still that version; otherwise no instance could reach the version
+        the staleness gate asks for, and the step's rollouts would never come."""
+        while not done.is_set():
+            try:
+                await asyncio.wait_for(done.wait(), WEIGHTS_CHECK_SECONDS)
+                return
+            except TimeoutError:
+                pass
+            if self.stepped_since_publish or self.published_version < 0:
+                continue
+            try:
+                stored = await self.mesh.stored_version()
+            except grpc.aio.AioRpcError:
+                continue
+            if stored < self.published_version:
+                log.warning("the weights service lost the latest version (restarted?); handing it over again",
+                            weight_version=self.published_version, stored_version=stored)
+                try:
+                    await self._publish(self.published_version)
+                except (CollectiveFailure, grpc.aio.AioRpcError) as exc:
+                    log.warning("could not hand the latest version over again", weight_version=self.published_version, error=str(exc))
+
+    async def _stream_step(self, batch_id: str, step: int, policy_version: int, totals: StepTotals) -> None:
+        """Trains on the step's micro-batches as they stream in; steps the optimizer per mini-batch."""
+        config = self.config
         received: set[str] = set()
         groups_in_mini_batch = 0
-        config = self.config
         async with asyncio.timeout(config.rollout_timeout_seconds):
             for attempt in range(STREAM_ATTEMPTS):
                 try:
@@ -310,7 +370,7 @@ class GrpoTrainer:
                             totals.clip_fraction.append(stats.clip_fraction)
                             groups_in_mini_batch += len(fresh)
                             if groups_in_mini_batch >= self.mini_batch_groups:
-                                totals.grad_norm.append(await self.group.lead(OptimizerStep()))
+                                totals.grad_norm.append(await self._optimizer_step())
                                 groups_in_mini_batch = 0
                         waiting_since = time.perf_counter()
                     break
@@ -323,8 +383,11 @@ class GrpoTrainer:
                     await asyncio.sleep(1.0)
         self.unread_batches.discard(batch_id)
         if groups_in_mini_batch:
-            totals.grad_norm.append(await self.group.lead(OptimizerStep()))
-        return totals
+            totals.grad_norm.append(await self._optimizer_step())
+
+    async def _optimizer_step(self) -> float:
+        self.stepped_since_publish = True
+        return await self.group.lead(OptimizerStep())
 
     def _completion(self, token_ids) -> str:
         """A response's text: its tokens without the final stop token, special tokens removed."""

@@ -1,0 +1,113 @@
+"""`rlmesh up` keeps its mesh running: a rollout instance killed with SIGKILL and the weights
+service killed mid-run are restarted while training goes on; `rlmesh scale` adds and drains
+instances within MIN:MAX; no prompt is delivered twice; nothing is left behind."""
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_mesh_up import free_base_port, mesh_processes
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def trained_steps(output_dir: Path) -> int:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if '"reward"' in line), default=0)
+
+
+def mesh_state(output_dir: Path) -> dict | None:
+    try:
+        return json.loads((output_dir / "mesh.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def running(output_dir: Path) -> dict[str, int]:
+    state = mesh_state(output_dir)
+    return {r["name"]: r["pid"] for r in state["rollout_instances"]["running"]} if state else {}
+
+
+def service_pid(output_dir: Path, module: str) -> int:
+    for pid in mesh_processes(output_dir):
+        try:
+            if f"-m\0{module}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no {module} process")
+
+
+def scale(output_dir: Path, count: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlmesh.cli", "scale", "--run", str(output_dir), "--rollout-instances", str(count)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_instances_and_the_weights_service_come_back_and_scale_while_training_goes_on(model_dir, tmp_path):
+    output_dir = tmp_path / "run"
+    log = (tmp_path / "up.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "up", "--steps", "100000", "--rollout-instances", "1:3",
+                                "--base-port", str(free_base_port()), "--model-dir", str(model_dir), "--output-dir", str(output_dir),
+                                "--set", "algorithm.eval_every=100000", "--set", "tasks.0.eval.prompts=8"],
+                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_until(lambda: trained_steps(output_dir) >= 2, 180, "training to start")
+
+        result = scale(output_dir, 2)
+        assert result.returncode == 0, result.stderr
+        assert "rollout instances: 2 (rollout-0, rollout-1)" in result.stdout
+        refused = scale(output_dir, 4)
+        assert refused.returncode == 2 and "runs 1 to 3 rollout instances" in refused.stderr
+
+        killed = running(output_dir)["rollout-1"]
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: running(output_dir).get("rollout-1") not in (None, killed), 60, "rollout-1 to be restarted")
+        steps = trained_steps(output_dir)
+        wait_until(lambda: trained_steps(output_dir) >= steps + 3, 120, "training to go on after the instance restarted")
+
+        os.kill(service_pid(output_dir, "services.weights"), signal.SIGKILL)
+        steps = trained_steps(output_dir)
+        wait_until(lambda: trained_steps(output_dir) >= steps + 3, 120, "training to go on after the weights service restarted")
+
+        result = scale(output_dir, 1)
+        assert result.returncode == 0, result.stderr
+        assert "rollout instances: 1 (rollout-0)" in result.stdout
+        steps = trained_steps(output_dir)
+        wait_until(lambda: trained_steps(output_dir) >= steps + 2, 120, "training to go on with one instance")
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(120)
+        log.close()
+    console = (tmp_path / "up.log").read_text()
+    assert code == 130, console[-3000:]
+    assert "rollout-1 exited (killed by signal 9); restarting in 1 s" in console
+    assert "rollout-1 restarted" in console and "weights exited (killed by signal 9)" in console
+    assert "weights restarted" in console and "rollout-1 left (drained)" in console
+    assert "rollout instances: 1 -> 2 (rlmesh scale)" in console and "rollout instances: 2 -> 1 (rlmesh scale)" in console
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
+    submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"]}
+    assert set(received.values()) == {1}, "a prompt was delivered twice"
+    assert set(received) <= submitted
+    assert mesh_processes(output_dir) == [] and not (output_dir / "mesh.json").exists()
