@@ -146,6 +146,8 @@ def _up(args: argparse.Namespace) -> int:
         engine=mesh.engine,
         max_rollout_instances=mesh.max_rollout_instances or mesh.rollout_instances,
         autoscale=mesh.autoscale,
+        autoscale_patience_seconds=mesh.autoscale_patience_seconds,
+        autoscale_cooldown_seconds=mesh.autoscale_cooldown_seconds,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:

@@ -70,6 +70,10 @@ class MeshSection(StrictModel):
     autoscale: bool = False
     """Follow the manager's recommended number of rollout instances (rollout time against training
     time), one instance at a time, with hysteresis, between the two bounds."""
+    autoscale_patience_seconds: float = Field(default=30.0, ge=0)
+    """How long the recommendation must point the same way before an instance is added or drained."""
+    autoscale_cooldown_seconds: float = Field(default=60.0, ge=0)
+    """The least time between two changes, so a new instance has time to show in the measurements."""
     rollout_tp: int = Field(default=1, ge=1)
     """Tensor-parallel processes per rollout instance."""
     engine: Literal["torch", "vllm"] = "torch"

@@ -66,6 +66,8 @@ class MeshPlan:
     """Most rollout instances `rlmesh scale` or the autoscaler may run (0: rollout_instances)."""
     autoscale: bool = False
     """Follow the manager's recommended instance count within [rollout_instances, max_rollout_instances]."""
+    autoscale_patience_seconds: float = 30.0
+    autoscale_cooldown_seconds: float = 60.0
 
     @property
     def instance_cap(self) -> int:
@@ -192,7 +194,8 @@ class Mesh:
         self.weights: Supervised | None = None
         self.rollouts: dict[int, Supervised] = {}
         self.target_instances = plan.rollout_instances
-        self.autoscaler = Autoscaler(plan.rollout_instances, plan.instance_cap) if plan.autoscale else None
+        self.autoscaler = (Autoscaler(plan.rollout_instances, plan.instance_cap, plan.autoscale_patience_seconds,
+                                      plan.autoscale_cooldown_seconds) if plan.autoscale else None)
         self._scale_seen = 0.0
         self._autoscale_at = 0.0
 

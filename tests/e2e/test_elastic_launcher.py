@@ -111,3 +111,29 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
     assert set(received.values()) == {1}, "a prompt was delivered twice"
     assert set(received) <= submitted
     assert mesh_processes(output_dir) == [] and not (output_dir / "mesh.json").exists()
+
+
+def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_dir, tmp_path):
+    """Rollout takes longer than training here (2 cores for everything), so the manager recommends
+    more instances than one; with a short patience the launcher adds one, and no more than MAX."""
+    output_dir = tmp_path / "run"
+    log_path = tmp_path / "up.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "up", "--steps", "100000", "--rollout-instances", "1:2",
+                                    "--autoscale", "--base-port", str(free_base_port()), "--model-dir", str(model_dir),
+                                    "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
+                                    "--set", "tasks.0.eval.prompts=8", "--set", "mesh.autoscale_patience_seconds=3",
+                                    "--set", "mesh.autoscale_cooldown_seconds=3"],
+                                   stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_until(lambda: len(running(output_dir)) == 2, 180, "the autoscaler to add an instance")
+            steps = trained_steps(output_dir)
+            wait_until(lambda: trained_steps(output_dir) >= steps + 2, 120, "training to go on with two instances")
+        finally:
+            process.send_signal(signal.SIGINT)
+            code = process.wait(120)
+    console = log_path.read_text()
+    assert code == 130, console[-3000:]
+    assert "rollout instances: 1 -> 2 (autoscale: the manager recommends" in console
+    assert "-> 3" not in console
+    assert mesh_processes(output_dir) == []
