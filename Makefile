@@ -85,6 +85,12 @@ test-vllm: setup setup-vllm
 test-large: setup
 	$(PY) -m pytest tests -m large
 
+# The chaos suite: 100 random faults during a real training run of the tiny model; the short
+# version (10 faults) is tests/e2e/test_chaos.py in `make test`. Writes bench/results/chaos.json.
+.PHONY: chaos
+chaos: setup
+	$(PY) -m bench.chaos --faults 100 --output-dir runs/chaos-$$(date +%Y%m%d-%H%M%S)
+
 # Each benchmark prints its figures with the same-run baseline and writes bench/results/<name>.json.
 bench: setup
 	$(PY) -m bench.relay

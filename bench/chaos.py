@@ -1,0 +1,254 @@
+"""The chaos suite (`make chaos`): a real training run of the tiny model under `rlmesh up` while
+random faults hit it (SIGKILL, SIGTERM or a long SIGSTOP of a rollout instance, SIGKILL of the
+weights service mid-push). Training must finish with every accepted prompt trained exactly once;
+faults survived and the time each kind cost go to bench/results/chaos.json."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from bench.common import write_result
+from rlmesh.launcher import MESH_ID_ENV, STATE_FILE, free_port
+from rlmesh.rpc import channel_options
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_weights_mid_push": 2}
+"""How often each kind of fault is drawn, relatively."""
+RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0}
+"""Steps ending this long after a fault count toward its cost (a stop counts its own length + 5 s)."""
+WARMUP_STEPS = 3
+TAIL_STEPS = 10
+"""Steps trained after the last fault, before the run's end."""
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    at: float
+    """time.time() when it was applied."""
+    mid_push: bool = False
+    seconds_lost: float = 0.0
+
+
+def mesh_pids(output_dir: Path, module: str) -> list[int]:
+    marker = f"{MESH_ID_ENV}={output_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0") and f"-m\0{module}\0".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def rollouts(output_dir: Path) -> dict[str, int]:
+    try:
+        state = json.loads((output_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return {r["name"]: r["pid"] for r in state["rollout_instances"]["running"]}
+
+
+def trained_steps(output_dir: Path) -> int:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if '"reward"' in line), default=0)
+
+
+class Injector:
+    """Applies faults to the mesh of one output folder; SIGSTOPped processes are continued on time."""
+
+    def __init__(self, output_dir: Path, weights_address: str, stop_seconds: float, rng: random.Random) -> None:
+        self.output_dir = output_dir
+        # A plain (blocking) channel: the injector runs on the suite's own thread, not an event loop.
+        self.weights = weights_pb2_grpc.WeightsServiceStub(grpc.insecure_channel(weights_address, options=channel_options()))
+        self.stop_seconds = stop_seconds
+        self.rng = rng
+        self.stopped: dict[int, threading.Timer] = {}
+
+    def _pushing(self) -> bool:
+        try:
+            status = self.weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return any(i.pushing_version > 0 for i in status.instances)
+
+    def _continue(self, pid: int) -> None:
+        self.stopped.pop(pid, None)
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    def apply(self, kind: str) -> Fault | None:
+        if kind == "kill_weights_mid_push":
+            deadline = time.monotonic() + 3.0
+            mid_push = False
+            while time.monotonic() < deadline and not (mid_push := self._pushing()):
+                time.sleep(0.005)
+            pids = mesh_pids(self.output_dir, "services.weights")
+            if not pids:
+                return None
+            os.kill(pids[0], signal.SIGKILL)
+            return Fault(kind, "weights", time.time(), mid_push=mid_push)
+        candidates = {name: pid for name, pid in rollouts(self.output_dir).items() if pid not in self.stopped}
+        if not candidates:
+            return None
+        name = self.rng.choice(sorted(candidates))
+        pid = candidates[name]
+        try:
+            if kind == "kill_rollout":
+                os.kill(pid, signal.SIGKILL)
+            elif kind == "term_rollout":
+                os.kill(pid, signal.SIGTERM)
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                timer = threading.Timer(self.stop_seconds, self._continue, (pid,))
+                self.stopped[pid] = timer
+                timer.start()
+        except ProcessLookupError:
+            return None
+        return Fault(kind, name, time.time())
+
+    def release(self) -> None:
+        for pid, timer in list(self.stopped.items()):
+            timer.cancel()
+            self._continue(pid)
+
+
+def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int]:
+    """Prompts accepted for the trained steps that never came back, came back twice, or came back short."""
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" and r["step"] < steps for p in r["prompts"]}
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
+    short = sum(1 for r in ledger if r["event"] == "received" and r["samples"] != group_size)
+    return {
+        "prompts_accepted": len(submitted),
+        "samples_lost": sum(group_size for key in submitted if key not in received),
+        "samples_duplicated": sum((n - 1) * group_size for n in received.values() if n > 1),
+        "groups_short": short,
+    }
+
+
+def time_lost(output_dir: Path, faults: list[Fault], stop_seconds: float) -> float:
+    """Charges each fault the excess over the median step time of the steps ending in its
+    recovery window (overlapping windows charge a step to each fault); returns the median."""
+    steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
+    median = statistics.median(s["step_seconds"] for s in steps)
+    for fault in faults:
+        window = stop_seconds + 5.0 if fault.kind == "stop_rollout" else RECOVERY_WINDOW_SECONDS[fault.kind]
+        fault.seconds_lost = sum(max(0.0, s["step_seconds"] - median) for s in steps if fault.at <= s["time"] <= fault.at + window)
+    return median
+
+
+def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults: int, output_dir: Path,
+              model_dir: Path | None = None, instances: int = 3) -> dict:
+    """Runs the mesh and applies a fault every `steps_between_faults` training steps (at a random
+    moment within the step), lets training finish, and checks the ledger. Faults are paced by
+    steps rather than seconds, so they all land before the run's last step however slow it gets."""
+    rng = random.Random(seed)
+    steps = WARMUP_STEPS + faults * steps_between_faults + TAIL_STEPS
+    base_port = free_port()
+    command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--rollout-instances", str(instances),
+               "--base-port", str(base_port), "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
+               "--set", "algorithm.checkpoint_every=100000", "--set", "tasks.0.eval.prompts=16"]
+    if model_dir is not None:
+        command += ["--model-dir", str(model_dir)]
+    log_path = output_dir.parent / f"{output_dir.name}-console.log"
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    applied: list[Fault] = []
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        injector = Injector(output_dir, f"127.0.0.1:{base_port + 1}", stop_seconds, rng)
+        try:
+            kinds, weights = zip(*FAULT_WEIGHTS.items())
+            while len(applied) < faults and process.poll() is None:
+                due = WARMUP_STEPS + len(applied) * steps_between_faults
+                while trained_steps(output_dir) < due and process.poll() is None:
+                    if time.monotonic() - started > 1800:
+                        raise RuntimeError(f"training stalled before step {due}; see {log_path}")
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 0.5))
+                fault = injector.apply(rng.choices(kinds, weights)[0])
+                if fault is not None:
+                    applied.append(fault)
+                    print(f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}" + (" (mid-push)" if fault.mid_push else ""), flush=True)
+            code = process.wait(timeout=3600)
+        finally:
+            injector.release()
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                process.wait(120)
+    wall = time.monotonic() - started
+    console = log_path.read_text()
+    if code != 0:
+        raise RuntimeError(f"training did not finish (exit {code}); see {log_path}:\n{console[-2000:]}")
+    checked = ledger_check(output_dir, steps, 8)
+    median_step = time_lost(output_dir, applied, stop_seconds)
+    by_kind = {}
+    for kind in FAULT_WEIGHTS:
+        of_kind = [f for f in applied if f.kind == kind]
+        if of_kind:
+            by_kind[kind] = {"faults": len(of_kind), "mean_seconds_lost": statistics.mean(f.seconds_lost for f in of_kind),
+                             "max_seconds_lost": max(f.seconds_lost for f in of_kind)}
+    return {
+        "faults_survived": len(applied),
+        "faults_mid_push": sum(f.mid_push for f in applied),
+        "steps": steps,
+        "wall_seconds": wall,
+        "median_step_seconds": median_step,
+        "restarts_reported": console.count(" restarted (pid "),
+        **checked,
+        "by_kind": by_kind,
+        "faults": [asdict(f) for f in applied],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--faults", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-seconds", type=float, default=30.0, help="how long a SIGSTOPped instance stays stopped")
+    parser.add_argument("--steps-between-faults", type=int, default=4)
+    parser.add_argument("--output-dir", default="runs/chaos")
+    args = parser.parse_args()
+    output_dir = Path(args.output_dir).resolve()
+    if output_dir.exists():
+        raise SystemExit(f"{output_dir} exists: the suite needs a fresh run (no checkpoint to resume from)")
+    result = run_chaos(args.faults, args.seed, args.stop_seconds, args.steps_between_faults, output_dir)
+    figures = {k: v for k, v in result.items() if k not in ("by_kind", "faults")}
+    for kind, values in result["by_kind"].items():
+        figures[f"{kind}/faults"] = values["faults"]
+        figures[f"{kind}/mean_seconds_lost"] = values["mean_seconds_lost"]
+    write_result("chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
+                 {f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
+                  for kind, v in result["by_kind"].items()},
+                 {"samples_lost": 0, "samples_duplicated": 0, "faults_survived": f">= {args.faults}"},
+                 {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "instances": 3,
+                  "steps_between_faults": args.steps_between_faults,
+                  "fault_weights": FAULT_WEIGHTS, "fault_list": result["faults"]})
+
+
+if __name__ == "__main__":
+    main()
