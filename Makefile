@@ -66,7 +66,7 @@ release-protos: $(VENV)/.installed
 	$(BIN)/buf build -o $(RELEASED_IMAGE)
 
 check-compose: $(VENV)/.installed
-	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml docker-compose.tls.yml
 
 run: setup
 	$(BIN)/rlmesh up
@@ -97,6 +97,12 @@ bench: setup
 	$(PY) -m bench.balance
 	$(PY) -m bench.failure
 	$(PY) -m bench.weights
+
+# At least 10,000 requests generated from the contracts over every RPC of the four services, plus
+# the targeted cases (a bounded run is part of `make test`); figures in bench/results/fuzz.json.
+.PHONY: fuzz
+fuzz: setup
+	RLMESH_FUZZ_REQUESTS=10000 RLMESH_FUZZ_RESULTS=bench/results/fuzz.json $(PY) -m pytest tests/fuzz -q
 
 clean:
 	rm -rf $(GEN) runs .pytest_cache

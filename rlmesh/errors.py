@@ -1,8 +1,26 @@
 """Domain errors that services raise and the gRPC layer maps to status codes."""
 
+MAX_MESSAGE_BYTES = 1500
+"""The longest message an error keeps, in UTF-8 bytes. gRPC sends it percent-encoded (up to three
+times longer) in a trailer that clients refuse past 8 KiB: a message quoting a huge request field
+would reach the caller as RESOURCE_EXHAUSTED "Stream removed" instead of its own status."""
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`message`, or its beginning and end with what was cut between them when it is too long."""
+    raw = message.encode()
+    if len(raw) <= limit:
+        return message
+    half = limit // 2
+    head, tail = raw[:half].decode(errors="ignore"), raw[-half:].decode(errors="ignore")
+    return f"{head} [...{len(raw) - 2 * half} bytes cut...] {tail}"
+
 
 class DomainError(Exception):
     """Base of errors a caller caused or can act on; the message says what was wrong."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(bounded(message))
 
 
 class InvalidArgument(DomainError):

@@ -3,17 +3,61 @@
 from __future__ import annotations
 
 import asyncio
+import math
+from dataclasses import replace
 
 import structlog
+import torch
 
+from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument
-from rlmesh.shards import read_shared_memory
+from rlmesh.models.tp_layout import hf_parameter_shapes
+from rlmesh.payload import DTYPE_CODES, torch_dtype
+from rlmesh.shards import layout_from_proto, read_shared_memory
 from rlmesh.transfer.receiver import CODE_OF_MODE
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher
 from services.weights.store import Assembly, WeightStore
 
 log = structlog.get_logger()
+
+MAX_BUCKETS = 1 << 18
+"""Most checksum buckets a payload may have (1 TiB in the default 4 MiB buckets): checking a
+manifest lists its buckets, so a tiny bucket size must not make that list unbounded."""
+
+
+def check_buckets(manifest: common_pb2.WeightManifest, label: str) -> None:
+    """Refuses a manifest whose bucket count is unbounded or disagrees with its checksums, before
+    anything lists its buckets."""
+    if manifest.bucket_bytes <= 0:
+        return
+    buckets = -(-manifest.total_bytes // manifest.bucket_bytes)
+    if buckets > MAX_BUCKETS:
+        raise InvalidArgument(f"{label}: {manifest.total_bytes} bytes in buckets of {manifest.bucket_bytes} make {buckets} buckets, "
+                              f"more than {MAX_BUCKETS}")
+    if buckets != len(manifest.bucket_crc32):
+        raise InvalidArgument(f"{label}: {len(manifest.bucket_crc32)} bucket checksums for {buckets} buckets")
+
+
+def check_layout(header: weights_pb2.ShardsHeader, max_bytes: int) -> None:
+    """Refuses a header whose layout could not be held or listed, before anything is built from it:
+    a rank may hold no rows of a model of any size, yet every layout a version is cut into is
+    allocated in full, and listing a layout's parameters takes time in its number of layers."""
+    try:
+        shape = layout_from_proto(header.layout)
+        # A layout grows linearly with its layers: two small ones give the size of any.
+        one, two = (hf_parameter_shapes(replace(shape, num_layers=n)) for n in (1, 2))
+    except ValueError as exc:
+        raise InvalidArgument(f"shards header: layout: {exc}") from exc
+    more = shape.num_layers - 1
+    parameters = len(one) + more * (len(two) - len(one))
+    if parameters > len(header.shards):
+        raise InvalidArgument(f"shards header: the layout has {parameters} parameters but the header lists only {len(header.shards)} shards")
+    elements = [sum(math.prod(dims) for dims in shapes.values()) for shapes in (one, two)]
+    dtype = next((torch_dtype(spec.dtype) for spec in header.shards if spec.dtype in DTYPE_CODES.values()), torch.float32)
+    total = (elements[0] + more * (elements[1] - elements[0])) * torch.empty(0, dtype=dtype).element_size()
+    if total > max_bytes:
+        raise InvalidArgument(f"shards header: the layout's model takes {total} bytes, over the limit of {max_bytes}")
 
 
 class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
@@ -39,13 +83,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                         pass
                     log.info("an upload already taken came again; answered as before", weight_version=header.version, rank=header.rank)
                     return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=earlier[0], complete=earlier[1])
+                check_layout(header, self.store.max_bytes)
                 self.store.check_shards(header)
                 payload = self.store.shard_buffer(header)
                 if header.shm_path:
                     try:
                         await asyncio.to_thread(read_shared_memory, header.shm_path, header.total_bytes, payload)
-                    except ValueError as exc:
-                        raise InvalidArgument(str(exc)) from exc
+                    except (ValueError, OSError) as exc:
+                        raise InvalidArgument(f"shm_path: {exc}") from exc
                     received = header.total_bytes
             elif not message.HasField("chunk"):
                 raise InvalidArgument("only payload chunks may follow the header")
@@ -100,6 +145,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             if upload is None:
                 if not message.HasField("manifest"):
                     raise InvalidArgument("the first message of an upload must carry the manifest")
+                check_buckets(message.manifest, "manifest")
                 upload = self.store.begin_upload(message.manifest)
             elif message.HasField("chunk"):
                 upload.write(message.chunk.offset, message.chunk.data)
