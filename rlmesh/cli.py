@@ -1,5 +1,5 @@
 """The `rlmesh` command: `up` runs a training job on the whole mesh locally, `<service>` runs one
-service, `init-model` creates a built-in model, `health` checks a service."""
+service, `init-model` creates a built-in model, `health` checks a service, `certs` makes mTLS certificates."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,9 @@ FLAG_FIELDS = {
     "engine": "mesh.engine",
     "host": "mesh.host",
     "base_port": "mesh.base_port",
+    "tls": "mesh.tls",
+    "tls_dir": "mesh.tls_dir",
+    "registration_token": "mesh.registration_token",
     "model_dir": "model.path",
     "output_dir": "output.dir",
 }
@@ -53,6 +57,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
                                     if getattr(args, flag) is not None}
     if args.rollout_instances is not None:
         overrides["mesh.rollout_instances"], overrides["mesh.max_rollout_instances"] = args.rollout_instances
+    if args.tls_dir is not None:
+        overrides["mesh.tls"] = True
     for assignment in args.set or []:
         key, sep, value = assignment.partition("=")
         if not sep or not key:
@@ -124,6 +130,12 @@ def _up(args: argparse.Namespace) -> int:
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
+        tls_dir = None
+        if mesh.tls:
+            from rlmesh.tls import create_certificates
+
+            tls_dir = Path(mesh.tls_dir).resolve() if mesh.tls_dir else output_dir / "tls"
+            create_certificates(tls_dir, [mesh.host])
     except (ConfigError, TaskError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
@@ -148,6 +160,9 @@ def _up(args: argparse.Namespace) -> int:
         autoscale=mesh.autoscale,
         autoscale_patience_seconds=mesh.autoscale_patience_seconds,
         autoscale_cooldown_seconds=mesh.autoscale_cooldown_seconds,
+        tls_dir=tls_dir,
+        # Only the processes of this run learn a generated token (not job.json).
+        registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -173,11 +188,39 @@ def _init_model(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from rlmesh.rpc import check_health
+    from rlmesh.config import ConfigError, TlsFiles
+    from rlmesh.rpc import check_health, use_tls
 
+    if args.tls_dir:
+        try:
+            use_tls(TlsFiles.in_directory(args.tls_dir, args.tls_name))
+        except ConfigError as exc:
+            print(f"rlmesh health: {exc}", file=sys.stderr)
+            return 2
     healthy = asyncio.run(check_health(args.address, timeout=args.timeout))
     print("SERVING" if healthy else "NOT SERVING")
     return 0 if healthy else 1
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from rlmesh.config import ConfigError
+    from rlmesh.logging import configure_logging
+    from rlmesh.tls import create_certificates
+
+    configure_logging("warning")
+    try:
+        files = create_certificates(args.dir, args.host or [])
+    except ConfigError as exc:
+        print(f"rlmesh certs: {exc}", file=sys.stderr)
+        return 2
+    directory = Path(args.dir)
+    print(f"CA: {directory / 'ca.pem'} (its key ca-key.pem signs more; keep it off the machines that run services)")
+    for name, tls in files.items():
+        print(f"{name}: {tls.cert_file} {tls.key_file}")
+    print(f"a service NAME takes its files from RLMESH_NAME_SERVER__TLS__CA_FILE, __CERT_FILE and __KEY_FILE;\n"
+          f"rlmesh health HOST:PORT --tls-dir {directory}; grpcurl -cacert {directory / 'ca.pem'} "
+          f"-cert {files['client'].cert_file} -key {files['client'].key_file} HOST:PORT list")
+    return 0
 
 
 def _positive(text: str) -> int:
@@ -263,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
     up.add_argument("--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)")
     up.add_argument("--output-dir", help="output.dir: metrics, plot, checkpoints and logs (default runs/<time>)")
+    up.add_argument("--tls", action="store_true", default=None,
+                    help="mesh.tls: mutual TLS between every service and client, with a local CA and certificates "
+                         "created in <output-dir>/tls (or --tls-dir)")
+    up.add_argument("--tls-dir", metavar="DIR",
+                    help="mesh.tls_dir: use (and complete) the certificates in DIR, as `rlmesh certs` writes them; implies --tls")
+    up.add_argument("--registration-token", metavar="TOKEN",
+                    help="mesh.registration_token: a secret rollout instances must present to the manager; "
+                         "`auto` makes a random one for this run")
     up.set_defaults(handler=_up)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
     init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
@@ -278,7 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
+    health.add_argument("--tls-name", default="client", metavar="NAME",
+                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client)")
     health.set_defaults(handler=_health)
+    certs = commands.add_parser("certs", help="create a local CA and a mutual-TLS certificate for each service",
+                                description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer and "
+                                            "client, NAME.pem and NAME-key.pem (keys mode 0600). Valid ones already "
+                                            "there are kept. Each names 127.0.0.1, localhost, NAME and every --host.")
+    certs.add_argument("--dir", required=True, help="where to write them")
+    certs.add_argument("--host", action="append", metavar="H",
+                       help="another host name or IP address the services are reached at (repeatable)")
+    certs.set_defaults(handler=_certs)
     for service in SERVICES:
         sub = commands.add_parser(service, help=f"run the {service} service", add_help=False)
         sub.set_defaults(handler=None, service=service)

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -21,6 +21,36 @@ class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, not silently ignored."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TlsFiles(StrictModel):
+    """Mutual TLS: this process's certificate and key, and the CA its peers' certificates must be
+    signed by (PEM files; `rlmesh certs` makes a local CA and a certificate per service)."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _readable(cls, path: str) -> str:
+        if not Path(path).is_file():
+            raise ValueError(f"{path} is not a file")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"{path} is not readable by this process")
+        return path
+
+    @classmethod
+    def in_directory(cls, directory: str | Path, name: str) -> "TlsFiles":
+        """The files `rlmesh certs` writes for `name` (a service, or `client` for tools):
+        ca.pem, NAME.pem, NAME-key.pem. Raises ConfigError naming a missing one."""
+        directory = Path(directory)
+        try:
+            return cls(ca_file=str(directory / "ca.pem"), cert_file=str(directory / f"{name}.pem"),
+                       key_file=str(directory / f"{name}-key.pem"))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
+            raise ConfigError(f"TLS files of {name} in {directory}: {problems}") from exc
 
 
 class ServerConfig(StrictModel):
@@ -37,6 +67,8 @@ class ServerConfig(StrictModel):
     grace_seconds: float = Field(default=5.0, ge=0)
     """How long in-flight calls may finish after SIGTERM."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tls: TlsFiles | None = None
+    """Mutual TLS for this server and for every call the process makes (None: plaintext)."""
 
     @property
     def advertised_host(self) -> str:

@@ -83,9 +83,23 @@ class MeshSection(StrictModel):
     host: str = "127.0.0.1"
     base_port: int = Field(default=50151, ge=1024, le=65000)
     """The manager's port; weights +1, trainer +2, rollout instances +10..."""
+    tls: bool = False
+    """Mutual TLS on every service and every call between them (grpc SSL credentials): only holders
+    of a certificate from the mesh's CA get past the handshake. `rlmesh up` creates a local CA
+    and a certificate per service in <output>/tls, or uses tls_dir."""
+    tls_dir: str | None = None
+    """The certificates to use (ca.pem, NAME.pem and NAME-key.pem for manager, weights, rollout,
+    trainer and client, as `rlmesh certs` writes them; what is missing or expired is issued from
+    ca-key.pem). Relative to the working directory, like output.dir. Needs tls = true."""
+    registration_token: str = ""
+    """A shared secret the manager asks of rollout instances when they register, heartbeat and
+    leave (`authorization: Bearer <token>`; others get UNAUTHENTICATED); "auto": a random one for
+    each run; "": none. With or without tls."""
 
     @model_validator(mode="after")
     def _compatible(self) -> "MeshSection":
+        if self.tls_dir is not None and not self.tls:
+            raise ValueError("tls_dir needs tls = true")
         if self.transfer_backend == "mooncake" and self.compression != "none":
             raise ValueError("the mooncake backend writes raw bytes; compression needs transfer_backend tcp or grpc")
         if self.engine == "vllm" and self.rollout_tp > 1:

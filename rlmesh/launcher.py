@@ -21,9 +21,10 @@ import grpc
 from tqdm import tqdm
 
 from rlmesh.autoscale import Autoscaler
+from rlmesh.config import TlsFiles
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel, wait_healthy
+from rlmesh.rpc import call_options, open_channel, use_tls, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 MESH_ID_ENV = "RLMESH_MESH_ID"
@@ -68,6 +69,10 @@ class MeshPlan:
     """Follow the manager's recommended instance count within [rollout_instances, max_rollout_instances]."""
     autoscale_patience_seconds: float = 30.0
     autoscale_cooldown_seconds: float = 60.0
+    tls_dir: Path | None = None
+    """Mutual TLS with the certificates in this folder (`rlmesh certs`); None: plaintext."""
+    registration_token: str = ""
+    """Asked by the manager of the rollout instances ("": none)."""
 
     @property
     def instance_cap(self) -> int:
@@ -87,6 +92,22 @@ class MeshPlan:
 
     def rollout_address(self, index: int) -> str:
         return f"{self.host}:{self.base_port + 10 + index}"
+
+    def tls_files(self, name: str) -> TlsFiles | None:
+        return TlsFiles.in_directory(self.tls_dir, name) if self.tls_dir is not None else None
+
+    def security_settings(self, service: str) -> dict[str, str]:
+        """The environment settings that give `service` its certificate and, for the manager and
+        the rollout instances, the registration token."""
+        prefix = f"RLMESH_{service.upper()}_"
+        settings = {}
+        files = self.tls_files(service)
+        if files is not None:
+            settings |= {f"{prefix}SERVER__TLS__CA_FILE": files.ca_file, f"{prefix}SERVER__TLS__CERT_FILE": files.cert_file,
+                         f"{prefix}SERVER__TLS__KEY_FILE": files.key_file}
+        if self.registration_token and service in ("manager", "rollout"):
+            settings[f"{prefix}REGISTRATION_TOKEN"] = self.registration_token
+        return settings
 
 
 @dataclass(slots=True)
@@ -214,6 +235,7 @@ class Mesh:
             "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
             "RLMESH_WEIGHTS_BACKEND": plan.transfer_backend,
             "RLMESH_WEIGHTS_COMPRESSION": plan.compression,
+            **plan.security_settings("weights"),
         })
 
     def _spawn_rollout(self, index: int) -> Child:
@@ -227,6 +249,7 @@ class Mesh:
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
             "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
+            **plan.security_settings("rollout"),
         }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None)
 
     def _supervise(self, name: str, start: Callable[[], Child]) -> Supervised:
@@ -238,6 +261,7 @@ class Mesh:
             "RLMESH_MANAGER_SERVER__HOST": plan.host,
             "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
             "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
+            **plan.security_settings("manager"),
         })
         await wait_started([self.manager])
         self.weights = self._supervise("weights", self._spawn_weights)
@@ -258,6 +282,7 @@ class Mesh:
             "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
             "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
             "RLMESH_TRAINER_STEPS": str(plan.steps),
+            **plan.security_settings("trainer"),
         }, launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
         await wait_started([trainer])
         return trainer
@@ -439,6 +464,8 @@ def print_summary(plan: MeshPlan, elapsed: float) -> None:
 
 
 async def run_mesh(plan: MeshPlan) -> int:
+    # The launcher's own calls (health checks, progress, autoscaling) present the `client` certificate.
+    use_tls(plan.tls_files("client"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -459,7 +486,9 @@ async def run_mesh(plan: MeshPlan) -> int:
               + (f" (up to {plan.instance_cap}{', autoscaled' if plan.autoscale else ''})" if plan.instance_cap > plan.rollout_instances else "")
               + ", "
               f"trainer {plan.trainer_address}"
-              + (f" ({plan.trainer_ranks} FSDP ranks)" if plan.trainer_ranks > 1 else "") + f"; logs in {mesh.log_dir}")
+              + (f" ({plan.trainer_ranks} FSDP ranks)" if plan.trainer_ranks > 1 else "") + f"; logs in {mesh.log_dir}"
+              + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
+              + ("; rollout instances register with a token" if plan.registration_token else ""))
         trainer = await mesh.start_trainer()
         code = await follow_training(mesh, trainer, stop)
         if code == 0:

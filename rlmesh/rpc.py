@@ -1,13 +1,16 @@
-"""gRPC plumbing shared by every service: server lifecycle, channel options, deadlines, request ids."""
+"""gRPC plumbing shared by every service: server lifecycle, channel options, deadlines, request ids,
+and the process's mutual TLS and registration token."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import signal
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,11 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlmesh import errors
-from rlmesh.config import ServerConfig
+from rlmesh.config import ConfigError, ServerConfig, TlsFiles
 
 log = structlog.get_logger()
 
 REQUEST_ID_KEY = "x-request-id"
+AUTHORIZATION_KEY = "authorization"
 
 _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -73,14 +77,66 @@ def _message_limits(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
+@dataclass(frozen=True, slots=True)
+class TlsCredentials:
+    """The PEM bytes of a TlsFiles, read once."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    @classmethod
+    def load(cls, files: TlsFiles) -> TlsCredentials:
+        try:
+            return cls(*(Path(path).read_bytes() for path in (files.ca_file, files.cert_file, files.key_file)))
+        except OSError as exc:
+            raise ConfigError(f"server.tls: cannot read {exc.filename}: {exc.strerror}") from exc
+
+    def server(self) -> grpc.ServerCredentials:
+        # Only callers holding a certificate from the same CA get past the handshake.
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+
+
+@dataclass(slots=True)
+class _Identity:
+    """How this process calls others: set once at start by the service from its config, because
+    channels are opened in many places (clients, pushers, health checks)."""
+
+    channel_credentials: grpc.ChannelCredentials | None = None
+    token: str = ""
+
+
+_identity = _Identity()
+
+
+def use_tls(files: TlsFiles | None) -> None:
+    """Every channel this process opens from now on uses mutual TLS with these files (None: plaintext)."""
+    _identity.channel_credentials = TlsCredentials.load(files).channel() if files is not None else None
+
+
+def use_token(token: str) -> None:
+    """Every call this process makes from now on carries `authorization: Bearer <token>` ("" : none)."""
+    _identity.token = token
+
+
 def open_channel(address: str, max_message_mb: int = 64, keepalive: Keepalive = KEEPALIVE) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_mb, keepalive))
+    options = channel_options(max_message_mb, keepalive)
+    if _identity.channel_credentials is not None:
+        return grpc.aio.secure_channel(address, _identity.channel_credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def call_options(timeout: float) -> dict[str, Any]:
-    """Keyword arguments for a stub call: its deadline and the caller's request id."""
+    """Keyword arguments for a stub call: its deadline, the caller's request id and, when the
+    process has one, its registration token."""
     request_id = structlog.contextvars.get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
-    return {"timeout": timeout, "metadata": ((REQUEST_ID_KEY, request_id),)}
+    metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, request_id),)
+    if _identity.token:
+        metadata += ((AUTHORIZATION_KEY, f"Bearer {_identity.token}"),)
+    return {"timeout": timeout, "metadata": metadata}
 
 
 async def _abort_for(exc: errors.DomainError, context: grpc.aio.ServicerContext) -> None:
@@ -152,14 +208,60 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-class GrpcServer:
-    """A grpc.aio server with reflection, the health service and a graceful drain."""
+def _handler_like(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that runs `behaviour` on the raw request bytes."""
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(behaviour)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(behaviour)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(behaviour)
+    return grpc.stream_stream_rpc_method_handler(behaviour)
 
-    def __init__(self, config: ServerConfig, service_names: Iterable[str], keepalive: Keepalive = KEEPALIVE) -> None:
+
+class RegistrationTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls of `methods` (full names, "/package.Service/Method") that do not carry
+    `authorization: Bearer <token>` with UNAUTHENTICATED, before their request is even parsed:
+    the registration credential of rollout instances, the one gate when the mesh runs without
+    mutual TLS."""
+
+    def __init__(self, token: str, methods: Iterable[str]) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._methods = frozenset(methods)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method not in self._methods:
+            return handler
+        presented = dict(details.invocation_metadata or ()).get(AUTHORIZATION_KEY, "")
+        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
+            return handler
+        name = details.method.rsplit("/", 1)[-1]
+        message = f"{name} needs the registration token (authorization: Bearer ...)"
+        if presented:
+            message += "; the one presented is wrong"
+        log.warning("call refused: no valid registration token", method=details.method, token_presented=bool(presented))
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return _handler_like(handler, refuse)
+
+
+class GrpcServer:
+    """A grpc.aio server with reflection, the health service and a graceful drain; mutual TLS when
+    its config names certificates. `interceptors` run before the request-context one."""
+
+    def __init__(self, config: ServerConfig, service_names: Iterable[str], keepalive: Keepalive = KEEPALIVE,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self.config = config
         self.service_names = list(service_names)
         self.server = grpc.aio.server(
-            interceptors=[RequestContextInterceptor()],
+            interceptors=[*interceptors, RequestContextInterceptor()],
             options=server_options(config.max_message_mb, keepalive),
         )
         self.health = health.aio.HealthServicer()
@@ -174,11 +276,15 @@ class GrpcServer:
         return f"{self.config.advertised_host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        bind = f"{self.config.host}:{self.config.port}"
+        if self.config.tls is not None:
+            self.port = self.server.add_secure_port(bind, TlsCredentials.load(self.config.tls).server())
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self.server.start()
-        log.info("listening", address=self.address)
+        log.info("listening", address=self.address, tls=self.config.tls is not None)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -200,21 +306,32 @@ def stop_event_on_signals() -> asyncio.Event:
     return stop
 
 
-async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
-    """Whether the server at `address` answers SERVING for `service`."""
+async def _health(address: str, timeout: float, service: str) -> tuple[bool, str]:
+    """Whether `address` answers SERVING for `service`, and otherwise why not."""
     async with open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), **call_options(timeout))
-        except grpc.aio.AioRpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}"
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving, "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+    """Whether the server at `address` answers SERVING for `service`."""
+    serving, _ = await _health(address, timeout, service)
+    return serving
 
 
 async def wait_healthy(address: str, timeout: float, service: str = "") -> None:
-    """Polls the health service until SERVING; raises TimeoutError naming the address."""
+    """Polls the health service until SERVING; raises TimeoutError naming the address and the last
+    answer (a TLS handshake refused shows here as UNAVAILABLE)."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while not await check_health(address, timeout=1.0, service=service):
+    while True:
+        serving, why = await _health(address, 1.0, service)
+        if serving:
+            return
         if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f}s")
+            raise TimeoutError(f"{address} did not report SERVING within {timeout:.0f}s (last answer: {why})")
         await asyncio.sleep(0.2)

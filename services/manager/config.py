@@ -26,6 +26,10 @@ class ManagerConfig(StrictModel):
     generate_timeout_seconds: float = Field(default=600.0, gt=0)
     """Deadline of one Generate stream."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    registration_token: str = ""
+    """A shared secret rollout instances must present (`authorization: Bearer <token>`) to register,
+    heartbeat and leave; others get UNAUTHENTICATED. "" accepts any caller (mutual TLS, when on,
+    already admits only holders of the CA's certificates)."""
 
     @model_validator(mode="after")
     def _heartbeat_within_lease(self) -> "ManagerConfig":

@@ -87,3 +87,5 @@ class RolloutConfig(StrictModel):
     register_timeout_seconds: float = Field(default=60.0, gt=0)
     """How long to keep trying to reach the manager at start."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    registration_token: str = ""
+    """Sent with every call to the manager as `authorization: Bearer <token>`: the manager's registration_token."""
