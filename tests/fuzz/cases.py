@@ -1,6 +1,6 @@
-"""What the fuzzer sends: generated requests with unknown fields, hints that reach past the first
-lookup, valid starting points for the stateful RPCs, and the targeted cases (oversize, NaN and
-negative sampling, unknown ids, a wrong incarnation token)."""
+"""What the fuzzer sends: generated requests with unknown fields, hints and valid seeds that reach
+past validation, and the targeted cases (oversize, NaN and negative values, unknown ids, a wrong
+incarnation token, declared sizes no server could hold)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from tests.fuzz.messages import MessageStrategies
 
 REAL_INSTANCE = "instance-0"
 PARKED_BATCH = "fuzz-parked"
-"""Accepted for a policy version no instance serves: it never completes, so its rollout stream waits."""
+"""Accepted for a policy version no instance serves (unless a generated registration claims one), so
+its rollout stream waits."""
 DELIVERED_BATCH = "fuzz-delivered"
 """Generated and streamed to its end at start: the batch a training step can be reported for."""
 PUSHED_VERSION = 1

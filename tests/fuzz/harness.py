@@ -93,6 +93,7 @@ class Outcome:
     @property
     def verdict(self) -> str:
         if self.details.startswith("Sent message larger than max"):
+            # The client refused to send it: a generated request over the client's own limit.
             return "unsent"
         if self.code in CRASH_CODES:
             return "crash"
@@ -108,9 +109,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.verdict in ("answered", "waited")
-
-    def __str__(self) -> str:
-        return f"{self.rpc}: {self.code.name} ({self.verdict}) {self.details!r} after {self.seconds:.2f} s"
 
 
 @dataclass
