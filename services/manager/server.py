@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Coroutine
+from typing import NoReturn
 
 import grpc
 import structlog
@@ -15,7 +16,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from services.manager.config import ManagerConfig
 from services.manager.stage_balance import Balance
-from services.manager.state import Assignment, Instance, ManagerState, SampleRequest
+from services.manager.state import Assignment, Instance, ManagerState, SampleRequest, WrongIncarnation
 
 log = structlog.get_logger()
 
@@ -103,6 +104,7 @@ class Dispatcher:
                     prompt_token_ids=request.prompt_token_ids,
                     continued_token_ids=request.token_ids,
                     sampling=request.sampling,
+                    incarnation_token=assignment.instance.token,
                 ),
                 **call_options(self.config.generate_timeout_seconds),
             )
@@ -126,7 +128,9 @@ class Dispatcher:
                 log.warning("stream failed; request continues elsewhere", request=request.request_id,
                             instance_id=assignment.instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._drop_unreachable(assignment.instance)
+                self._drop_gone(assignment.instance, "instance unreachable; dropped")
+            elif exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                self._drop_gone(assignment.instance, "another process answers at the instance's address; dropped")
         except InvalidArgument as exc:
             log.error("instance sent a malformed chunk", error=str(exc), instance_id=assignment.instance.instance_id)
             self.state.stream_lost(request.request_id, attempt)
@@ -136,15 +140,16 @@ class Dispatcher:
             self.dispatch()
             self.changes.notify()
 
-    def _drop_unreachable(self, instance: Instance) -> None:
-        """A broken connection means a crashed instance: drop it now rather than dispatching to it
-        until its lease runs out. If it is alive, its next heartbeat registers it again."""
+    def _drop_gone(self, instance: Instance, why: str) -> None:
+        """A broken connection means a crashed instance, and a process refusing the incarnation's
+        token a restarted one: drop that incarnation now rather than dispatching to it until its
+        lease runs out. If it is alive, its next heartbeat registers it again."""
         if self.state.instances.get(instance.instance_id) is not instance:
             return
-        requeued = self.state.deregister(instance.instance_id, time.monotonic())
+        requeued = self.state.remove(instance.instance_id, time.monotonic())
         self.cancel(requeued)
         self._in_background(self.forget_address(instance.address))
-        log.warning("instance unreachable; dropped", instance_id=instance.instance_id, requeued=len(requeued))
+        log.warning(why, instance_id=instance.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
 
     async def close(self) -> None:
         for task in list(self._streams.values()):
@@ -200,6 +205,11 @@ def group_to_proto(group: list[SampleRequest]) -> manager_pb2.Group:
     )
 
 
+async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarnation) -> NoReturn:
+    log.warning("call from another incarnation refused", error=str(exc))
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+
+
 class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig) -> None:
         self.state = state
@@ -212,22 +222,28 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.changes.notify()
 
     async def RegisterInstance(self, request, context):
-        requeued = self.state.register(
-            request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic(), request.preemptible
+        instance, requeued = self.state.register(
+            request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic(),
+            request.preemptible, request.incarnation_token,
         )
         self.dispatcher.cancel(requeued)
-        log.info("instance registered", instance_id=request.instance_id, address=request.address,
+        log.info("instance registered", instance_id=request.instance_id, address=request.address, incarnation=instance.incarnation,
                  weight_version=request.weight_version, preemptible=request.preemptible)
         self._changed()
         return manager_pb2.RegisterInstanceResponse(
-            lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds
+            lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds,
+            incarnation_token=instance.token,
         )
 
     async def Heartbeat(self, request, context):
         before = self.state.instances.get(request.instance_id)
         version_before = before.weight_version if before else None
         draining_before = before.draining if before else False
-        self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic(), request.draining)
+        try:
+            self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic(), request.draining,
+                                 token=request.incarnation_token)
+        except WrongIncarnation as exc:
+            await refuse_incarnation(context, exc)
         if request.draining and not draining_before:
             log.info("instance draining; no new work for it", instance_id=request.instance_id)
         if version_before != request.weight_version:
@@ -237,10 +253,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def DeregisterInstance(self, request, context):
         instance = self.state.instances.get(request.instance_id)
-        requeued = self.state.deregister(request.instance_id, time.monotonic())
+        try:
+            requeued = self.state.deregister(request.instance_id, request.incarnation_token, time.monotonic())
+        except WrongIncarnation as exc:
+            await refuse_incarnation(context, exc)
         self.dispatcher.cancel(requeued)
         await self.dispatcher.forget_address(instance.address)
-        log.info("instance deregistered", instance_id=request.instance_id, requeued=len(requeued))
+        log.info("instance deregistered", instance_id=request.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
         self._changed()
         return manager_pb2.DeregisterInstanceResponse(requeued_requests=len(requeued))
 

@@ -5,6 +5,7 @@ complete groups into micro-batches. Plain Python, driven by the server from one 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +30,11 @@ FINISHED_BATCHES_KEPT = 64
 Policy = Literal["balanced", "round_robin"]
 
 
+class WrongIncarnation(Exception):
+    """A call for a registered instance id without the token of its live incarnation: it comes from
+    a process that is not (or no longer) that instance. The server answers PERMISSION_DENIED."""
+
+
 @dataclass(slots=True)
 class Instance:
     instance_id: str
@@ -40,6 +46,8 @@ class Instance:
     """Version it must serve before it gets work: the latest published when it joined."""
     incarnation: int = 0
     """Manager-wide registration counter: tells a restarted process from the one before it."""
+    token: str = ""
+    """Secret of this incarnation: its heartbeats and deregistration present it."""
     preemptible: bool = False
     draining: bool = False
     running: set[str] = field(default_factory=set)
@@ -173,8 +181,12 @@ class ManagerState:
 
     # Instances ---------------------------------------------------------------------------
 
-    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float, preemptible: bool = False) -> list[SampleRequest]:
-        """Adds (or replaces) an instance; returns requests of a replaced registration, requeued."""
+    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float,
+                 preemptible: bool = False, token: str = "") -> tuple[Instance, list[SampleRequest]]:
+        """Admits an instance as a new incarnation when its id is free or its lease expired, and
+        returns it with the requests of an expired incarnation not yet swept, requeued. While the
+        lease is live, only the registered process (same address, its token) may register again,
+        keeping its incarnation and its running requests; anyone else is refused."""
         if not instance_id:
             raise InvalidArgument("instance_id is required")
         host, _, port = address.rpartition(":")
@@ -182,9 +194,20 @@ class ManagerState:
             raise InvalidArgument(f"address {address!r} is not host:port")
         if max_batch_size < 1:
             raise InvalidArgument("max_batch_size must be at least 1")
-        requeued = self._drop(instance_id) if instance_id in self.instances else []
+        current = self.instances.get(instance_id)
+        if current is not None and current.lease_expires >= now:
+            if address != current.address or not _same_token(token, current.token):
+                raise AlreadyExists(
+                    f"instance {instance_id!r} is registered at {current.address} and its lease is live (expires in "
+                    f"{current.lease_expires - now:.1f} s); a new registration under its id must wait for the lease to "
+                    f"expire or come from that address with its incarnation token"
+                )
+            self._renew(current, weight_version, now)
+            current.max_batch_size, current.preemptible = max_batch_size, preemptible
+            return current, []
+        requeued = self._drop(instance_id, now) if current is not None else []
         self.registrations += 1
-        self.instances[instance_id] = Instance(
+        instance = Instance(
             instance_id=instance_id,
             address=address,
             weight_version=weight_version,
@@ -192,22 +215,33 @@ class ManagerState:
             lease_expires=now + self.lease_seconds,
             min_version=self.published_version,
             incarnation=self.registrations,
+            token=secrets.token_hex(16),
             preemptible=preemptible,
             _rate_time=now,
         )
+        self.instances[instance_id] = instance
         self.empty_since = None
-        return requeued
+        return instance, requeued
 
-    def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False) -> None:
-        instance = self._instance(instance_id)
+    def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str) -> None:
+        instance = self._incarnation(instance_id, token)
+        self._renew(instance, weight_version, now)
+        # Draining is one-way: an instance that announced its departure gets no new work.
+        instance.draining = instance.draining or draining
+
+    def _renew(self, instance: Instance, weight_version: int, now: float) -> None:
         if weight_version < instance.weight_version:
             raise InvalidArgument(f"weight_version {weight_version} is older than the reported {instance.weight_version}")
         instance.weight_version = weight_version
         instance.lease_expires = now + self.lease_seconds
-        # Draining is one-way: an instance that announced its departure gets no new work.
-        instance.draining = instance.draining or draining
 
-    def deregister(self, instance_id: str, now: float = 0.0) -> list[SampleRequest]:
+    def deregister(self, instance_id: str, token: str, now: float = 0.0) -> list[SampleRequest]:
+        """The instance leaves; returns its requests, requeued."""
+        self._incarnation(instance_id, token)
+        return self._drop(instance_id, now)
+
+    def remove(self, instance_id: str, now: float = 0.0) -> list[SampleRequest]:
+        """Drops an instance the manager found gone (unreachable); returns its requests, requeued."""
         self._instance(instance_id)
         return self._drop(instance_id, now)
 
@@ -230,6 +264,16 @@ class ManagerState:
             return self.instances[instance_id]
         except KeyError:
             raise NotFound(f"instance {instance_id!r} is not registered (lease expired?)") from None
+
+    def _incarnation(self, instance_id: str, token: str) -> Instance:
+        instance = self._instance(instance_id)
+        if not _same_token(token, instance.token):
+            problem = "carries no incarnation token" if not token else "carries the token of another incarnation"
+            raise WrongIncarnation(
+                f"instance {instance_id!r}: the call {problem}; it does not come from the process registered "
+                f"at {instance.address} (incarnation {instance.incarnation})"
+            )
+        return instance
 
     def publish(self, version: int) -> None:
         if version < self.published_version:
@@ -650,6 +694,10 @@ class ManagerState:
     @property
     def ready_groups(self) -> int:
         return sum(len(b.ready) for b in self.batches.values())
+
+
+def _same_token(given: str, expected: str) -> bool:
+    return bool(given) and secrets.compare_digest(given.encode(), expected.encode())
 
 
 def check_sampling(sampling: common_pb2.SamplingParams, where: str) -> None:

@@ -1,5 +1,6 @@
 """Keeps this instance in the manager's pool: register at start, renew the lease by heartbeat
-(at once after a weight switch), register again if the lease was lost, deregister on drain."""
+(at once after a weight switch), register again if the lease was lost, deregister on drain; every
+call carries the incarnation token the manager gave this process."""
 
 from __future__ import annotations
 
@@ -25,32 +26,60 @@ class Membership:
         self.rpc_timeout = rpc_timeout
         self._channel = open_channel(manager_address)
         self._stub = manager_pb2_grpc.ManagerServiceStub(self._channel)
+        self.token = ""
+        """This process's incarnation token, from its latest registration."""
+        self._settled = asyncio.Event()
+        """Clear while a RegisterInstance call is in flight."""
+        self._settled.set()
         self._interval = 1.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def register(self, timeout: float) -> None:
-        """Retries until the manager accepts the registration or `timeout` passes."""
+        """Retries until the manager accepts the registration or `timeout` passes (an earlier
+        incarnation of this id, e.g. before a restart, holds it until its lease expires)."""
         deadline = asyncio.get_running_loop().time() + timeout
+        waiting_logged = False
         while True:
             try:
-                reply = await self._stub.RegisterInstance(
-                    manager_pb2.RegisterInstanceRequest(
-                        instance_id=self.instance_id,
-                        address=self.address,
-                        weight_version=self.engine.weight_version,
-                        max_batch_size=self.engine.max_batch_size,
-                        preemptible=self.preemptible,
-                    ),
-                    **call_options(self.rpc_timeout),
-                )
+                reply = await self._register_once()
                 self._interval = reply.heartbeat_interval_seconds
                 log.info("registered with manager", instance_id=self.instance_id, lease_seconds=reply.lease_seconds)
                 return
             except grpc.aio.AioRpcError as exc:
                 if asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError(f"manager unreachable for {timeout:.0f}s: {exc.details()}") from exc
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS and not waiting_logged:
+                    log.warning("instance id taken; retrying until its lease expires", error=exc.details())
+                    waiting_logged = True
                 await asyncio.sleep(0.5)
+
+    async def _register_once(self) -> manager_pb2.RegisterInstanceResponse:
+        self._settled.clear()
+        try:
+            reply = await self._stub.RegisterInstance(
+                manager_pb2.RegisterInstanceRequest(
+                    instance_id=self.instance_id,
+                    address=self.address,
+                    weight_version=self.engine.weight_version,
+                    max_batch_size=self.engine.max_batch_size,
+                    preemptible=self.preemptible,
+                    incarnation_token=self.token,
+                ),
+                **call_options(self.rpc_timeout),
+            )
+            self.token = reply.incarnation_token
+            return reply
+        finally:
+            self._settled.set()
+
+    async def is_incarnation(self, token: str) -> bool:
+        """Whether `token` (carried by a manager's Generate) is this process's. The manager may
+        dispatch to a new incarnation before the reply that names it has arrived here: a token that
+        does not match yet is judged once the registration in flight has settled."""
+        if token != self.token and not self._settled.is_set():
+            await self._settled.wait()
+        return token == self.token
 
     def start_heartbeats(self) -> None:
         self._task = asyncio.create_task(self._heartbeats())
@@ -69,8 +98,10 @@ class Membership:
             try:
                 await self._heartbeat()
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("lease lost; registering again")
+                # PERMISSION_DENIED: the manager dropped this incarnation and another process took the
+                # id; this one may have it back once that one's lease expires.
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+                    log.warning("lease lost; registering again", code=exc.code().name, error=exc.details())
                     try:
                         await self.register(timeout=self.rpc_timeout)
                     except TimeoutError as err:
@@ -80,7 +111,8 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         await self._stub.Heartbeat(
-            manager_pb2.HeartbeatRequest(instance_id=self.instance_id, weight_version=self.engine.weight_version, draining=self.draining),
+            manager_pb2.HeartbeatRequest(instance_id=self.instance_id, weight_version=self.engine.weight_version, draining=self.draining,
+                                         incarnation_token=self.token),
             **call_options(self.rpc_timeout),
         )
 
@@ -97,7 +129,8 @@ class Membership:
             self._task.cancel()
         try:
             await self._stub.DeregisterInstance(
-                manager_pb2.DeregisterInstanceRequest(instance_id=self.instance_id), **call_options(self.rpc_timeout)
+                manager_pb2.DeregisterInstanceRequest(instance_id=self.instance_id, incarnation_token=self.token),
+                **call_options(self.rpc_timeout),
             )
             log.info("deregistered from manager")
         except grpc.aio.AioRpcError as exc:

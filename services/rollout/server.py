@@ -80,6 +80,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
+        if request.incarnation_token and self.membership and not await self.membership.is_incarnation(request.incarnation_token):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"instance {self.instance_id!r}: the request was dispatched to another incarnation of this id; "
+                "this process restarted or has not registered as it yet",
+            )
         if self.membership and self.membership.draining:
             raise FailedPrecondition("this instance is draining and takes no new requests")
         engine_request = EngineRequest(

@@ -13,6 +13,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.launcher import wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
 from tests.integration.conftest import build_mesh, spawn_rollout, stop_mesh, wait_for
@@ -37,11 +38,8 @@ async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manage
     try:
         await wait_started([leaving])
         await wait_for(lambda: "leaving" in mesh.manager.state.instances, timeout=30)
-        # Enough work that the instance is still generating when it leaves, however fast it decodes.
-        await client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
+        await hold_mid_generation(leaving, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP))
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
-        await wait_for(lambda: "leaving" in mesh.manager.state.instances
-                       and mesh.manager.state.instances["leaving"].generated_tokens > 0)
         await leave(leaving)
         samples = assert_exactly_once(await collecting, PROMPTS, 4)
         code = await asyncio.to_thread(leaving.process.wait, 30)
@@ -51,6 +49,34 @@ async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manage
             leaving.process.kill()
         await client.close()
         await stop_mesh(mesh)
+
+
+async def hold_mid_generation(child, state, submit) -> None:
+    """Runs `submit` while the instance's engine is paused, then lets it run a step or so at a time
+    until its requests have tokens, and leaves it paused. The tiny model finishes a response in well
+    under a second, sooner than a signal and a drain may take on a busy machine; a paused engine
+    keeps the requests running, and a drain resumes it to hand them back."""
+    async with open_channel(child.address) as channel:
+        rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+        async def info() -> rollout_pb2.GetInfoResponse:
+            return await rollout.GetInfo(rollout_pb2.GetInfoRequest(), timeout=10)
+
+        await rollout.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=10)
+        await submit()
+        instance = state.instances[child.name]
+
+        async def all_arrived() -> bool:
+            return bool(instance.running) and (await info()).running_requests == len(instance.running)
+
+        await wait_for(all_arrived, timeout=30)
+        while True:
+            await rollout.ResumeGeneration(rollout_pb2.ResumeGenerationRequest(), timeout=10)
+            await rollout.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=10)
+            now = await info()
+            assert now.running_requests, "the instance finished its requests before it could be paused"
+            if now.generated_tokens:
+                return
 
 
 def assert_handed_back_without_loss(samples, status) -> None:
@@ -75,7 +101,7 @@ async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, t
     handed_back = []
 
     async def notice(child):
-        async with grpc.aio.insecure_channel(child.address) as channel:
+        async with open_channel(child.address) as channel:
             reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(
                 rollout_pb2.DrainRequest(reason="spot preemption notice"), timeout=30
             )
@@ -95,10 +121,8 @@ async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_d
     try:
         await wait_started([hung])
         await wait_for(lambda: "hung" in mesh.manager.state.instances, timeout=30)
-        # Enough work that the instance is still generating when it leaves, however fast it decodes.
-        await client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
+        await hold_mid_generation(hung, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP))
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
-        await wait_for(lambda: "hung" in mesh.manager.state.instances and mesh.manager.state.instances["hung"].generated_tokens > 0)
         hung.process.send_signal(signal.SIGSTOP)
         samples = assert_exactly_once(await collecting, PROMPTS, 4)
         assert all(len(s.token_ids) == 55 for s in samples)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from services.manager.state import ManagerState
+from services.manager.state import ManagerState, WrongIncarnation
 
 STOP = common_pb2.FINISH_REASON_STOP
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -25,6 +25,11 @@ def state_with(instances: dict[str, int], max_staleness: int = 0) -> ManagerStat
     return state
 
 
+def beat(state: ManagerState, instance_id: str, weight_version: int, now: float, draining: bool = False) -> None:
+    """A heartbeat from the registered process: it carries its incarnation's token."""
+    state.heartbeat(instance_id, weight_version, now, draining, token=state.instances[instance_id].token)
+
+
 def test_dispatch_prefers_fewest_outstanding_tokens():
     state = state_with({"a": 0, "b": 0})
     state.submit("b1", 0, [("p", [1, 2], 1)], sampling(100))
@@ -40,7 +45,7 @@ def test_staleness_gate_holds_samples_until_a_fresh_enough_instance():
     state = state_with({"a": 0}, max_staleness=0)
     state.submit("step1", 1, [("p", [1], 2)], sampling())
     assert state.assign() == []
-    state.heartbeat("a", 1, now=1)
+    beat(state, "a", 1, now=1)
     assert len(state.assign()) == 2
 
 
@@ -58,7 +63,7 @@ def test_a_late_joiner_waits_for_the_published_version():
     state.register("late", "127.0.0.1:9", 0, 8, now=0)
     state.submit("b", 4, [("p", [1], 1)], sampling())
     assert state.assign() == []
-    state.heartbeat("late", 4, now=1)
+    beat(state, "late", 4, now=1)
     assert len(state.assign()) == 1
 
 
@@ -68,7 +73,7 @@ def test_versions_only_grow():
     with pytest.raises(FailedPrecondition):
         state.publish(4)
     with pytest.raises(InvalidArgument, match="older"):
-        state.heartbeat("a", 2, now=0)
+        beat(state, "a", 2, now=0)
 
 
 def test_continuation_keeps_generated_tokens_and_shrinks_max_tokens():
@@ -77,7 +82,7 @@ def test_continuation_keeps_generated_tokens_and_shrinks_max_tokens():
     (assignment,) = state.assign()
     victim = assignment.instance.instance_id
     state.record_chunk(assignment.request.request_id, assignment.attempt, [1, 2], [-0.1, -0.2], [0, 0], NONE)
-    requeued = state.deregister(victim)
+    requeued = state.remove(victim)
     assert [r.request_id for r in requeued] == [assignment.request.request_id]
     (retry,) = state.assign()
     assert retry.instance.instance_id != victim
@@ -99,11 +104,115 @@ def test_expired_lease_requeues_and_unknown_heartbeat_is_not_found():
     state = state_with({"a": 0})
     state.submit("b1", 0, [("p", [1], 1)], sampling())
     state.assign()
+    token = state.instances["a"].token
     expired = state.expire(now=11)
     assert [i.instance_id for i, _ in expired] == ["a"] and len(expired[0][1]) == 1
-    with pytest.raises(NotFound):
-        state.heartbeat("a", 0, now=12)
+    with pytest.raises(NotFound, match="'a' is not registered"):
+        state.heartbeat("a", 0, now=12, token=token)
     assert len(state.queue) == 1
+
+
+# Instance identity: a registration returns an incarnation token; while the lease is live only the
+# registered process (its address, its token) may use the id.
+
+
+def test_a_registration_under_a_live_id_from_another_address_is_refused():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("p", [1], 1)], sampling())
+    (running,) = state.assign()
+    original = state.instances["a"]
+    with pytest.raises(AlreadyExists) as refused:
+        state.register("a", "10.0.0.9:7000", 0, 64, now=2.8)
+    assert str(refused.value) == (
+        "instance 'a' is registered at 127.0.0.1:1000 and its lease is live (expires in 7.2 s); a new registration "
+        "under its id must wait for the lease to expire or come from that address with its incarnation token"
+    )
+    # Even with the live incarnation's token: a token does not move an instance to another address.
+    with pytest.raises(AlreadyExists):
+        state.register("a", "10.0.0.9:7000", 0, 64, now=3, token=original.token)
+    assert state.instances["a"] is original and original.running == {running.request.request_id}
+
+
+def test_a_registration_under_a_live_id_without_its_token_is_refused():
+    state = state_with({"a": 0})
+    original = state.instances["a"]
+    for token in ("", "0" * 32, original.token.upper(), "non-ascii \u00e9"):
+        with pytest.raises(AlreadyExists, match="lease is live"):
+            state.register("a", original.address, 0, 64, now=5, token=token)
+    assert state.instances["a"] is original and state.registrations == 1
+
+
+def test_the_live_incarnation_registering_again_with_its_token_keeps_its_identity_and_work():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("p", [1], 1)], sampling(4))
+    (running,) = state.assign()
+    original = state.instances["a"]
+    assert len(original.token) == 32 and int(original.token, 16) >= 0  # 128 bits, hex
+    instance, requeued = state.register("a", original.address, 2, 8, now=5, token=original.token)
+    assert instance is original and requeued == []
+    assert (instance.token, instance.incarnation) == (original.token, 1)
+    assert instance.lease_expires == 15 and instance.weight_version == 2 and instance.max_batch_size == 8
+    # Its stream goes on: the running request is still its own and its chunks are taken.
+    assert state.record_chunk(running.request.request_id, running.attempt, [7], [0.0], [2], STOP)
+
+
+def test_calls_without_the_live_incarnations_token_are_refused():
+    state = state_with({"a": 0})
+    live = state.instances["a"]
+    with pytest.raises(WrongIncarnation, match="'a': the call carries no incarnation token"):
+        state.heartbeat("a", 0, now=1, token="")
+    with pytest.raises(WrongIncarnation, match="carries the token of another incarnation"):
+        state.heartbeat("a", 0, now=1, token="f" * 32)
+    with pytest.raises(WrongIncarnation):
+        state.deregister("a", "f" * 32, now=1)
+    assert state.instances["a"] is live and live.lease_expires == 10
+
+
+def test_after_the_lease_expired_a_restarted_process_is_a_new_incarnation_and_continues_the_old_ones_samples():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("p", [1], 1)], sampling(6))
+    (old,) = state.assign()
+    assert state.record_chunk(old.request.request_id, old.attempt, [3, 4], [-0.3, -0.4], [0, 0], NONE)
+    old_token = state.instances["a"].token
+    # The process was killed; its lease runs out before the restarted one registers (no token).
+    state.expire(now=11)
+    new, requeued = state.register("a", "127.0.0.1:1000", 0, 64, now=12)
+    assert requeued == []
+    assert new.incarnation == 2 and new.token != old_token
+    # The old incarnation's calls are refused; the new one's are not.
+    with pytest.raises(WrongIncarnation):
+        state.heartbeat("a", 0, now=13, token=old_token)
+    with pytest.raises(WrongIncarnation):
+        state.deregister("a", old_token, now=13)
+    beat(state, "a", 0, now=13)
+    # The sample continues on the new incarnation from the tokens the old one generated.
+    (retry,) = state.assign()
+    assert retry.instance is new and retry.request.token_ids == [3, 4] and retry.request.remaining_tokens == 4
+    charged = new.outstanding_tokens
+    # A chunk of the old incarnation arriving late is not taken, and charges nothing to the new one.
+    assert not state.record_chunk(old.request.request_id, old.attempt, [5], [-0.5], [0], NONE)
+    assert state.discarded_tokens == 1 and new.outstanding_tokens == charged
+    state.record_chunk(retry.request.request_id, retry.attempt, [6, 7], [-0.6, -0.7], [0, 0], STOP)
+    (group,), remaining = state.take_micro_batch("b1", 1)
+    assert remaining == 0
+    assert group[0].token_ids == [3, 4, 6, 7] and group[0].instance_ids == ["a", "a"]
+
+
+def test_an_expired_lease_not_yet_swept_is_replaced_and_its_requests_requeued():
+    state = state_with({"a": 0})
+    state.submit("b1", 0, [("p", [1], 1)], sampling())
+    (old,) = state.assign()
+    new, requeued = state.register("a", "127.0.0.1:1000", 0, 64, now=10.5)
+    assert new.incarnation == 2 and [r.request_id for r in requeued] == [old.request.request_id]
+    assert not state.record_chunk(old.request.request_id, old.attempt, [1], [0.0], [0], STOP)
+
+
+def test_after_a_deregistration_the_id_registers_again_at_once():
+    state = state_with({"a": 0})
+    first = state.instances["a"]
+    state.deregister("a", first.token, now=1)
+    second, _ = state.register("a", first.address, 0, 64, now=1.5)
+    assert second.incarnation == 2 and second.token != first.token
 
 
 def test_an_aborted_stream_continues_elsewhere():
@@ -219,7 +328,7 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
             emitted[assignment.request.request_id].append(counter)
             counter += 1
         elif event[0] == "kill" and event[1] in state.instances:
-            state.deregister(event[1])
+            state.remove(event[1])
         elif event[0] == "join" and event[1] not in state.instances:
             state.register(event[1], "127.0.0.1:2", 0, 4, now=0)
         elif event[0] == "lost" and live:
@@ -398,12 +507,12 @@ def test_a_draining_instance_gets_no_work_and_its_aborted_requests_continue_else
     state.submit("b1", 0, [("p", [1], 1)], sampling(10))
     (first,) = state.assign()
     draining = first.instance.instance_id
-    state.heartbeat(draining, 0, now=1, draining=True)
+    beat(state, draining, 0, now=1, draining=True)
     assert not state.instances[draining].schedulable
     state.record_chunk(first.request.request_id, first.attempt, [4, 5], [0.0, 0.0], [0, 0], ABORT)
     (second,) = state.assign()
     assert second.instance.instance_id != draining and second.request.token_ids == [4, 5]
-    state.heartbeat(draining, 0, now=2)
+    beat(state, draining, 0, now=2)
     assert state.instances[draining].draining
 
 
@@ -423,7 +532,7 @@ def test_work_without_any_instance_is_reported_starving():
     assert state.starved_seconds(now=50) == 50
     state.register("a", "127.0.0.1:1", 0, 4, now=60)
     assert state.starved_seconds(now=70) == 0
-    state.deregister("a", now=80)
+    state.deregister("a", state.instances["a"].token, now=80)
     assert state.starved_seconds(now=95) == 15
 
 
@@ -515,7 +624,7 @@ def test_outstanding_tokens_always_equal_what_running_requests_are_charged(scrip
             a = current[op[1] % len(current)]
             state.stream_lost(a.request.request_id, a.attempt)
         elif op[0] == "drop" and op[1] in state.instances:
-            state.deregister(op[1])
+            state.remove(op[1])
         elif op[0] == "join" and op[1] not in state.instances:
             state.register(op[1], "127.0.0.1:3", 0, 4, now=0)
         elif op[0] == "migrate":
