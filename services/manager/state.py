@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, bounded
 from services.manager.stage_balance import Balance, StageBalancer, StepTiming
 
 FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -33,6 +33,10 @@ Policy = Literal["balanced", "round_robin"]
 class WrongIncarnation(Exception):
     """A call for a registered instance id without the token of its live incarnation: it comes from
     a process that is not (or no longer) that instance. The server answers PERMISSION_DENIED."""
+
+    def __init__(self, message: str) -> None:
+        # Cut like a DomainError's: the message quotes the caller's id, which may be of any length.
+        super().__init__(bounded(message))
 
 
 @dataclass(slots=True)
