@@ -14,12 +14,15 @@ from typing import Literal
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, bounded
+from rlmesh.sampling import sampling_problem
 from services.manager.stage_balance import Balance, StageBalancer, StepTiming
 
 FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 _RATE_SMOOTHING = 0.5
 _LENGTH_SMOOTHING = 0.05
 MAX_GROUP_SIZE = 1024
+MAX_STEP_SECONDS = 1e6
+"""A reported training step longer than this (11 days) is a bad value: its average would overflow."""
 MIGRATION_SPEEDUP = 1.5
 """A straggler moves only to an instance at least this much faster per sequence."""
 MIGRATION_MIN_SECONDS = 0.25
@@ -660,8 +663,9 @@ class ManagerState:
         finished = self._finished.get(batch_id)
         if finished is None:
             raise NotFound(f"batch {batch_id!r} was not fully delivered (or is too old to remember)")
-        if step_seconds <= 0 or not 0 <= wait_seconds <= step_seconds:
-            raise InvalidArgument(f"need step_seconds > 0 and 0 <= wait_seconds <= step_seconds, got {step_seconds}, {wait_seconds}")
+        if not (0 < step_seconds <= MAX_STEP_SECONDS and 0 <= wait_seconds <= step_seconds):
+            raise InvalidArgument(f"need 0 < step_seconds <= {MAX_STEP_SECONDS:g} and 0 <= wait_seconds <= step_seconds, "
+                                  f"got {step_seconds}, {wait_seconds}")
         submitted, completed, tokens = finished
         reserved = sum(i.tokens_per_second for i in self.instances.values() if not i.preemptible)
         timing = StepTiming(step_seconds, wait_seconds, completed - submitted, tokens)
@@ -705,12 +709,9 @@ def _same_token(given: str, expected: str) -> bool:
 
 
 def check_sampling(sampling: common_pb2.SamplingParams, where: str) -> None:
-    if sampling.max_tokens < 1:
-        raise InvalidArgument(f"{where}.max_tokens must be at least 1")
-    if sampling.temperature < 0:
-        raise InvalidArgument(f"{where}.temperature must be >= 0")
-    if not 0 <= sampling.top_p <= 1:
-        raise InvalidArgument(f"{where}.top_p must be in [0, 1] (0 means 1)")
+    problem = sampling_problem(sampling.temperature, sampling.top_p, sampling.max_tokens, sampling.seed)
+    if problem:
+        raise InvalidArgument(f"{where}.{problem}")
 
 
 def per_sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:

@@ -10,6 +10,7 @@ import grpc
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.sampling import sampling_problem
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
 from services.rollout.rank import RankPort
@@ -31,8 +32,9 @@ _FINISH = {
 
 
 def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
-    if params.max_tokens == 0:
-        raise InvalidArgument("sampling.max_tokens must be at least 1")
+    problem = sampling_problem(params.temperature, params.top_p, params.max_tokens, params.seed)
+    if problem:
+        raise InvalidArgument(f"sampling.{problem}")
     return Sampling(
         temperature=params.temperature,
         top_p=params.top_p or 1.0,

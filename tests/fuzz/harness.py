@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,14 +118,11 @@ class Stats:
     started: float = field(default_factory=time.monotonic)
     statuses: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     verdicts: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
-    known: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     setup_calls: int = 0
 
-    def record(self, outcome: Outcome, known: str | None) -> None:
+    def record(self, outcome: Outcome) -> None:
         self.statuses[outcome.rpc][outcome.code.name] += 1
-        self.verdicts[outcome.rpc]["known finding" if known else outcome.verdict] += 1
-        if known:
-            self.known[outcome.rpc][known] += 1
+        self.verdicts[outcome.rpc][outcome.verdict] += 1
 
     def total(self, verdict: str | None = None) -> int:
         return sum(c[verdict] if verdict else sum(c.values()) for c in self.verdicts.values())
@@ -139,7 +136,6 @@ class Stats:
             "unanswered": self.total("unanswered"),
             "without_message": self.total("silent"),
             "legitimate_waits": self.total("waited"),
-            "known_findings": {rpc: dict(c) for rpc, c in sorted(self.known.items())},
             "setup_calls": self.setup_calls,
             "rpcs": {
                 rpc: {"requests": sum(self.verdicts[rpc].values()), "statuses": dict(sorted(self.statuses[rpc].items())),
@@ -163,7 +159,6 @@ class Harness:
         self._thread = threading.Thread(target=self.loop.run_forever, name="fuzz-servers", daemon=True)
         self._thread.start()
         self.stats = Stats()
-        self.known_findings: Callable[[Outcome], str | None] = lambda outcome: None
         """Names a crash already recorded as a finding of code this harness may not fix."""
         self.mesh: Mesh | None = None
         self.trainer: GrpcServer | None = None
@@ -240,7 +235,7 @@ class Harness:
         if setup:
             self.stats.setup_calls += 1
         else:
-            self.stats.record(outcome, None if outcome.ok else self.known_findings(outcome))
+            self.stats.record(outcome)
         return outcome
 
     def health(self) -> dict[str, str]:
