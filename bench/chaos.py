@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.launcher import MESH_ID_ENV, STATE_FILE, free_port
+from rlmesh.launcher import STATE_FILE, free_port, mesh_processes
 from rlmesh.rpc import channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
@@ -44,20 +44,6 @@ class Fault:
     """time.time() when it was applied."""
     mid_push: bool = False
     seconds_lost: float = 0.0
-
-
-def mesh_pids(output_dir: Path, module: str) -> list[int]:
-    marker = f"{MESH_ID_ENV}={output_dir}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0") and f"-m\0{module}\0".encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def rollouts(output_dir: Path) -> dict[str, int]:
@@ -106,7 +92,7 @@ class Injector:
             mid_push = False
             while time.monotonic() < deadline and not (mid_push := self._pushing()):
                 time.sleep(0.005)
-            pids = mesh_pids(self.output_dir, "services.weights")
+            pids = mesh_processes(self.output_dir, "services.weights")
             if not pids:
                 return None
             os.kill(pids[0], signal.SIGKILL)

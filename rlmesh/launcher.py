@@ -517,3 +517,23 @@ def find_running_mesh(runs: Path) -> Path | None:
             continue
         return state.parent
     return None
+
+
+def mesh_processes(output_dir: Path, module: str | None = None) -> list[int]:
+    """Pids of live processes started for the mesh writing to `output_dir` (only those running
+    `python -m module` when given), found by the MESH_ID_ENV each one carries."""
+    marker = f"{MESH_ID_ENV}={output_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            if module is not None and f"-m\0{module}\0".encode() not in (entry / "cmdline").read_bytes():
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_mesh_up import free_base_port, mesh_processes
+from rlmesh.launcher import mesh_processes
+from tests.e2e.test_mesh_up import free_base_port
 
 pytestmark = pytest.mark.e2e
 
@@ -50,13 +51,9 @@ def running(output_dir: Path) -> dict[str, int]:
 
 
 def service_pid(output_dir: Path, module: str) -> int:
-    for pid in mesh_processes(output_dir):
-        try:
-            if f"-m\0{module}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no {module} process")
+    pids = mesh_processes(output_dir, module)
+    assert pids, f"no {module} process"
+    return pids[0]
 
 
 def scale(output_dir: Path, count: int) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.launcher import MESH_ID_ENV, free_port
+from rlmesh.launcher import free_port, mesh_processes
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -22,23 +22,6 @@ from services.trainer.handoff import SLOT_PREFIX, mesh_tag
 from tests.integration.test_contracts_on_the_wire import grpcurl
 
 pytestmark = pytest.mark.e2e
-
-
-def mesh_processes(output_dir: Path) -> list[int]:
-    """Pids of live processes started for the mesh writing to `output_dir`."""
-    marker = f"{MESH_ID_ENV}={output_dir}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def free_base_port() -> int:
