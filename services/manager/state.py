@@ -14,7 +14,7 @@ from typing import Literal
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, bounded
-from rlmesh.sampling import sampling_problem
+from rlmesh.sampling import MAX_SEED, sampling_problem
 from services.manager.stage_balance import Balance, StageBalancer, StepTiming
 
 FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -721,5 +721,5 @@ def per_sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) ->
     params.CopyFrom(sampling)
     if sampling.seed:
         digest = hashlib.blake2b(f"{sampling.seed}:{request_id}".encode(), digest_size=8).digest()
-        params.seed = (int.from_bytes(digest, "little") >> 1) or 1
+        params.seed = (int.from_bytes(digest, "little") % MAX_SEED) or 1
     return params

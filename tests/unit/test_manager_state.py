@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rlmesh.sampling import MAX_SEED
 from services.manager.state import ManagerState, WrongIncarnation
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -452,6 +453,8 @@ def test_a_seeded_batch_gives_every_sample_its_own_stable_seed():
     second.submit("b", 0, [("p", [1], 4)], params)
     seeds = [r.sampling.seed for r in first.requests.values()]
     assert len(set(seeds)) == 4 and 0 not in seeds
+    # Seeds the rollout service takes: below 2^62 (torch adds a continuation's length to them).
+    assert all(seed < MAX_SEED for seed in seeds)
     assert seeds == [r.sampling.seed for r in second.requests.values()]
 
 
