@@ -59,8 +59,12 @@ class PromptRenderer:
         return "".join(text.split()) == "".join(decoded.split())
 
     def token_ids(self, prompt: TaskPrompt) -> list[int]:
-        # A chat template writes its own special tokens (BOS included) as text.
+        return self.render(prompt)[1]
+
+    def render(self, prompt: TaskPrompt) -> tuple[str, list[int]]:
+        """The prompt's text and token ids, the template applied once."""
         text = self.text(prompt)
+        # A chat template writes its own special tokens (BOS included) as text.
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.chat))
         unknown = getattr(self.tokenizer, "unk_token_id", None)
         if (unknown is not None and unknown in ids) or not self._round_trips(text, ids):
@@ -68,7 +72,7 @@ class PromptRenderer:
                             f"({text[:60]!r}): it has characters outside its vocabulary")
         if not ids:
             raise TaskError(f"task {self.task!r}: prompt {prompt.uid} renders to no tokens")
-        return ids
+        return text, ids
 
 
 @dataclass(slots=True)

@@ -298,8 +298,7 @@ class GrpoTrainer:
         prompts = []
         for index, (task, prompt) in enumerate(drawn):
             prompt_id = f"p{index}"
-            text = task.renderer.text(prompt)
-            submitted = Submitted(task, prompt, text, task.renderer.token_ids(prompt))
+            submitted = Submitted(task, prompt, *task.renderer.render(prompt))
             self.in_flight[(batch_id, prompt_id)] = submitted
             prompts.append((prompt_id, submitted.token_ids, self._sampling(task)))
         await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, prompts[0][2])
@@ -443,9 +442,9 @@ class GrpoTrainer:
         pooled: dict[str, list[float]] = {"sampled": [], "greedy": []}
         for task in self.mixture.tasks:
             held_out = task.source.held_out(task.config.eval.prompts)
-            texts = [task.renderer.text(p) for p in held_out]
+            texts, ids = zip(*(task.renderer.render(p) for p in held_out))
             sampling = task.config.sampling
-            request = EvalRequest([task.renderer.token_ids(p) for p in held_out], task.config.max_tokens,
+            request = EvalRequest(list(ids), task.config.max_tokens,
                                   task.config.eval.samples, sampling.temperature, sampling.top_p, self.config.seed + step)
             responses: EvalResponses = await self.group.lead(Evaluate(request))
             prompts = held_out * task.config.eval.samples + held_out
