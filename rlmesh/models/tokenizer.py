@@ -26,30 +26,34 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Tokenizer:
         symbols.append(char)
     if len(set(symbols)) != len(symbols):
         raise ValueError("alphabet has repeated characters")
-    vocab = {symbol: index for index, symbol in enumerate(symbols)}
-    vocab[UNK_TOKEN] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    return _character_tokenizer({symbol: index for index, symbol in enumerate(symbols)}, [EOS_TOKEN, PAD_TOKEN])
+
+
+def _character_tokenizer(vocab: dict[str, int], special_tokens: list[str]) -> Tokenizer:
+    """A byte-level BPE without merges over `vocab` (one token per character), then the unknown
+    token and `special_tokens`."""
+    tokenizer = Tokenizer(models.BPE(vocab={**vocab, UNK_TOKEN: len(vocab)}, merges=[], unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([UNK_TOKEN, EOS_TOKEN, PAD_TOKEN])
+    tokenizer.add_special_tokens([UNK_TOKEN, *special_tokens])
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, directory: Path) -> None:
+def save_tokenizer(tokenizer: Tokenizer, directory: Path, eos_token: str = EOS_TOKEN, model_max_length: int = 64,
+                   chat_template: str | None = None) -> None:
+    """tokenizer.json and the tokenizer_config.json that AutoTokenizer reads with it."""
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS_TOKEN,
-                "pad_token": PAD_TOKEN,
-                "unk_token": UNK_TOKEN,
-                "model_max_length": 64,
-                "clean_up_tokenization_spaces": False,
-            },
-            indent=2,
-        )
-    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "pad_token": PAD_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 IM_START_TOKEN = "<|im_start|>"
@@ -78,32 +82,13 @@ def build_text_tokenizer(alphabet: str = TEXT_ALPHABET) -> Tokenizer:
         if symbol in vocab:
             raise ValueError(f"alphabet has {char!r} more than once")
         vocab[symbol] = len(vocab)
-    vocab[UNK_TOKEN] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([UNK_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
-    return tokenizer
+    return _character_tokenizer(vocab, [EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
 
 
 def save_chat_tokenizer(tokenizer: Tokenizer, directory: Path, model_max_length: int) -> None:
     """Writes a `build_text_tokenizer` tokenizer with the ChatML template in tokenizer_config.json, so
     `AutoTokenizer(...).apply_chat_template` renders prompts and `<|im_end|>` is its EOS."""
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": IM_END_TOKEN,
-                "pad_token": PAD_TOKEN,
-                "unk_token": UNK_TOKEN,
-                "model_max_length": model_max_length,
-                "clean_up_tokenization_spaces": False,
-                "chat_template": CHATML_TEMPLATE,
-            },
-            indent=2,
-        )
-    )
+    save_tokenizer(tokenizer, directory, IM_END_TOKEN, model_max_length, CHATML_TEMPLATE)
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
