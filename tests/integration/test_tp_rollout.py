@@ -316,6 +316,20 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
     await wait_for(lambda: rank0.loading()[0] == rank0.loading()[1] > 0, timeout=5)
     assert engine.weight_version == old
 
+    # A batch-mate that starts before the probe and outlasts it must decode across the switch;
+    # the looping requests above can all sit between two requests at the switching step.
+    spanning_started = asyncio.Event()
+
+    async def spanning() -> list[int]:
+        seen = []
+        request = EngineRequest("spanning", instance.prompts()[3], Sampling(temperature=1.0, max_tokens=62))
+        async for chunk in engine.generate(request):
+            seen += chunk.weight_versions
+            spanning_started.set()
+        return seen
+
+    spanning_versions = asyncio.create_task(spanning())
+    await asyncio.wait_for(spanning_started.wait(), timeout=10)
     prompt = instance.prompts()[1]
     tokens, logprobs, versions = [], [], []
     committing = None
@@ -332,9 +346,9 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
 
     switch = versions.index(version)
     assert 2 <= switch < len(versions) and versions == [old] * switch + [version] * (len(versions) - switch)
-    for seen in background:
+    for seen in background + [await spanning_versions]:
         assert seen == sorted(seen) and set(seen) <= {old, version}
-    assert any(len(set(seen)) == 2 for seen in background), "no batch-mate was decoding across the switch"
+    assert set(await spanning_versions) == {old, version}, "the batch-mate spanning the probe did not decode across the switch"
     want_tokens, want_logprobs = switched_greedy(instance.model_dir, {old: old_weights, version: weights}, prompt, versions)
     assert tokens == want_tokens
     assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
