@@ -298,22 +298,20 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     async def StreamRollouts(self, request, context) -> AsyncIterator[manager_pb2.StreamRolloutsResponse]:
         if request.micro_batch_groups < 1:
             raise InvalidArgument("micro_batch_groups must be at least 1")
+        position = request.resume_from
         while True:
-            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups, request.min_groups, request.max_tokens)
+            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups, request.min_groups,
+                                                request.max_tokens, position=position)
             if taken is None:
                 self._check_starvation(request.batch_id)
                 await self.changes.wait(timeout=1.0)
                 continue
             groups, remaining = taken
-            try:
-                yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
-            except BaseException:
-                # The reader went away while this micro-batch was being sent: keep it for the next one.
-                self.state.return_groups(request.batch_id, groups)
-                self.changes.notify()
-                raise
+            # A reply the reader never gets is sent again when it resumes from its count of groups read.
+            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
+                                                     first_group_index=position)
+            position += len(groups)
             if remaining == 0:
-                self.state.finish_batch(request.batch_id)
                 return
 
     async def CancelBatch(self, request, context):
@@ -323,10 +321,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         return manager_pb2.CancelBatchResponse(unfinished_samples=cancelled)
 
     async def TakeReadyGroups(self, request, context):
-        groups, remaining = self.state.take_ready(request.batch_id)
-        if remaining == 0:
-            self.state.finish_batch(request.batch_id)
-        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining)
+        groups, remaining = self.state.take_ready(request.batch_id, position=request.resume_from)
+        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
+                                                   first_group_index=request.resume_from)
+
+    async def AcknowledgeRollouts(self, request, context):
+        forgotten = self.state.acknowledge(request.batch_id)
+        return manager_pb2.AcknowledgeRolloutsResponse(forgotten=forgotten)
 
     async def ReportTrainingStep(self, request, context):
         balance = self.state.report_training_step(request.batch_id, request.step_seconds, request.wait_seconds)

@@ -131,7 +131,9 @@ class Batch:
     completed_at: float | None = None
     """When its last group became complete."""
     ready: deque[str] = field(default_factory=deque)
-    delivered: int = 0
+    """Complete groups not yet sent, by prompt id."""
+    sent: list[str] = field(default_factory=list)
+    """Groups sent, by prompt id, in stream order: a resumed stream resends from any position."""
     error: str = ""
     """Why the batch cannot complete (an instance refused one of its requests as invalid)."""
 
@@ -146,7 +148,8 @@ class Batch:
 
     @property
     def remaining(self) -> int:
-        return len(self.groups) - self.delivered
+        """Groups still to be sent."""
+        return len(self.groups) - len(self.sent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +524,7 @@ class ManagerState:
         batch = self.batches[request.batch_id]
         if all(r.done for r in batch.groups[request.prompt_id]):
             batch.ready.append(request.prompt_id)
-            if len(batch.ready) + batch.delivered == len(batch.groups):
+            if len(batch.ready) + len(batch.sent) == len(batch.groups):
                 batch.completed_at = self.clock()
 
     # Stragglers --------------------------------------------------------------------------
@@ -573,11 +576,15 @@ class ManagerState:
 
     # Delivery ----------------------------------------------------------------------------
 
-    def take_micro_batch(self, batch_id: str, groups: int, min_groups: int | None = None, max_tokens: int = 0) -> tuple[list[list[SampleRequest]], int] | None:
-        """Between `min_groups` (default: `groups`) and `groups` complete groups, fewer only for
-        the batch's last micro-batch, within a budget of `max_tokens` prompt + response tokens
-        (0: none; a group over budget travels alone; groups are never split). Returns them with
-        the number still to come, or None while fewer than the lower bound are ready."""
+    def take_micro_batch(self, batch_id: str, groups: int, min_groups: int | None = None, max_tokens: int = 0,
+                         position: int | None = None) -> tuple[list[list[SampleRequest]], int] | None:
+        """The micro-batch at `position` of the batch's stream order (default: after every group
+        sent). Below the groups sent so far it is those groups again, as many as fit; at the end
+        it is between `min_groups` (default: `groups`) and `groups` complete groups, fewer only
+        for the batch's last micro-batch, within a budget of `max_tokens` prompt + response
+        tokens (0: none; a group over budget travels alone; groups are never split). Returns them
+        with the number still to come after them, or None while fewer than the lower bound are
+        ready."""
         if groups < 1:
             raise InvalidArgument("micro_batch_groups must be at least 1")
         lower = groups if not min_groups else min_groups
@@ -586,64 +593,89 @@ class ManagerState:
         if max_tokens < 0:
             raise InvalidArgument("max_tokens must be >= 0")
         batch = self._deliverable(batch_id)
+        position = self._position(batch, position)
+        if position < len(batch.sent):
+            return self._resend(batch, position, groups, max_tokens)
         want = min(lower, batch.remaining)
-        if want == 0 or len(batch.ready) < want:
+        if want and len(batch.ready) < want:
             return None
         return self._take(batch, groups, max_tokens)
 
-    def take_ready(self, batch_id: str) -> tuple[list[list[SampleRequest]], int]:
-        """Every complete group ready now, possibly none."""
+    def take_ready(self, batch_id: str, position: int | None = None) -> tuple[list[list[SampleRequest]], int]:
+        """From `position` on: the groups sent before and every complete group ready now, possibly none."""
         batch = self._deliverable(batch_id)
-        return self._take(batch, len(batch.ready), 0)
+        position = self._position(batch, position)
+        again, _ = self._resend(batch, position, len(batch.sent), 0)
+        taken, remaining = self._take(batch, len(batch.ready), 0)
+        return again + taken, remaining
+
+    @staticmethod
+    def _position(batch: Batch, position: int | None) -> int:
+        if position is None:
+            return len(batch.sent)
+        if not 0 <= position <= len(batch.sent):
+            raise InvalidArgument(f"resume_from {position} is past the {len(batch.sent)} groups of batch {batch.batch_id!r} sent so far")
+        return position
 
     def _deliverable(self, batch_id: str) -> Batch:
         batch = self.batches.get(batch_id)
         if batch is None:
-            raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
+            raise NotFound(f"batch {batch_id!r} is unknown or was acknowledged")
         if batch.error:
             self._forget(batch)
             raise InvalidArgument(f"batch {batch_id!r} failed: {batch.error}")
         return batch
 
-    def _take(self, batch: Batch, most: int, max_tokens: int) -> tuple[list[list[SampleRequest]], int]:
-        taken: list[list[SampleRequest]] = []
-        tokens = 0
-        while batch.ready and len(taken) < most:
-            group = batch.groups[batch.ready[0]]
-            size = sum(len(r.prompt_token_ids) + len(r.token_ids) for r in group)
-            if max_tokens and taken and tokens + size > max_tokens:
+    @staticmethod
+    def _within_budget(sizes: list[int], most: int, max_tokens: int) -> int:
+        """How many of the groups (by token size, in order) make one micro-batch."""
+        count = tokens = 0
+        for size in sizes[:most]:
+            if max_tokens and count and tokens + size > max_tokens:
                 break
-            batch.ready.popleft()
-            taken.append(group)
+            count += 1
             tokens += size
-        batch.delivered += len(taken)
-        self.delivered_groups += len(taken)
-        return taken, batch.remaining
+        return count
 
-    def return_groups(self, batch_id: str, groups: list[list[SampleRequest]]) -> None:
-        """Groups whose delivery failed go back to the front, to be streamed again."""
+    def _resend(self, batch: Batch, position: int, most: int, max_tokens: int) -> tuple[list[list[SampleRequest]], int]:
+        pending = [batch.groups[p] for p in batch.sent[position:]]
+        count = self._within_budget([_group_tokens(g) for g in pending], most, max_tokens)
+        return pending[:count], len(batch.groups) - position - count
+
+    def _take(self, batch: Batch, most: int, max_tokens: int) -> tuple[list[list[SampleRequest]], int]:
+        ready = [batch.groups[p] for p in batch.ready]
+        count = self._within_budget([_group_tokens(g) for g in ready], most, max_tokens)
+        for _ in range(count):
+            batch.sent.append(batch.ready.popleft())
+        self.delivered_groups += count
+        if batch.remaining == 0 and count:
+            self._delivered(batch)
+        return ready[:count], batch.remaining
+
+    def _delivered(self, batch: Batch) -> None:
+        """Every group was sent: the timing the stage balance needs is kept after the batch is forgotten."""
+        self._finished[batch.batch_id] = (batch.submitted_at, batch.completed_at or self.clock(), batch.response_tokens)
+        while len(self._finished) > FINISHED_BATCHES_KEPT:
+            del self._finished[next(iter(self._finished))]
+        unacknowledged = [b for b in self.batches.values() if b.remaining == 0]
+        for stale in unacknowledged[:-FINISHED_BATCHES_KEPT]:
+            self._forget(stale)
+
+    def acknowledge(self, batch_id: str) -> bool:
+        """The reader holds every group of the batch: forget it. False when it was not known."""
         batch = self.batches.get(batch_id)
         if batch is None:
-            return
-        for group in reversed(groups):
-            batch.ready.appendleft(group[0].prompt_id)
-        batch.delivered -= len(groups)
-        self.delivered_groups -= len(groups)
-
-    def finish_batch(self, batch_id: str) -> None:
-        """Forgets a batch whose every group was delivered."""
-        batch = self.batches.get(batch_id)
-        if batch is not None and batch.remaining == 0:
-            self._forget(batch)
-            self._finished[batch_id] = (batch.submitted_at, batch.completed_at or self.clock(), batch.response_tokens)
-            while len(self._finished) > FINISHED_BATCHES_KEPT:
-                del self._finished[next(iter(self._finished))]
+            return False
+        if batch.remaining:
+            raise FailedPrecondition(f"batch {batch_id!r} has {batch.remaining} groups still to be sent")
+        self._forget(batch)
+        return True
 
     def cancel_batch(self, batch_id: str) -> int:
         """Drops a batch nobody will read (its trainer stopped); returns its unfinished samples."""
         batch = self.batches.get(batch_id)
         if batch is None:
-            raise NotFound(f"batch {batch_id!r} is unknown or was fully delivered")
+            raise NotFound(f"batch {batch_id!r} is unknown or was acknowledged")
         unfinished = batch.unfinished
         self._forget(batch)
         return unfinished
@@ -702,6 +734,10 @@ class ManagerState:
     @property
     def ready_groups(self) -> int:
         return sum(len(b.ready) for b in self.batches.values())
+
+
+def _group_tokens(group: list[SampleRequest]) -> int:
+    return sum(len(r.prompt_token_ids) + len(r.token_ids) for r in group)
 
 
 def _same_token(given: str, expected: str) -> bool:

@@ -69,6 +69,9 @@ class TrainerConfig(StrictModel):
     publish_timeout_seconds: float = Field(default=300.0, gt=0)
     """How long a version is handed over again while the weights service is unreachable (it is
     restarted by `rlmesh up`) before training fails."""
+    manager_outage_seconds: float = Field(default=120.0, gt=0)
+    """How long calls to the manager are retried while it is unreachable (`rlmesh up` restarts it
+    on its journal) before training fails."""
     upload_timeout_seconds: float = Field(default=60.0, gt=0)
     """Deadline of one rank's UploadShards call (the weights service replies once it copied the bytes)."""
     rpc_timeout_seconds: float = Field(default=10.0, gt=0)

@@ -62,7 +62,7 @@ async def lead(config: TrainerConfig, rank: RankInfo) -> None:
     await server.set_serving(True)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(config.output_dir) / ERROR_FILE).unlink(missing_ok=True)
-    mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds)
+    mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds, config.manager_outage_seconds)
     thread = TorchThread()
     group, channel = None, None
     failed = False

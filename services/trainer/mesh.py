@@ -1,26 +1,79 @@
 """The trainer's view of the mesh from rank 0: submit prompts, stream rollouts, announce versions
-(manager), the latest stored version (weights service). Every call carries a deadline."""
+(manager), the latest stored version (weights service). Every call carries a deadline; calls to
+the manager ride out its restarts, and rollouts arrive exactly once."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
+log = structlog.get_logger()
+
+RETRY_FIRST_SECONDS = 0.25
+RETRY_MAX_SECONDS = 4.0
+
+
+class ManagerOutage:
+    """How long the manager has been unreachable: calls are made again with backoff until the
+    outage has lasted `limit_seconds`, then its last error stands."""
+
+    def __init__(self, limit_seconds: float) -> None:
+        self.limit_seconds = limit_seconds
+        self.since: float | None = None
+        self.delay = RETRY_FIRST_SECONDS
+
+    async def wait(self, exc: grpc.aio.AioRpcError, call: str) -> None:
+        """Sleeps before the next attempt, or raises `exc` when it is not worth another."""
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if exc.code() != grpc.StatusCode.UNAVAILABLE or now - self.since + self.delay > self.limit_seconds:
+            raise exc
+        log.warning("the manager is unreachable; calling again", call=call, retry_in_s=self.delay,
+                    unreachable_s=round(now - self.since, 2), error=exc.details())
+        await asyncio.sleep(self.delay)
+        self.delay = min(2 * self.delay, RETRY_MAX_SECONDS)
+
+    def reset(self) -> None:
+        self.since, self.delay = None, RETRY_FIRST_SECONDS
+
 
 class MeshClient:
-    def __init__(self, manager_address: str, weights_address: str, rpc_timeout: float) -> None:
+    def __init__(self, manager_address: str, weights_address: str, rpc_timeout: float, manager_outage_seconds: float = 120.0) -> None:
         self.rpc_timeout = rpc_timeout
+        self.manager_outage_seconds = manager_outage_seconds
         self._manager_channel = open_channel(manager_address)
         self._weights_channel = open_channel(weights_address)
         self.manager = manager_pb2_grpc.ManagerServiceStub(self._manager_channel)
         self.weights = weights_pb2_grpc.WeightsServiceStub(self._weights_channel)
 
+    async def _call_manager(self, method: Callable[..., Awaitable[Any]], request: Any, landed: grpc.StatusCode | None = None) -> Any:
+        """A unary call to the manager, made again while the manager is unreachable. `landed` is
+        the status a repeated call gets when an earlier attempt took effect though its reply was
+        lost: then the call succeeded (None is returned)."""
+        outage = ManagerOutage(self.manager_outage_seconds)
+        call = type(request).__name__.removesuffix("Request")
+        repeated = False
+        while True:
+            try:
+                return await method(request, **call_options(self.rpc_timeout))
+            except grpc.aio.AioRpcError as exc:
+                if repeated and exc.code() == landed:
+                    return None
+                await outage.wait(exc, call)
+                repeated = True
+
     async def manager_status(self) -> manager_pb2.GetStatusResponse:
-        return await self.manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(self.rpc_timeout))
+        return await self._call_manager(self.manager.GetStatus, manager_pb2.GetStatusRequest())
 
     async def stored_version(self) -> int:
         """The newest version the weights service holds, -1 if none."""
@@ -28,43 +81,66 @@ class MeshClient:
         return status.latest_version
 
     async def cancel(self, batch_id: str) -> None:
-        await self.manager.CancelBatch(manager_pb2.CancelBatchRequest(batch_id=batch_id), **call_options(self.rpc_timeout))
+        await self._call_manager(self.manager.CancelBatch, manager_pb2.CancelBatchRequest(batch_id=batch_id), landed=grpc.StatusCode.NOT_FOUND)
 
     async def submit(self, batch_id: str, policy_version: int,
                      prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]], n: int,
                      sampling: common_pb2.SamplingParams) -> None:
         """A prompt given with its own sampling settings (its task's) uses them instead of the batch's."""
-        await self.manager.SubmitPrompts(
-            manager_pb2.SubmitPromptsRequest(
-                batch_id=batch_id,
-                policy_version=policy_version,
-                prompts=[manager_pb2.Prompt(prompt_id=entry[0], token_ids=entry[1], n=n,
-                                            sampling=entry[2] if len(entry) > 2 else None) for entry in prompts],
-                sampling=sampling,
-            ),
-            **call_options(self.rpc_timeout),
+        request = manager_pb2.SubmitPromptsRequest(
+            batch_id=batch_id,
+            policy_version=policy_version,
+            prompts=[manager_pb2.Prompt(prompt_id=entry[0], token_ids=entry[1], n=n,
+                                        sampling=entry[2] if len(entry) > 2 else None) for entry in prompts],
+            sampling=sampling,
         )
+        await self._call_manager(self.manager.SubmitPrompts, request, landed=grpc.StatusCode.ALREADY_EXISTS)
 
     async def rollouts(self, batch_id: str, micro_batch_groups: int, min_groups: int, max_tokens: int, timeout: float) -> AsyncIterator[list[manager_pb2.Group]]:
-        stream = self.manager.StreamRollouts(
-            manager_pb2.StreamRolloutsRequest(
-                batch_id=batch_id, micro_batch_groups=micro_batch_groups, min_groups=min_groups, max_tokens=max_tokens
-            ),
-            **call_options(timeout),
-        )
-        async for reply in stream:
-            yield list(reply.groups)
+        """Every group of the batch exactly once, as micro-batches, across broken streams and
+        manager restarts: a broken stream is opened again from the count of groups read so far,
+        so a reply that was sent but never read comes again, and a group already read is dropped
+        by prompt id. Once the batch is read, the manager is told it can forget it."""
+        outage = ManagerOutage(self.manager_outage_seconds)
+        read = 0
+        seen: set[str] = set()
+        complete = False
+        while not complete:
+            stream = self.manager.StreamRollouts(
+                manager_pb2.StreamRolloutsRequest(
+                    batch_id=batch_id, micro_batch_groups=micro_batch_groups, min_groups=min_groups, max_tokens=max_tokens,
+                    resume_from=read,
+                ),
+                **call_options(timeout),
+            )
+            try:
+                async for reply in stream:
+                    outage.reset()
+                    if reply.first_group_index != read:
+                        raise RuntimeError(f"batch {batch_id!r}: the manager resumed at group {reply.first_group_index}, "
+                                           f"not at the {read} groups read")
+                    read += len(reply.groups)
+                    fresh = [g for g in reply.groups if g.prompt_id not in seen]
+                    seen.update(g.prompt_id for g in fresh)
+                    if fresh:
+                        yield fresh
+                    if reply.remaining_groups == 0:
+                        complete = True
+                        break
+            except grpc.aio.AioRpcError as exc:
+                await outage.wait(exc, "StreamRollouts")
+        await self._call_manager(self.manager.AcknowledgeRollouts, manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id))
 
     async def report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> manager_pb2.StageBalance:
-        reply = await self.manager.ReportTrainingStep(
+        reply = await self._call_manager(
+            self.manager.ReportTrainingStep,
             manager_pb2.ReportTrainingStepRequest(batch_id=batch_id, step_seconds=step_seconds, wait_seconds=wait_seconds),
-            **call_options(self.rpc_timeout),
         )
         return reply.stage_balance
 
     async def announce(self, version: int) -> None:
         """Tells the manager a version is published (after every trainer rank uploaded its shards)."""
-        await self.manager.PublishVersion(manager_pb2.PublishVersionRequest(version=version), **call_options(self.rpc_timeout))
+        await self._call_manager(self.manager.PublishVersion, manager_pb2.PublishVersionRequest(version=version))
 
     async def close(self) -> None:
         await self._manager_channel.close()

@@ -35,8 +35,6 @@ from services.trainer.ranks import (Checkpoint, CollectiveFailure, Evaluate, Opt
 
 log = structlog.get_logger()
 
-STREAM_ATTEMPTS = 3
-"""Times a step's rollout stream is opened when the connection to the manager breaks."""
 PUBLISH_RETRY_FIRST_SECONDS = 0.5
 PUBLISH_RETRY_MAX_SECONDS = 8.0
 WEIGHTS_CHECK_SECONDS = 2.0
@@ -347,39 +345,29 @@ class GrpoTrainer:
     async def _stream_step(self, batch_id: str, step: int, policy_version: int, totals: StepTotals) -> None:
         """Trains on the step's micro-batches as they stream in; steps the optimizer per mini-batch."""
         config = self.config
-        received: set[str] = set()
         groups_in_mini_batch = 0
         async with asyncio.timeout(config.rollout_timeout_seconds):
-            for attempt in range(STREAM_ATTEMPTS):
-                try:
+            try:
+                waiting_since = time.perf_counter()
+                async for groups in self.mesh.rollouts(
+                    batch_id, config.micro_batch_groups, config.min_micro_batch_groups, config.micro_batch_max_tokens,
+                    config.rollout_timeout_seconds,
+                ):
+                    totals.wait_seconds += time.perf_counter() - waiting_since
+                    samples = await self._score(batch_id, groups, policy_version, totals)
+                    stats: MicroBatchStats = await self.group.lead(Train(samples))
+                    totals.loss += stats.loss
+                    totals.kl.append(stats.kl)
+                    totals.clip_fraction.append(stats.clip_fraction)
+                    groups_in_mini_batch += len(groups)
+                    if groups_in_mini_batch >= self.mini_batch_groups:
+                        totals.grad_norm.append(await self._optimizer_step())
+                        groups_in_mini_batch = 0
                     waiting_since = time.perf_counter()
-                    async for groups in self.mesh.rollouts(
-                        batch_id, config.micro_batch_groups, config.min_micro_batch_groups, config.micro_batch_max_tokens,
-                        config.rollout_timeout_seconds,
-                    ):
-                        totals.wait_seconds += time.perf_counter() - waiting_since
-                        # A resumed stream may resend groups whose delivery was not confirmed.
-                        fresh = [g for g in groups if g.prompt_id not in received]
-                        received.update(g.prompt_id for g in fresh)
-                        if fresh:
-                            samples = await self._score(batch_id, fresh, policy_version, totals)
-                            stats: MicroBatchStats = await self.group.lead(Train(samples))
-                            totals.loss += stats.loss
-                            totals.kl.append(stats.kl)
-                            totals.clip_fraction.append(stats.clip_fraction)
-                            groups_in_mini_batch += len(fresh)
-                            if groups_in_mini_batch >= self.mini_batch_groups:
-                                totals.grad_norm.append(await self._optimizer_step())
-                                groups_in_mini_batch = 0
-                        waiting_since = time.perf_counter()
-                    break
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        raise RolloutsUnavailable(f"step {step}: the manager cannot deliver rollouts: {exc.details()}") from exc
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == STREAM_ATTEMPTS - 1:
-                        raise
-                    log.warning("rollout stream broke; resuming", batch_id=batch_id, received=len(received), error=exc.details())
-                    await asyncio.sleep(1.0)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise RolloutsUnavailable(f"step {step}: the manager cannot deliver rollouts: {exc.details()}") from exc
+                raise
         self.unread_batches.discard(batch_id)
         if groups_in_mini_batch:
             totals.grad_norm.append(await self._optimizer_step())

@@ -199,8 +199,12 @@ async def test_micro_batches_on_the_wire_take_what_is_ready(model_dir, channel_t
         await engine.pause()
         ready = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b"), timeout=5)
         assert 1 <= len(ready.groups) < 6 and ready.remaining_groups == 6 - len(ready.groups)
+        after = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b", resume_from=len(ready.groups)), timeout=5)
+        assert list(after.groups) == [] and after.remaining_groups == ready.remaining_groups
+        assert after.first_group_index == len(ready.groups)
+        # Groups sent but (say) never read come again from the position the reader asks for.
         again = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b"), timeout=5)
-        assert list(again.groups) == [] and again.remaining_groups == ready.remaining_groups
+        assert list(again.groups) == list(ready.groups) and again.first_group_index == 0
         await engine.resume()
         prompt_tokens = len(prompt_batch(model_dir, 1)[0][1])
         budget = 2 * 2 * (prompt_tokens + 40)  # two groups of two samples
@@ -208,8 +212,10 @@ async def test_micro_batches_on_the_wire_take_what_is_ready(model_dir, channel_t
         async for micro_batch in client.rollouts("b", 4, 1, budget, timeout=30):
             assert 1 <= len(micro_batch) <= 2
             streamed += micro_batch
-        names = [g.prompt_id for g in list(ready.groups) + streamed]
-        assert sorted(names) == [f"p{i}" for i in range(6)]
+        # The stream starts at the beginning: the groups taken above come first, once.
+        assert streamed[:len(ready.groups)] == list(ready.groups)
+        assert sorted(g.prompt_id for g in streamed) == [f"p{i}" for i in range(6)]
+        assert "b" not in mesh.manager.state.batches, "the read batch was not acknowledged"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id="b", micro_batch_groups=2, min_groups=3), timeout=5).read()
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_groups" in caught.value.details()

@@ -93,7 +93,7 @@ def test_continuation_keeps_generated_tokens_and_shrinks_max_tokens():
     assert not state.record_chunk(assignment.request.request_id, assignment.attempt, [3], [-0.3], [0], NONE)
     state.record_chunk(retry.request.request_id, retry.attempt, [3, 9], [-0.3, -0.4], [0, 0], STOP)
     groups, remaining_groups = state.take_micro_batch("b1", 1)
-    state.finish_batch("b1")
+    assert state.acknowledge("b1")
     sample = groups[0][0]
     assert sample.token_ids == [1, 2, 3, 9]
     assert sample.logprobs == [-0.1, -0.2, -0.3, -0.4]
@@ -240,7 +240,7 @@ def test_micro_batches_never_split_groups_and_wait_for_the_lower_bound():
     assert len(state.take_micro_batch("b1", 2)[0]) == 2
     last, remaining = state.take_micro_batch("b1", 2)
     assert len(last) == 1 and remaining == 0
-    state.finish_batch("b1")
+    assert state.acknowledge("b1") and not state.acknowledge("b1")
     with pytest.raises(NotFound):
         state.take_micro_batch("b1", 2)
     assert state.requests == {}
@@ -353,7 +353,7 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
         assert taken is not None, "a group never completed"
         delivered += [r for group in taken[0] for r in group]
         if taken[1] == 0:
-            state.finish_batch("b")
+            state.acknowledge("b")
     assert sorted(r.request_id for r in delivered) == sorted(expected_ids)
     for request in delivered:
         assert request.token_ids == emitted[request.request_id]
@@ -379,18 +379,22 @@ def finish_all(state: ManagerState) -> None:
         state.record_chunk(assignment.request.request_id, assignment.attempt, [1], [0.0], [0], STOP)
 
 
-def test_groups_whose_delivery_failed_are_streamed_again():
+def test_groups_sent_but_not_read_come_again_from_the_readers_position():
     state = state_with({"a": 0})
     state.submit("b1", 0, [("p0", [1], 1), ("p1", [1], 1), ("p2", [1], 1)], sampling())
     finish_all(state)
     first, remaining = state.take_micro_batch("b1", 2)
     assert remaining == 1
-    state.return_groups("b1", first)
-    again, remaining = state.take_micro_batch("b1", 2)
+    again, remaining = state.take_micro_batch("b1", 2, position=0)
     assert [g[0].prompt_id for g in again] == [g[0].prompt_id for g in first] and remaining == 1
-    last, remaining = state.take_micro_batch("b1", 2)
+    with pytest.raises(FailedPrecondition, match="1 groups still to be sent"):
+        state.acknowledge("b1")
+    with pytest.raises(InvalidArgument, match="resume_from 3 is past the 2 groups"):
+        state.take_micro_batch("b1", 2, position=3)
+    last, remaining = state.take_micro_batch("b1", 2, position=2)
     assert remaining == 0 and state.delivered_groups == 3
-    state.finish_batch("b1")
+    assert state.take_micro_batch("b1", 2, position=3) == ([], 0)
+    assert state.acknowledge("b1")
     assert state.batches == {} and state.requests == {}
 
 
@@ -590,7 +594,6 @@ def test_training_reports_feed_the_stage_balance():
     now[0] = 4.0
     finish_all(state)
     state.take_micro_batch("b", 1)
-    state.finish_batch("b")
     balance = state.report_training_step("b", step_seconds=5.0, wait_seconds=1.0)
     assert balance.rollout_seconds == pytest.approx(4.0) and balance.observed_steps == 1
     with pytest.raises(InvalidArgument):
