@@ -65,6 +65,9 @@ class WeightSender(abc.ABC):
     backend: rollout_pb2.TransferBackend.ValueType
     carries_compression: bool = True
     """False when the backend writes raw bytes into registered memory (Mooncake)."""
+    proves_commit: bool = False
+    """True when nothing authenticates the writes themselves (Mooncake): the commit must then carry
+    each rank's proof of the bytes, which `send_rank` returns."""
 
     @abc.abstractmethod
     async def send_rank(
@@ -76,9 +79,10 @@ class WeightSender(abc.ABC):
         frames: Iterable[Frame],
         timeout: float,
         cancelled: Callable[[], bool],
-    ) -> None:
-        """Raises TransferError if the rank did not get every byte; stops early (TransferError)
-        once `cancelled()` is true, leaving the rank on its old version."""
+    ) -> bytes:
+        """Returns the rank's commit proof when the backend `proves_commit` (else empty). Raises
+        TransferError if the rank did not get every byte; stops early (TransferError) once
+        `cancelled()` is true, leaving the rank on its old version."""
 
     def close(self) -> None:
         """Releases transport resources."""
@@ -101,3 +105,9 @@ class ReceiveBuffer:
     @property
     def address(self) -> int:
         return self.tensor.data_ptr()
+
+    def open_writes(self) -> None:
+        """Lets a transfer engine write into the buffer (no-op: only a receiving thread writes here)."""
+
+    def close_writes(self) -> None:
+        """Takes the buffer out of a transfer engine's reach again."""

@@ -1,6 +1,7 @@
 """The receiving end of one tensor-parallel rank's weight payload: the pre-faulted buffer each
 version lands in, which every backend fills, decoding of compressed buckets, a crc32 check of each
-bucket as it lands, and the version whose exact bytes the buffer holds (a delta's base)."""
+bucket as it lands (and, for a push proven at commit, its tag under the push session), and the
+version whose exact bytes the buffer holds (a delta's base)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
+from rlmesh.transfer.auth import PushSession, UnprovenPayload
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.codecs import BucketCodec
 
@@ -50,6 +52,10 @@ class RankReceiver:
         self.buffer: ReceiveBuffer | None = None
         self.held_version = -1
         """The version whose bytes `buffer` holds, all checked; -1 while none (or one in flight)."""
+        self.session: PushSession | None = None
+        """The push session of the version being received: only its holder may write."""
+        self._tags: list[bytes] | None = None
+        """Each checked bucket's tag under the session, when its commit must prove the bytes."""
         self._base = -1
         self._lock = threading.Lock()
         self._manifest: common_pb2.WeightManifest | None = None
@@ -67,10 +73,13 @@ class RankReceiver:
     def manifest(self) -> common_pb2.WeightManifest | None:
         return self._manifest
 
-    def prepare(self, manifest: common_pb2.WeightManifest, buffer: ReceiveBuffer, base_version: int) -> None:
+    def prepare(self, manifest: common_pb2.WeightManifest, buffer: ReceiveBuffer, base_version: int, secret: bytes,
+                proven_at_commit: bool = False) -> None:
         """Arms `buffer` (at least the payload's size) for a version validated by the caller
         against the model; `base_version` is the version the buffer holds, which a delta may be
-        applied to (-1: none). From here until the version is verified the buffer holds none."""
+        applied to (-1: none). From here until the version is verified the buffer holds none.
+        `secret`: the push session's, which writers must prove; `proven_at_commit`: a transfer
+        engine writes the buffer (open to it until the commit) and the commit proves the bytes."""
         try:
             validate_manifest(manifest)
             dtype = payload_dtype(manifest)
@@ -78,12 +87,19 @@ class RankReceiver:
             raise TransferError(f"rank {self.rank} manifest: {exc}") from exc
         if buffer.tensor.numel() < manifest.total_bytes:
             raise TransferError(f"rank {self.rank}: a {buffer.tensor.numel()}-byte buffer cannot hold {manifest.total_bytes} bytes")
+        session = PushSession(secret, manifest.version, self.rank)
+        ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
         with self._lock:
-            self.buffer = buffer
+            if self.buffer is not None:
+                self.buffer.close_writes()
+            if proven_at_commit:
+                buffer.open_writes()
+            self.buffer, self.session = buffer, session
+            self._tags = [b""] * len(ranges) if proven_at_commit else None
             self._base, self.held_version = base_version, -1
             self._manifest = manifest
             self._dtype = dtype
-            self._ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
+            self._ranges = ranges
             self._written = [0] * len(self._ranges)
             self._verified = [False] * len(self._ranges)
             self._bad = set()
@@ -139,11 +155,15 @@ class RankReceiver:
         elif full:
             self._checks.put((manifest, bucket))
 
-    def wait_verified(self, version: int, timeout: float) -> list[int]:
+    def wait_verified(self, version: int, timeout: float, proof: bytes = b"") -> list[int]:
         """Blocks until every bucket was checked; returns the buckets that are missing or bad.
-        Backends that write without telling (Mooncake) are checked here in full."""
+        Backends that write without telling (Mooncake) are checked here in full, after their
+        engine lost access to the buffer, and `proof` (the commit's) must match their tags, else
+        UnprovenPayload."""
         manifest = self._expect(version)
         with self._lock:
+            if self._tags is not None and self.buffer is not None:
+                self.buffer.close_writes()
             unannounced = [i for i, written in enumerate(self._written) if written == 0]
             # A bucket written in part (or twice) never gets its check: it is bad now, not after the timeout.
             for bucket, (start, end) in enumerate(self._ranges):
@@ -159,6 +179,13 @@ class RankReceiver:
             if self._manifest is not manifest:
                 raise TransferError(f"rank {self.rank}: version {version} was superseded while it was checked")
             bad = sorted(self._bad)
+            session, tags = self.session, self._tags
+            if not bad and tags is not None and session is not None and not session.proves(tags, proof):
+                if not proof:
+                    raise UnprovenPayload(f"rank {self.rank}: the commit carries no proof of the bytes this push wrote; "
+                                          "Mooncake pushes send one per rank (CommitWeightUpdateRequest.rank_proofs)")
+                raise UnprovenPayload(f"rank {self.rank}: the commit's proof does not match the bytes in the standby buffer: "
+                                      "they are not all the push session's")
             self.held_version = manifest.version if not bad else -1
             return bad
 
@@ -205,9 +232,14 @@ class RankReceiver:
 
     def _check(self, manifest: common_pb2.WeightManifest, bucket: int) -> None:
         with self._lock:
-            current, buffer = manifest is self._manifest, self.buffer
-        start, end = self._ranges[bucket] if current else (0, 0)
-        good = current and buffer is not None and crc32(buffer.tensor.numpy()[start:end]) == manifest.bucket_crc32[bucket]
+            current, buffer, session, tags = manifest is self._manifest, self.buffer, self.session, self._tags
+        good = False
+        if current and buffer is not None:
+            start, end = self._ranges[bucket]
+            data = buffer.tensor.numpy()[start:end]
+            good = crc32(data) == manifest.bucket_crc32[bucket]
+            if good and tags is not None and session is not None:
+                tags[bucket] = session.bucket_tag(bucket, memoryview(data))
         with self._all_checked:
             if manifest is not self._manifest:
                 return

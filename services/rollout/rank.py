@@ -21,6 +21,7 @@ from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
 from rlmesh.payload import pack_layout, unpack
+from rlmesh.transfer.auth import new_secret
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
@@ -161,11 +162,12 @@ class RankHandle(Protocol):
 
     rank: int
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort: ...
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
+                proven_at_commit: bool = False) -> RankPort: ...
 
     def write(self, version: int, offset: int, data: bytes, compression: int = ..., raw_bytes: int = ..., base_version: int = ...) -> None: ...
 
-    def verify(self, version: int, timeout: float) -> list[int]: ...
+    def verify(self, version: int, timeout: float, proof: bytes = b"") -> list[int]: ...
 
     def finish(self, version: int) -> None: ...
 
@@ -182,6 +184,7 @@ class RankPort:
     buffer_bytes: int
     data_address: str
     held_version: int
+    session_secret: bytes
 
 
 class ModelSlot:
@@ -272,11 +275,13 @@ class RankWeights:
     def standby(self) -> ModelSlot:
         return self._slots[id(self.runner.standby)]
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort:
-        """Arms the receiver for a version. With `load` it lands in the standby model itself, once
-        this rank serves `after_version` (its standby copy is then unused) and that copy caught up;
-        without, in a separate buffer of full tensors. `keep_base`: once the version is served,
-        copy it into the new standby buffer, the base of the next delta."""
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
+                proven_at_commit: bool = False) -> RankPort:
+        """Arms the receiver for a version under a new push session secret. With `load` it lands in
+        the standby model itself, once this rank serves `after_version` (its standby copy is then
+        unused) and that copy caught up; without, in a separate buffer of full tensors. `keep_base`:
+        once the version is served, copy it into the new standby buffer, the base of the next
+        delta. `proven_at_commit`: the transfer engine writes it, and the commit proves the bytes."""
         if load:
             self.runner.wait_served(after_version)
             self._wait_caught_up()
@@ -292,9 +297,10 @@ class RankWeights:
                 buffer = self._full = self._full or self._new_buffer()
                 buffer.ensure(manifest.total_bytes)
                 base = -1
-            self.receiver.prepare(manifest, buffer, base)
+            secret = new_secret()
+            self.receiver.prepare(manifest, buffer, base, secret, proven_at_commit)
         return RankPort(self.rank, self.session, buffer.address if self.session else 0, buffer.tensor.numel(),
-                        self.tcp.address if self.tcp else "", base)
+                        self.tcp.address if self.tcp else "", base, secret)
 
     def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
               base_version: int = -1) -> None:
@@ -313,9 +319,10 @@ class RankWeights:
             self.receiver.write(version, offset + done, view[done : done + size])
             done += size
 
-    def verify(self, version: int, timeout: float) -> list[int]:
-        """Waits for every bucket's check; returns the missing or corrupted ones."""
-        return self.receiver.wait_verified(version, timeout)
+    def verify(self, version: int, timeout: float, proof: bytes = b"") -> list[int]:
+        """Waits for every bucket's check; returns the missing or corrupted ones. Raises
+        UnprovenPayload when the version's commit must prove its bytes and `proof` does not."""
+        return self.receiver.wait_verified(version, timeout, proof)
 
     def finish(self, version: int) -> None:
         """Records that the standby model holds `version`, every bucket checked: it may switch."""

@@ -11,6 +11,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.sampling import sampling_problem
+from rlmesh.transfer.auth import UnprovenPayload
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
 from services.rollout.rank import RankPort
@@ -52,6 +53,7 @@ def endpoint_to_proto(port: RankPort) -> rollout_pb2.RankEndpoint:
         buffer_bytes=port.buffer_bytes,
         data_address=port.data_address,
         held_version=port.held_version,
+        session_secret=port.session_secret,
     )
 
 
@@ -151,7 +153,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.PushWeightChunksResponse(received_bytes=received)
 
     async def CommitWeightUpdate(self, request: rollout_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.CommitWeightUpdateResponse:
-        load_ms = await self.updater.commit(request.version)
+        try:
+            load_ms = await self.updater.commit(request.version, list(request.rank_proofs))
+        except UnprovenPayload as exc:
+            # Not DATA_LOSS: nothing was lost in transit, the bytes are someone else's.
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if self.membership:
             self.membership.wake()
         return rollout_pb2.CommitWeightUpdateResponse(weight_version=self.engine.weight_version, load_ms=load_ms)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError
 from services.rollout.rank import RankPort, RankTransfer, RankWeights, build_rank
 from services.rollout.tp_model import Collectives
@@ -65,7 +66,8 @@ def receive(connection: Connection) -> Any:
     return from_wire(pickle.loads(connection.recv_bytes()))
 
 
-_ERRORS: dict[str, type[Exception]] = {"transfer": TransferError, "invalid": InvalidArgument, "precondition": FailedPrecondition}
+_ERRORS: dict[str, type[Exception]] = {"transfer": TransferError, "invalid": InvalidArgument, "precondition": FailedPrecondition,
+                                       "unproven": UnprovenPayload}
 
 
 class Worker:
@@ -134,15 +136,16 @@ class Worker:
         raise _ERRORS.get(reply[1], TransferError)(reply[2])
 
     # The weight operations of a rank, as RankWeights offers them in-process.
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False) -> RankPort:
-        return self.call("prepare", manifest.SerializeToString(), load, after_version, keep_base)
+    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
+                proven_at_commit: bool = False) -> RankPort:
+        return self.call("prepare", manifest.SerializeToString(), load, after_version, keep_base, proven_at_commit)
 
     def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
               base_version: int = -1) -> None:
         self.call("write", version, offset, data, compression, raw_bytes, base_version)
 
-    def verify(self, version: int, timeout: float) -> list[int]:
-        return self.call("verify", version, timeout)
+    def verify(self, version: int, timeout: float, proof: bytes = b"") -> list[int]:
+        return self.call("verify", version, timeout, proof)
 
     def finish(self, version: int) -> None:
         self.call("finish", version)

@@ -19,6 +19,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.logging import configure_logging
+from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError
 from services.rollout.rank import RankRunner, RankTransfer, RankWeights, build_rank
 from services.rollout.tp_group import START_TIMEOUT_SECONDS, receive, send
@@ -27,7 +28,8 @@ from services.rollout.tp_model import Collectives
 log = structlog.get_logger()
 
 _STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch"})
-_ERROR_KINDS = ((TransferError, "transfer"), (InvalidArgument, "invalid"), (FailedPrecondition, "precondition"), (ValueError, "invalid"))
+# Subclasses before their bases: the first match names the error.
+_ERROR_KINDS = ((UnprovenPayload, "unproven"), (TransferError, "transfer"), (InvalidArgument, "invalid"), (FailedPrecondition, "precondition"), (ValueError, "invalid"))
 
 
 def replay_steps(channel: Connection, runner: RankRunner) -> None:

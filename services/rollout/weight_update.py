@@ -15,6 +15,7 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
+from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError, finish_in_thread
 from services.rollout.engine import Engine, ParameterSpec, TensorParallelEngine, WeightLayout
 from services.rollout.rank import RankHandle, RankPort, RankWeights
@@ -73,8 +74,11 @@ class WeightUpdater:
             self._pending = None
             ranks = self.ranks[: len(manifests)]
             load = layout is WeightLayout.TENSOR_PARALLEL
+            # The transfer engine's writes authenticate nothing: its commit must prove the bytes.
+            proven_at_commit = backend == "mooncake"
             try:
-                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served, keep_base) for rank, m in zip(ranks, manifests)))
+                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served, keep_base, proven_at_commit)
+                                               for rank, m in zip(ranks, manifests)))
             except TransferError as exc:
                 raise FailedPrecondition(f"version {version}: {exc}") from exc
             self._pending = _Pending(version, layout, ranks)
@@ -92,14 +96,19 @@ class WeightUpdater:
         except TransferError as exc:
             raise InvalidArgument(str(exc)) from exc
 
-    async def commit(self, version: int) -> float:
-        """Returns milliseconds spent verifying, loading and switching."""
+    async def commit(self, version: int, rank_proofs: Sequence[bytes] = ()) -> float:
+        """Returns milliseconds spent verifying, loading and switching. `rank_proofs`: per rank, the
+        proof of the bytes a Mooncake push wrote; UnprovenPayload if one does not match its buffer."""
         async with self._busy:
             pending = self._require_pending(version)
+            if rank_proofs and len(rank_proofs) != len(pending.ranks):
+                raise InvalidArgument(f"{len(rank_proofs)} rank_proofs for the {len(pending.ranks)} rank(s) receiving version {version}")
+            proofs = list(rank_proofs) or [b""] * len(pending.ranks)
             started = time.perf_counter()
             served = self.engine.weight_version
             try:
-                bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout) for rank in pending.ranks))
+                bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout, proof)
+                                             for rank, proof in zip(pending.ranks, proofs)))
                 failed = {rank: buckets for rank, buckets in enumerate(bad) if buckets}
                 if failed:
                     detail = "; ".join(f"rank {rank} buckets {buckets[:8]}" for rank, buckets in failed.items())
@@ -110,6 +119,9 @@ class WeightUpdater:
                     self.engine.mark_staged(version)
                 else:
                     await finish_in_thread(self.engine.stage_weights, version, self.local.tensors())
+            except UnprovenPayload as exc:
+                log.warning("weight commit refused: its bytes are not proven", weight_version=version, error=str(exc))
+                raise UnprovenPayload(f"version {version}: {exc}; nothing was loaded, version {served} is still served") from exc
             except TransferError as exc:
                 raise FailedPrecondition(f"version {version}: {exc}; version {served} is still served") from exc
             finally:

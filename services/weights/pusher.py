@@ -179,13 +179,14 @@ class Pusher:
             if len(endpoints) != len(ranks):
                 raise TransferError(f"the instance offered {len(endpoints)} receiving ranks for {len(ranks)} payloads")
             links = await asyncio.to_thread(self._links, state, snapshot, base, tp, ranks, endpoints, mode)
-            await asyncio.gather(*(
+            proofs = await asyncio.gather(*(
                 self.sender.send_rank(stub, link.endpoint, link.rank.manifest, link.rank.payload, link.frames,
                                       self.config.push_timeout_seconds, lambda: self._superseded(version))
                 for link in links
             ))
             phases["transfer_ms"] = time.perf_counter()
-            await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), **call_options(self.config.push_timeout_seconds))
+            commit = rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs if self.sender.proves_commit else [])
+            await stub.CommitWeightUpdate(commit, **call_options(self.config.push_timeout_seconds))
             phases["commit_ms"] = time.perf_counter()
             elapsed = time.perf_counter() - started
             payload_bytes = sum(r.manifest.total_bytes for r in ranks)

@@ -45,7 +45,7 @@ class GatedSender(TcpSender):
         frames: Iterable[Frame],
         timeout: float,
         cancelled: Callable[[], bool],
-    ) -> None:
+    ) -> bytes:
         push = len(self.versions)
         self.versions.append(manifest.version)
         gate = self._gates.get(push)
@@ -61,7 +61,7 @@ class GatedSender(TcpSender):
                     data[-1] ^= 0xFF
                 yield offset, raw_bytes, compression, base_version, data
 
-        await super().send_rank(stub, endpoint, manifest, payload, passed_through(), timeout, cancelled)
+        return await super().send_rank(stub, endpoint, manifest, payload, passed_through(), timeout, cancelled)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from rlmesh.payload import pack
+from rlmesh.transfer.auth import PushSession, new_secret
 from rlmesh.transfer.base import ReceiveBuffer, raw_frames
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener, send_frames
@@ -18,6 +19,7 @@ from services.weights.store import RankPayload
 BUCKET_BYTES = 64 << 10
 BUCKETS = 8
 WAIT_SECONDS = 30
+SECRET = new_secret()
 
 
 def payload(version: int) -> RankPayload:
@@ -31,7 +33,7 @@ def armed_rank(rank: RankPayload) -> tuple[RankReceiver, TcpListener, ReceiveBuf
     listener = TcpListener("127.0.0.1", receiver)
     buffer = ReceiveBuffer()
     buffer.ensure(rank.manifest.total_bytes)
-    receiver.prepare(rank.manifest, buffer, -1)
+    receiver.prepare(rank.manifest, buffer, -1, SECRET)
     return receiver, listener, buffer
 
 
@@ -55,7 +57,7 @@ def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent()
 
     version = rank.manifest.version
     landed: list[int] = []
-    sending = threading.Thread(target=lambda: landed.append(send_frames(listener.address, version, first_bucket_then_the_rest(), WAIT_SECONDS)))
+    sending = threading.Thread(target=lambda: landed.append(send_frames(listener.address, PushSession(SECRET, version, 0), first_bucket_then_the_rest(), WAIT_SECONDS)))
     sending.start()
     try:
         wait_until(lambda: receiver.progress() == (1, BUCKETS), "the first bucket was not checked while the others were held")

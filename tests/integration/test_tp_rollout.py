@@ -121,14 +121,15 @@ async def begin(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
     return await instance.stub.BeginWeightUpdate(request, timeout=10)
 
 
-async def send_all(sender, instance, reply, payloads, frames):
+async def send_all(sender, instance, reply, payloads, frames) -> list[bytes]:
+    """Each rank's commit proof (empty unless the sender proves commits)."""
     assert [r.tp_rank for r in reply.ranks] == list(range(TP))
-    await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
+    return await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
                            for endpoint, (m, p) in zip(reply.ranks, payloads)))
 
 
-async def commit(instance, version, weights, payloads) -> None:
-    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), timeout=30)
+async def commit(instance, version, weights, payloads, proofs=()) -> None:
+    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
     assert reply.weight_version == version
     instance.version, instance.served, instance.held = version, weights, payloads
     await asyncio.to_thread(instance.reference.stage_weights, version, weights)
@@ -212,8 +213,8 @@ async def test_a_push_over_mooncake_writes_each_rank_buffer(instance):
     sessions = {r.transfer_session for r in reply.ranks}
     assert len(sessions) == TP and all(r.buffer_bytes >= m.total_bytes for r, (m, _) in zip(reply.ranks, payloads))
     assert reply.transfer_session == reply.ranks[0].transfer_session
-    await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads)
+    proofs = await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
+    await commit(instance, version, weights, payloads, proofs)
     await assert_serves_the_reference(instance, "mooncake")
 
 
