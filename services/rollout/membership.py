@@ -1,6 +1,6 @@
 """Keeps this instance in the manager's pool: register at start, renew the lease by heartbeat
-(at once after a weight switch), register again if the lease was lost, deregister on drain; every
-call carries the incarnation token the manager gave this process."""
+(at once after a weight switch; retried with backoff while the manager is unreachable), register
+again if the lease was lost, deregister on drain; every call carries this process's incarnation token."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from rlmesh.rpc import call_options, open_channel
 from services.rollout.engine import Engine
 
 log = structlog.get_logger()
+
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""A manager that restarts, or a cut network: the lease may still hold when it answers again."""
+RETRY_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)
+"""Waits between heartbeats to an unreachable manager (never longer than the heartbeat interval)."""
 
 
 class Membership:
@@ -32,6 +37,9 @@ class Membership:
         """Clear while a RegisterInstance call is in flight."""
         self._settled.set()
         self._interval = 1.0
+        self._lease = 10.0
+        self._renewed_at = 0.0
+        """Loop time of the last call the manager answered: the lease runs from there."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -44,6 +52,8 @@ class Membership:
             try:
                 reply = await self._register_once()
                 self._interval = reply.heartbeat_interval_seconds
+                self._lease = reply.lease_seconds
+                self._renewed_at = asyncio.get_running_loop().time()
                 log.info("registered with manager", instance_id=self.instance_id, lease_seconds=reply.lease_seconds)
                 return
             except grpc.aio.AioRpcError as exc:
@@ -89,25 +99,44 @@ class Membership:
         self._wake.set()
 
     async def _heartbeats(self) -> None:
+        unanswered = 0
         while True:
+            backoff = RETRY_BACKOFF_SECONDS[min(unanswered, len(RETRY_BACKOFF_SECONDS)) - 1] if unanswered else self._interval
             try:
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+                await asyncio.wait_for(self._wake.wait(), min(self._interval, backoff))
             except TimeoutError:
                 pass
             self._wake.clear()
             try:
                 await self._heartbeat()
+                if unanswered:
+                    log.info("manager reachable again; lease renewed", unanswered_heartbeats=unanswered)
+                unanswered = 0
             except grpc.aio.AioRpcError as exc:
                 # PERMISSION_DENIED: the manager dropped this incarnation and another process took the
                 # id; this one may have it back once that one's lease expires.
                 if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
                     log.warning("lease lost; registering again", code=exc.code().name, error=exc.details())
-                    try:
-                        await self.register(timeout=self.rpc_timeout)
-                    except TimeoutError as err:
-                        log.warning("re-registration failed", error=str(err))
+                    unanswered = 0
+                    await self._register_again()
+                elif exc.code() in UNREACHABLE:
+                    unanswered += 1
+                    if asyncio.get_running_loop().time() - self._renewed_at > self._lease:
+                        log.warning("manager unreachable for longer than the lease; registering again", code=exc.code().name,
+                                    unanswered_heartbeats=unanswered)
+                        await self._register_again()
+                    elif unanswered == 1:
+                        log.warning("manager unreachable; retrying heartbeats while the lease holds", code=exc.code().name,
+                                    error=exc.details())
                 else:
                     log.warning("heartbeat failed", code=exc.code().name, error=exc.details())
+
+    async def _register_again(self) -> None:
+        """With this incarnation's token: a manager that still holds the lease keeps the incarnation and its requests."""
+        try:
+            await self.register(timeout=self.rpc_timeout)
+        except TimeoutError as err:
+            log.warning("re-registration failed", error=str(err))
 
     async def _heartbeat(self) -> None:
         await self._stub.Heartbeat(
@@ -115,6 +144,7 @@ class Membership:
                                          incarnation_token=self.token),
             **call_options(self.rpc_timeout),
         )
+        self._renewed_at = asyncio.get_running_loop().time()
 
     async def announce_drain(self) -> None:
         """Tells the manager to give this instance no more work (before its requests are handed back)."""
