@@ -26,6 +26,13 @@ class ManagerConfig(StrictModel):
     generate_timeout_seconds: float = Field(default=600.0, gt=0)
     """Deadline of one Generate stream."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    journal_path: str = ""
+    """A SQLite file (WAL mode) recording accepted batches, every request's tokens so far, the
+    groups sent, the published version and the instance registry: a manager restarted on it goes
+    on where the killed one stopped. "" keeps everything in memory only."""
+    journal_flush_seconds: float = Field(default=0.1, gt=0)
+    """How often tokens generated since the last write reach the journal (accepted batches, sent
+    groups, registrations and versions are written before their reply)."""
     registration_token: str = ""
     """A shared secret rollout instances must present (`authorization: Bearer <token>`) to register,
     heartbeat and leave; others get UNAUTHENTICATED. "" accepts any caller (mutual TLS, when on,

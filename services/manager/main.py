@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
+
+import structlog
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import GrpcServer, RegistrationTokenInterceptor, use_tls
 from services.manager.config import ManagerConfig
+from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.server import Changes, Dispatcher, ManagerServicer, watch_leases
 from services.manager.state import ManagerState
 
@@ -18,20 +22,44 @@ class RunningManager:
     state: ManagerState
     dispatcher: Dispatcher
     leases: asyncio.Task[None]
+    journal: Journal | NoJournal
+    journaling: asyncio.Task[None]
 
     async def stop(self) -> None:
         self.leases.cancel()
+        self.journaling.cancel()
         await self.server.stop()
         await self.dispatcher.close()
+        self.journal.flush(self.state)
+        self.journal.close()
+
+
+log = structlog.get_logger()
 
 
 INSTANCE_METHODS = ("RegisterInstance", "Heartbeat", "DeregisterInstance")
 """The calls only rollout instances make: with a registration token they must carry it."""
 
 
+async def keep_journal(state: ManagerState, journal: Journal | NoJournal, period: float) -> None:
+    """Writes the tokens generated since the last flush; the calls that must be durable before
+    their reply flush by themselves."""
+    while True:
+        await asyncio.sleep(period)
+        try:
+            journal.flush(state)
+        except Exception:
+            log.exception("journal write failed; trying again")
+
+
 async def start(config: ManagerConfig) -> RunningManager:
     use_tls(config.server.tls)
     state = ManagerState(config.lease_seconds, config.max_staleness, config.dispatch_policy)
+    journal = open_journal(config.journal_path)
+    batches, instances = journal.restore(state, time.monotonic())
+    if batches or instances:
+        log.info("restored from the journal", journal=config.journal_path, batches=batches, instances=instances,
+                 queued_samples=len(state.queue), published_version=state.published_version)
     changes = Changes()
     dispatcher = Dispatcher(state, changes, config)
     service = manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name
@@ -39,9 +67,11 @@ async def start(config: ManagerConfig) -> RunningManager:
     if config.registration_token:
         interceptors.append(RegistrationTokenInterceptor(config.registration_token, [f"/{service}/{name}" for name in INSTANCE_METHODS]))
     server = GrpcServer(config.server, [service], interceptors=interceptors)
-    manager_pb2_grpc.add_ManagerServiceServicer_to_server(ManagerServicer(state, dispatcher, changes, config), server.server)
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(ManagerServicer(state, dispatcher, changes, config, journal), server.server)
     await server.start()
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
+    journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
+    dispatcher.dispatch()
     await server.set_serving(True)
-    return RunningManager(server, state, dispatcher, leases)
+    return RunningManager(server, state, dispatcher, leases, journal, journaling)
 

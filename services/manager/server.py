@@ -15,6 +15,7 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from services.manager.config import ManagerConfig
+from services.manager.journal import Journal, NoJournal
 from services.manager.stage_balance import Balance
 from services.manager.state import Assignment, Instance, ManagerState, SampleRequest, WrongIncarnation
 
@@ -211,15 +212,21 @@ async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarn
 
 
 class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
-    def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig) -> None:
+    def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig,
+                 journal: Journal | NoJournal) -> None:
         self.state = state
         self.dispatcher = dispatcher
         self.changes = changes
         self.config = config
+        self.journal = journal
 
     def _changed(self) -> None:
         self.dispatcher.dispatch()
         self.changes.notify()
+
+    def _durable(self) -> None:
+        """What the reply about to go out confirms is in the journal first."""
+        self.journal.flush(self.state)
 
     async def RegisterInstance(self, request, context):
         instance, requeued = self.state.register(
@@ -229,6 +236,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.dispatcher.cancel(requeued)
         log.info("instance registered", instance_id=request.instance_id, address=request.address, incarnation=instance.incarnation,
                  weight_version=request.weight_version, preemptible=request.preemptible)
+        self._durable()
         self._changed()
         return manager_pb2.RegisterInstanceResponse(
             lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds,
@@ -260,6 +268,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.dispatcher.cancel(requeued)
         await self.dispatcher.forget_address(instance.address)
         log.info("instance deregistered", instance_id=request.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
+        self._durable()
         self._changed()
         return manager_pb2.DeregisterInstanceResponse(requeued_requests=len(requeued))
 
@@ -269,6 +278,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def PublishVersion(self, request, context):
         self.state.publish(request.version)
+        self._durable()
         self._changed()
         return manager_pb2.PublishVersionResponse(version=self.state.published_version)
 
@@ -281,6 +291,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
             request.sampling,
         )
+        self._durable()
         self._changed()
         return manager_pb2.SubmitPromptsResponse(accepted_prompts=len(request.prompts), queued_samples=queued)
 
@@ -307,6 +318,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 await self.changes.wait(timeout=1.0)
                 continue
             groups, remaining = taken
+            self._durable()
             # A reply the reader never gets is sent again when it resumes from its count of groups read.
             yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
                                                      first_group_index=position)
@@ -316,12 +328,14 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def CancelBatch(self, request, context):
         cancelled = self.state.cancel_batch(request.batch_id)
+        self._durable()
         log.info("batch cancelled", batch_id=request.batch_id, unfinished_samples=cancelled)
         self._changed()
         return manager_pb2.CancelBatchResponse(unfinished_samples=cancelled)
 
     async def TakeReadyGroups(self, request, context):
         groups, remaining = self.state.take_ready(request.batch_id, position=request.resume_from)
+        self._durable()
         return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
                                                    first_group_index=request.resume_from)
 

@@ -152,6 +152,26 @@ class Batch:
         return len(self.groups) - len(self.sent)
 
 
+@dataclass(slots=True)
+class Changed:
+    """What changed since the journal last wrote: records to write again, or to delete."""
+
+    requests: set[str] = field(default_factory=set)
+    batches: set[str] = field(default_factory=set)
+    forgotten_batches: set[str] = field(default_factory=set)
+    instances: set[str] = field(default_factory=set)
+    dropped_instances: set[str] = field(default_factory=set)
+    counters: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.batches or self.forgotten_batches or self.instances or self.dropped_instances or self.counters)
+
+    def absorb(self, other: Changed) -> None:
+        for name in ("requests", "batches", "forgotten_batches", "instances", "dropped_instances"):
+            getattr(self, name).update(getattr(other, name))
+        self.counters = self.counters or other.counters
+
+
 @dataclass(frozen=True, slots=True)
 class Assignment:
     request: SampleRequest
@@ -188,6 +208,31 @@ class ManagerState:
         self._round_robin = 0
         self._rate_tokens = 0
         self._rate_time = 0.0
+        self.changed = Changed()
+
+    def take_changes(self) -> Changed:
+        changed, self.changed = self.changed, Changed()
+        return changed
+
+    def restore(self, instances: list[Instance], batches: list[Batch], published_version: int, registrations: int, now: float) -> None:
+        """Takes over what a journal kept. Every restored instance gets a fresh lease to heartbeat
+        within; its streams died with the manager before, so every unfinished request is queued
+        to continue from its tokens so far."""
+        self.published_version, self.registrations = published_version, registrations
+        for instance in instances:
+            instance.lease_expires, instance._rate_time = now + self.lease_seconds, now
+            self.instances[instance.instance_id] = instance
+        self.empty_since = None if self.instances else now
+        for batch in batches:
+            self.batches[batch.batch_id] = batch
+            sent = set(batch.sent)
+            for prompt_id, group in batch.groups.items():
+                for request in group:
+                    self.requests[request.request_id] = request
+                    if not request.done:
+                        self.queue.append(request)
+                if prompt_id not in sent and all(r.done for r in group):
+                    batch.ready.append(prompt_id)
 
     # Instances ---------------------------------------------------------------------------
 
@@ -214,6 +259,7 @@ class ManagerState:
                 )
             self._renew(current, weight_version, now)
             current.max_batch_size, current.preemptible = max_batch_size, preemptible
+            self.changed.instances.add(instance_id)
             return current, []
         requeued = self._drop(instance_id, now) if current is not None else []
         self.registrations += 1
@@ -231,10 +277,14 @@ class ManagerState:
         )
         self.instances[instance_id] = instance
         self.empty_since = None
+        self.changed.instances.add(instance_id)
+        self.changed.counters = True
         return instance, requeued
 
     def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str) -> None:
         instance = self._incarnation(instance_id, token)
+        if weight_version != instance.weight_version or (draining and not instance.draining):
+            self.changed.instances.add(instance_id)
         self._renew(instance, weight_version, now)
         # Draining is one-way: an instance that announced its departure gets no new work.
         instance.draining = instance.draining or draining
@@ -262,6 +312,7 @@ class ManagerState:
 
     def _drop(self, instance_id: str, now: float = 0.0) -> list[SampleRequest]:
         instance = self.instances.pop(instance_id)
+        self.changed.dropped_instances.add(instance_id)
         requeued = [self.requests[r] for r in sorted(instance.running) if r in self.requests]
         for request in requeued:
             self._requeue(request)
@@ -289,6 +340,7 @@ class ManagerState:
         if version < self.published_version:
             raise FailedPrecondition(f"version {version} is older than the published {self.published_version}")
         self.published_version = version
+        self.changed.counters = True
 
     def starved_seconds(self, now: float) -> float:
         """How long work has been waiting with no instance registered at all (0 if any is)."""
@@ -336,10 +388,12 @@ class ManagerState:
                 for i in range(n)
             ]
         self.batches[batch_id] = Batch(batch_id, policy_version, groups, submitted_at=self.clock())
+        self.changed.batches.add(batch_id)
         for group in groups.values():
             for request in group:
                 self.requests[request.request_id] = request
                 self.queue.append(request)
+                self.changed.requests.add(request.request_id)
         return sum(len(g) for g in groups.values())
 
     def assign(self) -> list[Assignment]:
@@ -436,6 +490,7 @@ class ManagerState:
             self.continued_tokens += len(request.token_ids)
         request.attempt += 1
         request.instance_id = instance.instance_id
+        self.changed.requests.add(request.request_id)
         request.instance_ids.append(instance.instance_id)
         request.charged = request.expected_remaining(self.mean_length)
         instance.running.add(request.request_id)
@@ -461,6 +516,7 @@ class ManagerState:
             raise InvalidArgument(f"chunk for {request_id}: token, logprob and version counts differ")
         instance = self.instances.get(request.instance_id or "")
         accepted = min(len(token_ids), request.remaining_tokens)
+        self.changed.requests.add(request_id)
         self.discarded_tokens += len(token_ids) - accepted
         request.token_ids += token_ids[:accepted]
         request.logprobs += logprobs[:accepted]
@@ -495,6 +551,7 @@ class ManagerState:
             return False
         self._detach(request)
         batch = self.batches[request.batch_id]
+        self.changed.batches.add(batch.batch_id)
         batch.error = batch.error or f"prompt {request.prompt_id!r} was refused by an instance: {reason}"
         waiting = {r.request_id for group in batch.groups.values() for r in group}
         self.queue = deque(r for r in self.queue if r.request_id not in waiting)
@@ -519,6 +576,7 @@ class ManagerState:
 
     def _complete(self, request: SampleRequest, reason: int) -> None:
         request.finish_reason = reason
+        self.changed.requests.add(request.request_id)
         length = len(request.token_ids)
         self.mean_length = length if self.mean_length is None else self.mean_length + _LENGTH_SMOOTHING * (length - self.mean_length)
         batch = self.batches[request.batch_id]
@@ -567,6 +625,7 @@ class ManagerState:
             for _, _, request in sorted(choices, reverse=True)[:free]:
                 request.migrate_to = target.instance_id
                 request.migrations += 1
+                self.changed.requests.add(request.request_id)
                 planned.append(request)
         return planned
 
@@ -647,6 +706,8 @@ class ManagerState:
         count = self._within_budget([_group_tokens(g) for g in ready], most, max_tokens)
         for _ in range(count):
             batch.sent.append(batch.ready.popleft())
+        if count:
+            self.changed.batches.add(batch.batch_id)
         self.delivered_groups += count
         if batch.remaining == 0 and count:
             self._delivered(batch)
@@ -682,6 +743,7 @@ class ManagerState:
 
     def _forget(self, batch: Batch) -> None:
         del self.batches[batch.batch_id]
+        self.changed.forgotten_batches.add(batch.batch_id)
         self.queue = deque(r for r in self.queue if r.batch_id != batch.batch_id)
         for group in batch.groups.values():
             for request in group:

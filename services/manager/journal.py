@@ -1,0 +1,174 @@
+"""The manager's journal: a SQLite file in WAL mode with what a restarted manager needs to go on
+(accepted batches, every request's tokens so far, the order groups were sent in, the published
+version and the instance registry). Written in one transaction per flush, from what changed."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from array import array
+from pathlib import Path
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.config import ConfigError
+from services.manager.state import Batch, Instance, ManagerState, SampleRequest
+
+FORMAT = 1
+"""Bumped when the tables change; a journal of another format is refused, not misread."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
+    sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, prompt_token_ids BLOB NOT NULL,
+    sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB NOT NULL,
+    weight_versions BLOB NOT NULL, instance_ids TEXT NOT NULL, finish_reason INTEGER NOT NULL,
+    attempt INTEGER NOT NULL, migrations INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_of_batch ON requests (batch_id);
+CREATE TABLE IF NOT EXISTS instances (
+    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
+    min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
+    draining INTEGER NOT NULL);
+"""
+
+
+def _ids(values: list[int]) -> bytes:
+    return array("q", values).tobytes()
+
+
+def _ids_from(blob: bytes) -> list[int]:
+    return array("q", blob).tolist()
+
+
+def _floats(values: list[float]) -> bytes:
+    return array("d", values).tobytes()
+
+
+def _floats_from(blob: bytes) -> list[float]:
+    return array("d", blob).tolist()
+
+
+class Journal:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The event loop is the only writer; autocommit is off so that a flush is one transaction.
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # Committed transactions survive the process being killed; only a machine crash can
+            # lose the last ones, which then count as not yet journaled.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            found = self._counter("format")
+        except sqlite3.Error as exc:
+            raise ConfigError(f"journal_path {str(self.path)!r}: cannot use it as a SQLite journal: {exc}") from exc
+        if found is None:
+            self._db.execute("INSERT INTO counters VALUES ('format', ?)", (FORMAT,))
+        elif found != FORMAT:
+            raise ConfigError(f"journal_path {str(self.path)!r}: journal format {found}, this manager reads format {FORMAT}")
+
+    def _counter(self, name: str) -> int | None:
+        row = self._db.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def restore(self, state: ManagerState, now: float) -> tuple[int, int]:
+        """Loads the journal into an empty state; returns (batches, instances) restored."""
+        instances = [
+            Instance(instance_id=row[0], address=row[1], weight_version=row[2], max_batch_size=row[3], lease_expires=now,
+                     min_version=row[4], incarnation=row[5], token=row[6], preemptible=bool(row[7]), draining=bool(row[8]))
+            for row in self._db.execute("SELECT instance_id, address, weight_version, max_batch_size, min_version, incarnation, "
+                                        "token, preemptible, draining FROM instances ORDER BY instance_id")
+        ]
+        batches = []
+        for batch_id, policy_version, prompt_ids, sent, error in self._db.execute(
+            "SELECT batch_id, policy_version, prompt_ids, sent, error FROM batches ORDER BY submitted"
+        ).fetchall():
+            groups: dict[str, list[SampleRequest]] = {prompt_id: [] for prompt_id in json.loads(prompt_ids)}
+            for row in self._db.execute(
+                "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, weight_versions, "
+                "instance_ids, finish_reason, attempt, migrations FROM requests WHERE batch_id = ? ORDER BY rowid", (batch_id,)
+            ):
+                sampling = common_pb2.SamplingParams()
+                sampling.ParseFromString(row[3])
+                groups[row[1]].append(SampleRequest(
+                    request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_ids_from(row[2]), sampling=sampling,
+                    policy_version=row[4], token_ids=_ids_from(row[5]), logprobs=_floats_from(row[6]),
+                    weight_versions=_ids_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
+                    migrations=row[11],
+                ))
+            for group in groups.values():
+                group.sort(key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
+            batches.append(Batch(batch_id, policy_version, groups, submitted_at=state.clock(), sent=json.loads(sent), error=error))
+        state.restore(instances, batches, self._counter("published_version") or 0, self._counter("registrations") or 0, now)
+        return len(batches), len(instances)
+
+    def flush(self, state: ManagerState) -> None:
+        """Writes what changed since the last flush, in one transaction: when it returns, a
+        manager killed at any later point restarts with it."""
+        changed = state.take_changes()
+        if not changed:
+            return
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            for batch_id in changed.forgotten_batches - state.batches.keys():
+                db.execute("DELETE FROM batches WHERE batch_id = ?", (batch_id,))
+                db.execute("DELETE FROM requests WHERE batch_id = ?", (batch_id,))
+            for batch_id in changed.batches & state.batches.keys():
+                batch = state.batches[batch_id]
+                db.execute(
+                    "INSERT INTO batches VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches)) ON CONFLICT (batch_id) DO UPDATE "
+                    "SET sent = excluded.sent, error = excluded.error",
+                    (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error),
+                )
+            db.executemany(
+                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (r.request_id, r.batch_id, r.prompt_id, _ids(r.prompt_token_ids), r.sampling.SerializeToString(), r.policy_version,
+                     _ids(r.token_ids), _floats(r.logprobs), _ids(r.weight_versions), json.dumps(r.instance_ids), r.finish_reason,
+                     r.attempt, r.migrations)
+                    for r in (state.requests[i] for i in changed.requests if i in state.requests)
+                ],
+            )
+            for instance_id in changed.dropped_instances - state.instances.keys():
+                db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
+            db.executemany(
+                "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (i.instance_id, i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
+                     int(i.preemptible), int(i.draining))
+                    for i in (state.instances[n] for n in changed.instances if n in state.instances)
+                ],
+            )
+            if changed.counters:
+                db.executemany("INSERT OR REPLACE INTO counters VALUES (?, ?)",
+                               [("published_version", state.published_version), ("registrations", state.registrations)])
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            # Still unwritten: the next flush tries them again.
+            state.changed.absorb(changed)
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class NoJournal:
+    """A manager whose state lives in memory only (journal_path ""): what changed is dropped."""
+
+    def restore(self, state: ManagerState, now: float) -> tuple[int, int]:
+        return 0, 0
+
+    def flush(self, state: ManagerState) -> None:
+        state.take_changes()
+
+    def close(self) -> None:
+        pass
+
+
+def open_journal(path: str) -> Journal | NoJournal:
+    return Journal(path) if path else NoJournal()

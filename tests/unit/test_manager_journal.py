@@ -1,0 +1,146 @@
+"""The manager's journal: what a flush wrote is what a restarted manager restores, and a restored
+state goes on (unfinished requests continue from their tokens, sent groups resend, tokens hold)."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.config import ConfigError
+from services.manager.journal import Journal
+from services.manager.state import ManagerState
+
+STOP = common_pb2.FINISH_REASON_STOP
+NONE = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def sampling(**fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=1.0, max_tokens=8, **fields)
+
+
+def snapshot(state: ManagerState) -> dict:
+    """What must survive a restart, in comparable form."""
+    return {
+        "published": state.published_version,
+        "registrations": state.registrations,
+        "instances": {i.instance_id: (i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
+                                      i.preemptible, i.draining) for i in state.instances.values()},
+        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error) for b in state.batches.values()},
+        "requests": {r.request_id: (r.prompt_token_ids, r.sampling.SerializeToString(deterministic=True), r.token_ids, r.logprobs,
+                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt)
+                     for r in state.requests.values()},
+    }
+
+
+def restarted(path, lease_seconds: float = 10.0) -> ManagerState:
+    state = ManagerState(lease_seconds=lease_seconds, max_staleness=1)
+    journal = Journal(path)
+    journal.restore(state, now=100.0)
+    journal.close()
+    return state
+
+
+def test_a_restarted_manager_goes_on_from_the_journal(tmp_path):
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    state = ManagerState(lease_seconds=10, max_staleness=1)
+    state.publish(3)
+    a, _ = state.register("a", "127.0.0.1:1", 3, 4, now=0)
+    state.submit("b1", 3, [("p0", [5, 6], 2), ("p1", [7], 2, sampling(seed=9))], sampling())
+    journal.flush(state)
+    assignments = state.assign()
+    assert len(assignments) == 4
+    first, second = assignments[0], assignments[1]
+    state.record_chunk(first.request.request_id, first.attempt, [1, 2], [-0.5, -0.25], [3, 3], STOP)
+    state.record_chunk(second.request.request_id, second.attempt, [4], [-1.0], [3], STOP)
+    state.record_chunk(assignments[2].request.request_id, assignments[2].attempt, [8, 9], [-0.1, -0.2], [3, 3], NONE)
+    sent, remaining = state.take_micro_batch("b1", 1)
+    assert remaining == 1
+    journal.flush(state)
+    before = snapshot(state)
+    journal.close()
+
+    after = restarted(path)
+    assert snapshot(after) == before
+    # The live incarnation keeps its token and gets a fresh lease; nothing runs anywhere.
+    assert after.instances["a"].token == a.token and after.instances["a"].lease_expires == 110.0
+    assert after.instances["a"].running == set()
+    # The group sent before resends from position 0; the unfinished requests continue from their tokens.
+    again, remaining = after.take_micro_batch("b1", 1, position=0)
+    assert [g[0].prompt_id for g in again] == [g[0].prompt_id for g in sent] and remaining == 1
+    queued = {r.request_id: r.token_ids for r in after.queue}
+    assert queued == {"b1/p1/0": [8, 9], "b1/p1/1": []}
+    resumed = after.assign()
+    assert {x.request.request_id for x in resumed} == set(queued)
+    assert all(x.attempt == before["requests"][x.request.request_id][-1] + 1 for x in resumed)
+
+
+def test_forgotten_batches_and_dropped_instances_leave_the_journal(tmp_path):
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    state = ManagerState(lease_seconds=10, max_staleness=1)
+    state.register("a", "127.0.0.1:1", 0, 4, now=0)
+    state.register("b", "127.0.0.1:2", 0, 4, now=0)
+    state.submit("done", 0, [("p", [1], 1)], sampling())
+    state.submit("cancelled", 0, [("p", [1], 1)], sampling())
+    journal.flush(state)
+    for assignment in state.assign():
+        state.record_chunk(assignment.request.request_id, assignment.attempt, [1], [0.0], [0], STOP)
+    state.take_micro_batch("done", 1)
+    assert state.acknowledge("done")
+    state.cancel_batch("cancelled")
+    state.remove("b")
+    journal.flush(state)
+    journal.close()
+    after = restarted(path)
+    assert after.batches == {} and after.requests == {} and list(after.instances) == ["a"]
+    rows = sqlite3.connect(path).execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+    assert rows == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["chunk", "finish", "take", "flush", "expire"]), st.integers(0, 7)), max_size=30))
+def test_any_flushed_state_restores_exactly(tmp_path_factory, steps):
+    path = tmp_path_factory.mktemp("journal") / "journal.sqlite"
+    journal = Journal(path)
+    state = ManagerState(lease_seconds=10, max_staleness=1)
+    state.register("a", "127.0.0.1:1", 0, 2, now=0)
+    state.register("b", "127.0.0.1:2", 0, 2, now=0)
+    state.submit("b1", 0, [(f"p{i}", [i + 1], 2) for i in range(4)], sampling())
+    now = 0.0
+    for kind, pick in steps:
+        state.assign()
+        running = [state.requests[r] for i in state.instances.values() for r in sorted(i.running)]
+        if kind in ("chunk", "finish") and running:
+            request = running[pick % len(running)]
+            state.record_chunk(request.request_id, request.attempt, [pick], [-0.5], [0], STOP if kind == "finish" else NONE)
+        elif kind == "take" and "b1" in state.batches:
+            state.take_micro_batch("b1", 1, min_groups=1)
+        elif kind == "flush":
+            journal.flush(state)
+        elif kind == "expire":
+            # Instance "a" renews its lease on odd picks; whoever did not is dropped.
+            now += 11
+            if "a" in state.instances and pick % 2:
+                state.heartbeat("a", 0, now, token=state.instances["a"].token)
+            state.expire(now)
+    journal.flush(state)
+    journal.close()
+    assert snapshot(restarted(path)) == snapshot(state)
+
+
+def test_a_journal_of_another_format_or_not_sqlite_is_refused(tmp_path):
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(ConfigError, match="cannot use it as a SQLite journal"):
+        Journal(garbage)
+    other = tmp_path / "other.sqlite"
+    Journal(other).close()
+    with sqlite3.connect(other) as db:
+        db.execute("UPDATE counters SET value = 99 WHERE name = 'format'")
+    with pytest.raises(ConfigError, match="journal format 99"):
+        Journal(other)
