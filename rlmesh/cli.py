@@ -19,6 +19,7 @@ FLAG_FIELDS = {
     "autoscale": "mesh.autoscale",
     "trainer_ranks": "mesh.trainer_ranks",
     "rollout_tp": "mesh.rollout_tp",
+    "rollout_netns": "mesh.rollout_netns",
     "transfer_backend": "mesh.transfer_backend",
     "compression": "mesh.compression",
     "engine": "mesh.engine",
@@ -68,18 +69,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def prepare_job(args: argparse.Namespace):
-    """The job of `--job` (or the default job) with the flags applied, its model folder ready, and
-    every task checked against the model's tokenizer. Raises ConfigError or TaskError."""
+    """The job of `--job` (or the default job) with the flags applied, its network namespaces
+    possible, its model folder ready, and every task checked against the model's tokenizer.
+    Raises ConfigError or TaskError."""
+    from rlmesh.config import ConfigError
     from rlmesh.job import load_job
+    from rlmesh.launcher import netns_problem
     from rlmesh.models.families import check_model_dir
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.tasks.build import build_task
 
     job, base = load_job(args.job, _overrides(args))
+    if job.mesh.rollout_netns and (problem := netns_problem()):
+        raise ConfigError(f"mesh.rollout_netns = {job.mesh.rollout_netns} runs rollout instances in network namespaces, "
+                          f"which this process cannot create: {problem}")
     model_dir = Path(job.model.path) if job.model.path else _ensure_builtin_model(job.model.builtin)
     if not (model_dir / "config.json").is_file():
-        from rlmesh.config import ConfigError
-
         raise ConfigError(f"model.path: {model_dir} is not a HF-format model folder (no config.json)")
     check_model_dir(model_dir)
     tokenizer = load_hf_tokenizer(model_dir)
@@ -115,7 +120,7 @@ def _up(args: argparse.Namespace) -> int:
     # have nothing to protect, and they log a line per restarted service when they skip.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from rlmesh.config import ConfigError
-    from rlmesh.launcher import MeshPlan, run_mesh
+    from rlmesh.launcher import MeshPlan, plan_netns, run_mesh
     from rlmesh.logging import configure_logging
     from rlmesh.tasks.build import TaskError
 
@@ -128,14 +133,20 @@ def _up(args: argparse.Namespace) -> int:
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
+        netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
+        if mesh.rollout_netns:
+            try:
+                netns = plan_netns(output_dir, mesh.rollout_netns)
+            except RuntimeError as exc:
+                raise ConfigError(f"mesh.rollout_netns: {exc}") from exc
         tls_dir = None
         if mesh.tls:
             from rlmesh.tls import create_certificates
 
             tls_dir = Path(mesh.tls_dir).resolve() if mesh.tls_dir else output_dir / "tls"
-            create_certificates(tls_dir, [mesh.host])
+            create_certificates(tls_dir, [mesh.host, *(netns.hosts if netns is not None else [])])
     except (ConfigError, TaskError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
@@ -163,6 +174,7 @@ def _up(args: argparse.Namespace) -> int:
         tls_dir=tls_dir,
         # Only the processes of this run learn a generated token (not job.json).
         registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
+        netns=netns,
     )
     code = asyncio.run(run_mesh(plan))
     if code == 130:
@@ -299,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)")
     up.add_argument("--rollout-tp", type=_positive, metavar="T",
                     help="mesh.rollout_tp: tensor-parallel processes per rollout instance (default 1)")
+    up.add_argument("--rollout-netns", type=int, metavar="N",
+                    help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
+                         "linked by a veth pair (needs root; default 0)")
     up.add_argument("--engine", choices=("torch", "vllm"), help="mesh.engine: rollout engine (default torch)")
     up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"),
                     help="mesh.transfer_backend: data plane of weight pushes (default tcp)")

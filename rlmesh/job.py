@@ -17,6 +17,9 @@ DEFAULT_MODELS = {
     "tiny-chat": Path(".rlmesh/models/tiny-qwen2-chat"),
 }
 """Built-in models, created on first use (random init and a short supervised warm-up)."""
+NETNS_MAX_INSTANCES = 62
+"""Rollout instances a mesh can put in network namespaces: a /30 each in one /24, whose last
+addresses hold the manager's."""
 
 
 class ModelSection(StrictModel):
@@ -76,6 +79,10 @@ class MeshSection(StrictModel):
     """The least time between two changes, so a new instance has time to show in the measurements."""
     rollout_tp: int = Field(default=1, ge=1)
     """Tensor-parallel processes per rollout instance."""
+    rollout_netns: int = Field(default=0, ge=0)
+    """The first N rollout instances each run in their own network namespace, linked to the host
+    by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the
+    chaos suite cut an instance's network. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine; `vllm` runs each instance with the vLLM virtualenv (`make setup-vllm`)."""
     transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
@@ -109,6 +116,10 @@ class MeshSection(StrictModel):
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
         if self.autoscale and cap == self.rollout_instances:
             raise ValueError("autoscale needs room: set max_rollout_instances above rollout_instances (--rollout-instances MIN:MAX)")
+        if self.rollout_netns > self.rollout_instances:
+            raise ValueError(f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start ({self.rollout_instances})")
+        if self.rollout_netns > NETNS_MAX_INSTANCES:
+            raise ValueError(f"rollout_netns: at most {NETNS_MAX_INSTANCES} instances run in network namespaces")
         if self.base_port + 10 + cap > 65535:
             raise ValueError("base_port leaves no room for every rollout instance's port")
         return self

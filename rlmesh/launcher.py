@@ -1,13 +1,17 @@
 """`rlmesh up`: the whole mesh as local processes on loopback: start in dependency order, wait on
-each health service, show training progress, keep the rollout instances and the weights service
-running (restarted with backoff when they exit; scaled by `rlmesh scale` or the autoscaler), and
-stop every process at the end or on Ctrl-C."""
+each health service, show training progress, keep the manager, the weights service and the rollout
+instances running (restarted with backoff when they exit; instances scaled by `rlmesh scale` or the
+autoscaler, optionally each in its own network namespace), and stop every process at the end or on Ctrl-C."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import ipaddress
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +45,44 @@ STATE_FILE = "mesh.json"
 SCALE_FILE = "scale.json"
 """Written by `rlmesh scale` in the output folder: the number of rollout instances wanted."""
 AUTOSCALE_POLL_SECONDS = 2.0
+MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
+"""The manager's journal in the output folder: a restarted manager takes up its state from it."""
+NETNS_PREFIX = "rlmesh-"
+"""Network namespaces of rollout instances are named rlmesh-<mesh tag>-<launcher pid>-<index>."""
+
+
+@dataclass(frozen=True, slots=True)
+class NetnsLink:
+    """A rollout instance's own network namespace and the veth pair linking it to the host."""
+
+    namespace: str
+    host_device: str
+    """The host's end of the veth pair: setting it down cuts the instance off."""
+    namespace_device: str
+    host_address: str
+    """The namespace's gateway."""
+    namespace_address: str
+    """The instance listens here."""
+
+
+@dataclass(frozen=True, slots=True)
+class NetnsLayout:
+    """Where the rollout instances that run in their own network namespaces live, and the address
+    the manager listens on so that they can reach it (on the host's loopback device, reached from
+    a namespace through its veth pair)."""
+
+    tag: str
+    manager_host: str
+    links: tuple[NetnsLink, ...]
+
+    @property
+    def manager_label(self) -> str:
+        return f"lo:rlm{self.tag}"
+
+    @property
+    def hosts(self) -> list[str]:
+        """Every address a service may be reached at, for certificates."""
+        return [self.manager_host, *(link.namespace_address for link in self.links)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +115,20 @@ class MeshPlan:
     """Mutual TLS with the certificates in this folder (`rlmesh certs`); None: plaintext."""
     registration_token: str = ""
     """Asked by the manager of the rollout instances ("": none)."""
+    netns: NetnsLayout | None = None
+    """The first len(netns.links) rollout instances each run in their own network namespace."""
 
     @property
     def instance_cap(self) -> int:
         return max(self.max_rollout_instances, self.rollout_instances)
 
     @property
+    def manager_host(self) -> str:
+        return self.netns.manager_host if self.netns is not None else self.host
+
+    @property
     def manager_address(self) -> str:
-        return f"{self.host}:{self.base_port}"
+        return f"{self.manager_host}:{self.base_port}"
 
     @property
     def weights_address(self) -> str:
@@ -90,8 +138,17 @@ class MeshPlan:
     def trainer_address(self) -> str:
         return f"{self.host}:{self.base_port + 2}"
 
+    def netns_link(self, index: int) -> NetnsLink | None:
+        if self.netns is None or index >= len(self.netns.links):
+            return None
+        return self.netns.links[index]
+
+    def rollout_host(self, index: int) -> str:
+        link = self.netns_link(index)
+        return link.namespace_address if link is not None else self.host
+
     def rollout_address(self, index: int) -> str:
-        return f"{self.host}:{self.base_port + 10 + index}"
+        return f"{self.rollout_host(index)}:{self.base_port + 10 + index}"
 
     def tls_files(self, name: str) -> TlsFiles | None:
         return TlsFiles.in_directory(self.tls_dir, name) if self.tls_dir is not None else None
@@ -134,17 +191,121 @@ def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") 
             "--master-addr", master_addr, "--master-port", str(master_port)]
 
 
+def _ip(*args: str) -> str:
+    """Runs iproute2's `ip` and returns its output; raises RuntimeError with its message."""
+    result = subprocess.run(["ip", *args], check=False, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip() or f'exit code {result.returncode}'}")
+    return result.stdout
+
+
+def netns_problem() -> str:
+    """Why this process cannot run rollout instances in network namespaces ("" when it can)."""
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` command is not installed"
+    status = Path("/proc/self/status").read_text()
+    effective = int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.MULTILINE)[1], 16)
+    missing = [name for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")) if not effective >> bit & 1]
+    if missing:
+        return f"it needs {' and '.join(missing)} to create network namespaces and veth pairs (run as root)"
+    try:
+        _ip("netns", "list")
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def mesh_tag(output_dir: Path) -> str:
+    """Six hex digits naming a mesh (its output folder) in interface and namespace names."""
+    return hashlib.sha1(str(output_dir).encode()).hexdigest()[:6]
+
+
+def plan_netns(output_dir: Path, count: int) -> NetnsLayout:
+    """Names and addresses for `count` namespaces: a /24 between 10.200.0.0 and 10.249.255.0,
+    picked from the mesh's tag among those no address on the host falls in, a /30 per instance."""
+    tag = mesh_tag(output_dir)
+    in_use = [ipaddress.ip_interface(cidr).network for cidr in re.findall(r"\binet (\S+)", _ip("-o", "-4", "addr", "show"))]
+    choices = 50 * 256
+    first = int(tag, 16) % choices
+    for attempt in range(choices):
+        number = (first + attempt) % choices
+        subnet = ipaddress.ip_network(f"10.{200 + number // 256}.{number % 256}.0/24")
+        if not any(subnet.overlaps(network) for network in in_use):
+            break
+    else:
+        raise RuntimeError("every 10.200-249.x.0/24 subnet is in use on this host: no room for rollout namespaces")
+    base = subnet.network_address
+    links = tuple(NetnsLink(f"{NETNS_PREFIX}{tag}-{os.getpid()}-{index}", f"rlm{tag}h{index}", f"rlm{tag}n{index}",
+                            str(base + 4 * index + 1), str(base + 4 * index + 2)) for index in range(count))
+    return NetnsLayout(tag, str(base + 254), links)
+
+
+def create_netns(layout: NetnsLayout) -> None:
+    for link in layout.links:
+        _ip("netns", "add", link.namespace)
+        _ip("link", "add", link.host_device, "type", "veth", "peer", "name", link.namespace_device, "netns", link.namespace)
+        _ip("addr", "add", f"{link.host_address}/30", "dev", link.host_device)
+        _ip("link", "set", link.host_device, "up")
+        _ip("-n", link.namespace, "addr", "add", f"{link.namespace_address}/30", "dev", link.namespace_device)
+        _ip("-n", link.namespace, "link", "set", "lo", "up")
+        _ip("-n", link.namespace, "link", "set", link.namespace_device, "up")
+        _ip("-n", link.namespace, "route", "add", "default", "via", link.host_address)
+    # Added after the namespaces: a sweep takes a manager address without namespaces of its tag for a leftover.
+    _ip("addr", "add", f"{layout.manager_host}/32", "dev", "lo", "label", layout.manager_label)
+
+
+def remove_netns(layout: NetnsLayout) -> None:
+    """Deleting a namespace deletes the veth pair with an end in it."""
+    for link in layout.links:
+        try:
+            _ip("netns", "delete", link.namespace)
+        except RuntimeError:
+            pass
+    try:
+        _ip("addr", "del", f"{layout.manager_host}/32", "dev", "lo")
+    except RuntimeError:
+        pass
+
+
+def _launcher_alive(pid: int) -> bool:
+    try:
+        return b"rlmesh" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def sweep_netns() -> list[str]:
+    """Removes the namespaces (with their veth pairs) and manager addresses left by an `rlmesh up`
+    that is gone without cleaning up (killed with SIGKILL); returns what it removed."""
+    removed = []
+    live_tags = set()
+    for name in re.findall(rf"^({re.escape(NETNS_PREFIX)}[0-9a-f]{{6}}-\d+-\d+)\b", _ip("netns", "list"), re.MULTILINE):
+        tag, pid = name[len(NETNS_PREFIX):].split("-")[:2]
+        if _launcher_alive(int(pid)):
+            live_tags.add(tag)
+            continue
+        _ip("netns", "delete", name)
+        removed.append(name)
+    for address, label, tag in re.findall(r"\binet (\S+) .*\b(lo:rlm([0-9a-f]{6}))\b", _ip("-o", "-4", "addr", "show", "dev", "lo")):
+        if tag not in live_tags:
+            _ip("addr", "del", address, "dev", "lo")
+            removed.append(f"{label} {address}")
+    return removed
+
+
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
-                  python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None) -> Child:
+                  python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None,
+                  wrapper: list[str] | None = None) -> Child:
     """Starts `python -m module args...` as its own process group with `settings` in its
     environment and its output in `log_dir/name.log`; `python` picks another virtualenv (the
-    vLLM one); `launcher` runs the module through another module (`torchrun_args`)."""
+    vLLM one); `launcher` runs the module through another module (`torchrun_args`); `wrapper` is
+    a command that execs the rest (`ip netns exec NS`), so the pid is the service's."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
-            [python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
+            [*(wrapper or []), python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
@@ -193,6 +354,7 @@ class Supervised:
     child: Child
     started_at: float
     restarts_in_a_row: int = 0
+    restarts_total: int = 0
     restart_at: float | None = None
     retiring: bool = False
     """Being scaled down: its exit is expected and it is not restarted."""
@@ -203,7 +365,6 @@ class MeshEvents:
     """What the supervisor did in one tick, for the console."""
 
     lines: list[str] = field(default_factory=list)
-    fatal: str = ""
 
 
 class Mesh:
@@ -211,7 +372,7 @@ class Mesh:
         self.plan = plan
         self.children: list[Child] = []
         self.log_dir = plan.output_dir / "logs"
-        self.manager: Child | None = None
+        self.manager: Supervised | None = None
         self.weights: Supervised | None = None
         self.rollouts: dict[int, Supervised] = {}
         self.target_instances = plan.rollout_instances
@@ -221,11 +382,22 @@ class Mesh:
         self._autoscale_at = 0.0
 
     def _spawn(self, name: str, module: str, address: str, settings: dict[str, str], launcher: list[str] | None = None,
-               python: str | None = None, args: list[str] | None = None) -> Child:
+               python: str | None = None, args: list[str] | None = None, wrapper: list[str] | None = None) -> Child:
         child = spawn_service(name, module, address, settings, self.log_dir, str(self.plan.output_dir), python=python,
-                              launcher=launcher, args=args)
+                              launcher=launcher, args=args, wrapper=wrapper)
         self.children.append(child)
         return child
+
+    def _spawn_manager(self) -> Child:
+        """On the same port and journal every time: a restarted manager takes up where the last one stopped."""
+        plan = self.plan
+        return self._spawn("manager", "services.manager", plan.manager_address, {
+            "RLMESH_MANAGER_SERVER__HOST": plan.manager_host,
+            "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
+            "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
+            "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
+            **plan.security_settings("manager"),
+        })
 
     def _spawn_weights(self) -> Child:
         plan = self.plan
@@ -240,8 +412,9 @@ class Mesh:
 
     def _spawn_rollout(self, index: int) -> Child:
         plan = self.plan
+        link = plan.netns_link(index)
         return self._spawn(f"rollout-{index}", "services.rollout", plan.rollout_address(index), {
-            "RLMESH_ROLLOUT_SERVER__HOST": plan.host,
+            "RLMESH_ROLLOUT_SERVER__HOST": plan.rollout_host(index),
             "RLMESH_ROLLOUT_SERVER__PORT": _port(plan.rollout_address(index)),
             "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
             "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
@@ -250,20 +423,20 @@ class Mesh:
             "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
             **plan.security_settings("rollout"),
-        }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None)
+        }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None,
+            wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)
 
     def _supervise(self, name: str, start: Callable[[], Child]) -> Supervised:
         return Supervised(name, start, start(), time.monotonic())
 
     async def start_services(self) -> None:
         plan = self.plan
-        self.manager = self._spawn("manager", "services.manager", plan.manager_address, {
-            "RLMESH_MANAGER_SERVER__HOST": plan.host,
-            "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
-            "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
-            **plan.security_settings("manager"),
-        })
-        await wait_started([self.manager])
+        # A journal left by an earlier `rlmesh up` of this folder describes batches past the checkpoint
+        # the trainer resumes from; only restarts within this run take up the manager's state.
+        for stale in plan.output_dir.glob(f"{MANAGER_JOURNAL_FILE}*"):
+            stale.unlink()
+        self.manager = self._supervise("manager", self._spawn_manager)
+        await wait_started([self.manager.child])
         self.weights = self._supervise("weights", self._spawn_weights)
         for index in range(plan.rollout_instances):
             self.rollouts[index] = self._supervise(f"rollout-{index}", lambda index=index: self._spawn_rollout(index))
@@ -290,16 +463,24 @@ class Mesh:
     def running_instances(self) -> list[int]:
         return sorted(i for i, r in self.rollouts.items() if not r.retiring)
 
+    def _service_state(self, service: Supervised, index: int | None = None) -> dict:
+        state = {"name": service.name, "pid": service.child.process.pid, "address": service.child.address,
+                 "restarts": service.restarts_in_a_row, "restarts_total": service.restarts_total}
+        link = self.plan.netns_link(index) if index is not None else None
+        if link is not None:
+            state |= {"netns": link.namespace, "link": link.host_device}
+        return state
+
     def write_state(self) -> None:
-        """mesh.json: what `rlmesh scale` reads (written whole, then renamed into place)."""
+        """mesh.json: what `rlmesh scale` and the chaos suite read (written whole, then renamed into place)."""
         plan = self.plan
         state = {
             "pid": os.getpid(),
             "manager": plan.manager_address,
+            "services": [self._service_state(s) for s in (self.manager, self.weights) if s is not None],
             "rollout_instances": {
                 "min": plan.rollout_instances, "max": plan.instance_cap, "target": self.target_instances,
-                "running": [{"name": r.name, "pid": r.child.process.pid, "address": r.child.address,
-                             "restarts": r.restarts_in_a_row} for i, r in sorted(self.rollouts.items()) if not r.retiring],
+                "running": [self._service_state(r, i) for i, r in sorted(self.rollouts.items()) if not r.retiring],
                 "leaving": [r.name for _, r in sorted(self.rollouts.items()) if r.retiring],
             },
             "autoscale": plan.autoscale,
@@ -319,10 +500,14 @@ class Mesh:
             how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             events.lines.append(f"{service.name} exited ({how}); restarting in {wait:.0f} s; see {service.child.log_path}")
         elif now >= service.restart_at:
-            self.children.remove(service.child)
+            exited = service.child
             service.child = service.start()
+            # In the exited one's place: the mesh stops in reverse start order, the manager last.
+            self.children.remove(service.child)
+            self.children[self.children.index(exited)] = service.child
             service.started_at, service.restart_at = now, None
             service.restarts_in_a_row += 1
+            service.restarts_total += 1
             events.lines.append(f"{service.name} restarted (pid {service.child.process.pid}, restart {service.restarts_in_a_row} in a row)")
             self.write_state()
 
@@ -375,13 +560,9 @@ class Mesh:
             self._scale_to(new, events, f"autoscale: the manager recommends {recommended}")
 
     async def supervise(self, manager: manager_pb2_grpc.ManagerServiceStub) -> MeshEvents:
-        """One tick: restart what exited, apply scale requests and the autoscaler. Only the
-        manager's exit is fatal (its state is in memory)."""
+        """One tick: restart what exited, apply scale requests and the autoscaler."""
         events = MeshEvents()
         now = time.monotonic()
-        if self.manager is not None and self.manager.process.poll() is not None:
-            events.fatal = f"manager exited with code {self.manager.process.returncode}; see {self.manager.log_path}"
-            return events
         self._read_scale_request(events)
         await self._autoscale(now, manager, events)
         for index, service in list(self.rollouts.items()):
@@ -394,8 +575,9 @@ class Mesh:
                 self.write_state()
             else:
                 self._restart_due(service, now, events)
-        if self.weights is not None and self.weights.child.process.poll() is not None:
-            self._restart_due(self.weights, now, events)
+        for service in (self.manager, self.weights):
+            if service is not None and service.child.process.poll() is not None:
+                self._restart_due(service, now, events)
         return events
 
     def stop(self) -> None:
@@ -421,9 +603,6 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
             for line in events.lines:
                 # Through tqdm, so a redrawn progress bar does not overwrite the line.
                 tqdm.write(line, file=sys.stderr)
-            if events.fatal:
-                print(f"\n{events.fatal}", file=sys.stderr)
-                return 1
             try:
                 status = await stub.GetTrainingStatus(trainer_pb2.GetTrainingStatusRequest(), **call_options(2.0))
                 shown = {"reward": "reward", "eval/sampled_reward": "held-out", "eval/exact_match": "exact"}
@@ -473,6 +652,11 @@ async def run_mesh(plan: MeshPlan) -> int:
     mesh = Mesh(plan)
     started = time.perf_counter()
     try:
+        if plan.netns is not None:
+            swept = sweep_netns()
+            if swept:
+                print(f"removed what killed meshes left: {', '.join(swept)}", file=sys.stderr)
+            create_netns(plan.netns)
         starting = asyncio.create_task(mesh.start_services())
         interrupted = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -488,7 +672,9 @@ async def run_mesh(plan: MeshPlan) -> int:
               f"trainer {plan.trainer_address}"
               + (f" ({plan.trainer_ranks} FSDP ranks)" if plan.trainer_ranks > 1 else "") + f"; logs in {mesh.log_dir}"
               + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
-              + ("; rollout instances register with a token" if plan.registration_token else ""))
+              + ("; rollout instances register with a token" if plan.registration_token else "")
+              + ("; in their own network namespaces: " + ", ".join(f"rollout-{i} ({link.namespace})" for i, link in enumerate(plan.netns.links))
+                 if plan.netns is not None else ""))
         trainer = await mesh.start_trainer()
         code = await follow_training(mesh, trainer, stop)
         if code == 0:
@@ -505,6 +691,8 @@ async def run_mesh(plan: MeshPlan) -> int:
         return 1
     finally:
         await asyncio.to_thread(mesh.stop)
+        if plan.netns is not None:
+            remove_netns(plan.netns)
 
 
 def find_running_mesh(runs: Path) -> Path | None:

@@ -60,6 +60,8 @@ def test_set_on_the_default_job_addresses_its_task():
     ("[[tasks]]\nname = 'a'\nkind = 'increment'\n[[tasks]]\nname = 'a'\nkind = 'increment'\n", "repeated: ['a']"),
     ("[[tasks]]\nname = 'x'\nkind = 'increment'\nreward.function = 'nocolon'\n", "module:function"),
     ("[mesh]\ntransfer_backend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
+    ("[mesh]\nrollout_instances = 2\nrollout_netns = 3\n", "rollout_netns (3) is more than the rollout instances at start (2)"),
+    ("[mesh]\nrollout_instances = 63\nrollout_netns = 63\n", "at most 62 instances run in network namespaces"),
     ("[algorithm\n", "not valid TOML"),
 ])
 def test_a_bad_job_names_the_problem(tmp_path, text, expected):
