@@ -118,7 +118,9 @@ class BenchMesh:
         )
         async for reply in stream:
             groups += reply.groups
-        return StepResult(time.perf_counter() - started, groups)
+        elapsed = time.perf_counter() - started
+        await self.manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30))
+        return StepResult(elapsed, groups)
 
 
 def check_exactly_once(result: StepResult, prompts: int, group_size: int) -> tuple[int, int]:

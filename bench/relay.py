@@ -1,6 +1,6 @@
 """Relay capacity: tokens/s that reach the trainer through the manager from synthetic engines,
-against the same engines called directly and against the torch engine's generation rate on
-this machine, all measured in the same run."""
+against the same engines called directly, against the torch engine's generation rate on this
+machine, and with the manager's journal on against off, all measured in the same run."""
 
 from __future__ import annotations
 
@@ -77,31 +77,47 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
             await engine.stop()
 
 
-async def main(rounds: int) -> dict:
+async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None) -> list[float]:
+    """Tokens/s through the manager per round; with `direct_rates`, the engines called directly
+    after each round go there."""
     specs = [InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)]
-    relay_rates, direct_rates = [], []
-    async with BenchMesh(specs) as mesh:
+    rates = []
+    async with BenchMesh(specs, manager_settings) as mesh:
         sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
         await mesh.run_step("warmup", PROMPTS // 4, GROUP_SIZE, sampling)
         for round_ in range(rounds):
             result = await mesh.run_step(f"relay-{round_}", PROMPTS, GROUP_SIZE, sampling)
             lost, duplicated = check_exactly_once(result, PROMPTS, GROUP_SIZE)
             assert lost == duplicated == 0 and result.tokens == PROMPTS * GROUP_SIZE * LENGTH, "the relay lost or duplicated tokens"
-            relay_rates.append(result.tokens / result.seconds)
-            rate, _ = await direct_rate(list(mesh.instance_addresses.values()), PROMPTS * GROUP_SIZE // INSTANCES)
-            direct_rates.append(rate)
+            rates.append(result.tokens / result.seconds)
+            if direct_rates is not None:
+                rate, _ = await direct_rate(list(mesh.instance_addresses.values()), PROMPTS * GROUP_SIZE // INSTANCES)
+                direct_rates.append(rate)
+    return rates
+
+
+async def main(rounds: int) -> dict:
+    direct_rates: list[float] = []
+    relay_rates = await relay_rounds(rounds, {}, direct_rates)
+    with tempfile.TemporaryDirectory() as folder:
+        journaled_rates = await relay_rounds(rounds, {"JOURNAL_PATH": f"{folder}/manager-journal.sqlite"})
     torch_tokens_per_second = await torch_rate()
     relay = statistics.median(relay_rates)
+    journaled = statistics.median(journaled_rates)
     direct = statistics.median(direct_rates)
     return write_result(
         "relay",
-        figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates},
+        figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates,
+                 "journaled_relay_tokens_per_second_median": journaled, "journaled_relay_rounds": journaled_rates},
         baseline={"direct_tokens_per_second_median": direct, "direct_rounds": direct_rates,
                   "torch_engine_tokens_per_second": torch_tokens_per_second},
-        ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second},
-        targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10},
+        ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second,
+                "journaled_over_in_memory_relay": journaled / relay},
+        targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10,
+                 "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8},
         settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,
-                  "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread"},
+                  "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
+                  "journal": "SQLite WAL, synchronous=NORMAL, flushed every 0.1 s and before every reply that confirms something"},
     )
 
 
