@@ -175,6 +175,7 @@ def seeds(harness: Harness) -> dict[str, Message | list[Message]]:
         "manager.StreamRollouts": manager_pb2.StreamRolloutsRequest(batch_id=PARKED_BATCH, micro_batch_groups=1),
         "manager.TakeReadyGroups": manager_pb2.TakeReadyGroupsRequest(batch_id=PARKED_BATCH),
         "manager.CancelBatch": manager_pb2.CancelBatchRequest(batch_id=PARKED_BATCH),
+        "manager.AcknowledgeRollouts": manager_pb2.AcknowledgeRolloutsRequest(batch_id=PARKED_BATCH),
         "manager.ReportTrainingStep": manager_pb2.ReportTrainingStepRequest(batch_id=DELIVERED_BATCH, step_seconds=2, wait_seconds=1),
         "rollout.Generate": rollout_pb2.GenerateRequest(request_id="fuzz-generate", prompt_token_ids=[1, 2, 3], sampling=sampling(max_tokens=4)),
         "rollout.Abort": rollout_pb2.AbortRequest(request_ids=["fuzz-generate"]),
@@ -268,6 +269,22 @@ def unknown_id_cases() -> dict[str, Expected]:
         "rollout.PushWeightChunks": Expected("rollout.PushWeightChunks", chunk, refused, "987654"),
     }
     return cases
+
+
+def delivery_cases() -> dict[str, Expected]:
+    """Resuming a stream past the groups sent, and acknowledging a batch with groups still to send."""
+    invalid = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
+    return {
+        "manager.StreamRollouts-resume-past-sent": Expected(
+            "manager.StreamRollouts", manager_pb2.StreamRolloutsRequest(batch_id=PARKED_BATCH, micro_batch_groups=1, resume_from=7),
+            invalid, "resume_from 7"),
+        "manager.TakeReadyGroups-resume-past-sent": Expected(
+            "manager.TakeReadyGroups", manager_pb2.TakeReadyGroupsRequest(batch_id=PARKED_BATCH, resume_from=2**32 - 1),
+            invalid, "resume_from 4294967295"),
+        "manager.AcknowledgeRollouts-unsent": Expected(
+            "manager.AcknowledgeRollouts", manager_pb2.AcknowledgeRolloutsRequest(batch_id=PARKED_BATCH),
+            frozenset({grpc.StatusCode.FAILED_PRECONDITION}), "still to be sent"),
+    }
 
 
 def declared_size_cases() -> dict[str, Expected]:

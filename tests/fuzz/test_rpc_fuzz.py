@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from tests.fuzz.cases import (
-    DELIVERED_BATCH, PARKED_BATCH, Expected, bad_sampling_cases, begin_request, declared_size_cases, delivered_batch, hints, oversize,
-    parked_batch, seeds, unknown_id_cases, wires, wrong_incarnation_cases,
+    DELIVERED_BATCH, PARKED_BATCH, Expected, bad_sampling_cases, begin_request, declared_size_cases, delivered_batch, delivery_cases, hints,
+    oversize, parked_batch, seeds, unknown_id_cases, wires, wrong_incarnation_cases,
 )
 from tests.fuzz.harness import Harness, Outcome, Rpc, Wire, contract_rpcs
 from tests.fuzz.messages import MessageStrategies
@@ -81,7 +81,7 @@ def test_a_request_over_the_size_limit_is_refused(harness, rpc: Rpc):
     assert outcome.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in outcome.details, outcome
 
 
-TARGETED = {**bad_sampling_cases(), **unknown_id_cases(), **declared_size_cases()}
+TARGETED = {**bad_sampling_cases(), **unknown_id_cases(), **declared_size_cases(), **delivery_cases()}
 
 
 @pytest.mark.parametrize("name", list(TARGETED))
@@ -101,7 +101,7 @@ def test_a_wrong_incarnation_token_is_refused(harness, name: str):
 # Calls the fuzzer makes around a generated request so that the next one starts from a known
 # state; they are counted as setup, not as fuzz requests.
 def arrange(harness: Harness, rpc: Rpc) -> None:
-    if rpc.key in ("manager.StreamRollouts", "manager.TakeReadyGroups", "manager.CancelBatch"):
+    if rpc.key in ("manager.StreamRollouts", "manager.TakeReadyGroups", "manager.CancelBatch", "manager.AcknowledgeRollouts"):
         harness.call(BY_KEY["manager.SubmitPrompts"], Wire(parked_batch()), setup=True)
     elif rpc.key in ("rollout.PushWeightChunks", "rollout.CommitWeightUpdate"):
         harness.call(BY_KEY["rollout.BeginWeightUpdate"], Wire(begin_request(harness)), setup=True)
