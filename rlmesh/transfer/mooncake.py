@@ -1,8 +1,10 @@
-"""The Mooncake transfer engine backend: the rollout registers its standby buffer and the
-weights service writes into it directly (TCP here, RDMA on clusters; P2P handshake, no etcd)."""
+"""The Mooncake transfer engine backend: the rollout registers its standby buffer while a push is
+open and the weights service writes into it directly (TCP here, RDMA on clusters; P2P handshake,
+no etcd), then proves the bytes it wrote in the commit (rlmesh.transfer.auth)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Iterable
 
@@ -115,7 +117,11 @@ class MooncakeSender(WeightSender):
                 raise Superseded(f"push of version {manifest.version} was superseded")
             batch = ranges[start : start + self.BUCKETS_PER_WRITE]
             # Bounded by MC_TRANSFER_TIMEOUT inside the engine: an asyncio timeout could not stop
-            # the thread, and the payload must stay untouched until it ends.
-            await finish_in_thread(self.endpoint.write, endpoint.transfer_session, payload.data_ptr(), endpoint.buffer_address, batch)
-            tags += await finish_in_thread(session.bucket_tags, data, batch, start)
+            # the thread, and the payload must stay untouched until it ends. The batch's tags are
+            # computed while it is written.
+            _, batch_tags = await asyncio.gather(
+                finish_in_thread(self.endpoint.write, endpoint.transfer_session, payload.data_ptr(), endpoint.buffer_address, batch),
+                finish_in_thread(session.bucket_tags, data, batch, start),
+            )
+            tags += batch_tags
         return session.commit_proof(tags)

@@ -5,7 +5,6 @@ the commit be refused; either way the instance keeps its version and the real pu
 
 import asyncio
 import socket
-import struct
 
 import grpc
 import numpy as np
@@ -15,7 +14,7 @@ import structlog
 from rlmesh.payload import crc32
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.transfer.auth import NONCE_BYTES, PushSession, new_secret
-from rlmesh.transfer.base import ReceiveBuffer, TransferError, raw_frames
+from rlmesh.transfer.base import TransferError, raw_frames
 from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import HEADER, MAGIC, TcpListener, TcpSender
@@ -47,6 +46,20 @@ def closed_by_the_rank(sock: socket.socket) -> bool:
             return sock.recv(1) == b""
         except ConnectionResetError:
             return True
+
+
+async def next_version(instance, tag: str):
+    """What the instance decodes now, and the next version: its number, weights and rank payloads."""
+    before = await greedy(instance.engine, instance.prompts(), f"before-{tag}")
+    version = instance.version + 1
+    weights = perturbed(instance.served, version)
+    return before, version, weights, rank_payloads(weights, instance.model_dir, version)
+
+
+async def assert_still_serves(instance, before, tag: str) -> None:
+    info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
+    assert info.weight_version == instance.version
+    assert await greedy(instance.engine, instance.prompts(), f"after-{tag}") == before
 
 
 def forged_bucket(data: np.ndarray) -> np.ndarray:
@@ -100,11 +113,7 @@ def test_a_connection_silent_past_the_deadline_is_closed_and_logged():
 
 @on_the_instance_loop
 async def test_tcp_connections_without_the_session_answer_are_refused_and_the_push_still_commits(instance):
-    prompts = instance.prompts()
-    before = await greedy(instance.engine, prompts, "before-tcp")
-    version = instance.version + 1
-    weights = perturbed(instance.served, version)
-    payloads = rank_payloads(weights, instance.model_dir, version)
+    before, version, weights, payloads = await next_version(instance, "tcp")
     reply = await begin(instance, payloads, TCP)
     rank0, rank1 = reply.ranks
     assert len(rank0.session_secret) == len(rank1.session_secret) == 32 and rank0.session_secret != rank1.session_secret
@@ -137,9 +146,7 @@ async def test_tcp_connections_without_the_session_answer_are_refused_and_the_pu
     reasons = [e["reason"] for e in logs if e["event"].startswith("weight connection refused")]
     assert len(reasons) == 5 and sum("wrong answer" in r for r in reasons) == 4, reasons
     assert instance.engine.ranks[0].receiver.progress() == (0, len(payloads[0][0].bucket_crc32))
-    info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
-    assert info.weight_version == instance.version
-    assert await greedy(instance.engine, prompts, "after-tcp") == before
+    await assert_still_serves(instance, before, "tcp")
 
     # A connection that holds its challenge unanswered holds up no push.
     silent, _ = await asyncio.to_thread(challenged, rank0.data_address)
@@ -151,11 +158,7 @@ async def test_tcp_connections_without_the_session_answer_are_refused_and_the_pu
 
 @on_the_instance_loop
 async def test_bytes_injected_through_the_transfer_engine_make_the_commit_refused(instance):
-    prompts = instance.prompts()
-    before = await greedy(instance.engine, prompts, "before-mooncake")
-    version = instance.version + 1
-    weights = perturbed(instance.served, version)
-    payloads = rank_payloads(weights, instance.model_dir, version)
+    before, version, weights, payloads = await next_version(instance, "mooncake")
     bucket_bytes = payloads[1][0].bucket_bytes
     reply = await begin(instance, payloads, MOONCAKE)
     proofs = await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
@@ -176,9 +179,7 @@ async def test_bytes_injected_through_the_transfer_engine_make_the_commit_refuse
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "rank 1" in caught.value.details() and "not all the push session's" in caught.value.details()
     assert f"version {instance.version} is still served" in caught.value.details()
-    info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
-    assert info.weight_version == instance.version
-    assert await greedy(instance.engine, prompts, "after-mooncake") == before
+    await assert_still_serves(instance, before, "mooncake")
     # Once its commit began, the buffer is out of the engine's reach.
     with pytest.raises(TransferError, match="failed with status"):
         await asyncio.to_thread(inject)
