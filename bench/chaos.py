@@ -1,7 +1,8 @@
 """The chaos suite (`make chaos`): a real training run of the tiny model under `rlmesh up` while
 random faults hit it (SIGKILL, SIGTERM or a long SIGSTOP of a rollout instance, SIGKILL of the
-weights service mid-push). Training must finish with every accepted prompt trained exactly once;
-faults survived and the time each kind cost go to bench/results/chaos.json."""
+weights service mid-push or of the manager, a cut of a rollout instance's network link). Training
+must finish with every accepted prompt trained exactly once; faults survived and the time each kind
+cost go to bench/results/chaos.json."""
 
 from __future__ import annotations
 
@@ -22,15 +23,23 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.launcher import STATE_FILE, free_port, mesh_processes
+from rlmesh.launcher import STATE_FILE, free_port, mesh_processes, netns_problem
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_weights_mid_push": 2}
-"""How often each kind of fault is drawn, relatively."""
-RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0}
-"""Steps ending this long after a fault count toward its cost (a stop counts its own length + 5 s)."""
+FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_weights_mid_push": 2, "kill_manager": 1,
+                 "cut_network": 1}
+"""How often each kind of fault is drawn, relatively (every kind at least once when there are enough faults)."""
+RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0, "kill_manager": 15.0}
+"""Steps ending this long after a fault count toward its cost (a stop or a cut counts its own length + 5 s)."""
+SHORT_CUT_SECONDS = 4.0
+"""A cut the lease outlasts (heartbeats retry, the instance keeps its work). Cuts alternate between
+long and short, the first long: a long cut lasts as long as a stop, so the lease expires and the
+instance's samples continue elsewhere."""
+REJOIN_TIMEOUT_SECONDS = 90.0
+"""How long an instance whose link came back may take to be in the manager's pool again."""
 WARMUP_STEPS = 3
 TAIL_STEPS = 10
 """Steps trained after the last fault, before the run's end."""
@@ -44,14 +53,36 @@ class Fault:
     """time.time() when it was applied."""
     mid_push: bool = False
     seconds_lost: float = 0.0
+    lasted: float = 0.0
+    """A stop's or a cut's length."""
+    rejoined_after: float | None = None
+    """A cut: seconds from the link's return until the instance was in the manager's pool again (None: never)."""
+
+
+def mesh_state(output_dir: Path) -> dict:
+    try:
+        return json.loads((output_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def rollouts(output_dir: Path) -> dict[str, int]:
-    try:
-        state = json.loads((output_dir / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-    return {r["name"]: r["pid"] for r in state["rollout_instances"]["running"]}
+    state = mesh_state(output_dir)
+    return {r["name"]: r["pid"] for r in state["rollout_instances"]["running"]} if state else {}
+
+
+def rollout_links(output_dir: Path) -> dict[str, str]:
+    """The host-side veth of each rollout instance that runs in its own network namespace."""
+    state = mesh_state(output_dir)
+    return {r["name"]: r["link"] for r in state["rollout_instances"]["running"] if "link" in r} if state else {}
+
+
+def draw_faults(count: int, kinds: dict[str, int], rng: random.Random) -> list[str]:
+    """`count` fault kinds drawn by weight, every kind at least once when `count` allows, in random order."""
+    drawn = list(kinds) if count >= len(kinds) else []
+    drawn += rng.choices(list(kinds), list(kinds.values()), k=count - len(drawn))
+    rng.shuffle(drawn)
+    return drawn
 
 
 def trained_steps(output_dir: Path) -> int:
@@ -66,11 +97,24 @@ class Injector:
 
     def __init__(self, output_dir: Path, weights_address: str, stop_seconds: float, rng: random.Random) -> None:
         self.output_dir = output_dir
-        # A plain (blocking) channel: the injector runs on the suite's own thread, not an event loop.
+        # Plain (blocking) channels: the injector runs on the suite's own threads, not an event loop.
         self.weights = weights_pb2_grpc.WeightsServiceStub(grpc.insecure_channel(weights_address, options=channel_options()))
+        self._manager: manager_pb2_grpc.ManagerServiceStub | None = None
         self.stop_seconds = stop_seconds
         self.rng = rng
         self.stopped: dict[int, threading.Timer] = {}
+        self.cut: dict[str, threading.Timer] = {}
+        """Host-side veth devices taken down, and the timers that bring them up."""
+        self.cuts_made = 0
+        self._watchers: list[threading.Thread] = []
+
+    @property
+    def manager(self) -> manager_pb2_grpc.ManagerServiceStub:
+        """Known once `rlmesh up` wrote mesh.json (the manager's address depends on the namespaces)."""
+        if self._manager is None:
+            address = mesh_state(self.output_dir)["manager"]
+            self._manager = manager_pb2_grpc.ManagerServiceStub(grpc.insecure_channel(address, options=channel_options()))
+        return self._manager
 
     def _pushing(self) -> bool:
         try:
@@ -86,7 +130,52 @@ class Injector:
         except ProcessLookupError:
             pass
 
+    def _in_pool(self, name: str) -> bool:
+        try:
+            reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return False
+        return any(i.instance_id == name and not i.draining for i in reply.instances)
+
+    def _reconnect(self, device: str, name: str, fault: Fault) -> None:
+        self.cut.pop(device, None)
+        subprocess.run(["ip", "link", "set", device, "up"], check=True)
+        back = time.monotonic()
+        while time.monotonic() - back < REJOIN_TIMEOUT_SECONDS:
+            if self._in_pool(name):
+                fault.rejoined_after = time.monotonic() - back
+                return
+            time.sleep(0.2)
+
+    def _cut_network(self) -> Fault | None:
+        links = {name: device for name, device in rollout_links(self.output_dir).items() if device not in self.cut}
+        if not links:
+            return None
+        name = self.rng.choice(sorted(links))
+        device = links[name]
+        fault = Fault("cut_network", name, time.time(), lasted=SHORT_CUT_SECONDS if self.cuts_made % 2 else self.stop_seconds)
+        self.cuts_made += 1
+        subprocess.run(["ip", "link", "set", device, "down"], check=True)
+        # The link comes back, then a watcher times the instance's return to the pool.
+        timer = threading.Timer(fault.lasted, lambda: self._start_watcher(device, name, fault))
+        self.cut[device] = timer
+        timer.start()
+        return fault
+
+    def _start_watcher(self, device: str, name: str, fault: Fault) -> None:
+        watcher = threading.Thread(target=self._reconnect, args=(device, name, fault))
+        self._watchers.append(watcher)
+        watcher.start()
+
     def apply(self, kind: str) -> Fault | None:
+        if kind == "cut_network":
+            return self._cut_network()
+        if kind == "kill_manager":
+            pids = mesh_processes(self.output_dir, "services.manager")
+            if not pids:
+                return None
+            os.kill(pids[0], signal.SIGKILL)
+            return Fault(kind, "manager", time.time())
         if kind == "kill_weights_mid_push":
             deadline = time.monotonic() + 3.0
             mid_push = False
@@ -114,12 +203,19 @@ class Injector:
                 timer.start()
         except ProcessLookupError:
             return None
-        return Fault(kind, name, time.time())
+        return Fault(kind, name, time.time(), lasted=self.stop_seconds if kind == "stop_rollout" else 0.0)
 
     def release(self) -> None:
+        """Continues what is stopped and brings cut links up; waits for the watchers of the cuts."""
         for pid, timer in list(self.stopped.items()):
             timer.cancel()
             self._continue(pid)
+        for device, timer in list(self.cut.items()):
+            timer.cancel()
+            self.cut.pop(device, None)
+            subprocess.run(["ip", "link", "set", device, "up"], check=False)
+        for watcher in self._watchers:
+            watcher.join()
 
 
 def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int]:
@@ -136,13 +232,13 @@ def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int
     }
 
 
-def time_lost(output_dir: Path, faults: list[Fault], stop_seconds: float) -> float:
+def time_lost(output_dir: Path, faults: list[Fault]) -> float:
     """Charges each fault the excess over the median step time of the steps ending in its
     recovery window (overlapping windows charge a step to each fault); returns the median."""
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
     median = statistics.median(s["step_seconds"] for s in steps)
     for fault in faults:
-        window = stop_seconds + 5.0 if fault.kind == "stop_rollout" else RECOVERY_WINDOW_SECONDS[fault.kind]
+        window = fault.lasted + 5.0 if fault.kind in ("stop_rollout", "cut_network") else RECOVERY_WINDOW_SECONDS[fault.kind]
         fault.seconds_lost = sum(max(0.0, s["step_seconds"] - median) for s in steps if fault.at <= s["time"] <= fault.at + window)
     return median
 
@@ -151,13 +247,24 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
               model_dir: Path | None = None, instances: int = 3) -> dict:
     """Runs the mesh and applies a fault every `steps_between_faults` training steps (at a random
     moment within the step), lets training finish, and checks the ledger. Faults are paced by
-    steps rather than seconds, so they all land before the run's last step however slow it gets."""
+    steps rather than seconds, so they all land before the run's last step however slow it gets.
+    Network cuts need network namespaces; without them (not root) that kind is left out, and why
+    is returned in `left_out`."""
     rng = random.Random(seed)
     steps = WARMUP_STEPS + faults * steps_between_faults + TAIL_STEPS
     base_port = free_port()
     command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--rollout-instances", str(instances),
                "--base-port", str(base_port), "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
                "--set", "algorithm.checkpoint_every=100000", "--set", "tasks.0.eval.prompts=16"]
+    kinds = dict(FAULT_WEIGHTS)
+    left_out = {}
+    problem = netns_problem()
+    if problem:
+        del kinds["cut_network"]
+        left_out["cut_network"] = f"no network namespaces: {problem}"
+        print(f"cut_network left out: {left_out['cut_network']}", flush=True)
+    else:
+        command += ["--rollout-netns", "1"]
     if model_dir is not None:
         command += ["--model-dir", str(model_dir)]
     log_path = output_dir.parent / f"{output_dir.name}-console.log"
@@ -168,7 +275,7 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         injector = Injector(output_dir, f"127.0.0.1:{base_port + 1}", stop_seconds, rng)
         try:
-            kinds, weights = zip(*FAULT_WEIGHTS.items())
+            planned = draw_faults(faults, kinds, rng)
             while len(applied) < faults and process.poll() is None:
                 due = WARMUP_STEPS + len(applied) * steps_between_faults
                 while trained_steps(output_dir) < due and process.poll() is None:
@@ -176,10 +283,12 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
                         raise RuntimeError(f"training stalled before step {due}; see {log_path}")
                     time.sleep(0.05)
                 time.sleep(rng.uniform(0.0, 0.5))
-                fault = injector.apply(rng.choices(kinds, weights)[0])
+                # A fault without a target now (every namespaced instance cut already) is tried again.
+                fault = injector.apply(planned[len(applied)])
                 if fault is not None:
                     applied.append(fault)
-                    print(f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}" + (" (mid-push)" if fault.mid_push else ""), flush=True)
+                    print(f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}" + (" (mid-push)" if fault.mid_push else "")
+                          + (f" for {fault.lasted:.0f} s" if fault.lasted else ""), flush=True)
             code = process.wait(timeout=3600)
         finally:
             injector.release()
@@ -191,9 +300,9 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
     if code != 0:
         raise RuntimeError(f"training did not finish (exit {code}); see {log_path}:\n{console[-2000:]}")
     checked = ledger_check(output_dir, steps, 8)
-    median_step = time_lost(output_dir, applied, stop_seconds)
+    median_step = time_lost(output_dir, applied)
     by_kind = {}
-    for kind in FAULT_WEIGHTS:
+    for kind in kinds:
         of_kind = [f for f in applied if f.kind == kind]
         if of_kind:
             by_kind[kind] = {"faults": len(of_kind), "mean_seconds_lost": statistics.mean(f.seconds_lost for f in of_kind),
@@ -205,8 +314,12 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         "wall_seconds": wall,
         "median_step_seconds": median_step,
         "restarts_reported": console.count(" restarted (pid "),
+        "manager_restarts_reported": console.count("manager restarted (pid "),
+        "cuts_not_rejoined": sum(1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None),
+        "max_rejoin_seconds": max((f.rejoined_after or 0.0 for f in applied if f.kind == "cut_network"), default=0.0),
         **checked,
         "by_kind": by_kind,
+        "left_out": left_out,
         "faults": [asdict(f) for f in applied],
     }
 
@@ -215,7 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop-seconds", type=float, default=30.0, help="how long a SIGSTOPped instance stays stopped")
+    parser.add_argument("--stop-seconds", type=float, default=30.0, help="how long a SIGSTOPped instance stays stopped, and a long network cut lasts")
     parser.add_argument("--steps-between-faults", type=int, default=4)
     parser.add_argument("--output-dir", default="runs/chaos")
     args = parser.parse_args()
@@ -223,17 +336,17 @@ def main() -> None:
     if output_dir.exists():
         raise SystemExit(f"{output_dir} exists: the suite needs a fresh run (no checkpoint to resume from)")
     result = run_chaos(args.faults, args.seed, args.stop_seconds, args.steps_between_faults, output_dir)
-    figures = {k: v for k, v in result.items() if k not in ("by_kind", "faults")}
+    figures = {k: v for k, v in result.items() if k not in ("by_kind", "left_out", "faults")}
     for kind, values in result["by_kind"].items():
         figures[f"{kind}/faults"] = values["faults"]
         figures[f"{kind}/mean_seconds_lost"] = values["mean_seconds_lost"]
     write_result("chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
                  {f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
                   for kind, v in result["by_kind"].items()},
-                 {"samples_lost": 0, "samples_duplicated": 0, "faults_survived": f">= {args.faults}"},
-                 {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "instances": 3,
-                  "steps_between_faults": args.steps_between_faults,
-                  "fault_weights": FAULT_WEIGHTS, "fault_list": result["faults"]})
+                 {"samples_lost": 0, "samples_duplicated": 0, "cuts_not_rejoined": 0, "faults_survived": f">= {args.faults}"},
+                 {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "short_cut_seconds": SHORT_CUT_SECONDS,
+                  "instances": 3, "steps_between_faults": args.steps_between_faults, "fault_weights": FAULT_WEIGHTS,
+                  "left_out": result["left_out"], "fault_list": result["faults"]})
 
 
 if __name__ == "__main__":

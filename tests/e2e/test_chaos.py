@@ -1,10 +1,14 @@
 """The chaos suite's short version: ten random faults (SIGKILL, SIGTERM or SIGSTOP of a rollout
-instance, SIGKILL of the weights service mid-push) during a real training run; it finishes and
-every accepted prompt is trained exactly once. `make chaos` runs a hundred."""
+instance, SIGKILL of the weights service mid-push or of the manager, a cut of a namespaced rollout
+instance's link), every kind at least once, during a real training run; it finishes, every accepted
+prompt is trained exactly once and every cut instance rejoins. `make chaos` runs a hundred."""
+
+import subprocess
 
 import pytest
 
-from bench.chaos import run_chaos
+from bench.chaos import FAULT_WEIGHTS, run_chaos
+from rlmesh.launcher import mesh_tag
 
 pytestmark = pytest.mark.e2e
 
@@ -16,3 +20,10 @@ def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
     assert (result["samples_lost"], result["samples_duplicated"], result["groups_short"]) == (0, 0, 0)
     # Two faults may hit one process before its restart, so restarts can be fewer than faults.
     assert result["restarts_reported"] > 0
+    # Network cuts need root; without it they are left out and the result says why.
+    assert set(result["by_kind"]) | set(result["left_out"]) == set(FAULT_WEIGHTS)
+    assert result["manager_restarts_reported"] == result["by_kind"]["kill_manager"]["faults"]
+    assert result["cuts_not_rejoined"] == 0
+    if "cut_network" in result["by_kind"]:
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert mesh_tag(tmp_path / "run") not in namespaces
