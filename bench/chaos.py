@@ -57,6 +57,8 @@ class Fault:
     """A stop's or a cut's length."""
     rejoined_after: float | None = None
     """A cut: seconds from the link's return until the instance was in the manager's pool again (None: never)."""
+    outlasted_run: bool = False
+    """A cut that training ended during: the link came back with the mesh already stopping."""
 
 
 def mesh_state(output_dir: Path) -> dict:
@@ -103,10 +105,11 @@ class Injector:
         self.stop_seconds = stop_seconds
         self.rng = rng
         self.stopped: dict[int, threading.Timer] = {}
-        self.cut: dict[str, threading.Timer] = {}
-        """Host-side veth devices taken down, and the timers that bring them up."""
+        self.cut: dict[str, tuple[threading.Timer, Fault]] = {}
+        """Host-side veth devices taken down, with the timers that bring them up and their faults."""
         self.cuts_made = 0
-        self._watchers: list[threading.Thread] = []
+        self._reconnections: list[threading.Timer] = []
+        self._run_ended = threading.Event()
 
     @property
     def manager(self) -> manager_pb2_grpc.ManagerServiceStub:
@@ -138,10 +141,15 @@ class Injector:
         return any(i.instance_id == name and not i.draining for i in reply.instances)
 
     def _reconnect(self, device: str, name: str, fault: Fault) -> None:
+        """Brings the link up, then times the instance's return to the pool."""
         self.cut.pop(device, None)
-        subprocess.run(["ip", "link", "set", device, "up"], check=True)
+        # Unchecked: after the run the launcher has deleted the device, and a link that stays down shows as no rejoin.
+        subprocess.run(["ip", "link", "set", device, "up"], check=False)
         back = time.monotonic()
         while time.monotonic() - back < REJOIN_TIMEOUT_SECONDS:
+            if self._run_ended.is_set():
+                fault.outlasted_run = True
+                return
             if self._in_pool(name):
                 fault.rejoined_after = time.monotonic() - back
                 return
@@ -156,16 +164,11 @@ class Injector:
         fault = Fault("cut_network", name, time.time(), lasted=SHORT_CUT_SECONDS if self.cuts_made % 2 else self.stop_seconds)
         self.cuts_made += 1
         subprocess.run(["ip", "link", "set", device, "down"], check=True)
-        # The link comes back, then a watcher times the instance's return to the pool.
-        timer = threading.Timer(fault.lasted, lambda: self._start_watcher(device, name, fault))
-        self.cut[device] = timer
+        timer = threading.Timer(fault.lasted, self._reconnect, (device, name, fault))
+        self.cut[device] = (timer, fault)
+        self._reconnections.append(timer)
         timer.start()
         return fault
-
-    def _start_watcher(self, device: str, name: str, fault: Fault) -> None:
-        watcher = threading.Thread(target=self._reconnect, args=(device, name, fault))
-        self._watchers.append(watcher)
-        watcher.start()
 
     def apply(self, kind: str) -> Fault | None:
         if kind == "cut_network":
@@ -206,16 +209,19 @@ class Injector:
         return Fault(kind, name, time.time(), lasted=self.stop_seconds if kind == "stop_rollout" else 0.0)
 
     def release(self) -> None:
-        """Continues what is stopped and brings cut links up; waits for the watchers of the cuts."""
+        """Continues what is stopped and brings cut links up (marking the cuts the run outlasted);
+        waits for the reconnections under way."""
+        self._run_ended.set()
         for pid, timer in list(self.stopped.items()):
             timer.cancel()
             self._continue(pid)
-        for device, timer in list(self.cut.items()):
+        for device, (timer, fault) in list(self.cut.items()):
             timer.cancel()
             self.cut.pop(device, None)
+            fault.outlasted_run = True
             subprocess.run(["ip", "link", "set", device, "up"], check=False)
-        for watcher in self._watchers:
-            watcher.join()
+        for timer in self._reconnections:
+            timer.join()
 
 
 def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int]:
@@ -315,7 +321,7 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         "median_step_seconds": median_step,
         "restarts_reported": console.count(" restarted (pid "),
         "manager_restarts_reported": console.count("manager restarted (pid "),
-        "cuts_not_rejoined": sum(1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None),
+        "cuts_not_rejoined": sum(1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None and not f.outlasted_run),
         "max_rejoin_seconds": max((f.rejoined_after or 0.0 for f in applied if f.kind == "cut_network"), default=0.0),
         **checked,
         "by_kind": by_kind,
