@@ -1,5 +1,6 @@
 """The `rlmesh` command: `up` runs a training job on the whole mesh locally, `<service>` runs one
-service, `init-model` creates a built-in model, `health` checks a service, `certs` makes mTLS certificates."""
+service, `init-model` creates a built-in model, `health` checks a service, `drain` takes a rollout instance out
+of the pool, `certs` makes mTLS certificates."""
 
 from __future__ import annotations
 
@@ -199,19 +200,59 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _health(args: argparse.Namespace) -> int:
+def _call_with_tls_dir(args: argparse.Namespace) -> bool:
+    """Makes this process's calls use mutual TLS when --tls-dir is given; False (after saying why)
+    when its files are unusable."""
     from rlmesh.config import ConfigError, TlsFiles
-    from rlmesh.rpc import check_health, use_tls
+    from rlmesh.rpc import use_tls
 
     if args.tls_dir:
         try:
             use_tls(TlsFiles.in_directory(args.tls_dir, args.tls_name))
         except ConfigError as exc:
-            print(f"rlmesh health: {exc}", file=sys.stderr)
-            return 2
+            print(f"rlmesh {args.command}: {exc}", file=sys.stderr)
+            return False
+    return True
+
+
+def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
+    parser.add_argument("--tls-name", default="client", metavar="NAME",
+                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client)")
+
+
+def _health(args: argparse.Namespace) -> int:
+    from rlmesh.rpc import check_health
+
+    if not _call_with_tls_dir(args):
+        return 2
     healthy = asyncio.run(check_health(args.address, timeout=args.timeout))
     print("SERVING" if healthy else "NOT SERVING")
     return 0 if healthy else 1
+
+
+async def _drain_instance(address: str, reason: str, timeout: float) -> int:
+    from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+    from rlmesh.rpc import call_options, open_channel
+
+    async with open_channel(address) as channel:
+        reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(rollout_pb2.DrainRequest(reason=reason),
+                                                                         **call_options(timeout))
+    return reply.handed_back_requests
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import grpc
+
+    if not _call_with_tls_dir(args):
+        return 2
+    try:
+        handed_back = asyncio.run(_drain_instance(args.address, args.reason, args.timeout))
+    except grpc.aio.AioRpcError as exc:
+        print(f"rlmesh drain: {args.address} did not drain: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.address} drained: {handed_back} requests handed back to the manager with their tokens")
+    return 0
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -344,10 +385,19 @@ def build_parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)
-    health.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
-    health.add_argument("--tls-name", default="client", metavar="NAME",
-                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client)")
+    _add_tls_arguments(health)
     health.set_defaults(handler=_health)
+    drain = commands.add_parser("drain", help="take a rollout instance out of the pool: it hands its requests back "
+                                              "to the manager with their tokens, deregisters and exits",
+                                description="Call Drain on a rollout instance and wait until it has handed its "
+                                            "requests back (exit 0), or say why not (exit 1). A Kubernetes preStop "
+                                            "hook runs it before a preempted pod stops.")
+    drain.add_argument("address", help="the instance's host:port")
+    drain.add_argument("--reason", default="drain requested", help="logged by the instance (default: drain requested)")
+    drain.add_argument("--timeout", type=float, default=30.0,
+                       help="seconds to wait for the drain; longer than the instance's drain_timeout_seconds (default 30)")
+    _add_tls_arguments(drain)
+    drain.set_defaults(handler=_drain)
     certs = commands.add_parser("certs", help="create a local CA and a mutual-TLS certificate for each service",
                                 description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer and "
                                             "client, NAME.pem and NAME-key.pem (keys mode 0600). Valid ones already "
