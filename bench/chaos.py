@@ -133,6 +133,13 @@ class Injector:
         except ProcessLookupError:
             pass
 
+    def _manager_serves(self) -> bool:
+        try:
+            self.manager.GetStatus(manager_pb2.GetStatusRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return True
+
     def _in_pool(self, name: str) -> bool:
         try:
             reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0)
@@ -174,8 +181,10 @@ class Injector:
         if kind == "cut_network":
             return self._cut_network()
         if kind == "kill_manager":
+            # Only a manager that serves: one still starting from its journal is not killed mid-run, and
+            # killing it again at once only grows its restart backoff until the trainer stops waiting.
             pids = mesh_processes(self.output_dir, "services.manager")
-            if not pids:
+            if not pids or not self._manager_serves():
                 return None
             os.kill(pids[0], signal.SIGKILL)
             return Fault(kind, "manager", time.time())
