@@ -29,7 +29,8 @@ log = structlog.get_logger()
 
 _STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch"})
 # Subclasses before their bases: the first match names the error.
-_ERROR_KINDS = ((UnprovenPayload, "unproven"), (TransferError, "transfer"), (InvalidArgument, "invalid"), (FailedPrecondition, "precondition"), (ValueError, "invalid"))
+_ERROR_KINDS = ((UnprovenPayload, "unproven"), (TransferError, "transfer"), (InvalidArgument, "invalid"),
+                (FailedPrecondition, "precondition"), (ValueError, "invalid"))
 
 
 def replay_steps(channel: Connection, runner: RankRunner) -> None:
