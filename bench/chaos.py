@@ -38,6 +38,9 @@ SHORT_CUT_SECONDS = 4.0
 """A cut the lease outlasts (heartbeats retry, the instance keeps its work). Cuts alternate between
 long and short, the first long: a long cut lasts as long as a stop, so the lease expires and the
 instance's samples continue elsewhere."""
+MANAGER_RECOVERY_STEPS = 2
+"""Steps trained after a manager kill before the next one: the first may use rollouts delivered
+before the kill, the second needs the restarted manager."""
 REJOIN_TIMEOUT_SECONDS = 90.0
 """How long an instance whose link came back may take to be in the manager's pool again."""
 WARMUP_STEPS = 3
@@ -109,6 +112,7 @@ class Injector:
         """Host-side veth devices taken down, with the timers that bring them up and their faults."""
         self.cuts_made = 0
         self._reconnections: list[threading.Timer] = []
+        self._manager_killed_at_step = -MANAGER_RECOVERY_STEPS
         self._run_ended = threading.Event()
 
     @property
@@ -181,12 +185,18 @@ class Injector:
         if kind == "cut_network":
             return self._cut_network()
         if kind == "kill_manager":
-            # Only a manager that serves: one still starting from its journal is not killed mid-run, and
-            # killing it again at once only grows its restart backoff until the trainer stops waiting.
+            # Only a manager that serves a mesh that trains again: killing one still starting from its
+            # journal, or again before training recovered, is not a kill mid-run; it only grows the
+            # restart backoff until the trainer stops waiting (a suite behind schedule applies faults
+            # back to back).
+            step = trained_steps(self.output_dir)
+            if step < self._manager_killed_at_step + MANAGER_RECOVERY_STEPS:
+                return None
             pids = mesh_processes(self.output_dir, "services.manager")
             if not pids or not self._manager_serves():
                 return None
             os.kill(pids[0], signal.SIGKILL)
+            self._manager_killed_at_step = step
             return Fault(kind, "manager", time.time())
         if kind == "kill_weights_mid_push":
             deadline = time.monotonic() + 3.0
