@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -33,7 +34,8 @@ FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_
                  "cut_network": 1}
 """How often each kind of fault is drawn, relatively (every kind at least once when there are enough faults)."""
 RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0, "kill_manager": 15.0}
-"""Steps ending this long after a fault count toward its cost (a stop or a cut counts its own length + 5 s)."""
+"""Steps ending this long after a fault (after a manager's restart wait) count toward its cost (a
+stop or a cut counts its own length + 5 s)."""
 SHORT_CUT_SECONDS = 4.0
 """A cut the lease outlasts (heartbeats retry, the instance keeps its work). Cuts alternate between
 long and short, the first long: a long cut lasts as long as a stop, so the lease expires and the
@@ -57,7 +59,7 @@ class Fault:
     mid_push: bool = False
     seconds_lost: float = 0.0
     lasted: float = 0.0
-    """A stop's or a cut's length."""
+    """A stop's or a cut's length; for a manager kill, the wait before the launcher restarted it."""
     rejoined_after: float | None = None
     """A cut: seconds from the link's return until the instance was in the manager's pool again (None: never)."""
     outlasted_run: bool = False
@@ -109,7 +111,8 @@ class Injector:
         self.rng = rng
         self.stopped: dict[int, threading.Timer] = {}
         self.cut: dict[str, tuple[threading.Timer, Fault]] = {}
-        """Host-side veth devices taken down, with the timers that bring them up and their faults."""
+        """Host-side veth devices cut and not yet seen back in the pool, with the timers that bring
+        them up and their faults: a device is cut again only once its instance rejoined."""
         self.cuts_made = 0
         self._reconnections: list[threading.Timer] = []
         self._manager_killed_at_step = -MANAGER_RECOVERY_STEPS
@@ -153,18 +156,18 @@ class Injector:
 
     def _reconnect(self, device: str, name: str, fault: Fault) -> None:
         """Brings the link up, then times the instance's return to the pool."""
-        self.cut.pop(device, None)
         # Unchecked: after the run the launcher has deleted the device, and a link that stays down shows as no rejoin.
         subprocess.run(["ip", "link", "set", device, "up"], check=False)
         back = time.monotonic()
         while time.monotonic() - back < REJOIN_TIMEOUT_SECONDS:
             if self._run_ended.is_set():
                 fault.outlasted_run = True
-                return
+                break
             if self._in_pool(name):
                 fault.rejoined_after = time.monotonic() - back
-                return
+                break
             time.sleep(0.2)
+        self.cut.pop(device, None)
 
     def _cut_network(self) -> Fault | None:
         links = {name: device for name, device in rollout_links(self.output_dir).items() if device not in self.cut}
@@ -236,8 +239,7 @@ class Injector:
             self._continue(pid)
         for device, (timer, fault) in list(self.cut.items()):
             timer.cancel()
-            self.cut.pop(device, None)
-            fault.outlasted_run = True
+            fault.outlasted_run = fault.rejoined_after is None
             subprocess.run(["ip", "link", "set", device, "up"], check=False)
         for timer in self._reconnections:
             timer.join()
@@ -257,13 +259,24 @@ def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int
     }
 
 
+def note_manager_waits(console: str, faults: list[Fault]) -> None:
+    """Sets each manager kill's `lasted` to the wait the launcher announced before restarting it
+    (it grows with restarts in a row), so the steps its outage stretched fall in its window."""
+    waits = [float(wait) for wait in re.findall(r"^manager exited \(.*?\); restarting in (\d+) s", console, re.MULTILINE)]
+    for fault, wait in zip((f for f in faults if f.kind == "kill_manager"), waits):
+        fault.lasted = wait
+
+
 def time_lost(output_dir: Path, faults: list[Fault]) -> float:
     """Charges each fault the excess over the median step time of the steps ending in its
     recovery window (overlapping windows charge a step to each fault); returns the median."""
     steps = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if '"reward"' in line]
     median = statistics.median(s["step_seconds"] for s in steps)
     for fault in faults:
-        window = fault.lasted + 5.0 if fault.kind in ("stop_rollout", "cut_network") else RECOVERY_WINDOW_SECONDS[fault.kind]
+        if fault.kind in ("stop_rollout", "cut_network"):
+            window = fault.lasted + 5.0
+        else:
+            window = fault.lasted + RECOVERY_WINDOW_SECONDS[fault.kind]
         fault.seconds_lost = sum(max(0.0, s["step_seconds"] - median) for s in steps if fault.at <= s["time"] <= fault.at + window)
     return median
 
@@ -325,6 +338,7 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
     if code != 0:
         raise RuntimeError(f"training did not finish (exit {code}); see {log_path}:\n{console[-2000:]}")
     checked = ledger_check(output_dir, steps, 8)
+    note_manager_waits(console, applied)
     median_step = time_lost(output_dir, applied)
     by_kind = {}
     for kind in kinds:
