@@ -186,25 +186,29 @@ def send_frames(address: str, session: PushSession, frames: Iterable[Frame], tim
     bytes landed. Blocking: run it on a thread. `cancelled` is polled between frames (a newer version)."""
     version = session.version
     host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        _tune(sock)
-        nonce = bytearray(NONCE_BYTES)
-        _recv_exactly(sock, memoryview(nonce))
-        sock.sendall(session.answer(bytes(nonce)))
-        if sock.recv(len(ACCEPTED)) != ACCEPTED:
-            raise TransferError(f"rank at {address} refused the answer to its challenge for version {version} "
-                                "(a push session it no longer holds)")
-        for offset, raw_bytes, compression, base_version, data in frames:
-            if cancelled():
-                raise Superseded(f"push of version {version} was superseded")
-            sock.sendall(HEADER.pack(MAGIC, version, offset, raw_bytes, len(data), compression, base_version))
-            sock.sendall(data)
-        sock.sendall(HEADER.pack(MAGIC, version, 0, 0, 0, 0, -1))
-        status = bytearray(STATUS.size)
-        _recv_exactly(sock, memoryview(status))
-        ok, landed, length = STATUS.unpack(status)
-        message = bytearray(length)
-        _recv_exactly(sock, memoryview(message))
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            _tune(sock)
+            nonce = bytearray(NONCE_BYTES)
+            _recv_exactly(sock, memoryview(nonce))
+            sock.sendall(session.answer(bytes(nonce)))
+            if sock.recv(len(ACCEPTED)) != ACCEPTED:
+                raise TransferError(f"rank at {address} refused the answer to its challenge for version {version} "
+                                    "(a push session it no longer holds)")
+            for offset, raw_bytes, compression, base_version, data in frames:
+                if cancelled():
+                    raise Superseded(f"push of version {version} was superseded")
+                sock.sendall(HEADER.pack(MAGIC, version, offset, raw_bytes, len(data), compression, base_version))
+                sock.sendall(data)
+            sock.sendall(HEADER.pack(MAGIC, version, 0, 0, 0, 0, -1))
+            status = bytearray(STATUS.size)
+            _recv_exactly(sock, memoryview(status))
+            ok, landed, length = STATUS.unpack(status)
+            message = bytearray(length)
+            _recv_exactly(sock, memoryview(message))
+    except OSError as exc:
+        # A rank that died or was cut off mid-push: a failed push the pusher retries with backoff.
+        raise TransferError(f"connection to the rank at {address} failed during version {version}: {exc}") from exc
     if not ok:
         raise TransferError(f"rank at {address} refused version {version}: {message.decode()}")
     return landed

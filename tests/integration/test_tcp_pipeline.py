@@ -7,11 +7,13 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
+from rlmesh.launcher import free_port
 from rlmesh.payload import pack
 from rlmesh.transfer.auth import PushSession, new_secret
-from rlmesh.transfer.base import ReceiveBuffer, raw_frames
+from rlmesh.transfer.base import ReceiveBuffer, TransferError, raw_frames
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener, send_frames
 from services.weights.store import RankPayload
@@ -68,3 +70,11 @@ def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent()
     assert landed == [rank.manifest.total_bytes]
     assert receiver.wait_verified(version, WAIT_SECONDS) == []
     assert np.array_equal(buffer.tensor[: rank.manifest.total_bytes].numpy(), rank.payload.numpy())
+
+
+def test_a_rank_gone_mid_push_is_a_transfer_error_the_pusher_retries():
+    """A refused or reset connection surfaces as TransferError (counted, backed off), not a bare OSError."""
+    rank = payload(4)
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TransferError, match=f"connection to the rank at {address} failed during version 4"):
+        send_frames(address, PushSession(SECRET, 4, 0), raw_frames(rank.manifest, rank.payload), WAIT_SECONDS)
