@@ -302,7 +302,7 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         left_out["cut_network"] = f"no network namespaces: {problem}"
         print(f"cut_network left out: {left_out['cut_network']}", flush=True)
     else:
-        command += ["--rollout-netns", "1"]
+        command += ["--rollout-netns", "2"]
     if model_dir is not None:
         command += ["--model-dir", str(model_dir)]
     log_path = output_dir.parent / f"{output_dir.name}-console.log"
@@ -321,9 +321,13 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
                         raise RuntimeError(f"training stalled before step {due}; see {log_path}")
                     time.sleep(0.05)
                 time.sleep(rng.uniform(0.0, 0.5))
-                # A fault without a target now (every namespaced instance cut already) is tried again.
                 fault = injector.apply(planned[len(applied)])
-                if fault is not None:
+                if fault is None:
+                    # No target now (the manager not recovered yet, the namespaced instance not back
+                    # from its last cut): the next planned fault goes first, this one is tried after it.
+                    if len(applied) + 1 < len(planned):
+                        planned.insert(len(applied) + 1, planned.pop(len(applied)))
+                else:
                     applied.append(fault)
                     print(f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}" + (" (mid-push)" if fault.mid_push else "")
                           + (f" for {fault.lasted:.0f} s" if fault.lasted else ""), flush=True)
