@@ -30,9 +30,11 @@ class ManagerConfig(StrictModel):
     """A SQLite file (WAL mode) recording accepted batches, every request's tokens so far, the
     groups sent, the published version and the instance registry: a manager restarted on it goes
     on where the killed one stopped. "" keeps everything in memory only."""
-    journal_flush_seconds: float = Field(default=0.1, gt=0)
+    journal_flush_seconds: float = Field(default=0.5, gt=0)
     """How often tokens generated since the last write reach the journal (accepted batches, sent
-    groups, registrations and versions are written before their reply)."""
+    groups, registrations and versions are written before their reply). A restarted manager
+    regenerates at most this long's tokens; each write rewrites the token arrays of the requests
+    that grew, so writing more often costs relay throughput."""
     registration_token: str = ""
     """A shared secret rollout instances must present (`authorization: Bearer <token>`) to register,
     heartbeat and leave; others get UNAUTHENTICATED. "" accepts any caller (mutual TLS, when on,

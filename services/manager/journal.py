@@ -13,7 +13,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from services.manager.state import Batch, Instance, ManagerState, SampleRequest
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when the tables change; a journal of another format is refused, not misread."""
 
 _SCHEMA = """
@@ -34,20 +34,30 @@ CREATE TABLE IF NOT EXISTS instances (
 """
 
 
-def _ids(values: list[int]) -> bytes:
+# The widths the contracts carry (uint32 token ids, float logprobs, int64 versions): every token is
+# written again at each flush of its request, so the journal writes no byte the wire did not carry.
+def _token_ids(values: list[int]) -> bytes:
+    return array("I", values).tobytes()
+
+
+def _token_ids_from(blob: bytes) -> list[int]:
+    return array("I", blob).tolist()
+
+
+def _versions(values: list[int]) -> bytes:
     return array("q", values).tobytes()
 
 
-def _ids_from(blob: bytes) -> list[int]:
+def _versions_from(blob: bytes) -> list[int]:
     return array("q", blob).tolist()
 
 
-def _floats(values: list[float]) -> bytes:
-    return array("d", values).tobytes()
+def _logprobs(values: list[float]) -> bytes:
+    return array("f", values).tobytes()
 
 
-def _floats_from(blob: bytes) -> list[float]:
-    return array("d", blob).tolist()
+def _logprobs_from(blob: bytes) -> list[float]:
+    return array("f", blob).tolist()
 
 
 class Journal:
@@ -94,9 +104,9 @@ class Journal:
                 sampling = common_pb2.SamplingParams()
                 sampling.ParseFromString(row[3])
                 groups[row[1]].append(SampleRequest(
-                    request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_ids_from(row[2]), sampling=sampling,
-                    policy_version=row[4], token_ids=_ids_from(row[5]), logprobs=_floats_from(row[6]),
-                    weight_versions=_ids_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
+                    request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_token_ids_from(row[2]),
+                    sampling=sampling, policy_version=row[4], token_ids=_token_ids_from(row[5]), logprobs=_logprobs_from(row[6]),
+                    weight_versions=_versions_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
                     migrations=row[11],
                 ))
             for group in groups.values():
@@ -124,13 +134,25 @@ class Journal:
                     "SET sent = excluded.sent, error = excluded.error",
                     (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error),
                 )
+            requests = [state.requests[i] for i in changed.requests if i in state.requests]
+            new = [r for r in requests if r.request_id in changed.new_requests]
             db.executemany(
                 "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (r.request_id, r.batch_id, r.prompt_id, _ids(r.prompt_token_ids), r.sampling.SerializeToString(), r.policy_version,
-                     _ids(r.token_ids), _floats(r.logprobs), _ids(r.weight_versions), json.dumps(r.instance_ids), r.finish_reason,
-                     r.attempt, r.migrations)
-                    for r in (state.requests[i] for i in changed.requests if i in state.requests)
+                    (r.request_id, r.batch_id, r.prompt_id, _token_ids(r.prompt_token_ids), r.sampling.SerializeToString(),
+                     r.policy_version, _token_ids(r.token_ids), _logprobs(r.logprobs), _versions(r.weight_versions),
+                     json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations)
+                    for r in new
+                ],
+            )
+            # Requests written before change only in how far they got.
+            db.executemany(
+                "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, finish_reason = ?, "
+                "attempt = ?, migrations = ? WHERE request_id = ?",
+                [
+                    (_token_ids(r.token_ids), _logprobs(r.logprobs), _versions(r.weight_versions), json.dumps(r.instance_ids),
+                     r.finish_reason, r.attempt, r.migrations, r.request_id)
+                    for r in requests if r.request_id not in changed.new_requests
                 ],
             )
             for instance_id in changed.dropped_instances - state.instances.keys():

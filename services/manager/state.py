@@ -157,6 +157,8 @@ class Changed:
     """What changed since the journal last wrote: records to write again, or to delete."""
 
     requests: set[str] = field(default_factory=set)
+    new_requests: set[str] = field(default_factory=set)
+    """Submitted since the last write: written whole, the others only in their progress."""
     batches: set[str] = field(default_factory=set)
     forgotten_batches: set[str] = field(default_factory=set)
     instances: set[str] = field(default_factory=set)
@@ -167,7 +169,7 @@ class Changed:
         return bool(self.requests or self.batches or self.forgotten_batches or self.instances or self.dropped_instances or self.counters)
 
     def absorb(self, other: Changed) -> None:
-        for name in ("requests", "batches", "forgotten_batches", "instances", "dropped_instances"):
+        for name in ("requests", "new_requests", "batches", "forgotten_batches", "instances", "dropped_instances"):
             getattr(self, name).update(getattr(other, name))
         self.counters = self.counters or other.counters
 
@@ -394,6 +396,7 @@ class ManagerState:
                 self.requests[request.request_id] = request
                 self.queue.append(request)
                 self.changed.requests.add(request.request_id)
+                self.changed.new_requests.add(request.request_id)
         return sum(len(g) for g in groups.values())
 
     def assign(self) -> list[Assignment]:

@@ -57,7 +57,7 @@ def test_a_restarted_manager_goes_on_from_the_journal(tmp_path):
     first, second = assignments[0], assignments[1]
     state.record_chunk(first.request.request_id, first.attempt, [1, 2], [-0.5, -0.25], [3, 3], STOP)
     state.record_chunk(second.request.request_id, second.attempt, [4], [-1.0], [3], STOP)
-    state.record_chunk(assignments[2].request.request_id, assignments[2].attempt, [8, 9], [-0.1, -0.2], [3, 3], NONE)
+    state.record_chunk(assignments[2].request.request_id, assignments[2].attempt, [8, 9], [-0.125, -0.375], [3, 3], NONE)
     sent, remaining = state.take_micro_batch("b1", 1)
     assert remaining == 1
     journal.flush(state)
