@@ -386,7 +386,7 @@ class ManagerState:
             own = entry[3] if len(entry) > 3 and entry[3] is not None else sampling
             groups[prompt_id] = [
                 SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids),
-                              per_sample_sampling(own, f"{batch_id}/{prompt_id}/{i}"), policy_version)
+                              per_sample_sampling(own, prompt_id, i), policy_version)
                 for i in range(n)
             ]
         self.batches[batch_id] = Batch(batch_id, policy_version, groups, submitted_at=self.clock())
@@ -472,8 +472,18 @@ class ManagerState:
             assignments.append(self._start(request, instance))
         return assignments
 
+    def within_capacity(self, request: SampleRequest) -> bool:
+        """The capacity rule (AReaL, SkyRL): a sample enters generation only while
+        accepted + running <= (max_staleness + v + 1) * B, v the published version and B the
+        samples of a step. A step's batch carries the version it will be trained at, so in
+        versions the rule reads: policy_version <= v + max_staleness. Nothing generated is then
+        ever older than policy_version - max_staleness when it is trained, and a group a trainer
+        drops and refills for the same step stays within the rule: it cannot deadlock."""
+        return request.policy_version <= self.published_version + self.max_staleness
+
     def _fresh_enough(self, instance: Instance, request: SampleRequest) -> bool:
-        return instance.schedulable and instance.weight_version >= request.policy_version - self.max_staleness
+        return (instance.schedulable and self.within_capacity(request)
+                and instance.weight_version >= request.policy_version - self.max_staleness)
 
     def _eligible(self, request: SampleRequest) -> list[Instance]:
         return [i for i in self.instances.values() if self._fresh_enough(i, request) and i.free_slots > 0]
@@ -815,12 +825,13 @@ def check_sampling(sampling: common_pb2.SamplingParams, where: str) -> None:
         raise InvalidArgument(f"{where}.{problem}")
 
 
-def per_sample_sampling(sampling: common_pb2.SamplingParams, request_id: str) -> common_pb2.SamplingParams:
-    """A seeded batch gives each sample its own seed, derived from the batch's: samples of a
-    group must differ, and a rerun must draw the same."""
+def per_sample_sampling(sampling: common_pb2.SamplingParams, prompt_id: str, index: int) -> common_pb2.SamplingParams:
+    """A seeded prompt gives each of its samples its own seed, derived from the prompt's: samples
+    of a group must differ, and a rerun must draw the same. The batch id plays no part: a prompt
+    submitted again under another batch (a trainer resuming) draws what it drew the first time."""
     params = common_pb2.SamplingParams()
     params.CopyFrom(sampling)
     if sampling.seed:
-        digest = hashlib.blake2b(f"{sampling.seed}:{request_id}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{sampling.seed}:{prompt_id}/{index}".encode(), digest_size=8).digest()
         params.seed = (int.from_bytes(digest, "little") % MAX_SEED) or 1
     return params

@@ -45,6 +45,7 @@ def test_dispatch_prefers_fewest_outstanding_tokens():
 def test_staleness_gate_holds_samples_until_a_fresh_enough_instance():
     state = state_with({"a": 0}, max_staleness=0)
     state.submit("step1", 1, [("p", [1], 2)], sampling())
+    state.publish(1)
     assert state.assign() == []
     beat(state, "a", 1, now=1)
     assert len(state.assign()) == 2
@@ -54,8 +55,66 @@ def test_staleness_one_lets_a_version_lag_by_one():
     state = state_with({"a": 0}, max_staleness=1)
     state.submit("step1", 1, [("p", [1], 1)], sampling())
     state.submit("step2", 2, [("p", [1], 1)], sampling())
+    state.publish(1)
     assigned = state.assign()
     assert [a.request.batch_id for a in assigned] == ["step1"]
+
+
+def test_the_capacity_rule_holds_a_step_until_the_trainer_is_within_staleness_of_it():
+    state = state_with({"a": 0}, max_staleness=1)
+    state.submit("step2", 2, [("p", [1], 1)], sampling())
+    beat(state, "a", 1, now=1)
+    # The instance is fresh enough (1 >= 2 - 1) but the trainer has published only 0.
+    assert state.assign() == []
+    state.publish(1)
+    assert [a.request.batch_id for a in state.assign()] == ["step2"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    staleness=st.integers(0, 3),
+    batch_size=st.integers(1, 4),
+    events=st.lists(st.sampled_from(["submit", "push", "publish", "finish", "drop"]), min_size=1, max_size=60),
+)
+def test_accepted_plus_running_never_exceeds_the_capacity(staleness, batch_size, events):
+    """accepted + running <= (eta + v + 1) * B at every dispatch, every refill of a dropped group
+    is dispatched once the trainer reaches it, and everything submitted is dispatched in the end."""
+    state = state_with({"a": 0}, max_staleness=staleness)
+    state.instances["a"].max_batch_size = 10_000
+    submitted_steps, started, dropped, finished = 0, [], 0, set()
+
+    def dispatch() -> None:
+        for assignment in state.assign():
+            started.append(assignment.request)
+            accepted_or_running = len(started) - dropped
+            assert accepted_or_running <= (staleness + state.published_version + 1) * batch_size
+            assert assignment.request.policy_version <= state.published_version + staleness
+
+    for event in events:
+        if event == "submit":
+            state.submit(f"step{submitted_steps}", submitted_steps, [(f"p{i}", [1], 1) for i in range(batch_size)], sampling(1))
+            submitted_steps += 1
+        elif event == "push" and state.instances["a"].weight_version == state.published_version:
+            # The weights service pushes a version before the trainer announces it to the manager.
+            beat(state, "a", state.published_version + 1, now=0)
+        elif event == "publish" and state.instances["a"].weight_version > state.published_version:
+            state.publish(state.instances["a"].weight_version)
+        elif event in ("finish", "drop"):
+            running = [r for r in started if r.request_id not in finished]
+            if running:
+                request = running[0]
+                finished.add(request.request_id)
+                state.record_chunk(request.request_id, request.attempt, [1], [0.0], [state.instances["a"].weight_version], STOP)
+                if event == "drop":
+                    # The trainer drops the group (all rewards equal) and refills it for the same step.
+                    dropped += 1
+                    state.submit(f"refill{dropped}", request.policy_version, [("r", [1], 1)], sampling(1))
+        dispatch()
+    while state.published_version + 1 < submitted_steps:
+        beat(state, "a", state.published_version + 1, now=0)
+        state.publish(state.published_version + 1)
+        dispatch()
+    assert not state.queue
 
 
 def test_a_late_joiner_waits_for_the_published_version():
