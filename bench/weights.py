@@ -360,7 +360,7 @@ def real_step_delta() -> dict[str, float]:
     from rlmesh.payload import pack
     from rlmesh.tasks.increment import make_problem, reward
     from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-    from services.trainer.grpo import group_advantages, grpo_loss
+    from services.trainer.grpo import group_advantages, policy_loss
     from services.weights.encoding import EncodedPayload
     from services.weights.store import RankPayload
 
@@ -386,7 +386,8 @@ def real_step_delta() -> dict[str, float]:
     batch = build_micro_batch(samples, pad)
     model.train()
     logprobs = token_logprobs(model, batch, 1.0)
-    loss, _ = grpo_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask, 0.2, len(samples))
+    loss_sum, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.response_mask)
+    loss = loss_sum / len(samples)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-4)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

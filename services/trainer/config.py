@@ -10,14 +10,51 @@ from rlmesh.config import ServerConfig, StrictModel
 from rlmesh.job import check_batch_shape
 from rlmesh.tasks.config import TaskConfig
 
+LossKind = Literal["ppo", "decoupled", "tis"]
+LossAggregation = Literal["sequence-mean", "token-mean"]
+
 
 class GrpoConfig(StrictModel):
     learning_rate: float = Field(default=3e-4, gt=0)
+    loss: LossKind = "ppo"
+    """The policy loss (`services/trainer/grpo.py`, `policy_loss`): `ppo` clips the ratio to the
+    behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
+    decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
+    start of the training step and pi_prox / pi_behav weighs each token, tokens beyond
+    importance_cap dropped; `tis` is truncated importance sampling for on-policy runs whose engine
+    computes probabilities differently from the trainer: the same, with the weight truncated at
+    importance_cap instead."""
+    importance_cap: float = Field(default=2.0, ge=1)
+    """Bound on pi_prox / pi_behav under `decoupled` (tokens above are dropped) and `tis` (weights
+    above are truncated to it)."""
     clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip range for the ratio between the policy and the behaviour policy that sampled."""
+    """PPO clip range, both sides: the ratio is kept in [1 - clip_epsilon, 1 + clip_epsilon]
+    unless clip_epsilon_low or clip_epsilon_high says otherwise."""
+    clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
+    """Lower clip range (None: clip_epsilon): the ratio's floor is 1 - clip_epsilon_low."""
+    clip_epsilon_high: float | None = Field(default=None, gt=0)
+    """Upper clip range (None: clip_epsilon): the ratio's ceiling is 1 + clip_epsilon_high. DAPO's
+    clip-higher sets it above the lower one (0.28 against 0.2) so that unlikely tokens with a
+    positive advantage can grow, which keeps the policy's entropy from collapsing."""
+    loss_aggregation: LossAggregation = "sequence-mean"
+    """How a mini-batch's token losses become its loss: `sequence-mean` averages each sequence's
+    tokens, then the sequences; `token-mean` (DAPO) averages every token of the mini-batch, so a
+    long response counts in proportion to its length."""
+    overlong_buffer_tokens: int = Field(default=0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
+    loses reward linearly, up to overlong_penalty at max_tokens (`grpo.overlong_penalty`); 0 is off."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_epsilon if self.clip_epsilon_low is None else self.clip_epsilon_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
 
 
 class TrainerConfig(StrictModel):

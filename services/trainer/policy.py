@@ -8,7 +8,11 @@ them, see `ranks.py`), and it runs on the rank's torch thread.
 Data parallel: each rank computes the loss of its share of a micro-batch's samples, so the sum
 of the ranks' gradients is the micro-batch's gradient. FSDP would average the ranks' gradients;
 its divide factor is set to 1 with plain SUM reductions (gloo has no PREMUL_SUM), so N ranks
-compute what one rank computes."""
+compute what one rank computes.
+
+Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `grpo.policy_loss`):
+the mini-batch's size is known only once its last micro-batch has streamed in, so the optimizer
+step divides the accumulated gradients by it (gradients are linear: this is exact)."""
 
 from __future__ import annotations
 
@@ -31,17 +35,32 @@ from services.trainer.checkpoint import TrainerState, load_checkpoint, save_chec
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
 from services.trainer.evaluation import EvalRequest, EvalResponses, generate_responses
-from services.trainer.grpo import grpo_loss
+from services.trainer.grpo import policy_loss
 
 
 @dataclass(frozen=True, slots=True)
 class MicroBatchStats:
-    """A micro-batch's figures summed over every rank (what one rank would compute alone)."""
+    """A micro-batch's figures over every rank (what one rank would compute alone). Each is a mean
+    over the micro-batch; `loss_count` and `tokens` are the weights to average them with."""
 
     loss: float
-    kl: float
-    clip_fraction: float
+    """Mean loss: per-sequence token means averaged (sequence-mean) or token losses averaged
+    (token-mean). A mini-batch's loss is its micro-batches' loss weighted by loss_count."""
+    loss_count: int
+    """Sequences (sequence-mean) or response tokens (token-mean) the loss averages over."""
     tokens: int
+    """Response tokens: the weight of every figure below."""
+    kl: float
+    """k3 KL of the policy to the reference (to the behaviour policy without a reference)."""
+    clip_fraction: float
+    """Share of tokens whose ratio lay outside the clip range."""
+    importance_weight_mean: float
+    """pi_prox / pi_behav before the cap (under `ppo`, pi_prox is the current policy)."""
+    importance_weight_max: float
+    capped_fraction: float
+    """Share of tokens whose pi_prox / pi_behav exceeded importance_cap."""
+    behaviour_kl: float
+    """k3 estimate of KL(pi_behav || pi_prox): how far the rollouts' sampler is from pi_prox."""
 
 
 def shard_model(model: torch.nn.Module, rank: RankInfo) -> torch.nn.Module:
@@ -60,6 +79,16 @@ def shard_model(model: torch.nn.Module, rank: RankInfo) -> torch.nn.Module:
     return model
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Frees every gathered parameter of `model`, so its next forward gathers its shards afresh.
+    The root keeps its parameters gathered after a forward without backward (FSDP2 expects the
+    backward to use them at once), and a later forward would reuse them even after its shards
+    changed."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class ShardedPolicy:
     def __init__(self, config: TrainerConfig, rank: RankInfo) -> None:
         self.config = config
@@ -76,60 +105,129 @@ class ShardedPolicy:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
             self.reference = shard_model(reference, rank)
+        self.proximal = None
+        """The policy as it was at the start of the training step, for the proximal log-probabilities
+        of micro-batches that arrive after the step's first optimizer step (decoupled and tis only;
+        with one mini-batch per step none does)."""
+        if config.grpo.loss != "ppo" and config.mini_batches_per_step > 1:
+            proximal = load_causal_lm(config.model_dir).to(rank.device)
+            proximal.requires_grad_(False)
+            proximal.train(policy.training)
+            self.proximal = shard_model(proximal, rank)
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
         self.tokenizer = load_hf_tokenizer(config.model_dir)
         self.stop_ids = stop_token_ids(self.model.config, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        self.normaliser = config.prompts_per_step // config.mini_batches_per_step * config.group_size
-        """Sequences per mini-batch: the loss of every micro-batch is divided by it."""
+        self.pending_count = 0.0
+        """Sequences or tokens (every rank's) trained on since the last optimizer step."""
+        self.step_begun = False
+        """BeginStep was sent at least once (the decoupled and tis losses need it every step)."""
+        self.stepped_in_step = False
+        """The optimizer stepped since the training step began: the policy is no longer pi_prox."""
 
     def share(self, samples: list[TrainingSample]) -> list[TrainingSample]:
         """This rank's samples of a micro-batch."""
         return samples[self.rank.rank :: self.rank.world_size]
 
+    def begin_step(self) -> None:
+        """A training step starts: the current policy becomes the proximal policy pi_prox of every
+        micro-batch until the next begin_step."""
+        self.step_begun = True
+        self.stepped_in_step = False
+        if self.proximal is not None:
+            # After a forward without backward (an evaluation, a proximal forward) a root holds its
+            # gathered parameters in place of its shards: back to the shards, on both sides.
+            reshard(self.model)
+            reshard(self.proximal)
+            snapshot = dict(self.proximal.named_parameters())
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    target = snapshot[name].to_local() if isinstance(snapshot[name], DTensor) else snapshot[name]
+                    target.copy_(param.to_local() if isinstance(param, DTensor) else param)
+
+    def _proximal_from_snapshot(self) -> bool:
+        """Whether this micro-batch's pi_prox needs the step-start snapshot (the optimizer already
+        stepped in this step) rather than the current policy's own log-probabilities."""
+        if self.config.grpo.loss == "ppo":
+            return False
+        if not self.step_begun:
+            raise RuntimeError(f"loss {self.config.grpo.loss!r} needs the policy at the start of each training step: "
+                               "the training loop must send BeginStep before a step's first micro-batch")
+        if self.stepped_in_step and self.proximal is None:
+            raise RuntimeError("a micro-batch arrived after an optimizer step of the same training step, but with "
+                               "mini_batches_per_step 1 no step-start snapshot is kept: send BeginStep at each step")
+        return self.stepped_in_step
+
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
         """Forward and backward of this rank's share of the micro-batch; gradients accumulate."""
         grpo = self.config.grpo
         share = self.share(samples)
+        from_snapshot = self._proximal_from_snapshot()
         if share:
             batch = build_micro_batch(share, self.pad_id)
             batch = type(batch)(*(t.to(self.rank.device) for t in (batch.input_ids, batch.attention_mask, batch.response_mask,
                                                                    batch.behaviour_logprobs, batch.advantages, batch.temperatures)))
-            logprobs = token_logprobs(self.model, batch)
+            proximal = None
+            if from_snapshot:
+                with torch.no_grad():
+                    proximal = token_logprobs(self.proximal, batch)
+                # Frees the gathered root (embeddings, lm_head): the snapshot needs it only briefly.
+                reshard(self.proximal)
             reference = None
             if self.reference is not None:
                 with torch.no_grad():
                     reference = token_logprobs(self.reference, batch)
-            loss, stats = grpo_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
-                                    grpo.clip_epsilon, self.normaliser, reference, grpo.kl_coef)
-            tokens = float(batch.response_mask.sum())
-            figures = [loss.item(), stats.kl * tokens, stats.clip_fraction * tokens, tokens]
+            logprobs = token_logprobs(self.model, batch)
+            loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
+                                       loss=grpo.loss, proximal_logprobs=proximal, clip_low=grpo.clip_low,
+                                       clip_high=grpo.clip_high, importance_cap=grpo.importance_cap,
+                                       aggregation=grpo.loss_aggregation, reference_logprobs=reference, kl_coef=grpo.kl_coef)
+            sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
+                    totals.capped_tokens, totals.behaviour_kl]
+            weight_max = totals.importance_weight_max
         else:
             # More ranks than samples: FSDP's all-gathers and reduce-scatters need every rank, so
-            # this one runs a forward and backward that contributes nothing.
+            # this one runs the same forwards and a backward that contributes nothing.
             dummy = torch.tensor([[self.pad_id]], device=self.rank.device)
-            if self.reference is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if from_snapshot:
+                    self.proximal(input_ids=dummy)
+                    reshard(self.proximal)
+                if self.reference is not None:
                     self.reference(input_ids=dummy)
             loss = self.model(input_ids=dummy).logits.sum() * 0.0
-            figures = [0.0, 0.0, 0.0, 0.0]
+            sums, weight_max = [0.0] * 8, 0.0
         loss.backward()
-        totals = torch.tensor(figures, dtype=torch.float64)
+        summed = torch.tensor(sums, dtype=torch.float64)
+        largest = torch.tensor([weight_max], dtype=torch.float64)
         if self.rank.world_size > 1:
-            dist.all_reduce(totals, group=self.rank.control)
-        loss_sum, kl_sum, clip_sum, tokens = totals.tolist()
-        return MicroBatchStats(loss=loss_sum, kl=kl_sum / max(tokens, 1.0), clip_fraction=clip_sum / max(tokens, 1.0),
-                               tokens=int(tokens))
+            dist.all_reduce(summed, group=self.rank.control)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.rank.control)
+        loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = summed.tolist()
+        self.pending_count += count
+        per_token = max(tokens, 1.0)
+        return MicroBatchStats(loss=loss_sum / max(count, 1.0), loss_count=int(count), tokens=int(tokens), kl=kl / per_token,
+                               clip_fraction=clipped / per_token, importance_weight_mean=weights / per_token,
+                               importance_weight_max=largest.item(), capped_fraction=capped / per_token,
+                               behaviour_kl=behaviour_kl / per_token)
 
     def optimizer_step(self) -> float:
-        """Clips the gradient norm (over every rank's shards), steps, clears; returns the norm before clipping."""
+        """Normalises the accumulated gradients by the mini-batch's size (sequences or tokens),
+        clips their norm (over every rank's shards), steps, clears; returns the norm before clipping."""
+        count, self.pending_count = self.pending_count, 0.0
+        if count > 1:
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    if param.grad is not None:
+                        param.grad.div_(count)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grpo.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.stepped_in_step = True
         return float(norm)
 
     def evaluate(self, request: EvalRequest) -> EvalResponses:

@@ -1,7 +1,8 @@
 """How the trainer's ranks move together. Rank 0 drives the mesh (manager, rollouts, metrics) and
 broadcasts each command with `broadcast_object_list` (small: samples are token lists); every
 other rank receives it and runs the same command, so their FSDP collectives match. Commands:
-train on these samples, optimizer step, evaluate, publish version v, checkpoint, resume, stop.
+begin a training step, train on these samples, optimizer step, evaluate, publish version v,
+checkpoint, resume, stop.
 
 A failure every rank sees alike (a rank could not upload its shards) is raised on every rank as
 `CollectiveFailure`: the ranks stay in step and rank 0 decides (it stops them). Any other
@@ -26,6 +27,12 @@ from services.trainer.handoff import PublishError, ShardHandoff
 from services.trainer.policy import MicroBatchStats, ShardedPolicy
 
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True, slots=True)
+class BeginStep:
+    """A training step starts: the policy as it is now is the proximal policy of the step's
+    micro-batches (the decoupled and tis losses need it). Sent before the step's first Train."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,7 @@ class Stop:
     pass
 
 
-Command = Train | OptimizerStep | Evaluate | Publish | Checkpoint | Resume | Stop
+Command = BeginStep | Train | OptimizerStep | Evaluate | Publish | Checkpoint | Resume | Stop
 
 
 class CollectiveFailure(RuntimeError):
@@ -155,6 +162,8 @@ class RankGroup:
     async def execute(self, command: Command) -> Any:
         policy, thread = self.policy, self.thread
         match command:
+            case BeginStep():
+                return await thread.run(policy.begin_step)
             case Train(samples):
                 stats: MicroBatchStats = await thread.run(policy.backward, samples)
                 return stats
