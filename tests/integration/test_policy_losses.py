@@ -1,0 +1,64 @@
+"""The proximal policy on two FSDP ranks (torchrun, gloo): micro-batches trained after an
+optimizer step of a training step are scored with the parameters of the step's start, gathered
+afresh from every rank's shards, including on a rank whose share of a micro-batch is empty.
+
+The ranks run tests/integration/test_policy_losses_worker.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlmesh.launcher import free_port, torchrun_args
+from rlmesh.models.loading import load_causal_lm
+from services.trainer.batching import build_micro_batch, token_logprobs
+from tests.unit.test_policy_losses import micro_batches
+
+WORKER = "tests.integration.test_policy_losses_worker"
+
+
+def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(model_dir, tmp_path):
+    spec = {"model_dir": str(model_dir), "output_dir": str(tmp_path), "result": str(tmp_path / "result-{rank}.pt")}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    process = subprocess.run([sys.executable, *torchrun_args(2, free_port()), "-m", WORKER, str(spec_path)],
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120, check=False)
+    assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
+    results = [torch.load(spec["result"].format(rank=r), weights_only=False) for r in (0, 1)]
+    batches = micro_batches(model_dir, 5)
+    batches[4] = batches[4][:1]
+    step_start = load_causal_lm(model_dir)
+    step_start.train()
+    with torch.no_grad():
+        for name, param in step_start.named_parameters():
+            param.copy_(results[0]["step_start"][name])
+    folder = load_causal_lm(model_dir)
+    for rank, result in enumerate(results):
+        proximal = result["proximal"]
+        # Micro-batches 0 and 2 open a step (pi_prox is the current policy); 1 follows step 1's
+        # optimizer step, 3 and 4 step 2's. Rank 1 has no share of micro-batch 4.
+        assert [p is None for p in proximal] == [True, False, True, False] + ([False] if rank == 0 else [])
+        for index, scored in ((3, proximal[3]), *(((4, proximal[4]),) if rank == 0 else ())):
+            share = batches[index][rank::2]
+            tensors = build_micro_batch(share, pad_id=0)
+            mask = tensors.response_mask.bool()
+            with torch.no_grad():
+                expected = token_logprobs(step_start, tensors)
+                stale = token_logprobs(folder, tensors)
+            torch.testing.assert_close(scored[mask], expected[mask], rtol=0, atol=1e-5, msg=f"rank {rank}, micro-batch {index}")
+            assert (stale[mask] - expected[mask]).abs().max() > 1e-3, "step 1 did not move the policy"
+    # The figures are merged over the ranks: both report the same.
+    assert results[0]["stats"] == results[1]["stats"]
+    tensors = build_micro_batch(batches[3], pad_id=0)
+    mask = tensors.response_mask.bool()
+    with torch.no_grad():
+        weights = (token_logprobs(step_start, tensors) - tensors.behaviour_logprobs).exp()[mask]
+    stats = results[0]["stats"][3]
+    assert stats.tokens == int(mask.sum())
+    assert stats.importance_weight_mean == pytest.approx(float(weights.mean()), rel=1e-5)
+    assert stats.importance_weight_max == pytest.approx(float(weights.max()), rel=1e-5)
