@@ -249,8 +249,8 @@ def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int
     """Prompts accepted for the trained steps that never came back, came back twice, or came back short."""
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" and r["step"] < steps for p in r["prompts"]}
-    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
-    short = sum(1 for r in ledger if r["event"] == "received" and r["samples"] != group_size)
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
+    short = sum(1 for r in ledger if r["event"] == "accepted" and r["samples"] != group_size)
     return {
         "prompts_accepted": len(submitted),
         "samples_lost": sum(group_size for key in submitted if key not in received),

@@ -24,6 +24,7 @@ FLAG_FIELDS = {
     "transfer_backend": "mesh.transfer_backend",
     "compression": "mesh.compression",
     "engine": "mesh.engine",
+    "update_mode": "mesh.update_mode",
     "host": "mesh.host",
     "base_port": "mesh.base_port",
     "tls": "mesh.tls",
@@ -106,11 +107,14 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "group_size": algorithm.group_size,
         "micro_batch_groups": algorithm.micro_batch_groups,
         "mini_batches_per_step": algorithm.mini_batches_per_step,
+        "schedule": algorithm.schedule,
+        "dynamic_sampling": algorithm.dynamic_sampling,
         "seed": algorithm.seed,
         "eval_every": algorithm.eval_every,
         "checkpoint_every": algorithm.checkpoint_every,
-        "grpo": {"learning_rate": algorithm.learning_rate, "clip_epsilon": algorithm.clip_epsilon,
-                 "kl_coef": algorithm.kl_coef, "max_grad_norm": algorithm.max_grad_norm},
+        "grpo": {name: getattr(algorithm, name) for name in (
+            "learning_rate", "loss", "importance_cap", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
+            "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm")},
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],
     }
@@ -165,9 +169,11 @@ def _up(args: argparse.Namespace) -> int:
         transfer_backend=mesh.transfer_backend,
         trainer_ranks=mesh.trainer_ranks,
         rollout_tp=mesh.rollout_tp,
+        rollout_max_batch_size=mesh.rollout_max_batch_size,
         compression=mesh.compression,
         trainer_config=trainer_config,
         engine=mesh.engine,
+        update_mode=mesh.update_mode,
         max_rollout_instances=mesh.max_rollout_instances or mesh.rollout_instances,
         autoscale=mesh.autoscale,
         autoscale_patience_seconds=mesh.autoscale_patience_seconds,
@@ -356,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
                          "linked by a veth pair (needs root; default 0)")
     up.add_argument("--engine", choices=("torch", "vllm"), help="mesh.engine: rollout engine (default torch)")
+    up.add_argument("--update-mode", choices=("continue", "pause", "abort-continue"),
+                    help="mesh.update_mode: what requests in flight do when new weights arrive: continue on them, "
+                         "pause from the push's start to its commit, or recompute their KV cache at the switch "
+                         "(default continue)")
     up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"),
                     help="mesh.transfer_backend: data plane of weight pushes (default tcp)")
     up.add_argument("--compression", choices=("none", "zstd", "delta"),

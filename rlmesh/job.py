@@ -45,14 +45,40 @@ class AlgorithmSection(StrictModel):
     group_size: int = Field(default=8, ge=2)
     """Samples per prompt; group-normalised advantages need at least two."""
     learning_rate: float = Field(default=3e-4, gt=0)
+    loss: Literal["ppo", "decoupled", "tis"] = "ppo"
+    """`ppo`: the clip against the behaviour policy that sampled (on-policy). `decoupled`: AReaL's
+    decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
+    step's start, and each token is weighted by proximal / behaviour probability (tokens whose
+    weight exceeds importance_cap are dropped). `tis`: truncated importance sampling, for on-policy
+    runs whose engine computes probabilities differently from the trainer (weights truncated)."""
+    importance_cap: float = Field(default=2.0, ge=1)
     clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
+    clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
+    """None: clip_epsilon."""
+    clip_epsilon_high: float | None = Field(default=None, gt=0)
+    """None: clip_epsilon. DAPO's clip-higher sets it above the low one (0.28 against 0.2)."""
+    loss_aggregation: Literal["sequence-mean", "token-mean"] = "sequence-mean"
+    """`token-mean` (DAPO): every response token of a mini-batch weighs the same, so long responses
+    count in proportion to their length; `sequence-mean`: each response weighs the same."""
+    overlong_buffer_tokens: int = Field(default=0, ge=0)
+    """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
+    loses reward linearly, down to -overlong_penalty at its task's max_tokens; 0: off."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the k3 KL penalty to the initial policy (0 loads no reference model)."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_groups: int = Field(default=4, ge=1)
     mini_batches_per_step: int = Field(default=1, ge=1)
     max_staleness: int = Field(default=1, ge=0, le=8)
-    """Trainer versions a rollout may lag behind (0 = synchronous on-policy)."""
+    """η: trainer versions a rollout may lag behind (0 = synchronous on-policy). The capacity rule
+    lets a step's samples generate only while the trainer is within η versions of that step."""
+    schedule: Literal["async", "sync"] = "async"
+    """`async`: rollout for up to max_staleness steps ahead overlaps training, and a step trains on
+    its groups as they finish. `sync`: the plain loop (generate the step's whole batch, then
+    train), for reference and debugging; at max_staleness 0 both give the same numbers."""
+    dynamic_sampling: bool = False
+    """DAPO: drop a group whose rewards are all equal (it teaches nothing) and draw a new prompt
+    for the same step in its place."""
     seed: int = 0
     eval_every: int = Field(default=10, ge=1)
     checkpoint_every: int = Field(default=25, ge=1)
@@ -79,12 +105,22 @@ class MeshSection(StrictModel):
     """The least time between two changes, so a new instance has time to show in the measurements."""
     rollout_tp: int = Field(default=1, ge=1)
     """Tensor-parallel processes per rollout instance."""
+    rollout_max_batch_size: int = Field(default=256, ge=1)
+    """Sequences a rollout instance decodes at once. 1 makes every response's tokens and logprobs
+    independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
+    cost in throughput."""
     rollout_netns: int = Field(default=0, ge=0)
     """The first N rollout instances each run in their own network namespace, linked to the host
     by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the
     chaos suite cut an instance's network. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine; `vllm` runs each instance with the vLLM virtualenv (`make setup-vllm`)."""
+    update_mode: Literal["continue", "pause", "abort-continue"] = "continue"
+    """What requests in flight on a rollout instance do when a new weight version arrives:
+    `continue` decoding while it loads and on it after the switch (their KV cache kept); `pause`:
+    no decode step from the start of the push to its commit, then on with the KV cache kept (verl,
+    slime); `abort-continue`: at the switch their KV cache is recomputed under the new version from
+    their tokens so far (SkyRL). Every token records the version that produced it."""
     transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
     compression: Literal["none", "zstd", "delta"] = "none"
     host: str = "127.0.0.1"
@@ -144,6 +180,10 @@ class Job(StrictModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"task names must be unique; repeated: {duplicates}")
+        buffer = self.algorithm.overlong_buffer_tokens
+        short = [f"{t.name} ({t.max_tokens})" for t in self.tasks if t.max_tokens < buffer]
+        if short:
+            raise ValueError(f"algorithm.overlong_buffer_tokens ({buffer}) exceeds the max_tokens of task {', '.join(short)}")
         return self
 
 

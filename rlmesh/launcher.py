@@ -99,12 +99,16 @@ class MeshPlan:
     """FSDP ranks of the trainer; more than one runs it under torchrun on this machine."""
     rollout_tp: int = 1
     """Tensor-parallel processes per rollout instance."""
+    rollout_max_batch_size: int = 256
+    """Sequences a rollout instance decodes at once."""
     compression: str = "none"
     """Link compression of weight pushes."""
     trainer_config: Path | None = None
     """The trainer's config file, written from the job (tasks, algorithm, outputs)."""
     engine: str = "torch"
     """Rollout engine: `torch`, or `vllm` run with the vLLM virtualenv's Python."""
+    update_mode: str = "continue"
+    """What a rollout instance's requests in flight do at a weight switch (mesh.update_mode)."""
     max_rollout_instances: int = 0
     """Most rollout instances `rlmesh scale` or the autoscaler may run (0: rollout_instances)."""
     autoscale: bool = False
@@ -421,7 +425,9 @@ class Mesh:
             "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
             "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
+            "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(plan.rollout_max_batch_size),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
+            "RLMESH_ROLLOUT_ENGINE__UPDATE_MODE": plan.update_mode,
             **plan.security_settings("rollout"),
         }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None,
             wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)

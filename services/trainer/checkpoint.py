@@ -3,7 +3,7 @@ rank writes its own shards; a checkpoint saved by N ranks loads on any number of
 and weight version, each rank's RNG state, and on request the whole policy as an HF folder.
 
 Layout: `checkpoints/step_NNNNNN/` holds `.metadata` and `__<rank>_0.distcp` (DCP),
-`rng_rank<r>.pt`, `trainer_state.pt` (written last), and with an export `config.json`,
+`rng_rank<r>.pt`, `pipeline.pkl` (rank 0's steps in flight), `trainer_state.pt` (written last), and with an export `config.json`,
 `model.safetensors` and the tokenizer. A save goes to `step_NNNNNN.partial/` and is renamed when
 complete; the newest KEEP checkpoints are kept.
 
@@ -31,6 +31,7 @@ log = structlog.get_logger()
 
 KEEP = 2
 STATE_FILE = "trainer_state.pt"
+PIPELINE_FILE = "pipeline.pkl"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -42,8 +43,10 @@ class TrainerState:
     """Weight version of the policy: the step plus an offset fixed when a run starts, since a
     run restarted on a mesh that already holds versions must publish above them."""
     task_cursors: dict[str, int] = field(default_factory=dict)
-    """Each task's prompts taken before the first step not yet trained: a resumed run submits
-    that step's prompts again, and goes on from there."""
+    """Each task's prompts taken so far: a resumed run draws from there."""
+    pipeline: bytes = b""
+    """The steps drawn but not yet trained, pickled (`pipeline.py`): their accepted groups and their
+    prompts in flight. Written to PIPELINE_FILE, not to STATE_FILE."""
 
 
 def _rank() -> int:
@@ -80,6 +83,8 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     if rank == 0:
         if full is not None:
             export_hf_folder(partial, model, full, tokenizer_dir)
+        if state.pipeline:
+            (partial / PIPELINE_FILE).write_bytes(state.pipeline)
         torch.save({"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors),
                     "world_size": _world()}, partial / STATE_FILE)
         shutil.rmtree(target, ignore_errors=True)

@@ -78,6 +78,15 @@ class TrainerConfig(StrictModel):
     """Token budget of a micro-batch (prompt + response of every sample; 0: none)."""
     mini_batches_per_step: int = Field(default=1, ge=1)
     """Optimizer steps per training step; prompts_per_step must divide evenly."""
+    schedule: Literal["async", "sync"] = "async"
+    """`async`: prompts are submitted up to max_staleness steps ahead (the manager's), every batch
+    is read and scored as its groups finish, and a step trains on its groups as they come.
+    `sync`: the plain synchronous loop, for reference: submit one step's prompts, wait for all
+    its groups, train on them in prompt order, publish. At max_staleness 0 both give the same
+    numbers bit for bit."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
+    and a new prompt drawn for the same step in its place, within the capacity rule."""
     grpo: GrpoConfig = GrpoConfig()
     tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
     """What the policy is trained on: prompts, rendering, reward and sampling per task; several

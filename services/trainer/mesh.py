@@ -100,7 +100,8 @@ class MeshClient:
         """Every group of the batch exactly once, as micro-batches, across broken streams and
         manager restarts: a broken stream is opened again from the count of groups read so far,
         so a reply that was sent but never read comes again, and a group already read is dropped
-        by prompt id. Once the batch is read, the manager is told it can forget it."""
+        by prompt id. A stream past its deadline (`timeout`) is opened again the same way. Once
+        the batch is read, the manager is told it can forget it."""
         outage = ManagerOutage(self.manager_outage_seconds)
         read = 0
         seen: set[str] = set()
@@ -128,7 +129,9 @@ class MeshClient:
                         complete = True
                         break
             except grpc.aio.AioRpcError as exc:
-                await outage.wait(exc, "StreamRollouts")
+                # `timeout` bounds one stream; how long a step may wait is the caller's to decide.
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await outage.wait(exc, "StreamRollouts")
         await self._call_manager(self.manager.AcknowledgeRollouts, manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id))
 
     async def report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> manager_pb2.StageBalance:

@@ -1,6 +1,7 @@
 """The GRPO training loop over the mesh, run by rank 0: draw each step's prompts from the job's
-tasks and submit them ahead within the staleness bound, score and train on micro-batches as they
-stream in, step the optimizer per mini-batch, publish every version. The policy is sharded over
+tasks and submit them ahead within the capacity rule, read and score every batch's groups as they
+finish, train on each step's accepted groups in micro-batches, step the optimizer per mini-batch,
+publish every version. The policy is sharded over
 the trainer's ranks; every torch operation on it is a command all ranks run together (`ranks.py`)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,12 +28,14 @@ from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRequest, EvalResponses
-from services.trainer.grpo import group_advantages
+from services.trainer.grpo import group_advantages, overlong_penalty
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
+from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
+                                       untrained_plans)
 from services.trainer.policy import MicroBatchStats
-from services.trainer.ranks import (Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult, RankGroup,
-                                    Resume, Train)
+from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
+                                    RankGroup, Resume, Train)
 
 log = structlog.get_logger()
 
@@ -60,16 +64,6 @@ class TrainingStatus:
 
 
 @dataclass(slots=True)
-class Submitted:
-    """A prompt in flight: which task it came from, and what the policy saw."""
-
-    task: Task
-    prompt: TaskPrompt
-    text: str
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
 class TaskTotals:
     rewards: list[float] = field(default_factory=list)
     components: dict[str, list[float]] = field(default_factory=dict)
@@ -89,6 +83,10 @@ class TaskTotals:
 
 SOLVED = 1.0 - 1e-9
 """A sample with at least this reward earned the full reward (for the 0..1 rewards of the built-in tasks: exact)."""
+TOKEN_FIGURES = ("kl", "clip_fraction", "importance_weight_mean", "capped_fraction", "behaviour_kl")
+"""Per-token figures of a micro-batch (MicroBatchStats), averaged over a step's response tokens."""
+EQUAL_REWARDS = 1e-9
+"""A group whose rewards all lie within this of each other teaches nothing (dynamic sampling drops it)."""
 
 
 @dataclass(slots=True)
@@ -99,10 +97,42 @@ class StepTotals:
     response_tokens: int = 0
     wait_seconds: float = 0.0
     """Time spent waiting for the next micro-batch of rollouts."""
-    loss: float = 0.0
-    kl: list[float] = field(default_factory=list)
-    clip_fraction: list[float] = field(default_factory=list)
+    mini_batch_losses: list[float] = field(default_factory=list)
+    _loss_sum: float = 0.0
+    _loss_count: int = 0
+    tokens: int = 0
+    token_weighted: dict[str, float] = field(default_factory=dict)
+    """Token-weighted sums of the micro-batches' per-token figures (TOKEN_FIGURES)."""
+    importance_weight_max: float = 0.0
     grad_norm: list[float] = field(default_factory=list)
+    dropped_groups: int = 0
+
+    def add_micro_batch(self, stats: MicroBatchStats) -> None:
+        self._loss_sum += stats.loss * stats.loss_count
+        self._loss_count += stats.loss_count
+        self.tokens += stats.tokens
+        for name in TOKEN_FIGURES:
+            self.token_weighted[name] = self.token_weighted.get(name, 0.0) + getattr(stats, name) * stats.tokens
+        self.importance_weight_max = max(self.importance_weight_max, stats.importance_weight_max)
+
+    def end_mini_batch(self) -> None:
+        self.mini_batch_losses.append(self._loss_sum / max(self._loss_count, 1))
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    def figures(self) -> dict[str, float]:
+        values = {name: total / max(self.tokens, 1) for name, total in self.token_weighted.items()}
+        values["loss"] = sum(self.mini_batch_losses) / len(self.mini_batch_losses)
+        values["importance_weight_max"] = self.importance_weight_max
+        return values
+
+    def add(self, group: ScoredGroup, policy_version: int) -> None:
+        """A group being trained on at `policy_version`."""
+        task_totals = self.per_task.setdefault(group.record.task, TaskTotals())
+        for sample, result, versions in zip(group.samples, group.results, group.weight_versions):
+            task_totals.add(result)
+            self.rewards.append(result.reward)
+            self.staleness.append(policy_version - min(versions))
+            self.response_tokens += len(sample.response_ids)
 
 
 class GrpoTrainer:
@@ -120,64 +150,83 @@ class GrpoTrainer:
         self.checkpoints = group.checkpoints
         self.ledger_path = self.output / "rollouts.jsonl"
         self._ledger_file = self.ledger_path.open("a", buffering=1)
-        self.in_flight: dict[tuple[str, str], Submitted] = {}
-        self.cursors_before: dict[int, dict[str, int]] = {}
-        """Every task's cursor before a step's prompts were drawn: what a checkpoint of that step saves."""
+        self.plans: dict[int, StepPlan] = {}
+        """Every step submitted and not yet trained."""
+        self.collectors: dict[str, asyncio.Task] = {}
+        """A task per batch reading its groups as they finish, scoring them and accepting them into its step's plan."""
+        self._arrived = asyncio.Condition()
+        self._collector_error: Exception | None = None
         self.run_tag = uuid.uuid4().hex[:8]
         self.mini_batch_groups = config.prompts_per_step // config.mini_batches_per_step
-        self.unread_batches: set[str] = set()
         self.total_steps = config.steps
+        self.version_offset = 0
+        self.max_staleness = 0
         self.published_version = -1
         self.stepped_since_publish = False
         """The optimizer stepped after the last publish: the policy is no longer that version."""
 
-    def _sampling(self, task: Task) -> common_pb2.SamplingParams:
+    @property
+    def ordered(self) -> bool:
+        """Groups are trained in prompt order, whatever order they finish in: at max_staleness 0 a
+        run is then exactly the synchronous loop's."""
+        return self.config.schedule == "sync" or self.max_staleness == 0
+
+    def _sampling(self, task: Task, step: int, prompt_id: str) -> common_pb2.SamplingParams:
         sampling = task.config.sampling
-        return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                         max_tokens=task.config.max_tokens, stop_token_ids=self.stop_ids)
+        return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=task.config.max_tokens,
+                                         stop_token_ids=self.stop_ids, seed=prompt_seed(self.config.seed, step, prompt_id))
 
     def _ledger(self, record: dict) -> None:
         self._ledger_file.write(json.dumps(record) + "\n")
 
-    def _batch_id(self, step: int) -> str:
-        return f"{self.run_tag}-step{step:06d}"
+    def _batch_id(self, step: int, part: str = "") -> str:
+        return f"{self.run_tag}-step{step:06d}{part}"
 
     async def run(self) -> dict:
         started = time.perf_counter()
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
+        restored: list[StepPlan] = []
         if checkpoint is not None:
             state = await self.group.lead(Resume(str(checkpoint)))
             self.mixture.restore(state.task_cursors)
-            log.info("resumed", checkpoint=str(checkpoint), step=state.step, task_cursors=state.task_cursors)
+            restored = load_pipeline(checkpoint, self.mixture.by_name)
+            log.info("resumed", checkpoint=str(checkpoint), step=state.step, task_cursors=state.task_cursors,
+                     accepted_groups=sum(len(p.accepted) for p in restored),
+                     prompts_in_flight=sum(len(p.outstanding) for p in restored))
         manager = await self.mesh.manager_status()
+        self.max_staleness = manager.max_staleness
         stored = await self.mesh.stored_version()
         # Versions only grow: a policy restarted on a mesh that already holds versions is published above them.
         if stored >= state.version or manager.published_version > state.version:
             state.version = max(stored, manager.published_version) + 1
-        version_offset = state.version - state.step
+        self.version_offset = state.version - state.step
         await self._publish(state.version)
+        if checkpoint is not None:
+            self._ledger({"event": "resumed", "step": state.step, "checkpoint": checkpoint.name})
+        for plan in restored:
+            self.plans[plan.step] = plan
+            if plan.outstanding:
+                await self._submit(plan, list(plan.outstanding.values()), "-resumed")
         self.status.phase = trainer_pb2.PHASE_TRAINING
         self.status.step, self.status.version = state.step, state.version
         first_eval = last_eval = await self._evaluate(state.step)
         try:
             while state.step < self.total_steps:
-                for ahead in range(state.step, min(self.total_steps, state.step + manager.max_staleness + 1)):
-                    if self._batch_id(ahead) not in self.unread_batches and not await self._submit(ahead, ahead + version_offset):
-                        break
+                await self._plan_ahead(state.step)
                 if state.step >= self.total_steps:
                     break
-                await self._step(state, version_offset)
+                await self._step(state)
                 last_step = state.step == self.total_steps
                 if state.step % self.config.eval_every == 0 or last_step:
                     last_eval = await self._evaluate(state.step)
                 if state.step % self.config.checkpoint_every == 0 or last_step:
                     # The last one also holds the whole policy as an HF folder.
-                    cursors = self.cursors_before.get(state.step, self.mixture.cursors())
-                    await self.group.lead(Checkpoint(TrainerState(state.step, state.version, cursors), export_hf=last_step))
-                self.cursors_before = {s: c for s, c in self.cursors_before.items() if s >= state.step}
+                    pipeline = untrained_plans(self.plans, state.step)
+                    await self.group.lead(Checkpoint(TrainerState(state.step, state.version, self.mixture.cursors(),
+                                                                  dump_pipeline(pipeline)), export_hf=last_step))
         finally:
-            await self._cancel_unread_batches()
+            await self._stop_collectors()
             await self.mixture.close()
             self._ledger_file.close()
         plot = self.metrics.plot()
@@ -197,12 +246,21 @@ class GrpoTrainer:
         (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    async def _step(self, state: TrainerState, version_offset: int) -> None:
-        """One training step on the batch submitted for it, then publish the new version."""
+    async def _plan_ahead(self, step: int) -> None:
+        """Submits the prompts of every step the capacity rule lets generate now: up to
+        max_staleness steps ahead of the one to train (the manager holds back what it must);
+        the synchronous schedule submits only the step to train."""
+        horizon = step if self.config.schedule == "sync" else step + self.max_staleness
+        for ahead in range(step, min(self.total_steps, horizon + 1)):
+            if ahead not in self.plans and not await self._draw(ahead):
+                break
+
+    async def _step(self, state: TrainerState) -> None:
+        """One training step on the groups accepted for it, then publish the new version."""
         step_started = time.perf_counter()
-        totals = await self._train_step(state.step, state.step + version_offset)
+        totals = await self._train_step(state.step)
         state.step += 1
-        state.version = state.step + version_offset
+        state.version = state.step + self.version_offset
         published = await self._publish(state.version)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
@@ -210,11 +268,11 @@ class GrpoTrainer:
             "reward": sum(totals.rewards) / len(totals.rewards),
             "exact_match": sum(r >= SOLVED for r in totals.rewards) / len(totals.rewards),
             "reward_failures": float(sum(t.failures for t in totals.per_task.values())),
-            "loss": totals.loss,
-            "kl": sum(totals.kl) / len(totals.kl),
-            "clip_fraction": sum(totals.clip_fraction) / len(totals.clip_fraction),
+            **totals.figures(),
             "staleness_mean": sum(totals.staleness) / len(totals.staleness),
             "staleness_max": float(max(totals.staleness)),
+            "staleness_violations": float(sum(s > self.max_staleness for s in totals.staleness)),
+            "dropped_groups": float(totals.dropped_groups),
             "step_seconds": step_seconds,
             "generated_tokens_per_second": totals.response_tokens / step_seconds,
             "response_length": totals.response_tokens / len(totals.rewards),
@@ -272,50 +330,111 @@ class GrpoTrainer:
             "balance/train_seconds": balance.train_seconds,
         }
 
-    async def _cancel_unread_batches(self) -> None:
-        """Batches submitted ahead that this run will not read: free the rollout capacity they hold."""
-        for batch_id in sorted(self.unread_batches):
+    async def _stop_collectors(self) -> None:
+        """Stops reading every batch this run will not train on and frees the rollout capacity it holds."""
+        for task in self.collectors.values():
+            task.cancel()
+        await asyncio.gather(*self.collectors.values(), return_exceptions=True)
+        for batch_id in sorted(b for b, task in self.collectors.items() if task.cancelled()):
             try:
                 await self.mesh.cancel(batch_id)
             except grpc.aio.AioRpcError as exc:
                 log.warning("could not cancel a batch", batch_id=batch_id, code=exc.code().name)
-        self.unread_batches.clear()
+        self.collectors.clear()
 
-    async def _submit(self, step: int, policy_version: int) -> bool:
+    async def _draw(self, step: int) -> bool:
         """Draws and submits a step's prompts; False (and the run ends before that step) when a
         task's dataset ran out of epochs."""
-        batch_id = self._batch_id(step)
-        cursors = self.mixture.cursors()
         try:
             drawn = self.mixture.draw(step, self.config.prompts_per_step)
         except SourceExhausted as exc:
             log.warning("a task ran out of prompts: training ends here", step=step, reason=str(exc))
             self.total_steps = step
             return False
-        self.cursors_before[step] = cursors
-        prompts = []
-        for index, (task, prompt) in enumerate(drawn):
-            prompt_id = f"p{index}"
-            submitted = Submitted(task, prompt, *task.renderer.render(prompt))
-            self.in_flight[(batch_id, prompt_id)] = submitted
-            prompts.append((prompt_id, submitted.token_ids, self._sampling(task)))
-        await self.mesh.submit(batch_id, policy_version, prompts, self.config.group_size, prompts[0][2])
-        self.unread_batches.add(batch_id)
-        self._ledger({"event": "submitted", "batch_id": batch_id, "step": step, "policy_version": policy_version,
-                      "prompts": {pid: [task.name, prompt.uid] for pid, (task, prompt) in zip((p for p, _, _ in prompts), drawn)},
-                      "group_size": self.config.group_size})
+        plan = StepPlan(step, expected=len(drawn))
+        self.plans[step] = plan
+        await self._submit(plan, self._records(step, drawn, "p", 0))
         return True
 
-    async def _train_step(self, step: int, policy_version: int) -> StepTotals:
-        batch_id = self._batch_id(step)
+    def _records(self, step: int, drawn: list[tuple[Task, TaskPrompt]], prefix: str, first_index: int) -> list[PromptRecord]:
+        records = []
+        for offset, (task, prompt) in enumerate(drawn):
+            text, token_ids = task.renderer.render(prompt)
+            records.append(PromptRecord(step, f"{prefix}{offset}", first_index + offset, task.name, prompt, text, token_ids))
+        return records
+
+    async def _refill(self, plan: StepPlan) -> None:
+        """Dynamic sampling: prompts for the groups a step dropped, within the same step (and so
+        within the capacity rule)."""
+        missing = plan.missing
+        if missing <= 0:
+            return
+        try:
+            drawn = self.mixture.draw(plan.step, missing)
+        except SourceExhausted as exc:
+            log.warning("a task ran out of prompts: the step trains on fewer groups", step=plan.step, reason=str(exc))
+            plan.expected -= missing
+            return
+        plan.refills += 1
+        records = self._records(plan.step, drawn, f"r{plan.refills}-", plan.next_index)
+        await self._submit(plan, records, f"-refill{plan.refills}")
+
+    async def _submit(self, plan: StepPlan, records: list[PromptRecord], part: str = "") -> None:
+        """Submits a step's prompts as one batch and starts reading its groups."""
+        batch_id = self._batch_id(plan.step, part)
+        for record in records:
+            plan.add(record)
+        tasks = self.mixture.by_name
+        prompts = [(r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in records]
+        await self.mesh.submit(batch_id, plan.step + self.version_offset, prompts, self.config.group_size, prompts[0][2])
+        plan.batches.append(batch_id)
+        self.collectors[batch_id] = asyncio.create_task(self._collect(batch_id, plan), name=f"collect {batch_id}")
+        self._ledger({"event": "submitted", "batch_id": batch_id, "step": plan.step, "policy_version": plan.step + self.version_offset,
+                      "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in records}, "group_size": self.config.group_size})
+
+    async def _collect(self, batch_id: str, plan: StepPlan) -> None:
+        """Reads a batch's groups as they finish, scores them at once (rewards overlap training) and
+        accepts them into the step, or drops them (dynamic sampling) and refills."""
+        config = self.config
+        try:
+            async for groups in self.mesh.rollouts(batch_id, config.micro_batch_groups, 1, 0, config.rollout_timeout_seconds):
+                for scored in await self._score(batch_id, plan, groups):
+                    rewards = scored.rewards
+                    record = scored.record
+                    entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
+                             "uid": record.prompt.uid, "samples": len(scored.samples), "rewards": rewards,
+                             "min_version": scored.min_version, "max_version": max(max(v) for v in scored.weight_versions)}
+                    if config.dynamic_sampling and max(rewards) - min(rewards) <= EQUAL_REWARDS:
+                        plan.drop(record)
+                        self._ledger({"event": "dropped", **entry})
+                        await self._refill(plan)
+                    else:
+                        plan.accept(scored)
+                        self._ledger({"event": "accepted", **entry})
+                async with self._arrived:
+                    self._arrived.notify_all()
+        except Exception as exc:  # noqa: BLE001 - handed to the training loop, which raises it
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                exc = RolloutsUnavailable(f"step {plan.step}: the manager cannot deliver rollouts: {exc.details()}")
+            self._collector_error = exc
+            async with self._arrived:
+                self._arrived.notify_all()
+
+    async def _train_step(self, step: int) -> StepTotals:
         totals = StepTotals()
         done_waiting = asyncio.Event()
         watcher = asyncio.create_task(self._watch_weights(done_waiting))
         try:
-            await self._stream_step(batch_id, step, policy_version, totals)
+            await self._train_plan(self.plans[step], totals)
         finally:
             done_waiting.set()
             await watcher
+        plan = self.plans.pop(step)
+        for batch_id in plan.batches:
+            self.collectors.pop(batch_id, None)
+        totals.dropped_groups = len(plan.dropped)
+        self._ledger({"event": "trained", "step": step,
+                      "prompts": [[g.batch_id, g.record.prompt_id, g.record.task, g.record.prompt.uid] for g in plan.accepted]})
         return totals
 
     async def _watch_weights(self, done: asyncio.Event) -> None:
@@ -342,39 +461,54 @@ class GrpoTrainer:
                 except (CollectiveFailure, grpc.aio.AioRpcError) as exc:
                     log.warning("could not hand the latest version over again", weight_version=self.published_version, error=str(exc))
 
-    async def _stream_step(self, batch_id: str, step: int, policy_version: int, totals: StepTotals) -> None:
-        """Trains on the step's micro-batches as they stream in; steps the optimizer per mini-batch."""
-        config = self.config
-        groups_in_mini_batch = 0
-        async with asyncio.timeout(config.rollout_timeout_seconds):
+    async def _wait_for_groups(self, plan: StepPlan, ready: Callable[[], bool], deadline: float) -> None:
+        """Until `ready()` (the step has a micro-batch to train on) or a collector failed."""
+        async with self._arrived:
             try:
-                waiting_since = time.perf_counter()
-                async for groups in self.mesh.rollouts(
-                    batch_id, config.micro_batch_groups, config.min_micro_batch_groups, config.micro_batch_max_tokens,
-                    config.rollout_timeout_seconds,
-                ):
-                    totals.wait_seconds += time.perf_counter() - waiting_since
-                    samples = await self._score(batch_id, groups, policy_version, totals)
-                    stats: MicroBatchStats = await self.group.lead(Train(samples))
-                    totals.loss += stats.loss
-                    totals.kl.append(stats.kl)
-                    totals.clip_fraction.append(stats.clip_fraction)
-                    groups_in_mini_batch += len(groups)
-                    if groups_in_mini_batch >= self.mini_batch_groups:
-                        totals.grad_norm.append(await self._optimizer_step())
-                        groups_in_mini_batch = 0
-                    waiting_since = time.perf_counter()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                    raise RolloutsUnavailable(f"step {step}: the manager cannot deliver rollouts: {exc.details()}") from exc
-                raise
-        self.unread_batches.discard(batch_id)
-        if groups_in_mini_batch:
-            totals.grad_norm.append(await self._optimizer_step())
+                await asyncio.wait_for(self._arrived.wait_for(lambda: self._collector_error is not None or ready()),
+                                       max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(f"step {plan.step}: {plan.expected - len(plan.accepted)} of {plan.expected} groups did not "
+                                   f"arrive within rollout_timeout_seconds ({self.config.rollout_timeout_seconds:g})") from None
+        if self._collector_error is not None:
+            raise self._collector_error
 
-    async def _optimizer_step(self) -> float:
+    async def _train_plan(self, plan: StepPlan, totals: StepTotals) -> None:
+        """Trains on the step's groups as they are accepted, in micro-batches; steps the optimizer per mini-batch."""
+        config = self.config
+        fewest = config.min_micro_batch_groups or config.micro_batch_groups
+        deadline = time.monotonic() + config.rollout_timeout_seconds
+        # The proximal policy of the off-policy losses is the policy as this step starts.
+        await self.group.lead(BeginStep())
+        groups_in_mini_batch = 0
+        # The synchronous schedule trains once every group of the step is in.
+        sync = config.schedule == "sync"
+        while plan.trained < plan.expected:
+            waiting_since = time.perf_counter()
+            most = min(config.micro_batch_groups, self.mini_batch_groups - groups_in_mini_batch)
+            ready = (lambda: plan.complete) if sync else (lambda: plan.can_take(self.ordered, most, fewest))
+            if not ready():
+                await self._wait_for_groups(plan, ready, deadline)
+            totals.wait_seconds += time.perf_counter() - waiting_since
+            micro_batch = plan.take_micro_batch(self.ordered, most, fewest, config.micro_batch_max_tokens)
+            if not micro_batch:
+                continue
+            samples = []
+            for group in micro_batch:
+                totals.add(group, plan.step + self.version_offset)
+                samples += group.samples
+            totals.add_micro_batch(await self.group.lead(Train(samples)))
+            groups_in_mini_batch += len(micro_batch)
+            if groups_in_mini_batch >= self.mini_batch_groups:
+                await self._optimizer_step(totals)
+                groups_in_mini_batch = 0
+        if groups_in_mini_batch:
+            await self._optimizer_step(totals)
+
+    async def _optimizer_step(self, totals: StepTotals) -> None:
         self.stepped_since_publish = True
-        return await self.group.lead(OptimizerStep())
+        totals.grad_norm.append(await self.group.lead(OptimizerStep()))
+        totals.end_mini_batch()
 
     def _completion(self, token_ids) -> str:
         """A response's text: its tokens without the final stop token, special tokens removed."""
@@ -383,46 +517,47 @@ class GrpoTrainer:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def _score_groups(self, keyed: list[tuple[Submitted, list[RewardItem]]]) -> list[list[RewardResult]]:
+    async def _score_groups(self, keyed: list[tuple[PromptRecord, list[RewardItem]]]) -> list[list[RewardResult]]:
         """Each task scores its own items, all tasks at once; results come back per group."""
         by_task: dict[str, list[RewardItem]] = {}
-        for submitted, items in keyed:
-            by_task.setdefault(submitted.task.name, []).extend(items)
+        for record, items in keyed:
+            by_task.setdefault(record.task, []).extend(items)
         names = list(by_task)
         scored = await asyncio.gather(*(self.mixture.by_name[n].reward.score(by_task[n]) for n in names))
         results = {n: iter(r) for n, r in zip(names, scored)}
-        return [[next(results[s.task.name]) for _ in items] for s, items in keyed]
+        return [[next(results[record.task]) for _ in items] for record, items in keyed]
 
-    async def _score(self, batch_id: str, groups: list[manager_pb2.Group], policy_version: int, totals: StepTotals) -> list[TrainingSample]:
+    async def _score(self, batch_id: str, plan: StepPlan, groups: list[manager_pb2.Group]) -> list[ScoredGroup]:
         keyed = []
         for group in groups:
-            submitted = self.in_flight[(batch_id, group.prompt_id)]
-            items = []
-            for index, sample in enumerate(group.samples):
-                items.append(RewardItem(f"{batch_id}/{group.prompt_id}/{index}", submitted.text, self._completion(sample.token_ids),
-                                        submitted.prompt.metadata, list(sample.token_ids)))
-            keyed.append((submitted, items))
+            record = plan.outstanding[group.prompt_id]
+            items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self._completion(sample.token_ids),
+                                record.prompt.metadata, list(sample.token_ids))
+                     for index, sample in enumerate(group.samples)]
+            keyed.append((record, items))
         scored = await self._score_groups(keyed)
-        samples: list[TrainingSample] = []
-        for group, (submitted, _), results in zip(groups, keyed, scored):
-            del self.in_flight[(batch_id, group.prompt_id)]
-            task_totals = totals.per_task.setdefault(submitted.task.name, TaskTotals())
-            rewards = [r.reward for r in results]
-            for sample, result in zip(group.samples, results):
-                task_totals.add(result)
-                totals.staleness.append(policy_version - min(sample.weight_versions))
-                totals.response_tokens += len(sample.token_ids)
-            totals.rewards += rewards
-            advantages = group_advantages(torch.tensor(rewards, dtype=torch.float64)[None])[0].tolist()
-            temperature = submitted.task.config.sampling.temperature
-            for sample, advantage, result in zip(group.samples, advantages, results):
-                samples.append(TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage,
-                                              temperature, list(result.token_rewards) if result.token_rewards is not None else None))
-            self._ledger({"event": "received", "batch_id": batch_id, "prompt_id": group.prompt_id, "task": submitted.task.name,
-                          "uid": submitted.prompt.uid, "samples": len(group.samples), "rewards": rewards,
-                          "min_version": min(min(s.weight_versions) for s in group.samples),
-                          "max_version": max(max(s.weight_versions) for s in group.samples)})
-        return samples
+        accepted = []
+        for group, (record, _), results in zip(groups, keyed, scored):
+            results = self._shape_overlong(record, group, results)
+            advantages = group_advantages(torch.tensor([r.reward for r in results], dtype=torch.float64)[None])[0].tolist()
+            temperature = self.mixture.by_name[record.task].config.sampling.temperature
+            samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage,
+                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None)
+                       for sample, advantage, result in zip(group.samples, advantages, results)]
+            accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
+        return accepted
+
+    def _shape_overlong(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
+        """DAPO's soft overlong punishment added to each sample's reward (a component of its own)."""
+        grpo = self.config.grpo
+        if not grpo.overlong_buffer_tokens:
+            return results
+        max_tokens = self.mixture.by_name[record.task].config.max_tokens
+        shaped = []
+        for sample, result in zip(group.samples, results):
+            penalty = overlong_penalty(len(sample.token_ids), max_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty)
+            shaped.append(replace(result, reward=result.reward + penalty, components={**result.components, "overlong_penalty": penalty}))
+        return shaped
 
     async def _evaluate(self, step: int) -> dict[str, float]:
         """Every task's held-out prompts: sampled reward, greedy reward, and the share solved greedily."""

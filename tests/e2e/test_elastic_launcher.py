@@ -103,7 +103,7 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
     assert "weights restarted" in console and "rollout-1 left (drained)" in console
     assert "rollout instances: 1 -> 2 (rlmesh scale)" in console and "rollout instances: 2 -> 1 (rlmesh scale)" in console
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
-    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
     submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"]}
     assert set(received.values()) == {1}, "a prompt was delivered twice"
     assert set(received) <= submitted

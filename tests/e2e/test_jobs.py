@@ -93,7 +93,7 @@ eval_every = 2
     evaluations = [r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r]
     assert all({"eval/increment/sampled_reward", "eval/complement/sampled_reward"} <= set(r) for r in evaluations)
     ledger = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert {r["task"] for r in ledger if r["event"] == "received"} == {"increment", "complement"}
+    assert {r["task"] for r in ledger if r["event"] == "accepted"} == {"increment", "complement"}
 
 
 def test_a_reward_that_always_fails_stops_the_job_saying_why(tmp_path):

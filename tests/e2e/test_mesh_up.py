@@ -48,11 +48,11 @@ def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path)
 
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"])
-    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "received")
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
     assert len(submitted) == 4 * 16 and set(submitted.values()) == {1}
     assert received == submitted, "a prompt was lost or delivered twice"
-    assert all(r["samples"] == 8 for r in ledger if r["event"] == "received")
-    assert max(r["max_version"] for r in ledger if r["event"] == "received") >= 1
+    assert all(r["samples"] == 8 for r in ledger if r["event"] == "accepted")
+    assert max(r["max_version"] for r in ledger if r["event"] == "accepted") >= 1
 
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]

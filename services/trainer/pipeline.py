@@ -1,0 +1,166 @@
+"""The trainer's rollout pipeline as plain data: per step, the prompts submitted for it, the groups
+accepted for it (scored, not yet trained) and the order they are trained in. A checkpoint saves it
+whole, so a resumed trainer trains every accepted prompt exactly once."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlmesh.rewards.base import RewardResult
+from rlmesh.sampling import MAX_SEED
+from rlmesh.tasks.base import TaskPrompt
+from services.trainer.batching import TrainingSample
+from services.trainer.checkpoint import PIPELINE_FILE
+
+
+def prompt_seed(job_seed: int, step: int, prompt_id: str) -> int:
+    """The sampling seed of a step's prompt: reruns and resubmissions draw the same responses."""
+    digest = hashlib.blake2b(f"{job_seed}:{step}:{prompt_id}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") % MAX_SEED) or 1
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    """A prompt submitted for a step: enough to submit it again, identically."""
+
+    step: int
+    prompt_id: str
+    index: int
+    """Its place in the step: groups are trained in this order when the order must not depend on timing."""
+    task: str
+    prompt: TaskPrompt
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class ScoredGroup:
+    """A finished group, scored: what a training step consumes."""
+
+    record: PromptRecord
+    batch_id: str
+    samples: list[TrainingSample]
+    results: list[RewardResult]
+    weight_versions: list[list[int]]
+    """Per sample, the version that generated each of its tokens."""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.results]
+
+    @property
+    def min_version(self) -> int:
+        return min(min(v) for v in self.weight_versions)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One training step's rollouts: `expected` groups must be accepted; a dropped group (dynamic
+    sampling: all rewards equal) is replaced by a refill prompt for the same step."""
+
+    step: int
+    expected: int
+    outstanding: dict[str, PromptRecord] = field(default_factory=dict)
+    """Submitted, not yet back: by prompt id."""
+    accepted: list[ScoredGroup] = field(default_factory=list)
+    """Every group accepted, in arrival order."""
+    waiting: list[ScoredGroup] = field(default_factory=list)
+    """Accepted, not yet handed to training, in arrival order."""
+    trained: int = 0
+    dropped: list[int] = field(default_factory=list)
+    """Indexes of dropped groups."""
+    next_index: int = 0
+    refills: int = 0
+    batches: list[str] = field(default_factory=list)
+
+    def add(self, record: PromptRecord) -> None:
+        self.outstanding[record.prompt_id] = record
+        self.next_index = max(self.next_index, record.index + 1)
+
+    def accept(self, group: ScoredGroup) -> None:
+        del self.outstanding[group.record.prompt_id]
+        self.accepted.append(group)
+        self.waiting.append(group)
+
+    def drop(self, record: PromptRecord) -> None:
+        del self.outstanding[record.prompt_id]
+        self.dropped.append(record.index)
+
+    @property
+    def missing(self) -> int:
+        """Groups still to be accepted that no outstanding prompt will bring: refills to submit."""
+        return self.expected - len(self.accepted) - len(self.outstanding)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.accepted) >= self.expected
+
+    def can_take(self, ordered: bool, most_groups: int, fewest_groups: int) -> bool:
+        """Whether a micro-batch can be taken now. Ordered micro-batches are always full (but the
+        step's last), so that what they hold never depends on when groups finished."""
+        fewest = most_groups if ordered else fewest_groups
+        return len(self.ready(ordered)) >= min(max(fewest, 1), self.expected - self.trained)
+
+    def ready(self, ordered: bool) -> list[ScoredGroup]:
+        """The waiting groups that may be trained now, in training order. `ordered`: by index, and a
+        group only once every lower index is accepted or dropped, so micro-batches are the same
+        whatever order groups finish in. Otherwise in arrival order."""
+        if not ordered:
+            return list(self.waiting)
+        first_pending = min((r.index for r in self.outstanding.values()), default=None)
+        return sorted((g for g in self.waiting if first_pending is None or g.record.index < first_pending),
+                      key=lambda g: g.record.index)
+
+    def take_micro_batch(self, ordered: bool, most_groups: int, fewest_groups: int, max_tokens: int) -> list[ScoredGroup]:
+        """The next micro-batch, or [] while it must wait for more groups. At most `most_groups`
+        and `max_tokens` (0: no budget; one group always fits); at least `fewest_groups` (ordered:
+        `most_groups`) unless it is the step's last."""
+        if not self.can_take(ordered, most_groups, fewest_groups):
+            return []
+        ready = self.ready(ordered)
+        taken: list[ScoredGroup] = []
+        tokens = 0
+        for group in ready[:most_groups]:
+            if taken and max_tokens and tokens + group.tokens > max_tokens:
+                break
+            taken.append(group)
+            tokens += group.tokens
+        self.trained += len(taken)
+        chosen = {id(g) for g in taken}
+        self.waiting = [g for g in self.waiting if id(g) not in chosen]
+        return taken
+
+
+def untrained_plans(plans: dict[int, StepPlan], first_step: int) -> list[StepPlan]:
+    """What a checkpoint saves of the pipeline when `first_step` is the next step to train: every
+    later step with its accepted-but-untrained groups and its prompts still in flight (submitted
+    again on resume)."""
+    return [StepPlan(p.step, p.expected - p.trained, dict(p.outstanding), list(p.waiting), list(p.waiting), 0, list(p.dropped),
+                     p.next_index, p.refills, []) for step, p in sorted(plans.items()) if step >= first_step]
+
+
+
+def dump_pipeline(plans: list[StepPlan]) -> bytes:
+    return pickle.dumps(plans)
+
+
+def load_pipeline(checkpoint: Path, tasks: Mapping[str, object]) -> list[StepPlan]:
+    """The steps a checkpoint saved ahead of it; [] for a checkpoint without them. The checkpoint is
+    this run's own output (it is unpickled)."""
+    path = checkpoint / PIPELINE_FILE
+    if not path.is_file():
+        return []
+    plans: list[StepPlan] = pickle.loads(path.read_bytes())
+    unknown = {r.task for p in plans for r in p.outstanding.values()} | {g.record.task for p in plans for g in p.accepted}
+    unknown -= set(tasks)
+    if unknown:
+        raise ValueError(f"checkpoint {checkpoint}: its prompts in flight come from tasks this job does not have: {sorted(unknown)}")
+    return plans
