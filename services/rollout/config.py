@@ -36,6 +36,16 @@ class EngineConfig(StrictModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Processes the torch engine splits the model over (heads, MLP and vocabulary; gloo on this
     machine); rank 0 is the service process, the others are workers it starts."""
+    update_mode: Literal["continue", "pause", "abort-continue"] = "continue"
+    """What requests in flight do when a new weight version arrives: `continue` decoding while it
+    loads and on it after the switch, their KV cache kept; `pause`: no decode step from the start of
+    the push until its commit, then on with the KV cache kept; `abort-continue`: at the switch their
+    KV cache is recomputed under the new version from their tokens so far. Every token records its
+    version in every mode."""
+    update_pause_limit_seconds: float = Field(default=30.0, gt=0)
+    """In pause mode, the longest a push may hold generation: a push that neither commits nor fails
+    by then (its sender died or gave up) lets generation resume on the served version; a late
+    commit holds it again while it switches."""
     synthetic: SyntheticConfig = SyntheticConfig()
     vllm: VllmConfig = VllmConfig()
 

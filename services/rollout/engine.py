@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -17,6 +17,17 @@ from rlmesh.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from services.rollout.rank import RankHandle
+
+
+UpdateMode = Literal["continue", "pause", "abort-continue"]
+"""What requests in flight do when a new weight version arrives:
+- continue: they go on decoding while it loads and continue on it after the switch, their KV cache
+  kept (computed by the old version);
+- pause: no decode step runs from the moment the push begins until it is committed (or failed, or
+  abandoned); then they continue on the new version, their KV cache kept (verl, slime);
+- abort-continue: at the switch their KV cache is recomputed under the new version from the prompt
+  and the tokens so far, and they continue from there (SkyRL).
+In every mode each token records the version that produced it, and a request stays one stream."""
 
 
 class Finish(Enum):
@@ -88,17 +99,21 @@ class Engine(abc.ABC):
 
     Weight updates are two-phase: `stage_weights` loads a new version into a standby copy
     while generation goes on; `commit_staged` switches to it between two decode steps, so no
-    token is ever produced by a partially loaded model."""
+    token is ever produced by a partially loaded model. `update_mode` says what requests in
+    flight do meanwhile (see UpdateMode); in pause mode the weight updater brackets the push
+    with `hold_for_update` and `release_update_hold`."""
 
     weight_layout: ClassVar[WeightLayout] = WeightLayout.FULL
     quantized_weights: ClassVar[bool] = False
     """Serves quantized weights, so lossy link compression is acceptable."""
 
-    def __init__(self, max_batch_size: int, weight_version: int) -> None:
+    def __init__(self, max_batch_size: int, weight_version: int, update_mode: UpdateMode = "continue") -> None:
         self._max_batch = max_batch_size
         self._version = weight_version
         self._generated = 0
         self._paused = False
+        self._held = False
+        self.update_mode: UpdateMode = update_mode
         self.on_failure: Callable[[str], None] | None = None
         """Called (from any thread) once the engine can no longer serve; the process then leaves."""
 
@@ -121,7 +136,12 @@ class Engine(abc.ABC):
 
     @property
     def paused(self) -> bool:
+        """Paused by `pause` (PauseGeneration or a drain); a hold for a weight update does not count."""
         return self._paused
+
+    @property
+    def held_for_update(self) -> bool:
+        return self._held
 
     @property
     @abc.abstractmethod
@@ -146,6 +166,16 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def resume(self) -> None:
         """Continues every paused request where it stopped."""
+
+    @abc.abstractmethod
+    async def hold_for_update(self) -> None:
+        """Like `pause`, for a weight update (pause mode): returns once the current decode step
+        ended; requests keep their state and new ones queue. Independent of `pause`: the hold's
+        release does not resume an engine someone paused."""
+
+    @abc.abstractmethod
+    async def release_update_hold(self) -> None:
+        """Ends the hold; decoding goes on unless the engine is paused."""
 
     @abc.abstractmethod
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -34,24 +34,25 @@ def build_engine(config: RolloutConfig) -> Engine:
     if engine.kind == "synthetic":
         from services.rollout.synthetic_engine import SyntheticEngine
 
-        return SyntheticEngine(engine.synthetic, engine.max_batch_size, engine.model_dir or None)
+        return SyntheticEngine(engine.synthetic, engine.max_batch_size, engine.model_dir or None, update_mode=engine.update_mode)
     if engine.kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm)
+        return VllmEngine(engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm, update_mode=engine.update_mode)
     from services.rollout.torch_engine import TorchEngine
 
     return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
-                       transfer=rank_transfer(config), threads=engine.threads)
+                       transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode)
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:
     offered = {"grpc": True, "mooncake": config.transfer.mooncake, "tcp": config.transfer.tcp}
     backends: frozenset[Backend] = frozenset(name for name, on in offered.items() if on)
+    pause_limit = config.engine.update_pause_limit_seconds
     if isinstance(engine, TensorParallelEngine):
-        return WeightUpdater(engine, engine.ranks, backends)
+        return WeightUpdater(engine, engine.ranks, backends, pause_limit=pause_limit)
     # Engines that take full tensors receive them here, in the service process.
-    return WeightUpdater(engine, [RankWeights(0, rank_transfer(config))], backends, owns_ranks=True)
+    return WeightUpdater(engine, [RankWeights(0, rank_transfer(config))], backends, owns_ranks=True, pause_limit=pause_limit)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,8 @@ class RunningRollout:
         await self.server.set_serving(False)
         if self.engine.paused:
             await self.engine.resume()
+        if self.engine.held_for_update:
+            await self.engine.release_update_hold()
         self._drained = self.engine.abort()
         deadline = time.monotonic() + self.drain_timeout
         while self.servicer.streams and time.monotonic() < deadline:

@@ -124,6 +124,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             tensor_parallel_size=self.engine.tensor_parallel_size,
             weight_layout=_LAYOUTS[self.engine.weight_layout],
             quantized_weights=self.engine.quantized_weights,
+            update_mode=self.engine.update_mode,
         )
 
     async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:

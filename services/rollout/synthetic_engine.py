@@ -20,7 +20,7 @@ from pydantic import Field
 from rlmesh.config import StrictModel
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine import (
-    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, model_parameter_specs, validate_request,
+    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, model_parameter_specs, validate_request,
 )
 
 
@@ -90,8 +90,12 @@ class _Sequence:
 
 
 class SyntheticEngine(Engine):
-    def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0) -> None:
-        super().__init__(max_batch_size, weight_version)
+    """Its tokens depend on no weights: `pause` holds generation like any engine, while
+    `abort-continue` has no KV cache to recompute and behaves as `continue` (no prefill time charged)."""
+
+    def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0,
+                 update_mode: UpdateMode = "continue") -> None:
+        super().__init__(max_batch_size, weight_version, update_mode)
         self.config = config
         self._staged: int | None = None
         self._specs = model_parameter_specs(model_dir) if model_dir else []
@@ -161,6 +165,13 @@ class SyntheticEngine(Engine):
         self._paused = False
         self._wake.set()
 
+    async def hold_for_update(self) -> None:
+        self._held = True
+
+    async def release_update_hold(self) -> None:
+        self._held = False
+        self._wake.set()
+
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         if version <= self._version:
             raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
@@ -178,12 +189,16 @@ class SyntheticEngine(Engine):
     async def _run(self) -> None:
         last = time.perf_counter()
         while True:
-            if not (self._running or self._waiting) or self._paused:
+            if not (self._running or self._waiting) or self._paused or self._held:
                 self._wake.clear()
                 await self._wake.wait()
                 last = time.perf_counter()
                 self._progress = 0.0
+                continue
             await asyncio.sleep(self.config.tick_seconds)
+            # A pause or hold that came during the tick stops this step too.
+            if self._paused or self._held:
+                continue
             self._admit()
             now = time.perf_counter()
             # Steps completed since the last tick, at the step time of the current batch size.

@@ -20,7 +20,9 @@ from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.payload import name_mismatch
-from services.rollout.engine import Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, validate_request
+from services.rollout.engine import (
+    Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, validate_request,
+)
 from services.rollout.rank import RankHandle, RankTransfer
 from services.rollout.tp_group import TensorParallelGroup
 
@@ -31,14 +33,28 @@ log = structlog.get_logger()
 class _Sequence:
     request: EngineRequest
     stream: ChunkStream
-    generator: torch.Generator | None
-    """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
-    generated: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    """The tokens generated here (after the request's continued tokens)."""
     finish: Finish = Finish.NONE
     pending: Chunk = field(init=False)
+    generator: torch.Generator | None = field(init=False)
+    """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
 
     def __post_init__(self) -> None:
         self.pending = Chunk(self.request.request_id)
+        self.restart_generator()
+
+    def context(self) -> list[int]:
+        """What the KV cache must hold once the sequence is prefilled: prompt and every token so far."""
+        return self.request.prompt_token_ids + self.request.continued_token_ids + self.token_ids
+
+    def restart_generator(self) -> None:
+        """Seeds the generator as a request continued from every token so far would be: a
+        continuation must not replay the random stream of the attempt it continues, and a request
+        recomputed here draws what its continuation would draw anywhere."""
+        seed = self.request.sampling.seed
+        done = len(self.request.continued_token_ids) + len(self.token_ids)
+        self.generator = torch.Generator().manual_seed(seed + done) if seed else None
 
     def take_chunk(self, finish: Finish = Finish.NONE) -> Chunk:
         self.finish = finish
@@ -78,11 +94,18 @@ class TorchEngine(TensorParallelEngine):
     """Continuous batching: at every decode step waiting requests are prefilled and join the
     running batch, and finished or aborted ones leave it; weights switch between two steps.
     Every operation on the model and KV cache goes through the tensor-parallel group's step
-    program, so all ranks apply it in the same step; sampling happens here, on rank 0."""
+    program, so all ranks apply it in the same step; sampling happens here, on rank 0.
+
+    abort-continue recomputes here, at the first step after the switch: the KV cache is cleared
+    and every running sequence is prefilled again from its prompt and tokens so far, under the
+    new version, then decodes on. Doing it in the engine rather than aborting back to the manager
+    keeps each request's stream, its batch slot and its instance: no round trip, no re-dispatch
+    that could land elsewhere, and the manager sees one request whatever the weights do."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
-                 tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1) -> None:
-        super().__init__(max_batch_size, weight_version)
+                 tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
+                 update_mode: UpdateMode = "continue") -> None:
+        super().__init__(max_batch_size, weight_version, update_mode)
         check_model_dir(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         self._shape = ModelShape.from_hf_config(config, f"model folder {model_dir}")
@@ -98,7 +121,10 @@ class TorchEngine(TensorParallelEngine):
         self._batch = _RunningBatch()
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
-        self._paused_ack: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._recompute_pending = False
+        """abort-continue: the running sequences' KV cache is of an older version (decode thread only)."""
+        self._halt_acks: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        """Who waits for the decode step in progress to end after a pause or a hold."""
         self._staging = threading.Lock()
         self._stopped = False
         self._failure = ""
@@ -138,10 +164,7 @@ class TorchEngine(TensorParallelEngine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self._vocab_size, self._max_positions)
-        seed = request.sampling.seed
-        # A continuation must not replay the random stream of the attempt it continues.
-        generator = torch.Generator().manual_seed(seed + len(request.continued_token_ids)) if seed else None
-        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()), generator)
+        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()))
         request_id = request.request_id
         with self._cond:
             if self._stopped:
@@ -176,18 +199,33 @@ class TorchEngine(TensorParallelEngine):
             return len(targets)
 
     async def pause(self) -> None:
-        loop = asyncio.get_running_loop()
-        acknowledged = loop.create_future()
-        with self._cond:
-            self._paused = True
-            self._paused_ack.append((loop, acknowledged))
-            self._cond.notify_all()
-        await acknowledged
+        await self._halt(hold=False)
 
     async def resume(self) -> None:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+    async def hold_for_update(self) -> None:
+        await self._halt(hold=True)
+
+    async def release_update_hold(self) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    async def _halt(self, hold: bool) -> None:
+        """Stops decoding (a pause, or a hold for a weight update); returns once the step in progress ended."""
+        loop = asyncio.get_running_loop()
+        acknowledged = loop.create_future()
+        with self._cond:
+            if hold:
+                self._held = True
+            else:
+                self._paused = True
+            self._halt_acks.append((loop, acknowledged))
+            self._cond.notify_all()
+        await acknowledged
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Full tensors (WEIGHT_LAYOUT_FULL): each rank gets its own cut of them."""
@@ -245,28 +283,32 @@ class TorchEngine(TensorParallelEngine):
 
     # The decode thread ----------------------------------------------------------------------
 
+    def _halted(self) -> bool:
+        return self._paused or self._held
+
     def _has_work(self) -> bool:
         if self._stopped or self._swap is not None or self._aborted:
             return True
         if self._failure:
             return bool(self._batch.rows or self._waiting)
-        return not self._paused and bool(self._batch.rows or self._waiting)
+        return not self._halted() and bool(self._batch.rows or self._waiting)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._acknowledge_pause()
+                self._acknowledge_halt()
                 while not self._has_work():
                     self._cond.wait()
-                    self._acknowledge_pause()
+                    self._acknowledge_halt()
                 if self._stopped:
                     return
                 if self._failure:
                     self._abandon()
                     continue
                 aborted, self._aborted = self._aborted, set()
+                halted = self._halted()
                 joining: list[_Sequence] = []
-                if not self._paused:
+                if not halted:
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             emitted: list[tuple[_Sequence, Chunk]] = []
@@ -276,9 +318,12 @@ class TorchEngine(TensorParallelEngine):
                     if sequence.request.request_id in aborted and sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
                 self._drop_finished()
+                # A recompute samples a token, so it waits while decoding is halted.
+                if self._recompute_pending and not halted:
+                    self._recompute(emitted)
                 if joining:
                     self._prefill(joining, emitted)
-                if self._batch.rows and not self._paused:
+                if self._batch.rows and not halted:
                     self._decode(emitted)
                 self._drop_finished()
             except Exception:
@@ -287,6 +332,7 @@ class TorchEngine(TensorParallelEngine):
                     if sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
                 self._batch = _RunningBatch()
+                self._recompute_pending = False
                 try:
                     self._group.run("clear")
                 except Exception as exc:
@@ -297,6 +343,7 @@ class TorchEngine(TensorParallelEngine):
         """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""
         emitted = [(s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE]
         self._batch = _RunningBatch()
+        self._recompute_pending = False
         self._waiting.clear()
         self._aborted.clear()
         swap, self._swap = self._swap, None
@@ -305,11 +352,11 @@ class TorchEngine(TensorParallelEngine):
             swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_exception(error))
         _deliver(emitted)
 
-    def _acknowledge_pause(self) -> None:
-        if self._paused or self._stopped:
-            for loop, future in self._paused_ack:
+    def _acknowledge_halt(self) -> None:
+        if self._halted() or self._stopped:
+            for loop, future in self._halt_acks:
                 loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
-            self._paused_ack.clear()
+            self._halt_acks.clear()
 
     def _apply_swap(self) -> None:
         with self._cond:
@@ -321,6 +368,8 @@ class TorchEngine(TensorParallelEngine):
             self._swap = None
             self._version = swap.version
             self._staged_version = None
+        if self.update_mode == "abort-continue" and self._batch.rows:
+            self._recompute_pending = True
         swap.loop.call_soon_threadsafe(lambda: swap.done.done() or swap.done.set_result(None))
         log.info("weights switched", weight_version=swap.version, tensor_parallel_size=self._group.tp)
 
@@ -330,8 +379,23 @@ class TorchEngine(TensorParallelEngine):
             self._group.run("keep", keep)
             self._batch.keep(keep)
 
+    def _recompute(self, emitted: list[tuple[_Sequence, Chunk]]) -> None:
+        """abort-continue: the running sequences leave the batch, their KV cache is dropped, and
+        they join again prefilled from their prompt and tokens so far under the served version;
+        each continues as a request continued from those tokens would (seeded draws included)."""
+        self._recompute_pending = False
+        rows = self._batch.rows
+        if not rows:
+            return
+        self._group.run("clear")
+        self._batch = _RunningBatch()
+        for sequence in rows:
+            sequence.restart_generator()
+        self._prefill(rows, emitted)
+        log.info("running requests recomputed on the new weights", requests=len(rows), weight_version=self._version)
+
     def _prefill(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
-        inputs = [s.request.prompt_token_ids + s.request.continued_token_ids for s in joining]
+        inputs = [s.context() for s in joining]
         width = max(len(ids) for ids in inputs)
         ids = torch.tensor([[self._pad_id] * (width - len(x)) + x for x in inputs])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs])
@@ -364,14 +428,14 @@ class TorchEngine(TensorParallelEngine):
         for sequence, token, logprob in zip(rows, tokens.tolist(), chosen):
             if sequence.finish is not Finish.NONE:
                 continue
-            sequence.generated += 1
+            sequence.token_ids.append(token)
             self._generated += 1
             sequence.pending.token_ids.append(token)
             sequence.pending.logprobs.append(logprob)
             sequence.pending.weight_versions.append(version)
             if token in sequence.request.sampling.stop_token_ids:
                 emitted.append((sequence, sequence.take_chunk(Finish.STOP)))
-            elif sequence.generated >= sequence.request.remaining_tokens:
+            elif len(sequence.token_ids) >= sequence.request.remaining_tokens:
                 emitted.append((sequence, sequence.take_chunk(Finish.LENGTH)))
             else:
                 emitted.append((sequence, sequence.take_chunk()))

@@ -18,7 +18,9 @@ import torch
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.families import check_model_dir
-from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, ParameterSpec, model_parameter_specs, validate_request
+from services.rollout.engine import (
+    Chunk, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, model_parameter_specs, validate_request,
+)
 
 if TYPE_CHECKING:
     from services.rollout.config import VllmConfig
@@ -62,8 +64,16 @@ def _versions(starts: Sequence[tuple[str, int]], first: int, count: int, fallbac
 
 
 class VllmEngine(Engine):
-    def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0) -> None:
-        super().__init__(max_batch_size, weight_version)
+    """Update modes on vLLM's own machinery: pause holds its scheduler (`pause_generation(mode="keep")`,
+    requests keep their KV blocks); abort-continue preempts every running request after the reload
+    (`reset_prefix_cache(reset_running_requests=True)`), so vLLM recomputes its KV from the prompt
+    and output tokens under the new weights when scheduled again: still one request, one stream.
+    A seeded request keeps its sampling generator across that recompute, so its draws stay
+    reproducible but are not those of a fresh continuation (which reseeds, as the torch engine does)."""
+
+    def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0,
+                 update_mode: UpdateMode = "continue") -> None:
+        super().__init__(max_batch_size, weight_version, update_mode)
         check_model_dir(model_dir)
         # vLLM reads these at import and engine start: CPU KV cache, one thread per engine core
         # (tiny models decode much faster so).
@@ -211,12 +221,27 @@ class VllmEngine(Engine):
         return len(targets)
 
     async def pause(self) -> None:
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        if not self._held:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        if not self._held:
+            await self._llm.resume_generation()
         self._paused = False
+
+    async def hold_for_update(self) -> None:
+        # vLLM's scheduler has one pause state: the hold and `pause` share it.
+        async with self._switch:
+            if not (self._paused or self._held):
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+            self._held = True
+
+    async def release_update_hold(self) -> None:
+        async with self._switch:
+            if self._held and not self._paused:
+                await self._llm.resume_generation()
+            self._held = False
 
     def stage_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
@@ -231,7 +256,7 @@ class VllmEngine(Engine):
         if self._staged != version:
             raise FailedPrecondition(f"version {version} is not staged (staged: {self._staged})")
         async with self._switch:
-            was_paused = self._paused
+            was_paused = self._paused or self._held
             if not was_paused:
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
             # Requests arriving from here on are first scheduled on the new weights.
@@ -239,9 +264,10 @@ class VllmEngine(Engine):
             try:
                 await self._llm.collective_rpc("rlmesh_reload_weights", kwargs={"weights_path": str(self._staging_dir)})
                 await self._llm.update_weight_version(str(version))
-                # Frees the old version's cached blocks early; it fails (harmlessly: the cache
-                # salt keeps them from being hit) while paused requests still hold blocks.
-                await self._llm.reset_prefix_cache()
+                # Frees the old version's cached blocks early. Without abort-continue it fails
+                # (harmlessly: the cache salt keeps them from being hit) while paused requests
+                # still hold blocks; with it, those requests are preempted to be recomputed.
+                await self._llm.reset_prefix_cache(reset_running_requests=self.update_mode == "abort-continue")
                 self._version = version
                 self._staged = None
             except BaseException:

@@ -25,6 +25,8 @@ log = structlog.get_logger()
 Backend = Literal["mooncake", "grpc", "tcp"]
 VERIFY_TIMEOUT_SECONDS = 30.0
 """How long a commit waits for buckets still being checked."""
+PAUSE_LIMIT_SECONDS = 30.0
+"""In pause mode, the longest a push that neither commits nor fails holds generation."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +41,15 @@ class WeightUpdater:
     """At most one version is pending; a newer Begin supersedes an uncommitted older one, and
     nothing reaches the engine's served copy before every bucket of every rank matched its
     checksum. Tensor-parallel payloads land in each rank's standby copy, bucket by bucket; full
-    tensors are received by rank 0 and handed to the engine, which cuts them."""
+    tensors are received by rank 0 and handed to the engine, which cuts them.
+
+    In pause mode the engine is held from a Begin until its commit returns, whether it switched or
+    failed; a Begin that supersedes a pending one keeps the hold. A push whose sender vanished
+    sends nothing more, so the hold also ends `pause_limit` seconds after the last Begin: the
+    instance never stays paused, and always resumes on the version it serves."""
 
     def __init__(self, engine: Engine, ranks: Sequence[RankHandle], backends: frozenset[Backend], owns_ranks: bool = False,
-                 verify_timeout: float = VERIFY_TIMEOUT_SECONDS) -> None:
+                 verify_timeout: float = VERIFY_TIMEOUT_SECONDS, pause_limit: float = PAUSE_LIMIT_SECONDS) -> None:
         """`ranks[0]` receives in this process (a RankWeights); `owns_ranks`: close them with the updater."""
         self.engine = engine
         self.ranks = ranks
@@ -51,8 +58,10 @@ class WeightUpdater:
         self.owns_ranks = owns_ranks
         self.verify_timeout = verify_timeout
         self.transfer_session = self.local.session
+        self.pause_limit = pause_limit
         self._pending: _Pending | None = None
         self._busy = asyncio.Lock()
+        self._hold_expiry: asyncio.Task[None] | None = None
 
     async def begin(self, manifest: common_pb2.WeightManifest | None, rank_manifests: Sequence[common_pb2.WeightManifest],
                     backend: Backend, keep_base: bool = False) -> list[RankPort]:
@@ -76,12 +85,18 @@ class WeightUpdater:
             load = layout is WeightLayout.TENSOR_PARALLEL
             # The transfer engine's writes authenticate nothing: its commit must prove the bytes.
             proven_at_commit = backend == "mooncake"
+            await self._hold()
             try:
                 ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served, keep_base, proven_at_commit)
                                                for rank, m in zip(ranks, manifests)))
             except TransferError as exc:
+                await self._release()
                 raise FailedPrecondition(f"version {version}: {exc}") from exc
+            except BaseException:
+                await self._release()
+                raise
             self._pending = _Pending(version, layout, ranks)
+            self._limit_hold(version)
             log.info("weight update begun", weight_version=version, layout=layout.name, ranks=len(ranks), backend=backend)
             return list(ports)
 
@@ -105,36 +120,78 @@ class WeightUpdater:
                 raise InvalidArgument(f"{len(rank_proofs)} rank_proofs for the {len(pending.ranks)} rank(s) receiving version {version}")
             proofs = list(rank_proofs) or [b""] * len(pending.ranks)
             started = time.perf_counter()
-            served = self.engine.weight_version
+            await self._hold()
             try:
-                bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout, proof)
-                                             for rank, proof in zip(pending.ranks, proofs)))
-                failed = {rank: buckets for rank, buckets in enumerate(bad) if buckets}
-                if failed:
-                    detail = "; ".join(f"rank {rank} buckets {buckets[:8]}" for rank, buckets in failed.items())
-                    raise FailedPrecondition(f"version {version}: {detail} missing or failed their crc32 check; nothing was loaded, "
-                                             f"version {served} is still served")
-                if pending.layout is WeightLayout.TENSOR_PARALLEL:
-                    await asyncio.gather(*(finish_in_thread(rank.finish, version) for rank in pending.ranks))
-                    self.engine.mark_staged(version)
-                else:
-                    await finish_in_thread(self.engine.stage_weights, version, self.local.tensors())
-            except UnprovenPayload as exc:
-                log.warning("weight commit refused: its bytes are not proven", weight_version=version, error=str(exc))
-                raise UnprovenPayload(f"version {version}: {exc}; nothing was loaded, version {served} is still served") from exc
-            except TransferError as exc:
-                raise FailedPrecondition(f"version {version}: {exc}; version {served} is still served") from exc
+                try:
+                    await self._load(pending, proofs)
+                finally:
+                    self._pending = None
+                await self.engine.commit_staged(version)
             finally:
-                self._pending = None
-            await self.engine.commit_staged(version)
+                # Switched or not, the push is over: generation resumes on whatever is served.
+                await self._release()
             elapsed = (time.perf_counter() - started) * 1000
             log.info("weight version committed", weight_version=version, load_ms=round(elapsed, 2), ranks=len(pending.ranks))
             return elapsed
 
+    async def _load(self, pending: _Pending, proofs: list[bytes]) -> None:
+        """Checks every bucket of every rank, then makes the version the engine's staged one."""
+        version, served = pending.version, self.engine.weight_version
+        try:
+            bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout, proof)
+                                         for rank, proof in zip(pending.ranks, proofs)))
+            failed = {rank: buckets for rank, buckets in enumerate(bad) if buckets}
+            if failed:
+                detail = "; ".join(f"rank {rank} buckets {buckets[:8]}" for rank, buckets in failed.items())
+                raise FailedPrecondition(f"version {version}: {detail} missing or failed their crc32 check; nothing was loaded, "
+                                         f"version {served} is still served")
+            if pending.layout is WeightLayout.TENSOR_PARALLEL:
+                await asyncio.gather(*(finish_in_thread(rank.finish, version) for rank in pending.ranks))
+                self.engine.mark_staged(version)
+            else:
+                await finish_in_thread(self.engine.stage_weights, version, self.local.tensors())
+        except UnprovenPayload as exc:
+            log.warning("weight commit refused: its bytes are not proven", weight_version=version, error=str(exc))
+            raise UnprovenPayload(f"version {version}: {exc}; nothing was loaded, version {served} is still served") from exc
+        except TransferError as exc:
+            raise FailedPrecondition(f"version {version}: {exc}; version {served} is still served") from exc
+
     def close(self) -> None:
+        if self._hold_expiry is not None:
+            self._hold_expiry.cancel()
         if self.owns_ranks:
             for rank in self.ranks:
                 rank.close()
+
+    async def _hold(self) -> None:
+        """pause mode: stops decoding (after the step in progress) until `_release`."""
+        if self.engine.update_mode != "pause":
+            return
+        if self._hold_expiry is not None:
+            self._hold_expiry.cancel()
+            self._hold_expiry = None
+        if not self.engine.held_for_update:
+            await self.engine.hold_for_update()
+            log.info("generation held for a weight update", weight_version=self.engine.weight_version)
+
+    async def _release(self) -> None:
+        if self.engine.held_for_update:
+            await self.engine.release_update_hold()
+            log.info("generation resumed after a weight update", weight_version=self.engine.weight_version)
+
+    def _limit_hold(self, version: int) -> None:
+        if self.engine.update_mode == "pause":
+            self._hold_expiry = asyncio.create_task(self._expire_hold(version))
+
+    async def _expire_hold(self, version: int) -> None:
+        """Ends the hold of a push that neither committed nor failed within the pause limit. Runs
+        between Begins and commits (under the same lock), and is cancelled by the next one."""
+        await asyncio.sleep(self.pause_limit)
+        async with self._busy:
+            self._hold_expiry = None
+            log.warning("weight push neither committed nor failed: generation resumes on the served version",
+                        weight_version=version, served_version=self.engine.weight_version, pause_limit_s=self.pause_limit)
+            await self._release()
 
     def _check_full_manifest(self, manifest: common_pb2.WeightManifest | None) -> common_pb2.WeightManifest:
         if manifest is None:

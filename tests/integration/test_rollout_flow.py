@@ -132,7 +132,7 @@ async def test_a_corrupted_push_leaves_the_instance_on_its_version(grpc_mesh, mo
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "crc32" in caught.value.details()
     info = await stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
-    assert info.weight_version == 0
+    assert info.weight_version == 0 and info.update_mode == "continue"
 
 
 async def test_a_draining_instance_hands_its_requests_to_another(model_dir):

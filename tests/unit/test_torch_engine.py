@@ -1,17 +1,21 @@
 """The torch engine on a real model: agreement with HF greedy decoding and with the trainer's
 log-probabilities, continuous batching, continuation, stop and length handling, abort, pause and
-resume, and the weight switch between decode steps."""
+resume, the weight switch between decode steps and what running requests do at it (update modes)."""
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
+from rlmesh.payload import pack, stream_chunks
 from services.rollout.engine import EngineRequest, Finish, Sampling
 from services.rollout.torch_engine import TorchEngine
+from services.rollout.weight_update import WeightUpdater
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 
 
@@ -217,3 +221,160 @@ async def test_abort_all_while_paused_returns_partial_tokens(engine, model_dir):
     tokens, _, _, finish = await task
     assert finish is Finish.ABORT and len(tokens) >= 5
     await engine.resume()
+
+
+# Update modes: what a request running across a weight push does. ---------------------------------
+
+
+def record_steps(engine, decode_seconds=0.0):
+    """Records every step operation the engine runs on its model and KV cache; `decode_seconds`
+    slows each decode step, so a request reliably spans a push."""
+    steps = []
+    run = engine._group.run
+
+    def recording(op, *args):
+        steps.append((op, args))
+        if op == "decode":
+            time.sleep(decode_seconds)
+        return run(op, *args)
+
+    engine._group.run = recording
+    return steps
+
+
+def recomputed_contexts(steps):
+    """The token rows of every prefill recorded (each one a prompt and the tokens before it)."""
+    return [row.tolist() for op, args in steps if op == "prefill" for row in args[0]]
+
+
+@pytest.fixture
+def new_weights(model_dir):
+    return {name: tensor * 0.5 for name, tensor in trainable_tensors(load_causal_lm(model_dir)).items()}
+
+
+@pytest.fixture
+async def mode_engine(model_dir, request):
+    """An engine in the update mode the test is parametrised with, and its weight updater (gRPC chunks)."""
+    engine = TorchEngine(model_dir, max_batch_size=8, seed=1, update_mode=request.param)
+    updater = WeightUpdater(engine, engine.ranks, frozenset({"grpc"}), pause_limit=0.3)
+    await engine.start()
+    yield engine, updater
+    await engine.stop()
+    updater.close()
+
+
+async def begin_push(updater, version, tensors, corrupt=False):
+    manifest, payload = pack(tensors, version)
+    await updater.begin(manifest, [], "grpc")
+    if corrupt:
+        payload[10] ^= 0xFF
+    for offset, data in stream_chunks(payload, manifest.total_bytes):
+        await updater.receive(0, version, offset, data, common_pb2.COMPRESSION_NONE, 0, -1)
+
+
+async def wait_for_tokens(engine, count, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while engine.generated_tokens < count:
+        assert time.monotonic() < deadline, f"{engine.generated_tokens} tokens generated, waited for {count}"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("mode_engine", ["continue"], indirect=True)
+async def test_continue_mode_decodes_through_the_push_and_keeps_the_kv_cache(mode_engine, model_dir, new_weights):
+    engine, updater = mode_engine
+    steps = record_steps(engine, decode_seconds=0.01)
+    ids, _ = prompts(model_dir, ["5555="])
+    task = asyncio.create_task(collect(engine, EngineRequest("spanning", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    await wait_for_tokens(engine, 3)
+    await begin_push(updater, 1, new_weights)
+    await wait_for_tokens(engine, engine.generated_tokens + 2)
+    steps.clear()
+    await updater.commit(1)
+    tokens, _, versions, finish = await task
+    assert finish is Finish.LENGTH and len(tokens) == 50
+    assert 0 in versions and 1 in versions and versions == sorted(versions)
+    assert recomputed_contexts(steps) == []
+
+
+@pytest.mark.parametrize("mode_engine", ["pause"], indirect=True)
+async def test_pause_mode_holds_every_step_from_the_push_begin_to_its_commit(mode_engine, model_dir, new_weights):
+    engine, updater = mode_engine
+    steps = record_steps(engine, decode_seconds=0.01)
+    ids, _ = prompts(model_dir, ["5555=", "77="])
+    held = asyncio.create_task(collect(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    await wait_for_tokens(engine, 3)
+    manifest, payload = pack(new_weights, 1)
+    await updater.begin(manifest, [], "grpc")
+    before = engine.generated_tokens
+    late = asyncio.create_task(collect(engine, EngineRequest("late", ids[1], Sampling(temperature=1.0, max_tokens=5))))
+    for offset, data in stream_chunks(payload, manifest.total_bytes):
+        await updater.receive(0, 1, offset, data, common_pb2.COMPRESSION_NONE, 0, -1)
+    await asyncio.sleep(0.2)
+    assert engine.generated_tokens == before and not late.done()
+    assert engine.held_for_update and not engine.paused
+    steps.clear()
+    await updater.commit(1)
+    tokens, _, versions, finish = await held
+    late_tokens, _, late_versions, _ = await late
+    assert finish is Finish.LENGTH and len(tokens) == 50
+    assert versions == [0] * before + [1] * (50 - before)
+    # The request that arrived during the hold was queued, then generated on the new weights.
+    assert len(late_tokens) == 5 and late_versions == [1] * 5
+    # The held request kept its KV cache: the only prefill after the switch is the late prompt.
+    assert recomputed_contexts(steps) == [ids[1]] and "clear" not in [op for op, _ in steps]
+    assert not engine.held_for_update
+
+
+@pytest.mark.parametrize("mode_engine", ["pause"], indirect=True)
+async def test_a_failed_or_abandoned_push_in_pause_mode_resumes_on_the_old_version(mode_engine, model_dir, new_weights):
+    engine, updater = mode_engine
+    record_steps(engine, decode_seconds=0.01)
+    ids, _ = prompts(model_dir, ["9="])
+    task = asyncio.create_task(collect(engine, EngineRequest("survivor", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    await wait_for_tokens(engine, 3)
+    await begin_push(updater, 1, new_weights, corrupt=True)
+    assert engine.held_for_update
+    with pytest.raises(FailedPrecondition, match="crc32"):
+        await updater.commit(1)
+    assert not engine.held_for_update
+    await wait_for_tokens(engine, engine.generated_tokens + 2)
+    # A push begun and then never committed: its sender is gone. The hold ends at the pause limit.
+    await begin_push(updater, 1, new_weights)
+    before = engine.generated_tokens
+    await asyncio.sleep(0.15)
+    assert engine.held_for_update and engine.generated_tokens == before
+    await wait_for_tokens(engine, before + 2, timeout=2.0)
+    assert not engine.held_for_update
+    tokens, _, versions, finish = await task
+    assert finish is Finish.LENGTH and len(tokens) == 50 and versions == [0] * 50
+    assert engine.weight_version == 0
+
+
+@pytest.mark.parametrize("mode_engine", ["abort-continue"], indirect=True)
+async def test_abort_continue_recomputes_a_running_request_on_the_new_weights(mode_engine, model_dir, new_weights):
+    engine, _ = mode_engine
+    steps = record_steps(engine, decode_seconds=0.01)
+    ids, _ = prompts(model_dir, ["5555="])
+    await asyncio.to_thread(engine.stage_weights, 1, new_weights)
+    sampling = Sampling(temperature=1.0, max_tokens=40, seed=7)
+    tokens, logprobs, versions, finish = [], [], [], None
+    async for chunk in engine.generate(EngineRequest("spanning", ids[0], sampling)):
+        tokens += chunk.token_ids
+        logprobs += chunk.logprobs
+        versions += chunk.weight_versions
+        finish = chunk.finish
+        if len(tokens) >= 3 and engine.weight_version == 0:
+            steps.clear()
+            await engine.commit_staged(1)
+    switch = versions.index(1)
+    assert finish is Finish.LENGTH and len(tokens) == 40
+    assert versions == [0] * switch + [1] * (40 - switch)
+    # Its KV cache was dropped and rebuilt from the prompt and every token it had.
+    assert "clear" in [op for op, _ in steps]
+    assert recomputed_contexts(steps) == [ids[0] + tokens[:switch]]
+    # Seeded, it drew what a fresh request continued from those tokens on the new weights draws.
+    fresh, fresh_logprobs, fresh_versions, _ = await collect(
+        engine, EngineRequest("fresh", ids[0], sampling, continued_token_ids=tokens[:switch])
+    )
+    assert fresh == tokens[switch:] and fresh_versions == [1] * len(fresh)
+    assert fresh_logprobs == pytest.approx(logprobs[switch:], abs=1e-4)
