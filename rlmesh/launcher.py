@@ -37,6 +37,8 @@ STOP_TIMEOUT_SECONDS = 15.0
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+TRAINER_RESTARTS = 20
+"""Most times a trainer killed by a signal is started again in one run."""
 """Waits before restarting a service that exited, growing with each restart in a row."""
 STABLE_SECONDS = 60.0
 """A service that ran this long is healthy again: its next restart waits the shortest time."""
@@ -379,6 +381,9 @@ class Mesh:
         self.manager: Supervised | None = None
         self.weights: Supervised | None = None
         self.rollouts: dict[int, Supervised] = {}
+        self.trainer: Child | None = None
+        self.trainer_restarts = 0
+        """Times the trainer was killed by a signal and started again (it resumes from its checkpoint)."""
         self.target_instances = plan.rollout_instances
         self.autoscaler = (Autoscaler(plan.rollout_instances, plan.instance_cap, plan.autoscale_patience_seconds,
                                       plan.autoscale_cooldown_seconds) if plan.autoscale else None)
@@ -464,6 +469,8 @@ class Mesh:
             **plan.security_settings("trainer"),
         }, launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
         await wait_started([trainer])
+        self.trainer = trainer
+        self.write_state()
         return trainer
 
     def running_instances(self) -> list[int]:
@@ -491,6 +498,8 @@ class Mesh:
             },
             "autoscale": plan.autoscale,
         }
+        if self.trainer is not None:
+            state["trainer"] = {"pid": self.trainer.process.pid, "address": self.trainer.address, "restarts": self.trainer_restarts}
         path = plan.output_dir / STATE_FILE
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(state, indent=2))
@@ -503,8 +512,7 @@ class Mesh:
                 service.restarts_in_a_row = 0
             wait = RESTART_BACKOFF_SECONDS[min(service.restarts_in_a_row, len(RESTART_BACKOFF_SECONDS) - 1)]
             service.restart_at = now + wait
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            events.lines.append(f"{service.name} exited ({how}); restarting in {wait:.0f} s; see {service.child.log_path}")
+            events.lines.append(f"{service.name} {describe_exit(code)}; restarting in {wait:.0f} s; see {service.child.log_path}")
         elif now >= service.restart_at:
             exited = service.child
             service.child = service.start()
@@ -592,8 +600,15 @@ class Mesh:
         (self.plan.output_dir / STATE_FILE).unlink(missing_ok=True)
 
 
+def describe_exit(code: int | None) -> str:
+    return f"exited (killed by signal {-code})" if code is not None and code < 0 else f"exited (exit code {code})"
+
+
 async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> int:
-    """Shows a progress bar until the trainer exits; returns its exit code (130 if interrupted)."""
+    """Shows a progress bar until the trainer exits; returns its exit code (130 if interrupted). A
+    trainer killed by a signal (the OOM killer, a lost machine, an operator) is started again, up
+    to TRAINER_RESTARTS times: it resumes from its latest checkpoint, and its ledger shows every
+    accepted prompt trained once."""
     channel = open_channel(trainer.address)
     stub = trainer_pb2_grpc.TrainerServiceStub(channel)
     manager_channel = open_channel(mesh.plan.manager_address)
@@ -602,9 +617,19 @@ async def follow_training(mesh: Mesh, trainer: Child, stop: asyncio.Event) -> in
     bar = tqdm(total=mesh.plan.steps, unit="step", desc="training", dynamic_ncols=True, disable=not interactive)
     reported = 0
     try:
-        while trainer.process.poll() is None:
+        while True:
             if stop.is_set():
                 return 130
+            code = trainer.process.poll()
+            if code is not None:
+                if code >= 0 or mesh.trainer_restarts >= TRAINER_RESTARTS:
+                    break
+                mesh.trainer_restarts += 1
+                tqdm.write(f"trainer {describe_exit(code)}; starting it again (restart {mesh.trainer_restarts}): "
+                           f"it resumes from its latest checkpoint", file=sys.stderr)
+                trainer = await mesh.start_trainer()
+                tqdm.write(f"trainer restarted (pid {trainer.process.pid})", file=sys.stderr)
+                continue
             events = await mesh.supervise(manager)
             for line in events.lines:
                 # Through tqdm, so a redrawn progress bar does not overwrite the line.

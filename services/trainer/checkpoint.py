@@ -13,6 +13,7 @@ the same order. Without a process group it runs on a plain (unsharded) model."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,38 +63,94 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
-def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    export_hf: bool = False, tokenizer_dir: Path | None = None,
-                    group: dist.ProcessGroup | None = None) -> Path:
-    """Saves every rank's shards; with `export_hf` rank 0 also writes the whole policy as an HF
-    folder (the only place the full model is gathered, offloaded to CPU). `group` is a gloo
-    group for barriers (None: the default group)."""
-    target = directory / f"step_{state.step:06d}"
+def _begin(directory: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
+    """The checkpoint's folder and the `.partial` one it is written to (made empty by rank 0)."""
+    target = directory / f"step_{step:06d}"
     partial = target.with_suffix(".partial")
-    rank = _rank()
-    if rank == 0:
+    if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier(group)
-    torch.save(torch.get_rng_state(), partial / f"rng_rank{rank}.pt")
+    torch.save(torch.get_rng_state(), partial / f"rng_rank{_rank()}.pt")
+    return target, partial
+
+
+def _complete(directory: Path, target: Path, partial: Path, state: TrainerState, world_size: int) -> None:
+    """Rank 0, once every rank's shards are written: the state, then the rename, then pruning."""
+    if state.pipeline:
+        (partial / PIPELINE_FILE).write_bytes(state.pipeline)
+    torch.save({"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors),
+                "world_size": world_size}, partial / STATE_FILE)
+    shutil.rmtree(target, ignore_errors=True)
+    # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
+    partial.rename(target)
+    for old in sorted(directory.glob("step_??????"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                    export_hf: bool = False, tokenizer_dir: Path | None = None,
+                    group: dist.ProcessGroup | None = None) -> Path:
+    """Saves every rank's shards, and returns when they are on disk; with `export_hf` rank 0 also
+    writes the whole policy as an HF folder (the only place the full model is gathered, offloaded
+    to CPU). `group` is a gloo group for barriers (None: the default group)."""
+    target, partial = _begin(directory, state.step, group)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial, no_dist=not dist.is_initialized())
     full = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if export_hf else None)
-    if rank == 0:
+    if _rank() == 0:
         if full is not None:
             export_hf_folder(partial, model, full, tokenizer_dir)
-        if state.pipeline:
-            (partial / PIPELINE_FILE).write_bytes(state.pipeline)
-        torch.save({"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors),
-                    "world_size": _world()}, partial / STATE_FILE)
-        shutil.rmtree(target, ignore_errors=True)
-        # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
-        partial.rename(target)
-        for old in sorted(directory.glob("step_??????"))[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+        _complete(directory, target, partial, state, _world())
     _barrier(group)
     return target
+
+
+class BackgroundCheckpoints:
+    """Checkpoints that training does not wait for: the shards are copied to memory (staged) at
+    once, then written by a background thread while training goes on; rank 0 completes the
+    checkpoint (state, rename) once every rank has written. One is written at a time: a new one
+    first waits for the last.
+
+    `group` is a gloo group used by nothing else: the write's collectives (planning, the final
+    gather of every rank's results) then never interleave with training's."""
+
+    def __init__(self, directory: Path, group: dist.ProcessGroup | None) -> None:
+        """`group` None: one process alone, whose write needs no collective."""
+        if group is None and _world() > 1:
+            raise ValueError("background checkpoints of several ranks need a process group of their own")
+        self.directory = directory
+        self.group = group
+        self._writing: Future | None = None
+        self._completing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+             barrier_group: dist.ProcessGroup | None = None) -> Path:
+        """Starts writing a checkpoint; returns its folder (complete once `wait` returns)."""
+        self.wait()
+        target, partial = _begin(self.directory, state.step, barrier_group)
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        written = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial,
+                                 process_group=self.group, no_dist=self.group is None)
+        world_size = _world()
+        if _rank() == 0:
+            # Rank 0's save ends after it gathered every rank's write results and wrote .metadata.
+            self._writing = self._completing.submit(lambda: (written.result(), _complete(self.directory, target, partial, state,
+                                                                                            world_size)))
+        else:
+            self._writing = written
+        return target
+
+    def wait(self) -> None:
+        """Until the checkpoint being written (if any) is complete; raises what failed it."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._completing.shutdown()
 
 
 def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, torch.Tensor],

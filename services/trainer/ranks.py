@@ -20,7 +20,7 @@ import structlog
 import torch.distributed as dist
 
 from services.trainer.batching import TrainingSample
-from services.trainer.checkpoint import TrainerState
+from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState
 from services.trainer.distributed import RankInfo, TorchThread
 from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.handoff import PublishError, ShardHandoff
@@ -63,9 +63,11 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
+    """Starts a checkpoint, written in the background (`BackgroundCheckpoints`)."""
+
     state: TrainerState
     export_hf: bool
-    """Also write the whole policy as an HF folder (the final checkpoint)."""
+    """Also write the whole policy as an HF folder (the final checkpoint), at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,7 @@ class RankGroup:
         self.handoff = handoff
         self.thread = thread
         self.checkpoints = checkpoints
+        self.background = BackgroundCheckpoints(checkpoints, rank.checkpointing)
         self.in_step = True
         """False while a command runs on this rank: a stop then could not be broadcast safely."""
         self._leading = asyncio.Lock()
@@ -175,12 +178,19 @@ class RankGroup:
             case Publish(version):
                 return await self._publish(version)
             case Checkpoint(state, export_hf):
-                return await thread.run(policy.save, self.checkpoints, state, export_hf)
+                return await thread.run(self._checkpoint, state, export_hf)
             case Resume(path):
                 return await thread.run(policy.load, Path(path))
             case Stop():
                 return None
         raise TypeError(f"unknown command {command!r}")
+
+    def _checkpoint(self, state: TrainerState, export_hf: bool) -> Path:
+        """In the background; the one holding the HF export (the run's last) is written at once."""
+        if export_hf:
+            self.background.wait()
+            return self.policy.save(self.checkpoints, state, export_hf=True)
+        return self.background.save(self.policy.model, self.policy.optimizer, state, self.rank.control)
 
     async def _publish(self, version: int) -> PublishResult:
         started = time.perf_counter()

@@ -150,6 +150,9 @@ class GrpoTrainer:
         self.checkpoints = group.checkpoints
         self.ledger_path = self.output / "rollouts.jsonl"
         self._ledger_file = self.ledger_path.open("a", buffering=1)
+        if self._ledger_file.tell() and not self.ledger_path.read_bytes().endswith(b"\n"):
+            # A trainer killed mid-line: that record is lost, the next ones are not.
+            self._ledger_file.write("\n")
         self.plans: dict[int, StepPlan] = {}
         """Every step submitted and not yet trained."""
         self.collectors: dict[str, asyncio.Task] = {}
@@ -192,7 +195,7 @@ class GrpoTrainer:
             self.mixture.restore(state.task_cursors)
             restored = load_pipeline(checkpoint, self.mixture.by_name)
             log.info("resumed", checkpoint=str(checkpoint), step=state.step, task_cursors=state.task_cursors,
-                     accepted_groups=sum(len(p.accepted) for p in restored),
+                     accepted_groups=sum(len(p.waiting) for p in restored),
                      prompts_in_flight=sum(len(p.outstanding) for p in restored))
         manager = await self.mesh.manager_status()
         self.max_staleness = manager.max_staleness
@@ -202,8 +205,11 @@ class GrpoTrainer:
             state.version = max(stored, manager.published_version) + 1
         self.version_offset = state.version - state.step
         await self._publish(state.version)
-        if checkpoint is not None:
-            self._ledger({"event": "resumed", "step": state.step, "checkpoint": checkpoint.name})
+        await self._cancel_batches_of_earlier_runs(state.step)
+        # What this run trains from `step` on replaces what an earlier run of this folder trained.
+        self._ledger({"event": "started", "step": state.step, "checkpoint": checkpoint.name if checkpoint else None,
+                      "accepted_groups": sum(len(p.waiting) for p in restored),
+                      "prompts_in_flight": sum(len(p.outstanding) for p in restored)})
         for plan in restored:
             self.plans[plan.step] = plan
             if plan.outstanding:
@@ -341,6 +347,28 @@ class GrpoTrainer:
             except grpc.aio.AioRpcError as exc:
                 log.warning("could not cancel a batch", batch_id=batch_id, code=exc.code().name)
         self.collectors.clear()
+
+    async def _cancel_batches_of_earlier_runs(self, first_step: int) -> None:
+        """The batches an earlier run of this output folder submitted for the steps this one trains
+        again: its rollouts are not this run's (its policy is gone); the prompts they hold come
+        again, from the checkpoint or drawn anew from the same cursors."""
+        batch_ids = []
+        for line in self.ledger_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("event") == "submitted" and record["step"] >= first_step:
+                batch_ids.append(record["batch_id"])
+        if not batch_ids:
+            return
+        for batch_id in batch_ids:
+            try:
+                await self.mesh.cancel(batch_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+        log.info("cancelled the batches of an earlier run", batches=len(batch_ids), from_step=first_step)
 
     async def _draw(self, step: int) -> bool:
         """Draws and submits a step's prompts; False (and the run ends before that step) when a
