@@ -228,9 +228,12 @@ class GrpoTrainer:
                     last_eval = await self._evaluate(state.step)
                 if state.step % self.config.checkpoint_every == 0 or last_step:
                     # The last one also holds the whole policy as an HF folder.
+                    checkpointing = time.perf_counter()
                     pipeline = untrained_plans(self.plans, state.step)
                     await self.group.lead(Checkpoint(TrainerState(state.step, state.version, self.mixture.cursors(),
                                                                   dump_pipeline(pipeline)), export_hf=last_step))
+                    # What training waited for: the copy to memory; the write goes on in the background.
+                    self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
         finally:
             await self._stop_collectors()
             await self.mixture.close()
