@@ -4,6 +4,7 @@ with a message naming what is wrong (unknown key, missing file, missing dataset 
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,12 @@ def test_the_update_mode_flag_reaches_every_rollout_instance(tmp_path, model_dir
     assert load_job(None, {"mesh.update_mode": "abort-continue"})[0].mesh.update_mode == "abort-continue"
     with pytest.raises(ConfigError, match="update_mode"):
         load_job(None, {"mesh.update_mode": "drop"})
+
+
+def test_the_async_example_job_sets_three_values_and_leaves_the_rest_to_defaults():
+    path = Path(__file__).resolve().parents[2] / "examples" / "async" / "job.toml"
+    job, _ = load_job(path)
+    given = tomllib.loads(path.read_text())
+    tuned = [f"{section}.{key}" for section, values in given.items() for key in values if key != "loss"]
+    assert tuned == ["algorithm.max_staleness", "algorithm.steps", "mesh.rollout_instances"]
+    assert job.algorithm.loss == "decoupled" and job.algorithm.max_staleness == 4
