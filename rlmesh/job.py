@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rlmesh.config import ConfigError, StrictModel
 from rlmesh.tasks.config import TaskConfig
@@ -39,6 +39,34 @@ def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_b
         raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
 
 
+Role = Literal["train", "logp", "ref_logp"]
+"""The trainer's roles: `train` (forward and backward of the policy), `logp` (the proximal
+policy's log-probabilities: the policy as the step began) and `ref_logp` (the frozen reference's)."""
+Placement = list[list[Role]]
+REFERENCE_APART: Placement = [["train", "logp"], ["ref_logp"]]
+"""The reference in a process of its own, scoring groups as they arrive while the ranks train."""
+REFERENCE_COLOCATED: Placement = [["train", "logp", "ref_logp"]]
+"""The reference sharded over the trainer's ranks, its forward inside each training micro-batch."""
+
+
+def check_placement(placement: Placement) -> None:
+    """Raises ValueError unless `placement` puts every role in exactly one process group and
+    `train` and `logp` in the same one."""
+    roles = [role for group in placement for role in group]
+    repeated = sorted({r for r in roles if roles.count(r) > 1})
+    missing = sorted(set(Role.__args__) - set(roles))
+    if repeated or missing or not all(placement):
+        raise ValueError(f"placement must list process groups naming each of train, logp, ref_logp exactly once "
+                         f"(e.g. {REFERENCE_APART}); repeated: {repeated}, missing: {missing}")
+    if not any({"train", "logp"} <= set(group) for group in placement):
+        raise ValueError("placement puts logp apart from train: logp (the proximal policy's log-probabilities) needs "
+                         "the live policy's weights, which only train's processes hold")
+
+
+def reference_apart(placement: Placement) -> bool:
+    return ["ref_logp"] in placement
+
+
 class AlgorithmSection(StrictModel):
     steps: int = Field(default=600, ge=1)
     prompts_per_step: int = Field(default=16, ge=1)
@@ -66,6 +94,11 @@ class AlgorithmSection(StrictModel):
     overlong_penalty: float = Field(default=1.0, ge=0)
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the k3 KL penalty to the initial policy (0 loads no reference model)."""
+    placement: Placement = Field(default_factory=lambda: [list(g) for g in REFERENCE_APART])
+    """Which of the trainer's roles share processes (with kl_coef > 0): [["train", "logp"],
+    ["ref_logp"]] runs the reference in a process of its own that scores each group as it arrives,
+    off the training path; [["train", "logp", "ref_logp"]] shards it over the trainer's ranks and
+    runs its forward in each training micro-batch. train and logp always share."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_groups: int = Field(default=4, ge=1)
     mini_batches_per_step: int = Field(default=1, ge=1)
@@ -87,6 +120,12 @@ class AlgorithmSection(StrictModel):
     def _batches_split(self) -> "AlgorithmSection":
         check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
         return self
+
+    @field_validator("placement")
+    @classmethod
+    def _placement_valid(cls, placement: Placement) -> Placement:
+        check_placement(placement)
+        return placement
 
 
 class MeshSection(StrictModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -18,6 +18,9 @@ class TrainingSample:
     """The temperature the sample was drawn at (its task's): logprobs are compared at it."""
     token_rewards: list[float] | None = None
     """Per-token rewards from the task, added to the sample's advantage token by token."""
+    reference_logprobs: list[float] | None = None
+    """Per response token, the frozen reference's log-probability at the sample's temperature,
+    when the reference runs in its own process (`reference.py`); None: the trainer computes them."""
 
 
 @dataclass(slots=True)
@@ -31,6 +34,11 @@ class MicroBatch:
     """[B, L-1]: each response token's advantage (the sample's, plus its token reward if any)."""
     temperatures: torch.Tensor
     """[B]"""
+    reference_logprobs: torch.Tensor | None = None
+    """[B, L-1]: the samples' reference log-probabilities, if every sample carries them."""
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return MicroBatch(*(None if t is None else t.to(device) for t in (getattr(self, f.name) for f in fields(self))))
 
 
 def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
@@ -41,6 +49,8 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
     response_mask = torch.zeros((len(rows), width - 1))
     behaviour = torch.zeros((len(rows), width - 1))
     advantages = torch.zeros((len(rows), width - 1))
+    given = all(s.reference_logprobs is not None for s in samples)
+    reference = torch.zeros((len(rows), width - 1)) if given else None
     for i, (sample, row) in enumerate(zip(samples, rows)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention[i, : len(row)] = 1
@@ -51,8 +61,10 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         advantages[i, start:end] = sample.advantage
         if sample.token_rewards is not None:
             advantages[i, start:end] += torch.tensor(sample.token_rewards)
+        if reference is not None:
+            reference[i, start:end] = torch.tensor(sample.reference_logprobs)
     temperatures = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages, temperatures)
+    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages, temperatures, reference)
 
 
 def token_logprobs(model: torch.nn.Module, batch: MicroBatch, temperature: float | None = None) -> torch.Tensor:

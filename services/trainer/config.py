@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
-from rlmesh.job import check_batch_shape
+from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_placement, reference_apart
 from rlmesh.tasks.config import TaskConfig
 
 LossKind = Literal["ppo", "decoupled", "tis"]
@@ -88,6 +88,10 @@ class TrainerConfig(StrictModel):
     """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
     and a new prompt drawn for the same step in its place, within the capacity rule."""
     grpo: GrpoConfig = GrpoConfig()
+    placement: Placement = Field(default_factory=lambda: [list(g) for g in REFERENCE_APART])
+    """Which roles share processes (`rlmesh/job.py`, Role): with kl_coef > 0, `ref_logp` alone runs
+    the frozen reference in a process of its own started by rank 0 (`reference.py`); with `train`
+    it is sharded over the ranks and its forward runs inside each training micro-batch."""
     tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
     """What the policy is trained on: prompts, rendering, reward and sampling per task; several
     tasks are mixed by weight within every step."""
@@ -124,6 +128,17 @@ class TrainerConfig(StrictModel):
     rollout_timeout_seconds: float = Field(default=300.0, gt=0)
     """Deadline for one step's rollouts to arrive."""
     startup_timeout_seconds: float = Field(default=120.0, gt=0)
+
+    @field_validator("placement")
+    @classmethod
+    def _placement_valid(cls, placement: Placement) -> Placement:
+        check_placement(placement)
+        return placement
+
+    @property
+    def reference_apart(self) -> bool:
+        """The reference runs in a process of its own (kl_coef > 0 and ref_logp placed alone)."""
+        return self.grpo.kl_coef > 0 and reference_apart(self.placement)
 
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> "TrainerConfig":

@@ -101,7 +101,9 @@ class ShardedPolicy:
         policy.train()
         self.model = shard_model(policy, rank)
         self.reference = None
-        if config.grpo.kl_coef > 0:
+        """The frozen reference sharded over the ranks (placement: ref_logp with train); with the
+        reference in its own process the samples carry its log-probabilities instead."""
+        if config.grpo.kl_coef > 0 and not config.reference_apart:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
             self.reference = shard_model(reference, rank)
@@ -165,18 +167,23 @@ class ShardedPolicy:
         grpo = self.config.grpo
         share = self.share(samples)
         from_snapshot = self._proximal_from_snapshot()
+        # Decided on the whole micro-batch, so every rank runs the same reference forwards (FSDP
+        # collectives): the reference's own forward only for samples that bring no log-probabilities.
+        given = all(s.reference_logprobs is not None for s in samples)
+        if grpo.kl_coef > 0 and self.reference is None and not given:
+            raise RuntimeError("kl_coef > 0 with the reference in its own process (placement): every sample "
+                               "must carry its reference_logprobs")
+        own_reference = self.reference is not None and not given
         if share:
-            batch = build_micro_batch(share, self.pad_id)
-            batch = type(batch)(*(t.to(self.rank.device) for t in (batch.input_ids, batch.attention_mask, batch.response_mask,
-                                                                   batch.behaviour_logprobs, batch.advantages, batch.temperatures)))
+            batch = build_micro_batch(share, self.pad_id).to(self.rank.device)
             proximal = None
             if from_snapshot:
                 with torch.no_grad():
                     proximal = token_logprobs(self.proximal, batch)
                 # Frees the gathered root (embeddings, lm_head): the snapshot needs it only briefly.
                 reshard(self.proximal)
-            reference = None
-            if self.reference is not None:
+            reference = batch.reference_logprobs
+            if own_reference:
                 with torch.no_grad():
                     reference = token_logprobs(self.reference, batch)
             logprobs = token_logprobs(self.model, batch)
@@ -195,7 +202,7 @@ class ShardedPolicy:
                 if from_snapshot:
                     self.proximal(input_ids=dummy)
                     reshard(self.proximal)
-                if self.reference is not None:
+                if own_reference:
                     self.reference(input_ids=dummy)
             loss = self.model(input_ids=dummy).logits.sum() * 0.0
             sums, weight_max = [0.0] * 8, 0.0

@@ -36,6 +36,7 @@ from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump
 from services.trainer.policy import MicroBatchStats
 from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
                                     RankGroup, Resume, Train)
+from services.trainer.reference import ReferenceWorker
 
 log = structlog.get_logger()
 
@@ -167,6 +168,8 @@ class GrpoTrainer:
         self.published_version = -1
         self.stepped_since_publish = False
         """The optimizer stepped after the last publish: the policy is no longer that version."""
+        self.reference: ReferenceWorker | None = None
+        """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
 
     @property
     def ordered(self) -> bool:
@@ -187,6 +190,9 @@ class GrpoTrainer:
 
     async def run(self) -> dict:
         started = time.perf_counter()
+        if self.config.reference_apart:
+            self.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
+                                                         self.config.startup_timeout_seconds)
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         restored: list[StepPlan] = []
@@ -211,6 +217,8 @@ class GrpoTrainer:
                       "accepted_groups": sum(len(p.waiting) for p in restored),
                       "prompts_in_flight": sum(len(p.outstanding) for p in restored)})
         for plan in restored:
+            # Groups a run with the reference in the ranks accepted carry no reference log-probabilities.
+            await self._attach_reference(plan.waiting)
             self.plans[plan.step] = plan
             if plan.outstanding:
                 await self._submit(plan, list(plan.outstanding.values()), "-resumed")
@@ -236,6 +244,8 @@ class GrpoTrainer:
                     self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
         finally:
             await self._stop_collectors()
+            if self.reference is not None:
+                await self.reference.close()
             await self.mixture.close()
             self._ledger_file.close()
         plot = self.metrics.plot()
@@ -576,7 +586,17 @@ class GrpoTrainer:
                                       temperature, list(result.token_rewards) if result.token_rewards is not None else None)
                        for sample, advantage, result in zip(group.samples, advantages, results)]
             accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
+        await self._attach_reference(accepted)
         return accepted
+
+    async def _attach_reference(self, groups: list[ScoredGroup]) -> None:
+        """The reference worker's log-probabilities for the groups' samples that have none (placement:
+        ref_logp apart), computed while the ranks train on other groups."""
+        if self.reference is None:
+            return
+        samples = [s for g in groups for s in g.samples if s.reference_logprobs is None]
+        for sample, logprobs in zip(samples, await self.reference.logprobs(samples)):
+            sample.reference_logprobs = logprobs
 
     def _shape_overlong(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
         """DAPO's soft overlong punishment added to each sample's reward (a component of its own)."""
