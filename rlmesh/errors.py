@@ -37,3 +37,13 @@ class AlreadyExists(DomainError):
 
 class FailedPrecondition(DomainError):
     """The request is well formed but the system is not in a state to accept it."""
+
+
+class Aborted(DomainError):
+    """The request lost to a concurrent change of state; the caller may retry it at a higher level,
+    e.g. elsewhere (an instance asked to generate with a weight version it is moving on from)."""
+
+
+class OutOfRange(DomainError):
+    """The request names something outside what the system can still provide (a weight version
+    no instance serves any more)."""

@@ -31,6 +31,8 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
 }
 
 

@@ -97,43 +97,53 @@ class Dispatcher:
             self.state.migration_failed(request)
 
     async def _run(self, assignment: Assignment) -> None:
-        request, attempt = assignment.request, assignment.attempt
+        request, attempt, instance = assignment.request, assignment.attempt, assignment.instance
+        generate = rollout_pb2.GenerateRequest(
+            request_id=request.engine_request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            continued_token_ids=request.token_ids,
+            sampling=request.sampling,
+            incarnation_token=instance.token,
+        )
+        if request.exact_version:
+            generate.pinned_version = request.policy_version
         try:
-            stream = self._stub(assignment.instance.address).Generate(
-                rollout_pb2.GenerateRequest(
-                    request_id=request.engine_request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    continued_token_ids=request.token_ids,
-                    sampling=request.sampling,
-                    incarnation_token=assignment.instance.token,
-                ),
-                **call_options(self.config.generate_timeout_seconds),
-            )
+            stream = self._stub(instance.address).Generate(generate, **call_options(self.config.generate_timeout_seconds))
             async for response in stream:
                 chunk = response.chunk
-                taken = self.state.record_chunk(
+                known_version = instance.weight_version
+                goes_on = self.state.record_chunk(
                     request.request_id, attempt, list(chunk.token_ids), list(chunk.logprobs),
                     list(chunk.weight_versions), chunk.finish_reason,
                 )
-                if not taken:
+                if instance.weight_version != known_version:
+                    # The instance switched: samples waiting for its new version may go now.
+                    self.dispatch()
+                    self.changes.notify()
+                if not goes_on:
                     stream.cancel()
                     return
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream ended before the request finished", request=request.request_id)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED and request.exact_version:
+                if self.state.version_refused(request.request_id, attempt):
+                    log.info("instance moved on from an exact-version request's version", request=request.request_id,
+                             instance_id=instance.instance_id, weight_version=request.policy_version, error=exc.details())
+                return
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 if self.state.reject(request.request_id, attempt, exc.details() or ""):
                     log.warning("instance refused a request; its batch fails", request=request.request_id, error=exc.details())
                 return
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream failed; request continues elsewhere", request=request.request_id,
-                            instance_id=assignment.instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
+                            instance_id=instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._drop_gone(assignment.instance, "instance unreachable; dropped")
+                self._drop_gone(instance, "instance unreachable; dropped")
             elif exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                self._drop_gone(assignment.instance, "another process answers at the instance's address; dropped")
+                self._drop_gone(instance, "another process answers at the instance's address; dropped")
         except InvalidArgument as exc:
-            log.error("instance sent a malformed chunk", error=str(exc), instance_id=assignment.instance.instance_id)
+            log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
             self.state.stream_lost(request.request_id, attempt)
         finally:
             if self._streams.get(request.request_id) is asyncio.current_task():
@@ -254,8 +264,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             await refuse_incarnation(context, exc)
         if request.draining and not draining_before:
             log.info("instance draining; no new work for it", instance_id=request.instance_id)
-        if version_before != request.weight_version:
-            log.info("instance serves a new version", instance_id=request.instance_id, weight_version=request.weight_version)
+        version = self.state.instances[request.instance_id].weight_version
+        if version_before != version:
+            log.info("instance serves a new version", instance_id=request.instance_id, weight_version=version)
             self._changed()
         return manager_pb2.HeartbeatResponse(lease_seconds=self.config.lease_seconds)
 
@@ -290,6 +301,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             request.policy_version,
             [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
             request.sampling,
+            exact_version=request.exact_version,
         )
         self._durable()
         self._changed()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from rlmesh.errors import InvalidArgument
+from rlmesh.errors import Aborted, InvalidArgument
 
 if TYPE_CHECKING:
     from services.rollout.rank import RankHandle
@@ -27,7 +27,10 @@ UpdateMode = Literal["continue", "pause", "abort-continue"]
   abandoned); then they continue on the new version, their KV cache kept (verl, slime);
 - abort-continue: at the switch their KV cache is recomputed under the new version from the prompt
   and the tokens so far, and they continue from there (SkyRL).
-In every mode each token records the version that produced it, and a request stays one stream."""
+In every mode each token records the version that produced it, and a request stays one stream.
+A pinned request (EngineRequest.pinned_version) is never continued or recomputed under another
+version in any mode: the switch waits until every pinned request ended, and in pause mode the hold
+lets them run to their end (the requests beside them decode on too, on the served version)."""
 
 
 class Finish(Enum):
@@ -58,6 +61,9 @@ class EngineRequest:
     continued_token_ids: list[int] = field(default_factory=list)
     """Response tokens generated earlier (elsewhere): generation continues after them and
     `sampling.max_tokens` counts them."""
+    pinned_version: int | None = None
+    """Every token must come from exactly this weight version (an exact-version batch, held-out
+    evaluation); None: any version."""
 
     @property
     def remaining_tokens(self) -> int:
@@ -183,7 +189,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def commit_staged(self, version: int) -> None:
-        """Serves the staged version from the next decode step on; returns once switched."""
+        """Serves the staged version from the next decode step on (the first after every pinned
+        request ended); returns once switched. Cancelled before the switch began, it is withdrawn
+        and the version stays staged."""
 
     @abc.abstractmethod
     async def start(self) -> None: ...
@@ -233,6 +241,21 @@ def validate_request(request: EngineRequest, vocab_size: int, max_positions: int
         raise InvalidArgument(f"{name}: temperature must be >= 0")
     if not 0 < sampling.top_p <= 1:
         raise InvalidArgument(f"{name}: top_p must be in (0, 1]")
+    if request.pinned_version is not None and request.pinned_version < 0:
+        raise InvalidArgument(f"{name}: pinned_version must be >= 0, got {request.pinned_version}")
+
+
+def check_pin(request: EngineRequest, served: int, moving_on: bool) -> None:
+    """Refuses a pinned request the engine cannot run entirely on its version: it serves another,
+    or a newer one is staged or held for (admitting the request would hold that switch back). The
+    refusal is ABORTED, so the manager takes the request to an instance still serving the version."""
+    pinned = request.pinned_version
+    if pinned is None:
+        return
+    if pinned != served:
+        raise Aborted(f"request {request.request_id} is pinned to weight version {pinned}; this instance serves version {served}")
+    if moving_on:
+        raise Aborted(f"request {request.request_id} is pinned to weight version {pinned}; this instance is switching to a newer version")
 
 
 class ChunkStream:

@@ -93,7 +93,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if self.membership and self.membership.draining:
             raise FailedPrecondition("this instance is draining and takes no new requests")
         engine_request = EngineRequest(
-            request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids)
+            request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids),
+            request.pinned_version if request.HasField("pinned_version") else None,
         )
         self.streams += 1
         try:

@@ -20,7 +20,7 @@ from pydantic import Field
 from rlmesh.config import StrictModel
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine import (
-    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, model_parameter_specs, validate_request,
+    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, check_pin, model_parameter_specs, validate_request,
 )
 
 
@@ -88,10 +88,15 @@ class _Sequence:
         chunk, self.pending = self.pending, Chunk(self.request.request_id)
         return chunk
 
+    @property
+    def pinned(self) -> bool:
+        return self.request.pinned_version is not None and not self.done
+
 
 class SyntheticEngine(Engine):
     """Its tokens depend on no weights: `pause` holds generation like any engine, while
-    `abort-continue` has no KV cache to recompute and behaves as `continue` (no prefill time charged)."""
+    `abort-continue` has no KV cache to recompute and behaves as `continue` (no prefill time charged).
+    A commit waits for the pinned requests to end, and a hold takes effect only then."""
 
     def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0,
                  update_mode: UpdateMode = "continue") -> None:
@@ -107,6 +112,8 @@ class SyntheticEngine(Engine):
         self._token_pool = [pool.randrange(config.vocab_size) for _ in range(_POOL_TOKENS)]
         self._logprob_pool = [-pool.expovariate(1.0) for _ in range(_POOL_TOKENS)]
         self._wake = asyncio.Event()
+        self._pinned_ended = asyncio.Event()
+        """Set whenever a request ends: a commit waiting for pinned ones looks again."""
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -129,6 +136,7 @@ class SyntheticEngine(Engine):
         request_id = request.request_id
         if request_id in self._running or any(s.request.request_id == request_id for s in self._waiting):
             raise InvalidArgument(f"request {request_id} is already running")
+        check_pin(request, self._version, self._staged is not None or self._held)
         seed = _seed_of(request, self._rng)
         total = response_length(self.config, seed, request.sampling.max_tokens)
         target = max(0, total - len(request.continued_token_ids))
@@ -156,6 +164,8 @@ class SyntheticEngine(Engine):
             if sequence in self._waiting:
                 self._waiting.remove(sequence)
             sequence.stream.put(sequence.take(Finish.ABORT))
+        if targets:
+            self._pinned_ended.set()
         return len(targets)
 
     async def pause(self) -> None:
@@ -180,7 +190,17 @@ class SyntheticEngine(Engine):
     async def commit_staged(self, version: int) -> None:
         if self._staged != version:
             raise FailedPrecondition(f"version {version} is not staged (staged: {self._staged})")
+        while self._pinned_live():
+            self._pinned_ended.clear()
+            await self._pinned_ended.wait()
         self._version, self._staged = version, None
+
+    def _pinned_live(self) -> bool:
+        return any(s.pinned for s in self._running.values()) or any(s.pinned for s in self._waiting)
+
+    def _halted(self) -> bool:
+        # A hold waits for the pinned requests: the switch it is for waits for them.
+        return self._paused or (self._held and not self._pinned_live())
 
     def _step_seconds(self) -> float:
         busy = max(1, len(self._running))
@@ -189,7 +209,7 @@ class SyntheticEngine(Engine):
     async def _run(self) -> None:
         last = time.perf_counter()
         while True:
-            if not (self._running or self._waiting) or self._paused or self._held:
+            if not (self._running or self._waiting) or self._halted():
                 self._wake.clear()
                 await self._wake.wait()
                 last = time.perf_counter()
@@ -197,7 +217,7 @@ class SyntheticEngine(Engine):
                 continue
             await asyncio.sleep(self.config.tick_seconds)
             # A pause or hold that came during the tick stops this step too.
-            if self._paused or self._held:
+            if self._halted():
                 continue
             self._admit()
             now = time.perf_counter()
@@ -230,6 +250,7 @@ class SyntheticEngine(Engine):
             if sequence.target == 0:
                 del self._running[request_id]
                 sequence.stream.put(sequence.take(sequence.reason))
+                self._pinned_ended.set()
             elif len(sequence.pending.token_ids) >= interval:
                 sequence.stream.put(sequence.take())
 

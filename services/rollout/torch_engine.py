@@ -21,7 +21,7 @@ from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.payload import name_mismatch
 from services.rollout.engine import (
-    Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, validate_request,
+    Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, check_pin, validate_request,
 )
 from services.rollout.rank import RankHandle, RankTransfer
 from services.rollout.tp_group import TensorParallelGroup
@@ -43,6 +43,11 @@ class _Sequence:
     def __post_init__(self) -> None:
         self.pending = Chunk(self.request.request_id)
         self.restart_generator()
+
+    @property
+    def pinned(self) -> bool:
+        """Runs on the served version until it ends: the engine switches only after it."""
+        return self.request.pinned_version is not None and self.finish is Finish.NONE
 
     def context(self) -> list[int]:
         """What the KV cache must hold once the sequence is prefilled: prompt and every token so far."""
@@ -68,6 +73,8 @@ class _Swap:
     version: int
     done: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
+    claimed: bool = False
+    """The decode thread is switching: the commit can no longer be withdrawn."""
 
 
 class _RunningBatch:
@@ -100,7 +107,10 @@ class TorchEngine(TensorParallelEngine):
     and every running sequence is prefilled again from its prompt and tokens so far, under the
     new version, then decodes on. Doing it in the engine rather than aborting back to the manager
     keeps each request's stream, its batch slot and its instance: no round trip, no re-dispatch
-    that could land elsewhere, and the manager sees one request whatever the weights do."""
+    that could land elsewhere, and the manager sees one request whatever the weights do.
+
+    A pinned request holds the switch back: the swap is claimed only at a step where no pinned
+    request is running or waiting, so none is prefilled, decoded or recomputed on another version."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
                  tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
@@ -175,6 +185,7 @@ class TorchEngine(TensorParallelEngine):
                 w.request.request_id == request_id for w in self._waiting
             ):
                 raise InvalidArgument(f"request {request_id} is already running")
+            check_pin(request, self._version, self._moving_on())
             self._aborted.discard(request_id)
             self._waiting.append(sequence)
             self._cond.notify_all()
@@ -255,6 +266,14 @@ class TorchEngine(TensorParallelEngine):
             self._check_stageable(version)
             self._staged_version = version
 
+    def _moving_on(self) -> bool:
+        """Under the lock: a newer version is staged, being switched to, or held for (pause mode)."""
+        return self._staged_version is not None or self._swap is not None or self._held
+
+    def _pinned_live(self) -> bool:
+        """Under the lock: a pinned request is running or waiting to join."""
+        return any(s.pinned for s in self._batch.rows) or any(s.pinned for s in self._waiting)
+
     def _check_stageable(self, version: int) -> None:
         if version <= self._version:
             raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
@@ -271,7 +290,15 @@ class TorchEngine(TensorParallelEngine):
             swap = _Swap(version, loop.create_future(), loop)
             self._swap = swap
             self._cond.notify_all()
-        await swap.done
+        try:
+            await swap.done
+        except asyncio.CancelledError:
+            with self._cond:
+                # The caller gave up while pinned requests held the switch back. Left pending, it
+                # would switch later to a standby buffer the next push may already be rewriting.
+                if self._swap is swap and not swap.claimed:
+                    self._swap = None
+            raise
 
     def _fail(self, reason: str) -> None:
         """The tensor-parallel group broke (a rank died): nothing can be decoded any more."""
@@ -284,10 +311,15 @@ class TorchEngine(TensorParallelEngine):
     # The decode thread ----------------------------------------------------------------------
 
     def _halted(self) -> bool:
-        return self._paused or self._held
+        # A hold for a weight update waits for the pinned requests: held, they could not end, and
+        # the switch it is for waits for them.
+        return self._paused or (self._held and not self._pinned_live())
+
+    def _swap_due(self) -> bool:
+        return self._swap is not None and not self._pinned_live()
 
     def _has_work(self) -> bool:
-        if self._stopped or self._swap is not None or self._aborted:
+        if self._stopped or self._swap_due() or self._aborted:
             return True
         if self._failure:
             return bool(self._batch.rows or self._waiting)
@@ -307,13 +339,18 @@ class TorchEngine(TensorParallelEngine):
                     continue
                 aborted, self._aborted = self._aborted, set()
                 halted = self._halted()
+                # Decided before pinned requests waiting to join leave the queue: they count.
+                swap = self._swap if self._swap_due() else None
+                if swap is not None:
+                    swap.claimed = True
                 joining: list[_Sequence] = []
                 if not halted:
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             emitted: list[tuple[_Sequence, Chunk]] = []
             try:
-                self._apply_swap()
+                if swap is not None:
+                    self._apply_swap(swap)
                 for sequence in self._batch.rows:
                     if sequence.request.request_id in aborted and sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
@@ -353,16 +390,13 @@ class TorchEngine(TensorParallelEngine):
         _deliver(emitted)
 
     def _acknowledge_halt(self) -> None:
-        if self._halted() or self._stopped:
+        # A hold waiting for pinned requests is acknowledged too: it takes effect once they ended.
+        if self._paused or self._held or self._stopped:
             for loop, future in self._halt_acks:
                 loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
             self._halt_acks.clear()
 
-    def _apply_swap(self) -> None:
-        with self._cond:
-            swap = self._swap
-        if swap is None:
-            return
+    def _apply_swap(self, swap: _Swap) -> None:
         self._group.run("switch", swap.version)
         with self._cond:
             self._swap = None

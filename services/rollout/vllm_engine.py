@@ -19,7 +19,7 @@ import torch
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.families import check_model_dir
 from services.rollout.engine import (
-    Chunk, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, model_parameter_specs, validate_request,
+    Chunk, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, check_pin, model_parameter_specs, validate_request,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class _Tracked:
     """Tokens handed out so far."""
     abort_again: bool = False
     """Abort asked for: repeated once at its next output, in case it came before vLLM knew the request."""
+    pinned: bool = False
+    """Must end on the served version: a reload waits for it."""
 
 
 def _versions(starts: Sequence[tuple[str, int]], first: int, count: int, fallback: int) -> list[int]:
@@ -69,7 +71,9 @@ class VllmEngine(Engine):
     (`reset_prefix_cache(reset_running_requests=True)`), so vLLM recomputes its KV from the prompt
     and output tokens under the new weights when scheduled again: still one request, one stream.
     A seeded request keeps its sampling generator across that recompute, so its draws stay
-    reproducible but are not those of a fresh continuation (which reseeds, as the torch engine does)."""
+    reproducible but are not those of a fresh continuation (which reseeds, as the torch engine does).
+    Pinned requests end before any reload: a commit waits for them (generating, even under a hold),
+    and from staging on new ones are refused."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0,
                  update_mode: UpdateMode = "continue") -> None:
@@ -89,6 +93,8 @@ class VllmEngine(Engine):
         """vLLM's engine core runs in its own process: staged weights reach it as a safetensors file."""
         self._specs = model_parameter_specs(model_dir)
         self._tracked: dict[str, _Tracked] = {}
+        self._pinned_ended = asyncio.Event()
+        """Set whenever a pinned request ends: a commit waiting for them looks again."""
         self._switch = asyncio.Lock()
         self._llm = None
         self._vocab_size = 0
@@ -164,7 +170,8 @@ class VllmEngine(Engine):
         request_id = request.request_id
         if request_id in self._tracked:
             raise FailedPrecondition(f"request {request_id} is already running")
-        tracked = _Tracked()
+        check_pin(request, self._version, self._staged is not None or self._switch.locked() or self._held)
+        tracked = _Tracked(pinned=request.pinned_version is not None)
         self._tracked[request_id] = tracked
         finish = Finish.NONE
         try:
@@ -195,6 +202,8 @@ class VllmEngine(Engine):
                 yield Chunk(request_id, finish=Finish.ABORT)
         finally:
             self._tracked.pop(request_id, None)
+            if tracked.pinned:
+                self._pinned_ended.set()
             if finish is Finish.NONE and self._llm is not None:
                 await self._llm.abort(request_id)
 
@@ -256,6 +265,7 @@ class VllmEngine(Engine):
         if self._staged != version:
             raise FailedPrecondition(f"version {version} is not staged (staged: {self._staged})")
         async with self._switch:
+            await self._let_pinned_requests_end()
             was_paused = self._paused or self._held
             if not was_paused:
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
@@ -277,3 +287,20 @@ class VllmEngine(Engine):
                 if not was_paused:
                     await self._llm.resume_generation()
         log.info("weights switched", weight_version=version)
+
+    async def _let_pinned_requests_end(self) -> None:
+        """Waits until no pinned request runs (new ones are refused once a version is staged). A
+        hold for this update would keep them from ending, so it is lifted meanwhile; a pause
+        someone asked for is not."""
+        if not any(t.pinned for t in self._tracked.values()):
+            return
+        lift_hold = self._held and not self._paused
+        if lift_hold:
+            await self._llm.resume_generation()
+        try:
+            while any(t.pinned for t in self._tracked.values()):
+                self._pinned_ended.clear()
+                await self._pinned_ended.wait()
+        finally:
+            if lift_hold:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)

@@ -105,7 +105,7 @@ def hints(harness: Harness) -> dict[str, st.SearchStrategy]:
         "n": st.integers(1, 3),
         "micro_batch_groups": small, "min_groups": small, "tp_rank": small, "rank": small, "world_size": st.integers(1, 3),
         "version": st.integers(-1, 3), "weight_version": st.integers(-1, 3), "policy_version": st.integers(-1, 3),
-        "base_version": st.integers(-1, 3),
+        "base_version": st.integers(-1, 3), "pinned_version": st.integers(-1, 3),
     }
 
 
@@ -239,6 +239,10 @@ def bad_sampling_cases() -> dict[str, Expected]:
     for name, fields in reports.items():
         cases[f"manager.ReportTrainingStep-{name}"] = Expected(
             "manager.ReportTrainingStep", manager_pb2.ReportTrainingStepRequest(batch_id=DELIVERED_BATCH, **fields), invalid)
+    cases["rollout.Generate-pinned_version--1"] = Expected(
+        "rollout.Generate", rollout_pb2.GenerateRequest(request_id="pinned-negative", prompt_token_ids=[1, 2], sampling=sampling(),
+                                                        pinned_version=-1),
+        invalid, "pinned_version")
     cases["manager.SubmitPrompts-policy_version--1"] = Expected(
         "manager.SubmitPrompts", manager_pb2.SubmitPromptsRequest(batch_id="bad-policy", policy_version=-1, prompts=prompts(), sampling=sampling()),
         invalid, "policy_version")
@@ -267,6 +271,11 @@ def unknown_id_cases() -> dict[str, Expected]:
         "rollout.Abort": Expected("rollout.Abort", rollout_pb2.AbortRequest(request_ids=["no-such-request"]), frozenset({grpc.StatusCode.OK})),
         "rollout.CommitWeightUpdate": Expected("rollout.CommitWeightUpdate", rollout_pb2.CommitWeightUpdateRequest(version=987654), refused, "987654"),
         "rollout.PushWeightChunks": Expected("rollout.PushWeightChunks", chunk, refused, "987654"),
+        # Pinned to a version the instance does not serve: ABORTED, for the manager to go elsewhere.
+        "rollout.Generate-pinned-version": Expected(
+            "rollout.Generate", rollout_pb2.GenerateRequest(request_id="pinned-ahead", prompt_token_ids=[1, 2], sampling=sampling(),
+                                                            pinned_version=987654),
+            frozenset({grpc.StatusCode.ABORTED}), "pinned to weight version 987654"),
     }
     return cases
 

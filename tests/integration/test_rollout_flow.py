@@ -1,5 +1,6 @@
 """Prompts in, groups out through real servers: every sample once, weight versions pushed
-through Mooncake and through the gRPC stream, late joiners caught up, drains survived."""
+through Mooncake and through the gRPC stream, late joiners caught up, drains survived, and
+exact-version batches generated wholly by their version while a newer one is pushed."""
 
 import asyncio
 import os
@@ -203,3 +204,51 @@ async def test_a_prompt_no_instance_accepts_fails_the_batch_with_the_reason(grpc
         assert status.queued_samples == 0 and status.running_samples == 0
     finally:
         await client.close()
+
+
+def slow_decoding(engine, seconds: float) -> None:
+    """Each decode step of the in-process torch engine takes at least `seconds`, so requests span a push."""
+    run = engine._group.run
+
+    def slowed(op, *args):
+        if op == "decode":
+            time.sleep(seconds)
+        return run(op, *args)
+
+    engine._group.run = slowed
+
+
+async def test_an_exact_version_batch_is_generated_by_its_version_while_a_newer_one_is_pushed(model_dir):
+    mesh = await build_mesh(model_dir, "grpc", max_staleness=0)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    engine = mesh.rollouts[0].engine
+    slow_decoding(engine, 0.03)
+    no_stop = common_pb2.SamplingParams(temperature=1.0, max_tokens=50)
+    try:
+        await client.submit("eval-v0", 0, prompt_batch(model_dir, 2), 2, no_stop, exact_version=True)
+        evaluating = asyncio.create_task(gather_batch(client, "eval-v0", micro=2))
+        await wait_for(lambda: engine.generated_tokens > 0)
+        await upload_full_tensors(client.weights, 1, scaled_weights(model_dir, 0.5))
+        await client.announce(1)
+        # Training goes on: the next step's samples need version 1 (max_staleness 0).
+        await client.submit("train-v1", 1, prompt_batch(model_dir, 2), 2, no_stop)
+        # Version 1 arrived and waits, staged, for the evaluation samples to end.
+        await wait_for(lambda: engine._swap is not None)
+        assert engine.weight_version == 0 and not evaluating.done()
+        groups = await evaluating
+        samples = [s for g in groups for s in g.samples]
+        assert len(samples) == 4 and all(len(s.token_ids) == 50 and s.instance_ids == ["instance-0"] for s in samples)
+        assert {v for s in samples for v in s.weight_versions} == {0}
+        trained = await gather_batch(client, "train-v1", micro=2)
+        assert {v for g in trained for s in g.samples for v in s.weight_versions} == {1}
+        # Version 0 is served nowhere any more: evaluating it again is skipped, with a status the trainer tells apart.
+        await client.submit("eval-v0-again", 0, prompt_batch(model_dir, 1), 1, no_stop, exact_version=True)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await gather_batch(client, "eval-v0-again", micro=1)
+        assert caught.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert "version 0 is no longer served by any instance" in caught.value.details()
+        status = await client.manager_status()
+        assert status.queued_samples == 0 and status.running_samples == 0
+    finally:
+        await client.close()
+        await stop_mesh(mesh)

@@ -1,5 +1,6 @@
 """The manager's journal: what a flush wrote is what a restarted manager restores, and a restored
-state goes on (unfinished requests continue from their tokens, sent groups resend, tokens hold)."""
+state goes on (unfinished requests continue from their tokens, sent groups resend, tokens hold,
+exact-version batches stay exact); a journal of the previous format is migrated."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
+from rlmesh.errors import OutOfRange
 from services.manager.journal import Journal
 from services.manager.state import ManagerState
 
@@ -29,9 +31,10 @@ def snapshot(state: ManagerState) -> dict:
         "registrations": state.registrations,
         "instances": {i.instance_id: (i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
                                       i.preemptible, i.draining) for i in state.instances.values()},
-        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error) for b in state.batches.values()},
+        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error, b.exact_version, b.version_gone)
+                    for b in state.batches.values()},
         "requests": {r.request_id: (r.prompt_token_ids, r.sampling.SerializeToString(deterministic=True), r.token_ids, r.logprobs,
-                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt)
+                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt, r.exact_version)
                      for r in state.requests.values()},
     }
 
@@ -76,7 +79,7 @@ def test_a_restarted_manager_goes_on_from_the_journal(tmp_path):
     assert queued == {"b1/p1/0": [8, 9], "b1/p1/1": []}
     resumed = after.assign()
     assert {x.request.request_id for x in resumed} == set(queued)
-    assert all(x.attempt == before["requests"][x.request.request_id][-1] + 1 for x in resumed)
+    assert all(x.attempt == before["requests"][x.request.request_id][7] + 1 for x in resumed)
 
 
 def test_forgotten_batches_and_dropped_instances_leave_the_journal(tmp_path):
@@ -144,3 +147,47 @@ def test_a_journal_of_another_format_or_not_sqlite_is_refused(tmp_path):
         db.execute("UPDATE counters SET value = 99 WHERE name = 'format'")
     with pytest.raises(ConfigError, match="journal format 99"):
         Journal(other)
+
+
+def test_exact_version_batches_survive_a_restart_exact_or_failed(tmp_path):
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    state = ManagerState(lease_seconds=10, max_staleness=0)
+    state.publish(2)
+    state.register("old", "127.0.0.1:1", 1, 4, now=0)
+    state.register("new", "127.0.0.1:2", 2, 4, now=0)
+    state.submit("eval2", 2, [("p", [5], 2)], sampling(), exact_version=True)
+    state.submit("eval0", 0, [("p", [5], 1)], sampling(), exact_version=True)
+    running = next(a for a in state.assign() if a.request.batch_id == "eval2")
+    state.record_chunk(running.request.request_id, running.attempt, [7], [-0.5], [2], NONE)
+    assert state.batches["eval0"].version_gone
+    journal.flush(state)
+    journal.close()
+
+    after = restarted(path)
+    assert snapshot(after) == snapshot(state)
+    assert after.batches["eval2"].exact_version and all(r.exact_version for r in after.batches["eval2"].groups["p"])
+    # The failed batch queues nothing again; the other still runs only on its version's instance.
+    assert {r.batch_id for r in after.queue} == {"eval2"}
+    assert {a.instance.instance_id for a in after.assign()} == {"new"}
+    with pytest.raises(OutOfRange, match="version 0 is no longer served"):
+        after.take_micro_batch("eval0", 1)
+
+
+FORMAT_2_BATCHES = """CREATE TABLE batches (
+    batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
+    sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL)"""
+
+
+def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
+    path = tmp_path / "journal.sqlite"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+        db.execute("INSERT INTO counters VALUES ('format', 2), ('published_version', 4)")
+        db.execute(FORMAT_2_BATCHES)
+        db.execute("""INSERT INTO batches VALUES ('b1', 4, '["p"]', '[]', '', 1)""")
+    db.close()
+    state = restarted(path)
+    batch = state.batches["b1"]
+    assert state.published_version == 4 and batch.policy_version == 4 and not batch.exact_version and not batch.version_gone
+    assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (3,)

@@ -1,12 +1,13 @@
 """The manager's scheduling and accounting: dispatch by outstanding tokens, the staleness gate,
-late joiners, continuation after an instance vanishes, and exactly-once group delivery."""
+late joiners, continuation after an instance vanishes, exactly-once group delivery, and
+exact-version batches (held-out evaluation of a named version)."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from rlmesh.sampling import MAX_SEED
 from services.manager.state import ManagerState, WrongIncarnation
 
@@ -708,3 +709,123 @@ def test_outstanding_tokens_always_equal_what_running_requests_are_charged(scrip
         # Every sample is in exactly one place: queued, running, or done.
         assert not (queued & running) and not (queued & done) and not (running & done)
         assert queued | running | done == set(state.requests)
+
+
+# Exact-version batches: every token from exactly the named version; background work. ---------------
+
+
+def test_an_exact_version_sample_runs_only_on_an_instance_serving_exactly_its_version():
+    state = state_with({"older": 0, "exact": 1, "newer": 2}, max_staleness=2)
+    state.publish(2)
+    state.submit("eval", 1, [("p", [1], 6)], sampling(), exact_version=True)
+    assignments = state.assign()
+    assert len(assignments) == 6 and {a.instance.instance_id for a in assignments} == {"exact"}
+
+
+def test_an_exact_version_batch_is_outside_the_capacity_rule():
+    state = state_with({"a": 3}, max_staleness=0)
+    state.publish(1)
+    state.submit("train", 3, [("p", [1], 1)], sampling())
+    state.submit("eval", 3, [("p", [1], 1)], sampling(), exact_version=True)
+    # Version 3 is beyond the published 1 + max_staleness 0: a training step waits, an evaluation does not.
+    assert [a.request.batch_id for a in state.assign()] == ["eval"]
+
+
+def test_exact_version_samples_take_the_slots_training_samples_leave():
+    state = state_with({"a": 1}, max_staleness=0)
+    state.publish(1)
+    state.instances["a"].max_batch_size = 3
+    state.submit("eval", 1, [("e", [1], 2)], sampling(), exact_version=True)
+    state.submit("train", 1, [("t", [1], 2)], sampling())
+    assert [a.request.batch_id for a in state.assign()] == ["train", "train", "eval"]
+    state.submit("train2", 1, [("t", [1], 1)], sampling())
+    first = next(r for r in state.requests.values() if r.batch_id == "train" and r.instance_id)
+    state.record_chunk(first.request_id, first.attempt, [1], [0.0], [1], STOP)
+    # The freed slot goes to the training sample submitted after the waiting evaluation sample.
+    assert [a.request.batch_id for a in state.assign()] == ["train2"]
+
+
+def test_a_chunk_of_a_newer_version_tells_the_manager_before_the_heartbeat():
+    state = state_with({"a": 0}, max_staleness=0)
+    state.submit("step0", 0, [("p", [1], 1)], sampling())
+    state.submit("step1", 1, [("p", [1], 1)], sampling())
+    state.publish(1)
+    (running,) = state.assign()
+    assert running.request.batch_id == "step0"
+    state.record_chunk(running.request.request_id, running.attempt, [4, 5], [0.0, 0.0], [0, 1], NONE)
+    assert state.instances["a"].weight_version == 1
+    assert [a.request.batch_id for a in state.assign()] == ["step1"]
+    # A heartbeat sent before the switch, arriving after the chunk, neither fails nor lowers the version.
+    beat(state, "a", 0, now=1)
+    assert state.instances["a"].weight_version == 1
+    beat(state, "a", 1, now=2)
+    with pytest.raises(InvalidArgument, match="older than the reported 1"):
+        beat(state, "a", 0, now=3)
+
+
+def test_an_exact_version_batch_fails_out_of_range_once_no_instance_serves_its_version():
+    state = state_with({"a": 1}, max_staleness=0)
+    state.publish(1)
+    state.instances["a"].max_batch_size = 2
+    state.submit("eval", 1, [("p", [1], 3)], sampling(), exact_version=True)
+    first, second = state.assign()
+    state.publish(2)
+    # The trainer moved on, but "a" still serves version 1: the waiting sample waits for its slot.
+    assert state.assign() == [] and "eval" in state.batches and not state.batches["eval"].error
+    state.record_chunk(first.request.request_id, first.attempt, [7], [0.0], [1], STOP)
+    (third,) = state.assign()
+    # A version 2 push is committing on "a": it refuses new samples of version 1.
+    assert state.version_refused(third.request.request_id, third.attempt)
+    assert state.instances["a"].refused_version == 1 and third.request.instance_ids == []
+    assert state.assign() == []
+    batch = state.batches["eval"]
+    assert batch.error and batch.version_gone and not state.queue
+    # The sample still running is let go: it no longer holds the instance's switch back.
+    assert state.instances["a"].running == set()
+    assert not state.record_chunk(second.request.request_id, second.attempt, [8], [0.0], [1], NONE)
+    with pytest.raises(OutOfRange, match=r"version 1 is no longer served by any instance: evaluation of it is skipped \(2 of its samples unfinished; published version 2\)"):
+        state.take_micro_batch("eval", 1)
+    assert state.batches == {} and state.requests == {}
+
+
+def test_an_exact_version_batch_waits_for_its_version_and_fails_once_every_instance_is_past_it():
+    state = state_with({"a": 0, "b": 0}, max_staleness=0)
+    state.publish(1)
+    state.submit("eval1", 1, [("p", [1], 1)], sampling(), exact_version=True)
+    # Version 1 is the latest: the instances are about to serve it.
+    assert state.assign() == [] and not state.batches["eval1"].error
+    beat(state, "a", 1, now=1)
+    beat(state, "b", 2, now=1)
+    assert [a.instance.instance_id for a in state.assign()] == ["a"]
+    state.submit("eval0", 0, [("p", [1], 1)], sampling(), exact_version=True)
+    state.assign()
+    with pytest.raises(OutOfRange, match="version 0 is no longer served"):
+        state.take_micro_batch("eval0", 1)
+    assert "eval1" in state.batches and not state.batches["eval1"].error
+
+
+def test_an_exact_version_sample_keeps_only_its_versions_tokens_from_an_instance_that_switched():
+    """An instance predating the pin ignores it: what it generated on the version is kept, and the
+    sample continues on an instance still serving it."""
+    state = state_with({"old": 1, "b": 1}, max_staleness=0)
+    state.publish(1)
+    state.instances["b"].max_batch_size = 0
+    state.submit("eval", 1, [("p", [1], 1)], sampling(), exact_version=True)
+    (first,) = state.assign()
+    assert not state.record_chunk(first.request.request_id, first.attempt, [4, 5, 6], [-0.1, -0.2, -0.3], [1, 2, 2], NONE)
+    request = first.request
+    assert (request.token_ids, request.logprobs, request.weight_versions) == ([4], [pytest.approx(-0.1)], [1])
+    assert state.discarded_tokens == 2 and state.instances["old"].weight_version == 2
+    state.instances["b"].max_batch_size = 4
+    (second,) = state.assign()
+    assert second.instance.instance_id == "b" and second.request.token_ids == [4]
+
+
+def test_exact_version_samples_waiting_do_not_hold_back_straggler_migration():
+    state, assignments = straggler_setup()
+    for index, a in enumerate(assignments):
+        finish = STOP if a.instance.instance_id == "fast" else NONE
+        state.record_chunk(a.request.request_id, a.attempt, [1] * (index + 1), [0.0] * (index + 1), [0] * (index + 1), finish)
+    state.submit("eval", 5, [("e", [1], 1)], sampling(), exact_version=True)
+    assert state.assign() == [] and len(state.queue) == 1
+    assert len(state.plan_migrations()) == 2

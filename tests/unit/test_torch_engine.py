@@ -1,6 +1,7 @@
 """The torch engine on a real model: agreement with HF greedy decoding and with the trainer's
 log-probabilities, continuous batching, continuation, stop and length handling, abort, pause and
-resume, the weight switch between decode steps and what running requests do at it (update modes)."""
+resume, the weight switch between decode steps and what running requests do at it (update modes),
+and requests pinned to a version, which hold the switch back until they end."""
 
 import asyncio
 import time
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.errors import Aborted, FailedPrecondition, InvalidArgument
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.payload import pack, stream_chunks
@@ -378,3 +379,82 @@ async def test_abort_continue_recomputes_a_running_request_on_the_new_weights(mo
     )
     assert fresh == tokens[switch:] and fresh_versions == [1] * len(fresh)
     assert fresh_logprobs == pytest.approx(logprobs[switch:], abs=1e-4)
+
+
+# Pinned requests: every token from exactly one version. --------------------------------------------
+
+
+async def wait_until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("mode_engine", ["continue", "pause", "abort-continue"], indirect=True)
+async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_switch_follows_at_once(mode_engine, model_dir, new_weights):
+    engine, updater = mode_engine
+    steps = record_steps(engine, decode_seconds=0.01)
+    ids, _ = prompts(model_dir, ["5555=", "77="])
+    pinned = asyncio.create_task(collect(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=40), pinned_version=0)))
+    await wait_for_tokens(engine, 3)
+    mate = asyncio.create_task(collect(engine, EngineRequest("mate", ids[1], Sampling(temperature=1.0, max_tokens=60))))
+    await begin_push(updater, 1, new_weights)
+    commit = asyncio.create_task(updater.commit(1))
+    await wait_until(lambda: engine._swap is not None)
+    with pytest.raises(Aborted, match="pinned to weight version 0; this instance is switching"):
+        await collect(engine, EngineRequest("late", ids[1], Sampling(max_tokens=4), pinned_version=0))
+    before = engine.generated_tokens
+    await wait_for_tokens(engine, before + 4)
+    # Held back, not halted: the pinned request goes on decoding (in pause mode too) while the commit waits.
+    assert not commit.done() and not pinned.done() and engine.weight_version == 0
+    tokens, _, versions, finish = await pinned
+    await commit
+    assert finish is Finish.LENGTH and len(tokens) == 40 and versions == [0] * 40
+    ops = [op for op, _ in steps]
+    # The step after the pinned request left the batch switched.
+    assert ops[ops.index("switch") - 1] == "keep"
+    assert engine.weight_version == 1
+    _, _, mate_versions, _ = await mate
+    assert mate_versions[0] == 0 and mate_versions[-1] == 1 and mate_versions == sorted(mate_versions)
+    # abort-continue recomputed the mate only: no prefill ever held the pinned request's tokens.
+    pinned_contexts = [ids[0] + tokens[:k] for k in range(1, len(tokens) + 1)]
+    assert not any(row[-len(c):] == c for row in recomputed_contexts(steps) for c in pinned_contexts)
+
+
+async def test_a_pinned_request_for_a_version_not_served_is_refused(engine, model_dir, new_weights):
+    ids, _ = prompts(model_dir, ["123="])
+    with pytest.raises(Aborted, match="pinned to weight version 1; this instance serves version 0"):
+        await collect(engine, EngineRequest("future", ids[0], Sampling(max_tokens=4), pinned_version=1))
+    with pytest.raises(InvalidArgument, match="pinned_version must be >= 0"):
+        await collect(engine, EngineRequest("negative", ids[0], Sampling(max_tokens=4), pinned_version=-1))
+    _, _, versions, _ = await collect(engine, EngineRequest("served", ids[0], Sampling(max_tokens=4), pinned_version=0))
+    assert versions == [0] * 4
+    await asyncio.to_thread(engine.stage_weights, 1, new_weights)
+    # A newer version is staged: admitting the request would hold its switch back.
+    with pytest.raises(Aborted, match="switching"):
+        await collect(engine, EngineRequest("staged", ids[0], Sampling(max_tokens=4), pinned_version=0))
+    await engine.commit_staged(1)
+    with pytest.raises(Aborted, match="serves version 1"):
+        await collect(engine, EngineRequest("past", ids[0], Sampling(max_tokens=4), pinned_version=0))
+    assert engine.running_requests == 0
+
+
+async def test_a_commit_given_up_while_a_pinned_request_holds_it_back_is_withdrawn(engine, model_dir, new_weights):
+    """Its caller's deadline ran out: the version stays staged, and nothing switches behind the next push."""
+    ids, _ = prompts(model_dir, ["9="])
+    record_steps(engine, decode_seconds=0.01)
+    pinned = asyncio.create_task(collect(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=30), pinned_version=0)))
+    await wait_for_tokens(engine, 3)
+    await asyncio.to_thread(engine.stage_weights, 1, new_weights)
+    commit = asyncio.create_task(engine.commit_staged(1))
+    await wait_until(lambda: engine._swap is not None)
+    commit.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await commit
+    _, _, versions, _ = await pinned
+    assert versions == [0] * 30 and engine._swap is None
+    await asyncio.sleep(0.05)
+    assert engine.weight_version == 0
+    await engine.commit_staged(1)
+    assert engine.weight_version == 1
