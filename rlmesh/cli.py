@@ -109,6 +109,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "mini_batches_per_step": algorithm.mini_batches_per_step,
         "schedule": algorithm.schedule,
         "dynamic_sampling": algorithm.dynamic_sampling,
+        "validation": algorithm.validation,
         "placement": algorithm.placement,
         "seed": algorithm.seed,
         "eval_every": algorithm.eval_every,

@@ -109,6 +109,10 @@ class AlgorithmSection(StrictModel):
     """`async`: rollout for up to max_staleness steps ahead overlaps training, and a step trains on
     its groups as they finish. `sync`: the plain loop (generate the step's whole batch, then
     train), for reference and debugging; at max_staleness 0 both give the same numbers."""
+    validation: Literal["background", "inline"] = "background"
+    """`background`: every eval_every steps the version just published is evaluated on the held-out
+    prompts on spare rollout capacity, pinned to that version, while training goes on. `inline`:
+    on the trainer's policy, training waiting."""
     dynamic_sampling: bool = False
     """DAPO: drop a group whose rewards are all equal (it teaches nothing) and draw a new prompt
     for the same step in its place."""

@@ -661,10 +661,15 @@ def print_summary(plan: MeshPlan, elapsed: float) -> None:
         return
     summary = json.loads(summary_path.read_text())
     start, end = summary["start"], summary["end"]
+
+    def figure(values: dict, key: str) -> str:
+        # A validation no instance could serve is skipped: its figures are missing.
+        return f"{values[key]:.3f}" if key in values else "n/a"
+
     print(
         f"\ntrained {summary['steps']} steps in {elapsed:.0f} s (weight version {summary['weight_version']})\n"
-        f"held-out sampled reward {start['eval/sampled_reward']:.3f} -> {end['eval/sampled_reward']:.3f}, "
-        f"greedy exact match {start['eval/exact_match']:.3f} -> {end['eval/exact_match']:.3f}\n"
+        f"held-out sampled reward {figure(start, 'eval/sampled_reward')} -> {figure(end, 'eval/sampled_reward')}, "
+        f"greedy exact match {figure(start, 'eval/exact_match')} -> {figure(end, 'eval/exact_match')}\n"
         f"metrics:     {summary['metrics']}\n"
         f"tensorboard: {summary['tensorboard']}\n"
         f"plot:        {summary['plot']}\n"

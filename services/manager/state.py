@@ -416,15 +416,18 @@ class ManagerState:
         return sum(len(g) for g in groups.values())
 
     def assign(self) -> list[Assignment]:
-        """Dispatches queued requests, oldest first, exact-version ones (background work) after
-        every other. Eligible instances hold the version they must, may run the request (staleness
+        """Dispatches queued requests, exact-version ones (a validation) first, then the others
+        oldest first: a validation never preempts a running sample, but it takes the slots that
+        free up before training does, so all of it runs while its instance holds its version (a
+        request arriving after the hold ended would be refused, the instance having switched).
+        Eligible instances hold the version they must, may run the request (staleness
         gate and capacity rule, or exactly its version), are not draining and have a free slot.
         `balanced` picks the one expected to finish its work soonest, counting outstanding
         tokens against measured throughput; `round_robin` takes instances in turn."""
         self._fail_versions_gone()
         if any(r.exact_version for r in self.queue):
             # Stable: each kind keeps its order (continuations first).
-            self.queue = deque(sorted(self.queue, key=lambda r: r.exact_version))
+            self.queue = deque(sorted(self.queue, key=lambda r: not r.exact_version))
         if self.policy == "round_robin":
             return self._assign_round_robin()
         assignments: list[Assignment] = []

@@ -247,8 +247,10 @@ def validate_request(request: EngineRequest, vocab_size: int, max_positions: int
 
 def check_pin(request: EngineRequest, served: int, moving_on: bool) -> None:
     """Refuses a pinned request the engine cannot run entirely on its version: it serves another,
-    or a newer one is staged or held for (admitting the request would hold that switch back). The
-    refusal is ABORTED, so the manager takes the request to an instance still serving the version."""
+    or a newer one is staged or held for (`moving_on`: admitting the request would start holding
+    that switch back; engines pass False while pinned requests of the version already hold it, so
+    a validation's requests all join the one hold). The refusal is ABORTED, so the manager takes
+    the request to an instance still serving the version."""
     pinned = request.pinned_version
     if pinned is None:
         return

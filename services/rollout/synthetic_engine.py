@@ -136,7 +136,7 @@ class SyntheticEngine(Engine):
         request_id = request.request_id
         if request_id in self._running or any(s.request.request_id == request_id for s in self._waiting):
             raise InvalidArgument(f"request {request_id} is already running")
-        check_pin(request, self._version, self._staged is not None or self._held)
+        check_pin(request, self._version, (self._staged is not None or self._held) and not self._pinned_live())
         seed = _seed_of(request, self._rng)
         total = response_length(self.config, seed, request.sampling.max_tokens)
         target = max(0, total - len(request.continued_token_ids))

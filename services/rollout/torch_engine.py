@@ -185,7 +185,7 @@ class TorchEngine(TensorParallelEngine):
                 w.request.request_id == request_id for w in self._waiting
             ):
                 raise InvalidArgument(f"request {request_id} is already running")
-            check_pin(request, self._version, self._moving_on())
+            check_pin(request, self._version, self._moving_on() and not self._pinned_live())
             self._aborted.discard(request_id)
             self._waiting.append(sequence)
             self._cond.notify_all()

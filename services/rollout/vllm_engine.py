@@ -170,7 +170,7 @@ class VllmEngine(Engine):
         request_id = request.request_id
         if request_id in self._tracked:
             raise FailedPrecondition(f"request {request_id} is already running")
-        check_pin(request, self._version, self._staged is not None or self._switch.locked() or self._held)
+        check_pin(request, self._version, (self._staged is not None or self._switch.locked() or self._held) and not any(t.pinned for t in self._tracked.values()))
         tracked = _Tracked(pinned=request.pinned_version is not None)
         self._tracked[request_id] = tracked
         finish = Finish.NONE
@@ -289,7 +289,8 @@ class VllmEngine(Engine):
         log.info("weights switched", weight_version=version)
 
     async def _let_pinned_requests_end(self) -> None:
-        """Waits until no pinned request runs (new ones are refused once a version is staged). A
+        """Waits until no pinned request runs (new ones are refused once a version is staged, unless
+        pinned ones of the served version already run: a validation's requests join one hold). A
         hold for this update would keep them from ending, so it is lifted meanwhile; a pause
         someone asked for is not."""
         if not any(t.pinned for t in self._tracked.values()):

@@ -84,6 +84,11 @@ class TrainerConfig(StrictModel):
     `sync`: the plain synchronous loop, for reference: submit one step's prompts, wait for all
     its groups, train on them in prompt order, publish. At max_staleness 0 both give the same
     numbers bit for bit."""
+    validation: Literal["background", "inline"] = "background"
+    """Held-out evaluation every eval_every steps: `background` evaluates the version just
+    published on spare rollout capacity, every prompt pinned to that version, while training goes
+    on (filed under the step and `eval/weight_version` when it is done); `inline` generates on the
+    trainer's own policy and training waits for it."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
     and a new prompt drawn for the same step in its place, within the capacity rule."""

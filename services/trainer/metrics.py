@@ -34,7 +34,8 @@ class MetricsWriter:
 
     def plot(self) -> Path:
         train = [r for r in self.history if "reward" in r]
-        held_out = [r for r in self.history if "eval/sampled_reward" in r]
+        # Background validations are filed when they finish, not always in step order.
+        held_out = sorted((r for r in self.history if "eval/sampled_reward" in r), key=lambda r: r["step"])
         figure, axis = plt.subplots(figsize=(7, 4))
         if train:
             axis.plot([r["step"] for r in train], [r["reward"] for r in train], label="training reward (sampled)", alpha=0.7)

@@ -37,6 +37,7 @@ from services.trainer.policy import MicroBatchStats
 from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
                                     RankGroup, Resume, Train)
 from services.trainer.reference import ReferenceWorker
+from services.trainer.validation import SOLVED, BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
 
@@ -82,8 +83,6 @@ class TaskTotals:
         return values
 
 
-SOLVED = 1.0 - 1e-9
-"""A sample with at least this reward earned the full reward (for the 0..1 rewards of the built-in tasks: exact)."""
 TOKEN_FIGURES = ("kl", "clip_fraction", "importance_weight_mean", "capped_fraction", "behaviour_kl")
 """Per-token figures of a micro-batch (MicroBatchStats), averaged over a step's response tokens."""
 EQUAL_REWARDS = 1e-9
@@ -170,6 +169,11 @@ class GrpoTrainer:
         """The optimizer stepped after the last publish: the policy is no longer that version."""
         self.reference: ReferenceWorker | None = None
         """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
+        self.validation = (BackgroundValidation(self.mixture, mesh, self._completion, self.stop_ids, config.seed, self.run_tag,
+                                                config.rollout_timeout_seconds, self._file_evaluation)
+                           if config.validation == "background" else None)
+        self.evaluations: dict[int, dict[str, float]] = {}
+        """Inline evaluations by step (background ones are kept by `validation`)."""
 
     @property
     def ordered(self) -> bool:
@@ -210,6 +214,8 @@ class GrpoTrainer:
         if stored >= state.version or manager.published_version > state.version:
             state.version = max(stored, manager.published_version) + 1
         self.version_offset = state.version - state.step
+        first_step = state.step
+        await self._validate(state.step, state.version)
         await self._publish(state.version)
         await self._cancel_batches_of_earlier_runs(state.step)
         # What this run trains from `step` on replaces what an earlier run of this folder trained.
@@ -224,7 +230,6 @@ class GrpoTrainer:
                 await self._submit(plan, list(plan.outstanding.values()), "-resumed")
         self.status.phase = trainer_pb2.PHASE_TRAINING
         self.status.step, self.status.version = state.step, state.version
-        first_eval = last_eval = await self._evaluate(state.step)
         try:
             while state.step < self.total_steps:
                 await self._plan_ahead(state.step)
@@ -232,8 +237,6 @@ class GrpoTrainer:
                     break
                 await self._step(state)
                 last_step = state.step == self.total_steps
-                if state.step % self.config.eval_every == 0 or last_step:
-                    last_eval = await self._evaluate(state.step)
                 if state.step % self.config.checkpoint_every == 0 or last_step:
                     # The last one also holds the whole policy as an HF folder.
                     checkpointing = time.perf_counter()
@@ -242,12 +245,17 @@ class GrpoTrainer:
                                                                   dump_pipeline(pipeline)), export_hf=last_step))
                     # What training waited for: the copy to memory; the write goes on in the background.
                     self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
+            evaluations = await self.validation.finish() if self.validation else self.evaluations
         finally:
+            if self.validation:
+                await self.validation.cancel()
             await self._stop_collectors()
             if self.reference is not None:
                 await self.reference.close()
             await self.mixture.close()
             self._ledger_file.close()
+        first_eval = evaluations.get(first_step, {})
+        last_eval = evaluations[max(evaluations)] if evaluations else {}
         plot = self.metrics.plot()
         self.metrics.close()
         summary = {
@@ -261,6 +269,7 @@ class GrpoTrainer:
             "plot": str(plot),
             "ledger": str(self.ledger_path),
             "checkpoint": str(latest_checkpoint(self.checkpoints)),
+            "validations_skipped": self.validation.skipped if self.validation else [],
         }
         (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -280,6 +289,9 @@ class GrpoTrainer:
         totals = await self._train_step(state.step)
         state.step += 1
         state.version = state.step + self.version_offset
+        retry = self.validation is not None and self.validation.retry_due
+        if state.step % self.config.eval_every == 0 or state.step == self.total_steps or retry:
+            await self._validate(state.step, state.version)
         published = await self._publish(state.version)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
@@ -610,37 +622,34 @@ class GrpoTrainer:
             shaped.append(replace(result, reward=result.reward + penalty, components={**result.components, "overlong_penalty": penalty}))
         return shaped
 
-    async def _evaluate(self, step: int) -> dict[str, float]:
-        """Every task's held-out prompts: sampled reward, greedy reward, and the share solved greedily."""
-        values: dict[str, float] = {}
-        pooled: dict[str, list[float]] = {"sampled": [], "greedy": []}
-        for task in self.mixture.tasks:
-            held_out = task.source.held_out(task.config.eval.prompts)
-            texts, ids = zip(*(task.renderer.render(p) for p in held_out))
+    async def _validate(self, step: int, version: int) -> None:
+        """Held-out evaluation of the policy after `step` steps, before its version is published: in
+        the background on rollout instances, pinned to the version, or (validation = "inline")
+        here, on the trainer's policy."""
+        if self.validation is not None:
+            self.validation.retry_due = False
+            await self.validation.start(step, version)
+            return
+        figures = ValidationFigures()
+        for held_out in held_out_sets(self.mixture):
+            task = held_out.task
             sampling = task.config.sampling
-            request = EvalRequest(list(ids), task.config.max_tokens,
-                                  task.config.eval.samples, sampling.temperature, sampling.top_p, self.config.seed + step)
+            request = EvalRequest(held_out.token_ids, task.config.max_tokens, task.config.eval.samples, sampling.temperature,
+                                  sampling.top_p, self.config.seed + step)
             responses: EvalResponses = await self.group.lead(Evaluate(request))
-            prompts = held_out * task.config.eval.samples + held_out
-            rendered = texts * task.config.eval.samples + texts
-            items = []
-            for index, (prompt, text, ids) in enumerate(zip(prompts, rendered, responses.sampled + responses.greedy)):
-                items.append(RewardItem(f"eval-{step}-{index}", text, self._completion(ids), prompt.metadata, ids))
-            results = [r.reward for r in await task.reward.score(items)]
-            sampled, greedy = results[: len(responses.sampled)], results[len(responses.sampled):]
-            pooled["sampled"] += sampled
-            pooled["greedy"] += greedy
-            values.update({
-                f"eval/{task.name}/sampled_reward": sum(sampled) / len(sampled),
-                f"eval/{task.name}/greedy_reward": sum(greedy) / len(greedy),
-                f"eval/{task.name}/exact_match": sum(r >= SOLVED for r in greedy) / len(greedy),
-            })
-        values.update({
-            "eval/sampled_reward": sum(pooled["sampled"]) / len(pooled["sampled"]),
-            "eval/greedy_reward": sum(pooled["greedy"]) / len(pooled["greedy"]),
-            "eval/exact_match": sum(r >= SOLVED for r in pooled["greedy"]) / len(pooled["greedy"]),
-        })
+            results = await task.reward.score([
+                RewardItem(f"eval-{step}-{index}", text, self._completion(ids), prompt.metadata, ids)
+                for index, (prompt, text, ids) in enumerate(zip(held_out.prompts * task.config.eval.samples + held_out.prompts,
+                                                                held_out.texts * task.config.eval.samples + held_out.texts,
+                                                                responses.sampled + responses.greedy))])
+            rewards = [r.reward for r in results]
+            figures.sampled[task.name] = rewards[: len(responses.sampled)]
+            figures.greedy[task.name] = rewards[len(responses.sampled):]
+        values = {**figures.values(), "eval/weight_version": float(version)}
+        self.evaluations[step] = values
+        self._file_evaluation(step, values)
+        log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
+
+    def _file_evaluation(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write(step, values)
         self.status.metrics.update(values)
-        log.info("held-out evaluation", step=step, **{k: round(v, 4) for k, v in values.items()})
-        return values

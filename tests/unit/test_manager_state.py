@@ -731,18 +731,20 @@ def test_an_exact_version_batch_is_outside_the_capacity_rule():
     assert [a.request.batch_id for a in state.assign()] == ["eval"]
 
 
-def test_exact_version_samples_take_the_slots_training_samples_leave():
+def test_exact_version_samples_take_the_slots_that_free_up_before_training_samples():
     state = state_with({"a": 1}, max_staleness=0)
     state.publish(1)
     state.instances["a"].max_batch_size = 3
-    state.submit("eval", 1, [("e", [1], 2)], sampling(), exact_version=True)
     state.submit("train", 1, [("t", [1], 2)], sampling())
-    assert [a.request.batch_id for a in state.assign()] == ["train", "train", "eval"]
+    assert [a.request.batch_id for a in state.assign()] == ["train", "train"]
+    state.submit("eval", 1, [("e", [1], 3)], sampling(), exact_version=True)
     state.submit("train2", 1, [("t", [1], 1)], sampling())
+    # Running training samples are never preempted: the one free slot goes to the evaluation.
+    assert [a.request.batch_id for a in state.assign()] == ["eval"]
     first = next(r for r in state.requests.values() if r.batch_id == "train" and r.instance_id)
     state.record_chunk(first.request_id, first.attempt, [1], [0.0], [1], STOP)
-    # The freed slot goes to the training sample submitted after the waiting evaluation sample.
-    assert [a.request.batch_id for a in state.assign()] == ["train2"]
+    # The freed slot goes to the waiting evaluation sample, not to the training one submitted after it.
+    assert [a.request.batch_id for a in state.assign()] == ["eval"]
 
 
 def test_a_chunk_of_a_newer_version_tells_the_manager_before_the_heartbeat():

@@ -1,0 +1,180 @@
+"""Held-out validation of a named policy version on spare rollout capacity, in the background: every
+held-out prompt is submitted pinned to that exact version, scored by its task's reward when it
+returns, and the figures are filed under the version while training goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.rewards.base import RewardItem
+from rlmesh.tasks.base import TaskPrompt
+from rlmesh.tasks.build import Task, TaskMixture
+from services.trainer.mesh import MeshClient
+from services.trainer.pipeline import prompt_seed
+
+log = structlog.get_logger()
+
+SOLVED = 1.0 - 1e-9
+"""A response with at least this reward earned the full reward (for the 0..1 rewards of the built-in tasks: exact)."""
+
+
+@dataclass(slots=True)
+class HeldOut:
+    """One task's held-out prompts as the policy sees them."""
+
+    task: Task
+    prompts: list[TaskPrompt]
+    texts: list[str]
+    token_ids: list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBatch:
+    """One task's held-out prompts submitted pinned to a version: sampled, or greedy (one each)."""
+
+    batch_id: str
+    held_out: HeldOut
+    prompt_ids: list[str]
+    samples: int
+    greedy: bool
+
+
+@dataclass(slots=True)
+class ValidationFigures:
+    """What one validation found: held-out sampled and greedy rewards and the greedy exact match,
+    per task and pooled."""
+
+    sampled: dict[str, list[float]] = field(default_factory=dict)
+    greedy: dict[str, list[float]] = field(default_factory=dict)
+
+    def values(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for name in self.sampled:
+            sampled, greedy = self.sampled[name], self.greedy[name]
+            values[f"eval/{name}/sampled_reward"] = sum(sampled) / len(sampled)
+            values[f"eval/{name}/greedy_reward"] = sum(greedy) / len(greedy)
+            values[f"eval/{name}/exact_match"] = sum(r >= SOLVED for r in greedy) / len(greedy)
+        pooled_sampled = [r for rewards in self.sampled.values() for r in rewards]
+        pooled_greedy = [r for rewards in self.greedy.values() for r in rewards]
+        values["eval/sampled_reward"] = sum(pooled_sampled) / len(pooled_sampled)
+        values["eval/greedy_reward"] = sum(pooled_greedy) / len(pooled_greedy)
+        values["eval/exact_match"] = sum(r >= SOLVED for r in pooled_greedy) / len(pooled_greedy)
+        return values
+
+
+def held_out_sets(mixture: TaskMixture) -> list[HeldOut]:
+    sets = []
+    for task in mixture.tasks:
+        prompts = task.source.held_out(task.config.eval.prompts)
+        texts, ids = zip(*(task.renderer.render(p) for p in prompts))
+        sets.append(HeldOut(task, list(prompts), list(texts), [list(i) for i in ids]))
+    return sets
+
+
+class BackgroundValidation:
+    """Validations in flight, one per version asked for; `finish` waits for them all. A version no
+    instance serves any more by the time its prompts are dispatched is reported as skipped."""
+
+    def __init__(self, mixture: TaskMixture, mesh: MeshClient, completion: Callable[[list[int]], str], stop_ids: list[int],
+                 seed: int, run_tag: str, timeout_seconds: float,
+                 report: Callable[[int, dict[str, float]], None]) -> None:
+        self.held_out = held_out_sets(mixture)
+        self.mesh = mesh
+        self.completion = completion
+        self.stop_ids = stop_ids
+        self.seed = seed
+        self.run_tag = run_tag
+        self.timeout_seconds = timeout_seconds
+        self.report = report
+        self.running: dict[int, asyncio.Task] = {}
+        self.results: dict[int, dict[str, float]] = {}
+        """Figures by the training step whose version was evaluated."""
+        self.skipped: list[int] = []
+        """Versions no instance served while their prompts waited (a newer push superseded theirs)."""
+        self.retry_due = False
+        """A validation was skipped: the next version published is validated in its place."""
+
+    async def start(self, step: int, version: int) -> None:
+        """Submits the held-out prompts pinned to `version` (the policy after `step` steps) and reads
+        them in the background. Called before the version is published, so that they are queued
+        when an instance switches to it: while they run, it holds that version."""
+        batches = []
+        for index, held_out in enumerate(self.held_out):
+            for greedy in (False, True):
+                batches.append(await self._submit(held_out, index, step, version, greedy))
+        self.running[step] = asyncio.create_task(self._validate(step, version, batches), name=f"validate version {version}")
+
+    async def finish(self) -> dict[int, dict[str, float]]:
+        """Waits for every validation started; returns the figures by step."""
+        await asyncio.gather(*self.running.values())
+        self.running.clear()
+        return self.results
+
+    async def cancel(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        self.running.clear()
+
+    def _sampling(self, held_out: HeldOut, step: int, prompt_id: str, greedy: bool) -> common_pb2.SamplingParams:
+        config = held_out.task.config
+        return common_pb2.SamplingParams(
+            temperature=0.0 if greedy else config.sampling.temperature, top_p=config.sampling.top_p, max_tokens=config.max_tokens,
+            stop_token_ids=self.stop_ids, seed=0 if greedy else prompt_seed(self.seed, step, f"eval-{prompt_id}"))
+
+    async def _submit(self, held_out: HeldOut, index: int, step: int, version: int, greedy: bool) -> PinnedBatch:
+        kind = "greedy" if greedy else "sampled"
+        batch_id = f"{self.run_tag}-eval-v{version:06d}-t{index}-{kind}"
+        prompt_ids = [f"t{index}{kind[0]}{i}" for i in range(len(held_out.prompts))]
+        samples = 1 if greedy else held_out.task.config.eval.samples
+        prompts = [(pid, ids, self._sampling(held_out, step, pid, greedy)) for pid, ids in zip(prompt_ids, held_out.token_ids)]
+        await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True)
+        return PinnedBatch(batch_id, held_out, prompt_ids, samples, greedy)
+
+    async def _validate(self, step: int, version: int, batches: list[PinnedBatch]) -> None:
+        started = time.perf_counter()
+        reading = [asyncio.create_task(self._read(batch)) for batch in batches]
+        try:
+            async with asyncio.timeout(self.timeout_seconds):
+                rewards = await asyncio.gather(*reading)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            for task in reading:
+                task.cancel()
+            await asyncio.gather(*reading, return_exceptions=True)
+            for batch in batches:
+                try:
+                    await self.mesh.cancel(batch.batch_id)
+                except grpc.aio.AioRpcError:
+                    pass  # failed batches are already forgotten by the manager
+            reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else f"not done within {self.timeout_seconds:g} s"
+            log.warning("validation skipped; the next version is validated instead", step=step, weight_version=version,
+                        reason=reason)
+            self.skipped.append(version)
+            self.retry_due = True
+            return
+        figures = ValidationFigures()
+        for batch, batch_rewards in zip(batches, rewards):
+            (figures.greedy if batch.greedy else figures.sampled)[batch.held_out.task.name] = batch_rewards
+        values = {**figures.values(), "eval/weight_version": float(version), "eval/seconds": time.perf_counter() - started}
+        self.results[step] = values
+        self.report(step, values)
+        log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
+
+    async def _read(self, batch: PinnedBatch) -> list[float]:
+        """A batch's responses, scored by its task's reward, in round order (response k of prompt i
+        at k * prompts + i)."""
+        held_out = batch.held_out
+        responses: dict[str, list[list[int]]] = {}
+        async for groups in self.mesh.rollouts(batch.batch_id, len(batch.prompt_ids), 1, 0, self.timeout_seconds):
+            for group in groups:
+                responses[group.prompt_id] = [list(s.token_ids) for s in group.samples]
+        items = [RewardItem(f"{batch.batch_id}/{pid}/{k}", text, self.completion(responses[pid][k]), prompt.metadata, responses[pid][k])
+                 for k in range(batch.samples) for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)]
+        return [r.reward for r in await held_out.task.reward.score(items)]
