@@ -62,7 +62,11 @@ def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path)
                 "balance/local_window_seconds"):
         assert all(key in r for r in steps), key
     assert all(r["balance/recommended_rollout_instances"] >= 1 and 0 <= r["balance/offload_fraction"] <= 1 for r in steps)
-    assert any("eval/sampled_reward" in r for r in records)
+    # Held-out validations ran in the background on the rollout instance, each on the version it
+    # names; a version a newer push superseded is replaced by a later one, the last never.
+    validations = [r for r in records if "eval/sampled_reward" in r]
+    assert validations[0]["step"] == 0 and max(r["step"] for r in validations) == 4
+    assert all(r["eval/weight_version"] == r["step"] for r in validations)
     assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (output_dir / "reward.png").stat().st_size > 0
     summary = json.loads((output_dir / "summary.json").read_text())
