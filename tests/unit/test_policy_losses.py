@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import services.trainer.policy as policy_module
@@ -16,19 +15,7 @@ from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.config import GrpoConfig, TrainerConfig
-from services.trainer.distributed import RankInfo
 from services.trainer.policy import ShardedPolicy
-
-
-@pytest.fixture(scope="module")
-def rank():
-    """A one-rank process group, as the trainer forms without torchrun."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield RankInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), control=None)
-    if owned:
-        dist.destroy_process_group()
 
 
 def micro_batches(model_dir, count: int, size: int = 4) -> list[list[TrainingSample]]:

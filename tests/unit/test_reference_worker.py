@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlmesh.cli import trainer_settings
@@ -138,17 +137,6 @@ def test_the_worker_dies_when_the_process_that_started_it_is_killed(model_dir):
     finally:
         parent.kill()
         parent.wait()
-
-
-@pytest.fixture(scope="module")
-def rank():
-    """A one-rank process group, as the trainer forms without torchrun."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield RankInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), control=None)
-    if owned:
-        dist.destroy_process_group()
 
 
 def make_policy(model_dir: Path, tmp_path: Path, rank: RankInfo, placement) -> ShardedPolicy:
