@@ -97,6 +97,7 @@ bench: setup
 	$(PY) -m bench.balance
 	$(PY) -m bench.failure
 	$(PY) -m bench.weights
+	$(PY) -m bench.async
 
 # At least 10,000 requests generated from the contracts over every RPC of the four services, plus
 # the targeted cases (a bounded run is part of `make test`); figures in bench/results/fuzz.json.
