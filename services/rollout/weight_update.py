@@ -189,9 +189,9 @@ class WeightUpdater:
         await asyncio.sleep(self.pause_limit)
         async with self._busy:
             self._hold_expiry = None
-            log.warning("weight push neither committed nor failed: generation resumes on the served version",
-                        weight_version=version, served_version=self.engine.weight_version, pause_limit_s=self.pause_limit)
             await self._release()
+            log.warning("weight push neither committed nor failed: generation resumed on the served version",
+                        weight_version=version, served_version=self.engine.weight_version, pause_limit_s=self.pause_limit)
 
     def _check_full_manifest(self, manifest: common_pb2.WeightManifest | None) -> common_pb2.WeightManifest:
         if manifest is None:
