@@ -130,9 +130,11 @@ def submitted_uids(ledger: list[dict]) -> dict[int, list[str]]:
     return {r["step"]: [uid for _, uid in r["prompts"].values()] for r in ledger if r["event"] == "submitted"}
 
 
-def test_a_checkpoint_taken_while_the_next_step_was_out_resubmits_that_steps_prompts(model_dir, tmp_path):
-    """With max_staleness 1, step 3's prompts are out when step 2's checkpoint is written: the
-    checkpoint keeps the cursor from before them, so a run resumed from it submits them again."""
+def test_a_checkpoint_taken_while_the_next_steps_were_out_carries_them_into_the_resumed_run(model_dir, tmp_path):
+    """With max_staleness 1, step 2 is drawn (and generated, or generating) when the checkpoint
+    after step 2 is written: it keeps step 2's accepted groups and its prompts in flight, so a run
+    resumed from it trains exactly those prompts, submitting again only the ones in flight, and
+    draws step 3 from the cursor as the first run did."""
     output_dir = tmp_path / "run"
     command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--set", "algorithm.checkpoint_every=2"]
     assert subprocess.run(command, capture_output=True, text=True, timeout=600).returncode == 0
@@ -142,9 +144,12 @@ def test_a_checkpoint_taken_while_the_next_step_was_out_resubmits_that_steps_pro
     command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--set", "algorithm.checkpoint_every=2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    second = submitted_uids([json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()])
-    assert sorted(second) == [2, 3]
-    assert second == {step: first[step] for step in (2, 3)}
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    started = next(r for r in ledger if r["event"] == "started")
+    assert started["step"] == 2 and started["accepted_groups"] + started["prompts_in_flight"] == 16
+    trained = {r["step"]: sorted(uid for *_, uid in r["prompts"]) for r in ledger if r["event"] == "trained"}
+    assert trained == {step: sorted(first[step]) for step in (2, 3)}
+    assert all(r["batch_id"].endswith("-resumed") for r in ledger if r["event"] == "submitted" and r["step"] == 2)
 
 
 def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
