@@ -33,8 +33,10 @@ def metrics(output_dir: Path) -> list[dict]:
 def test_the_example_task_from_its_own_files_trains(tmp_path):
     result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20")
     assert result.returncode == 0, result.stderr[-3000:]
-    evaluations = [r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r]
-    assert [r["step"] for r in evaluations] == [0, 20, 40]
+    # Background validations are filed when they finish; one whose version a newer push superseded
+    # is replaced by the next version's.
+    evaluations = sorted((r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r), key=lambda r: r["step"])
+    assert evaluations[0]["step"] == 0 and 20 <= evaluations[1]["step"] < 40 and evaluations[-1]["step"] == 40
     start, end = evaluations[0]["eval/complement/sampled_reward"], evaluations[-1]["eval/complement/sampled_reward"]
     assert end > start + 0.03, f"held-out reward {start:.3f} -> {end:.3f}"
     steps = [r for r in metrics(tmp_path / "run") if "reward" in r]
