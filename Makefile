@@ -98,6 +98,8 @@ bench: setup
 	$(PY) -m bench.failure
 	$(PY) -m bench.weights
 	$(PY) -m bench.async
+	$(PY) -m bench.async_quality
+	$(PY) -m bench.checkpoint
 
 # At least 10,000 requests generated from the contracts over every RPC of the four services, plus
 # the targeted cases (a bounded run is part of `make test`); figures in bench/results/fuzz.json.

@@ -4,6 +4,8 @@ it wrote (metrics.jsonl, summary.json)."""
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +17,9 @@ from rlmesh.launcher import free_port
 ROOT = Path(__file__).resolve().parent.parent
 MESH_PORTS = 13
 """Ports a local mesh takes from its base port on (manager, weights, trainer, then the instances)."""
+START_ATTEMPTS = 3
+"""Other processes of a shared machine may take one of the mesh's ports between the check and the bind."""
+BIND_FAILED = "Failed to bind to address"
 
 
 @dataclass
@@ -37,31 +42,48 @@ class TrainingRun:
 
 
 def free_base_port() -> int:
+    """A base port whose MESH_PORTS ports are all free now."""
     while True:
         base = free_port()
-        if base + MESH_PORTS < 65535:
+        if base + MESH_PORTS < 65535 and all(_bindable(port) for port in range(base + 1, base + MESH_PORTS)):
             return base
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def run_up(output_dir: Path, steps: int, settings: list[str], flags: list[str] = (), model_dir: Path | None = None,
            timeout: float = 3600) -> TrainingRun:
     """Runs `rlmesh up` (the default job unless `settings`, job fields as FIELD=VALUE, say otherwise)
-    to the end; its console output goes to `<output_dir>/console.log`."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(free_base_port()),
-               "--output-dir", str(output_dir), *flags]
-    if model_dir is not None:
-        command += ["--model-dir", str(model_dir)]
-    for setting in settings:
-        command += ["--set", setting]
-    console = output_dir / "console.log"
-    started = time.monotonic()
-    with console.open("w") as log:
-        result = subprocess.run(command, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-    seconds = time.monotonic() - started
-    if result.returncode != 0:
-        tail = "\n".join(console.read_text().splitlines()[-30:])
-        raise RuntimeError(f"`{' '.join(command)}` exited with {result.returncode}:\n{tail}")
+    to the end; its console output goes to `<output_dir>/console.log`. A mesh that could not bind
+    its ports starts again from scratch on others."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        output_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(free_base_port()),
+                   "--output-dir", str(output_dir), *flags]
+        if model_dir is not None:
+            command += ["--model-dir", str(model_dir)]
+        for setting in settings:
+            command += ["--set", setting]
+        console = output_dir / "console.log"
+        started = time.monotonic()
+        with console.open("w") as log:
+            result = subprocess.run(command, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        seconds = time.monotonic() - started
+        if result.returncode == 0:
+            break
+        bind_failed = any(BIND_FAILED in service_log.read_text(errors="replace")
+                          for service_log in (output_dir / "logs").glob("*.log"))
+        if not bind_failed or attempt == START_ATTEMPTS:
+            tail = "\n".join(console.read_text().splitlines()[-30:])
+            raise RuntimeError(f"`{' '.join(command)}` exited with {result.returncode}:\n{tail}")
+        shutil.rmtree(output_dir)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((output_dir / "summary.json").read_text())
     return TrainingRun(output_dir, records, summary, seconds)
