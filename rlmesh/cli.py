@@ -115,7 +115,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "eval_every": algorithm.eval_every,
         "checkpoint_every": algorithm.checkpoint_every,
         "grpo": {name: getattr(algorithm, name) for name in (
-            "learning_rate", "loss", "importance_cap", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
+            "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
             "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm")},
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],

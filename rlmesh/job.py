@@ -39,6 +39,13 @@ def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_b
         raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
 
 
+def check_cap_mode(loss: str, importance_cap_mode: str) -> None:
+    """Raises ValueError when the cap mode cannot apply to the loss."""
+    if loss == "tis" and importance_cap_mode == "drop":
+        raise ValueError("importance_cap_mode drop applies to the decoupled loss; tis truncates by definition "
+                         "(use loss = decoupled to drop tokens past the cap)")
+
+
 Role = Literal["train", "logp", "ref_logp"]
 """The trainer's roles: `train` (forward and backward of the policy), `logp` (the proximal
 policy's log-probabilities: the policy as the step began) and `ref_logp` (the frozen reference's)."""
@@ -76,10 +83,13 @@ class AlgorithmSection(StrictModel):
     loss: Literal["ppo", "decoupled", "tis"] = "ppo"
     """`ppo`: the clip against the behaviour policy that sampled (on-policy). `decoupled`: AReaL's
     decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
-    step's start, and each token is weighted by proximal / behaviour probability (tokens whose
-    weight exceeds importance_cap are dropped). `tis`: truncated importance sampling, for on-policy
-    runs whose engine computes probabilities differently from the trainer (weights truncated)."""
+    step's start, and each token is weighted by proximal / behaviour probability, truncated at
+    importance_cap. `tis`: truncated importance sampling, for on-policy runs whose engine computes
+    probabilities differently from the trainer (the same objective, always truncated)."""
     importance_cap: float = Field(default=2.0, ge=1)
+    importance_cap_mode: Literal["truncate", "drop"] = "truncate"
+    """What `decoupled` does with a token whose proximal / behaviour weight exceeds importance_cap:
+    `truncate` weighs it by the cap, `drop` leaves it out (AReaL's code)."""
     clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
     clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
     """None: clip_epsilon."""
@@ -123,6 +133,7 @@ class AlgorithmSection(StrictModel):
     @model_validator(mode="after")
     def _batches_split(self) -> "AlgorithmSection":
         check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
+        check_cap_mode(self.loss, self.importance_cap_mode)
         return self
 
     @field_validator("placement")

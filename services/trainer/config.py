@@ -7,11 +7,12 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
-from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_placement, reference_apart
+from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_placement, reference_apart
 from rlmesh.tasks.config import TaskConfig
 
 LossKind = Literal["ppo", "decoupled", "tis"]
 LossAggregation = Literal["sequence-mean", "token-mean"]
+CapMode = Literal["truncate", "drop"]
 
 
 class GrpoConfig(StrictModel):
@@ -20,13 +21,14 @@ class GrpoConfig(StrictModel):
     """The policy loss (`services/trainer/grpo.py`, `policy_loss`): `ppo` clips the ratio to the
     behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
     decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
-    start of the training step and pi_prox / pi_behav weighs each token, tokens beyond
-    importance_cap dropped; `tis` is truncated importance sampling for on-policy runs whose engine
-    computes probabilities differently from the trainer: the same, with the weight truncated at
-    importance_cap instead."""
+    start of the training step and pi_prox / pi_behav, bounded by importance_cap, weighs each
+    token; `tis` is truncated importance sampling for on-policy runs whose engine computes
+    probabilities differently from the trainer: the same objective, the weight always truncated."""
     importance_cap: float = Field(default=2.0, ge=1)
-    """Bound on pi_prox / pi_behav under `decoupled` (tokens above are dropped) and `tis` (weights
-    above are truncated to it)."""
+    """Bound on pi_prox / pi_behav under `decoupled` and `tis`."""
+    importance_cap_mode: CapMode = "truncate"
+    """What `decoupled` does with a token whose weight exceeds importance_cap: `truncate` weighs it
+    by the cap; `drop` leaves it out, as AReaL's code does. `tis` always truncates."""
     clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
     """PPO clip range, both sides: the ratio is kept in [1 - clip_epsilon, 1 + clip_epsilon]
     unless clip_epsilon_low or clip_epsilon_high says otherwise."""
@@ -47,6 +49,11 @@ class GrpoConfig(StrictModel):
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _cap_mode_applies(self) -> "GrpoConfig":
+        check_cap_mode(self.loss, self.importance_cap_mode)
+        return self
 
     @property
     def clip_low(self) -> float:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.trainer.config import LossAggregation, LossKind
+from services.trainer.config import CapMode, LossAggregation, LossKind
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -59,7 +59,7 @@ class LossTotals:
     """Summed pi_prox / pi_behav, before the cap."""
     importance_weight_max: float
     capped_tokens: float
-    """Tokens whose pi_prox / pi_behav exceeds importance_cap (dropped by decoupled, truncated by tis)."""
+    """Tokens whose pi_prox / pi_behav exceeds importance_cap (their weight truncated to it, or dropped)."""
     behaviour_kl: float
     """Summed k3 estimate of KL(pi_behav || pi_prox): how far the sampler is from the proximal policy."""
 
@@ -75,6 +75,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     importance_cap: float = 2.0,
+    cap_mode: CapMode = "truncate",
     aggregation: LossAggregation = "sequence-mean",
     reference_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
@@ -90,13 +91,16 @@ def policy_loss(
     - `decoupled` (AReaL's decoupled PPO, for stale rollouts, max_staleness >= 1): the clip
       anchors on the proximal policy pi_prox (the policy at the start of the training step), r =
       pi / pi_prox, so the trust region is around recent weights rather than the stale sampler;
-      the off-policy gap is corrected by w = pi_prox / pi_behav: -w min(r A, clip(r) A). A token
-      whose w exceeds importance_cap is dropped (w = 0), as AReaL does: a sample that far off is
-      more likely noise than signal.
+      the off-policy gap is corrected by w = pi_prox / pi_behav: -w min(r A, clip(r) A), with w
+      truncated at importance_cap (`cap_mode="truncate"`), or the token dropped (w = 0) past the
+      cap as AReaL's code does (`cap_mode="drop"`). Dropping loses exactly the tokens the policy
+      moved furthest towards since they were sampled, negative advantages included: the
+      corrections it most needs (bench.async_quality measures the difference).
     - `tis` (token-level truncated importance sampling, as in verl: on-policy, max_staleness 0,
       but the engine computes probabilities differently from the trainer, e.g. another kernel or
-      precision): the same clipped objective against pi_prox, with w truncated instead,
-      min(w, importance_cap): every token still contributes, large corrections are bounded.
+      precision): the same objective with w always truncated. At max_staleness 0 pi_prox is the
+      trainer's own recomputation of the sampling policy, so w is exactly the engine/trainer
+      mismatch.
 
     w is a constant (no gradient flows through it). `proximal_logprobs=None` means the proximal
     policy is the current one (no optimizer step yet in this training step): its log-probabilities
@@ -117,10 +121,12 @@ def policy_loss(
     over_cap = raw_weight > importance_cap
     if loss == "ppo":
         anchor, weight = behaviour_logprobs, None
-    elif loss == "decoupled":
+    elif loss == "decoupled" and cap_mode == "drop":
         anchor, weight = proximal, torch.where(over_cap, torch.zeros_like(raw_weight), raw_weight)
-    elif loss == "tis":
+    elif loss == "tis" or (loss == "decoupled" and cap_mode == "truncate"):
         anchor, weight = proximal, raw_weight.clamp(max=importance_cap)
+    elif loss == "decoupled":
+        raise ValueError(f"unknown importance cap mode {cap_mode!r}: expected truncate or drop")
     else:
         raise ValueError(f"unknown loss {loss!r}: expected ppo, decoupled or tis")
     ratio = (logprobs - anchor).exp()

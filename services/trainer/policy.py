@@ -190,6 +190,7 @@ class ShardedPolicy:
             loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
                                        loss=grpo.loss, proximal_logprobs=proximal, clip_low=grpo.clip_low,
                                        clip_high=grpo.clip_high, importance_cap=grpo.importance_cap,
+                                       cap_mode=grpo.importance_cap_mode,
                                        aggregation=grpo.loss_aggregation, reference_logprobs=reference, kl_coef=grpo.kl_coef)
             sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
                     totals.capped_tokens, totals.behaviour_kl]

@@ -92,17 +92,18 @@ def test_decoupled_and_tis_are_ppo_when_the_proximal_policy_is_the_behaviour_pol
 
 @settings(max_examples=40, deadline=None)
 @given(st.data(), st.integers(1, 6), st.integers(1, 8))
-def test_decoupled_and_tis_agree_while_no_weight_reaches_the_cap(data, sequences, width):
+def test_both_cap_modes_agree_while_no_weight_reaches_the_cap(data, sequences, width):
     logprobs, behaviour, proximal, advantages, mask = loss_inputs(data, sequences, width)
     largest = float((proximal - behaviour).exp().max())
-    decoupled = loss_and_gradient(logprobs, behaviour, advantages, mask, loss="decoupled", proximal_logprobs=proximal,
-                                  importance_cap=largest + 1)
-    tis = loss_and_gradient(logprobs, behaviour, advantages, mask, loss="tis", proximal_logprobs=proximal, importance_cap=largest + 1)
-    assert torch.equal(decoupled[0], tis[0]) and torch.equal(decoupled[1], tis[1])
-    assert decoupled[2].capped_tokens == 0
+    options = dict(proximal_logprobs=proximal, importance_cap=largest + 1)
+    dropping = loss_and_gradient(logprobs, behaviour, advantages, mask, loss="decoupled", cap_mode="drop", **options)
+    for kind in ("decoupled", "tis"):
+        truncating = loss_and_gradient(logprobs, behaviour, advantages, mask, loss=kind, **options)
+        assert torch.equal(dropping[0], truncating[0]) and torch.equal(dropping[1], truncating[1]), kind
+    assert dropping[2].capped_tokens == 0
 
 
-def test_decoupled_drops_and_tis_truncates_the_tokens_beyond_the_cap():
+def test_decoupled_truncates_or_drops_the_tokens_beyond_the_cap_and_tis_truncates():
     weights = torch.tensor([[0.5, 1.5, 2.5, 3.0]])
     behaviour = torch.full((1, 4), -1.0)
     proximal = behaviour + weights.log()
@@ -112,11 +113,14 @@ def test_decoupled_drops_and_tis_truncates_the_tokens_beyond_the_cap():
     options = dict(proximal_logprobs=proximal, importance_cap=cap, aggregation="token-mean")
     # The gradient against the proximal policy alone: w = 1 everywhere.
     _, unweighted, _ = loss_and_gradient(logprobs, proximal, advantage, mask, loss="ppo", aggregation="token-mean")
-    _, decoupled, totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="decoupled", **options)
+    _, truncated, totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="decoupled", **options)
+    _, dropped, dropped_totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="decoupled", cap_mode="drop",
+                                                   **options)
     _, tis, tis_totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="tis", **options)
-    torch.testing.assert_close(decoupled, unweighted * torch.tensor([[0.5, 1.5, 0.0, 0.0]]), rtol=1e-6, atol=0)
-    torch.testing.assert_close(tis, unweighted * torch.tensor([[0.5, 1.5, 2.0, 2.0]]), rtol=1e-6, atol=0)
-    for figures in (totals, tis_totals):
+    torch.testing.assert_close(truncated, unweighted * torch.tensor([[0.5, 1.5, 2.0, 2.0]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dropped, unweighted * torch.tensor([[0.5, 1.5, 0.0, 0.0]]), rtol=1e-6, atol=0)
+    assert torch.equal(tis, truncated)
+    for figures in (totals, dropped_totals, tis_totals):
         assert figures.capped_tokens == 2 and figures.tokens == 4
         assert figures.importance_weight == pytest.approx(7.5) and figures.importance_weight_max == pytest.approx(3.0)
         expected_kl = sum(w - math.log(w) - 1 for w in (0.5, 1.5, 2.5, 3.0))
@@ -124,6 +128,18 @@ def test_decoupled_drops_and_tis_truncates_the_tokens_beyond_the_cap():
     # Masked tokens count nowhere, not even in the maximum.
     _, _, masked = loss_and_gradient(logprobs, behaviour, advantage, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), loss="tis", **options)
     assert masked.capped_tokens == 0 and masked.importance_weight_max == pytest.approx(1.5)
+
+
+def test_an_unknown_cap_mode_is_refused():
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    with pytest.raises(ValueError, match="unknown importance cap mode 'clamp'"):
+        policy_loss(logprobs, logprobs.detach(), torch.ones(1), torch.ones(1, 2), loss="decoupled", cap_mode="clamp")
+
+
+def test_tis_refuses_to_drop():
+    with pytest.raises(ValidationError, match="tis truncates by definition"):
+        GrpoConfig(loss="tis", importance_cap_mode="drop")
+    assert GrpoConfig(loss="decoupled", importance_cap_mode="drop").importance_cap_mode == "drop"
 
 
 def test_without_proximal_log_probabilities_the_current_policy_is_the_proximal_one():
