@@ -16,6 +16,7 @@ from rlmesh.logging import configure_logging
 TARGET_RATIO = 0.9
 WARMUP_STEPS = 2
 """Left out: the first steps pay for the processes' first calls."""
+ROLLOUT_INSTANCES = 1
 
 
 def split_steps(run: TrainingRun) -> tuple[list[float], list[float]]:
@@ -37,10 +38,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--rollout-instances", type=int, default=ROLLOUT_INSTANCES)
     args = parser.parse_args()
     configure_logging(service="bench")
     common = [f"algorithm.checkpoint_every={args.steps}"]
-    flags = ["--max-staleness", str(args.max_staleness)]
+    flags = ["--max-staleness", str(args.max_staleness), "--rollout-instances", str(args.rollout_instances)]
     with tempfile.TemporaryDirectory(prefix="rlmesh-bench-validation-") as scratch:
         validating = run_up(Path(scratch) / "validating", args.steps, common + [f"algorithm.eval_every={args.eval_every}"], flags)
         quiet = run_up(Path(scratch) / "quiet", args.steps, common + [f"algorithm.eval_every={args.steps}"], flags)
@@ -67,7 +69,7 @@ def main() -> None:
     targets = {"no_validation_over_during (same run) >= 0.9": ratios["no_validation_over_during (same run)"] >= TARGET_RATIO}
     write_result("validation", figures, baseline, ratios, targets,
                  {"steps": args.steps, "eval_every": args.eval_every, "max_staleness": args.max_staleness,
-                  "rollout_instances": 1, "validation": "background"})
+                  "rollout_instances": args.rollout_instances, "validation": "background"})
 
 
 if __name__ == "__main__":

@@ -420,6 +420,8 @@ class ManagerState:
         oldest first: a validation never preempts a running sample, but it takes the slots that
         free up before training does, so all of it runs while its instance holds its version (a
         request arriving after the hold ended would be refused, the instance having switched).
+        A validation stays on the instance that started it, waiting for its slots: the others
+        never hold its version, and keep taking new versions for training.
         Eligible instances hold the version they must, may run the request (staleness
         gate and capacity rule, or exactly its version), are not draining and have a free slot.
         `balanced` picks the one expected to finish its work soonest, counting outstanding
@@ -447,6 +449,7 @@ class ManagerState:
             for i in self.instances.values() if i.schedulable
         )
         queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue if not r.exact_version) if slow_present else 0.0
+        holders = self._validation_holders()
         while self.queue and free:
             request = self.queue.popleft()
             expected = request.expected_remaining(self.mean_length)
@@ -458,6 +461,8 @@ class ManagerState:
             ]
             if not request.exact_version:
                 queued_tokens -= expected
+            elif request.policy_version in holders:
+                candidates = [c for c in candidates if c.instance_id in holders[request.policy_version]]
             if not candidates:
                 waiting.append(request)
                 continue
@@ -466,10 +471,22 @@ class ManagerState:
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
             )
             assignments.append(self._start(request, instance))
+            if request.exact_version:
+                holders.setdefault(request.policy_version, set()).add(instance.instance_id)
             free -= 1
         waiting.extend(self.queue)
         self.queue = waiting
         return assignments
+
+    def _validation_holders(self) -> dict[int, set[str]]:
+        """The instances running exact-version requests, by version."""
+        holders: dict[int, set[str]] = {}
+        for instance in self.instances.values():
+            for request_id in instance.running:
+                request = self.requests[request_id]
+                if request.exact_version:
+                    holders.setdefault(request.policy_version, set()).add(instance.instance_id)
+        return holders
 
     @staticmethod
     def _too_slow_for_the_tail(instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float) -> bool:

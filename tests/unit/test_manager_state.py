@@ -747,6 +747,27 @@ def test_exact_version_samples_take_the_slots_that_free_up_before_training_sampl
     assert [a.request.batch_id for a in state.assign()] == ["eval"]
 
 
+def test_a_validation_stays_on_one_instance_while_the_others_take_training_samples():
+    state = state_with({"a": 1, "b": 1}, max_staleness=1)
+    state.publish(1)
+    for instance in state.instances.values():
+        instance.max_batch_size = 4
+    state.submit("eval", 1, [("e", [1], 6)], sampling(), exact_version=True)
+    state.submit("train", 1, [("t", [1], 4)], sampling())
+    placed = {(a.instance.instance_id, a.request.batch_id) for a in state.assign()}
+    assert placed in ({("a", "eval"), ("b", "train")}, {("b", "eval"), ("a", "train")})
+    (holder,) = {i for i, batch in placed if batch == "eval"}
+    other = ({"a", "b"} - {holder}).pop()
+    assert len(state.instances[holder].running) == 4 and len(state.instances[other].running) == 4
+    # The two evaluation samples left wait for the holder's slots, not for the other's.
+    finished = next(iter(state.instances[other].running))
+    state.record_chunk(finished, state.requests[finished].attempt, [1], [0.0], [1], STOP)
+    assert state.assign() == []
+    finished = next(iter(state.instances[holder].running))
+    state.record_chunk(finished, state.requests[finished].attempt, [1], [0.0], [1], STOP)
+    assert [(a.instance.instance_id, a.request.batch_id) for a in state.assign()] == [(holder, "eval")]
+
+
 def test_a_chunk_of_a_newer_version_tells_the_manager_before_the_heartbeat():
     state = state_with({"a": 0}, max_staleness=0)
     state.submit("step0", 0, [("p", [1], 1)], sampling())
