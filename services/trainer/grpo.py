@@ -93,9 +93,9 @@ def policy_loss(
       pi / pi_prox, so the trust region is around recent weights rather than the stale sampler;
       the off-policy gap is corrected by w = pi_prox / pi_behav: -w min(r A, clip(r) A), with w
       truncated at importance_cap (`cap_mode="truncate"`), or the token dropped (w = 0) past the
-      cap as AReaL's code does (`cap_mode="drop"`). Dropping loses exactly the tokens the policy
-      moved furthest towards since they were sampled, negative advantages included: the
-      corrections it most needs (bench.async_quality measures the difference).
+      cap as AReaL's code does (`cap_mode="drop"`). Truncating keeps the signal of the tokens
+      the policy moved furthest towards since they were sampled, negative advantages included,
+      with their weight bounded; dropping treats them as noise.
     - `tis` (token-level truncated importance sampling, as in verl: on-policy, max_staleness 0,
       but the engine computes probabilities differently from the trainer, e.g. another kernel or
       precision): the same objective with w always truncated. At max_staleness 0 pi_prox is the
