@@ -427,7 +427,8 @@ class ManagerState:
         `balanced` picks the one expected to finish its work soonest, counting outstanding
         tokens against measured throughput; `round_robin` takes instances in turn."""
         self._fail_versions_gone()
-        if any(r.exact_version for r in self.queue):
+        validating = any(r.exact_version for r in self.queue)
+        if validating:
             # Stable: each kind keeps its order (continuations first).
             self.queue = deque(sorted(self.queue, key=lambda r: not r.exact_version))
         if self.policy == "round_robin":
@@ -449,14 +450,24 @@ class ManagerState:
             for i in self.instances.values() if i.schedulable
         )
         queued_tokens = sum(r.expected_remaining(self.mean_length) for r in self.queue if not r.exact_version) if slow_present else 0.0
-        holders = self._validation_holders()
+        holders = self._validation_holders() if validating else {}
+        # Whether an instance may run a request depends only on the request's version and kind: a
+        # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
+        may_run: dict[tuple[int, bool], list[Instance]] = {}
         while self.queue and free:
             request = self.queue.popleft()
+            kind = (request.policy_version, request.exact_version)
+            if kind not in may_run:
+                may_run[kind] = [i for i in self.instances.values() if self._may_run(i, request)]
+            candidates = [c for c in may_run[kind] if c.free_slots > 0]
+            if not candidates and (request.exact_version or not slow_present):
+                waiting.append(request)
+                continue
             expected = request.expected_remaining(self.mean_length)
             # The tail rule is about a training step's end; an exact-version request can only run
             # where its version is served, which the fast instances may not be.
             candidates = [
-                c for c in self._eligible(request)
+                c for c in candidates
                 if request.exact_version or not self._too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
             ]
             if not request.exact_version:
