@@ -121,12 +121,12 @@ def policy_loss(
     over_cap = raw_weight > importance_cap
     if loss == "ppo":
         anchor, weight = behaviour_logprobs, None
-    elif loss == "decoupled" and cap_mode == "drop":
-        anchor, weight = proximal, torch.where(over_cap, torch.zeros_like(raw_weight), raw_weight)
-    elif loss == "tis" or (loss == "decoupled" and cap_mode == "truncate"):
-        anchor, weight = proximal, raw_weight.clamp(max=importance_cap)
-    elif loss == "decoupled":
-        raise ValueError(f"unknown importance cap mode {cap_mode!r}: expected truncate or drop")
+    elif loss in ("decoupled", "tis"):
+        if loss == "decoupled" and cap_mode not in ("truncate", "drop"):
+            raise ValueError(f"unknown importance cap mode {cap_mode!r}: expected truncate or drop")
+        drop = loss == "decoupled" and cap_mode == "drop"
+        anchor = proximal
+        weight = torch.where(over_cap, torch.zeros_like(raw_weight), raw_weight) if drop else raw_weight.clamp(max=importance_cap)
     else:
         raise ValueError(f"unknown loss {loss!r}: expected ppo, decoupled or tis")
     ratio = (logprobs - anchor).exp()
