@@ -71,8 +71,8 @@ class StepTimes:
 
 
 def checkpoint_bytes(run: TrainingRun) -> int:
-    """Bytes of the sharded model and optimizer state (DCP files) in the run's last checkpoint."""
-    return sum(f.stat().st_size for f in Path(run.summary["checkpoint"]).glob("*.distcp"))
+    """Bytes of the sharded model and optimizer state (every rank's shard file) in the run's last checkpoint."""
+    return sum(f.stat().st_size for f in Path(run.summary["checkpoint"]).glob("shards_rank*.pt"))
 
 
 def figures_of(model: str, with_checkpoints: StepTimes, without: StepTimes) -> tuple[dict, dict, dict, dict]:

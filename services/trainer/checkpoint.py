@@ -1,11 +1,12 @@
-"""Resumable sharded checkpoints: the policy and optimizer with torch.distributed.checkpoint (each
-rank writes its own shards; a checkpoint saved by N ranks loads on any number of ranks), the step
-and weight version, each rank's RNG state, and on request the whole policy as an HF folder.
+"""Resumable sharded checkpoints: each rank writes its own rows of the policy and optimizer in one
+file (a checkpoint saved by N ranks loads on any number of ranks), the step and weight version,
+and on request the whole policy as an HF folder.
 
-Layout: `checkpoints/step_NNNNNN/` holds `.metadata` and `__<rank>_0.distcp` (DCP),
-`rng_rank<r>.pt`, `pipeline.pkl` (rank 0's steps in flight), `trainer_state.pt` (written last), and with an export `config.json`,
-`model.safetensors` and the tokenizer. A save goes to `step_NNNNNN.partial/` and is renamed when
-complete; the newest KEEP checkpoints are kept.
+Layout: `checkpoints/step_NNNNNN/` holds `shards_rank<r>.pt` (rank r's rows of every tensor along
+dim 0, the FSDP2 layout, with its RNG state), `pipeline.pkl` (rank 0's steps in flight),
+`trainer_state.pt` (written last), and with an export `config.json`, `model.safetensors` and the
+tokenizer. A save goes to `step_NNNNNN.partial/` and is renamed when complete; the newest KEEP
+checkpoints are kept.
 
 Every function here is collective when a process group is initialised: every rank calls it, in
 the same order. Without a process group it runs on a plain (unsharded) model."""
@@ -20,19 +21,22 @@ from pathlib import Path
 import structlog
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
+
+from rlmesh.models.tp_layout import fsdp_rows
 
 log = structlog.get_logger()
 
 KEEP = 2
 STATE_FILE = "trainer_state.pt"
 PIPELINE_FILE = "pipeline.pkl"
+SHARD_FILE = "shards_rank{rank}.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -63,6 +67,10 @@ def _barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
+def _shard_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / SHARD_FILE.format(rank=rank)
+
+
 def _begin(directory: Path, step: int, group: dist.ProcessGroup | None) -> tuple[Path, Path]:
     """The checkpoint's folder and the `.partial` one it is written to (made empty by rank 0)."""
     target = directory / f"step_{step:06d}"
@@ -71,7 +79,6 @@ def _begin(directory: Path, step: int, group: dist.ProcessGroup | None) -> tuple
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier(group)
-    torch.save(torch.get_rng_state(), partial / f"rng_rank{_rank()}.pt")
     return target, partial
 
 
@@ -88,6 +95,66 @@ def _complete(directory: Path, target: Path, partial: Path, state: TrainerState,
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _flat_entries(model_state: dict, optimizer_state: dict) -> dict[str, object]:
+    """Every value of the model and optimizer state dicts under one path-like key; param_groups apart."""
+    entries: dict[str, object] = {f"model/{name}": value for name, value in model_state.items()}
+    for name, values in optimizer_state["state"].items():
+        entries |= {f"optimizer/{name}/{key}": value for key, value in values.items()}
+    return entries
+
+
+def _local_rows(key: str, value: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """This rank's part of a state-dict tensor and the rows of dim 0 it holds (None: the whole tensor)."""
+    if not isinstance(value, DTensor):
+        return value, None
+    if len(value.placements) != 1 or value.placements[0] != Shard(0):
+        raise ValueError(f"{key}: placement {value.placements}; checkpoints hold FSDP's dim-0 shards only")
+    local = value.to_local()
+    rows = fsdp_rows(value.shape[0], value.device_mesh.size(), value.device_mesh.get_local_rank())
+    if local.shape[0] != rows[1] - rows[0]:
+        raise RuntimeError(f"{key}: this rank holds {local.shape[0]} rows, expected rows {rows}")
+    return local, rows
+
+
+def _stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A copy of this rank's rows of the policy and optimizer, its RNG state and where each
+    tensor's rows lie: what the shard file holds. Training may change the originals at once."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors, rows, values = {}, {}, {}
+    for key, value in _flat_entries(model_state, optimizer_state).items():
+        if not isinstance(value, torch.Tensor):
+            values[key] = value
+            continue
+        local, held = _local_rows(key, value)
+        tensors[key] = local.detach().clone()
+        if held is not None:
+            rows[key] = held
+    return {"tensors": tensors, "rows": rows, "values": values, "param_groups": optimizer_state["param_groups"],
+            "rng": torch.get_rng_state()}
+
+
+def _write(partial: Path, staged: dict, group: dist.ProcessGroup | None) -> None:
+    """This rank's shard file; returns once every rank has written its own."""
+    torch.save(staged, _shard_file(partial, _rank()))
+    _barrier(group)
+
+
+def gather_rows(pieces: list[tuple[tuple[int, int], torch.Tensor]], rows: tuple[int, int]) -> torch.Tensor:
+    """Rows [rows) of a tensor split along dim 0 into `pieces` ((start, stop) and its rows each)."""
+    start, stop = rows
+    parts = []
+    for (piece_start, piece_stop), piece in sorted(pieces, key=lambda p: p[0]):
+        if piece_stop <= start or piece_start >= stop:
+            continue
+        if piece_start > start:
+            raise ValueError(f"rows {start}-{piece_start} are in no shard")
+        parts.append(piece[start - piece_start : min(stop, piece_stop) - piece_start])
+        start = min(stop, piece_stop)
+    if start < stop:
+        raise ValueError(f"rows {start}-{stop} are in no shard")
+    return torch.cat(parts) if parts else pieces[0][1][:0]
+
+
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
                     export_hf: bool = False, tokenizer_dir: Path | None = None,
                     group: dist.ProcessGroup | None = None) -> Path:
@@ -95,8 +162,7 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     writes the whole policy as an HF folder (the only place the full model is gathered, offloaded
     to CPU). `group` is a gloo group for barriers (None: the default group)."""
     target, partial = _begin(directory, state.step, group)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial, no_dist=not dist.is_initialized())
+    _write(partial, _stage(model, optimizer), group)
     full = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if export_hf else None)
     if _rank() == 0:
@@ -108,13 +174,13 @@ def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
 
 
 class BackgroundCheckpoints:
-    """Checkpoints that training does not wait for: the shards are copied to memory (staged) at
-    once, then written by a background thread while training goes on; rank 0 completes the
-    checkpoint (state, rename) once every rank has written. One is written at a time: a new one
-    first waits for the last.
+    """Checkpoints that training does not wait for: this rank's shards are copied to memory
+    (staged) at once, then written by a background thread while training goes on; rank 0
+    completes the checkpoint (state, rename) once every rank has written. One is written at a
+    time: a new one first waits for the last.
 
-    `group` is a gloo group used by nothing else: the write's collectives (planning, the final
-    gather of every rank's results) then never interleave with training's."""
+    `group` is a gloo group used by nothing else: the writers' barrier then never interleaves
+    with training's collectives."""
 
     def __init__(self, directory: Path, group: dist.ProcessGroup | None) -> None:
         """`group` None: one process alone, whose write needs no collective."""
@@ -123,23 +189,22 @@ class BackgroundCheckpoints:
         self.directory = directory
         self.group = group
         self._writing: Future | None = None
-        self._completing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
              barrier_group: dist.ProcessGroup | None = None) -> Path:
         """Starts writing a checkpoint; returns its folder (complete once `wait` returns)."""
         self.wait()
         target, partial = _begin(self.directory, state.step, barrier_group)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        written = dcp.async_save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial,
-                                 process_group=self.group, no_dist=self.group is None)
-        world_size = _world()
-        if _rank() == 0:
-            # Rank 0's save ends after it gathered every rank's write results and wrote .metadata.
-            self._writing = self._completing.submit(lambda: (written.result(), _complete(self.directory, target, partial, state,
-                                                                                            world_size)))
-        else:
-            self._writing = written
+        staged = _stage(model, optimizer)
+        world_size, leader = _world(), _rank() == 0
+
+        def write() -> None:
+            _write(partial, staged, self.group)
+            if leader:
+                _complete(self.directory, target, partial, state, world_size)
+
+        self._writing = self._writer.submit(write)
         return target
 
     def wait(self) -> None:
@@ -150,7 +215,7 @@ class BackgroundCheckpoints:
 
     def close(self) -> None:
         self.wait()
-        self._completing.shutdown()
+        self._writer.shutdown()
 
 
 def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, torch.Tensor],
@@ -173,22 +238,37 @@ def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, t
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    complete = [p for p in sorted(directory.glob("step_??????")) if (p / STATE_FILE).is_file() and (p / ".metadata").is_file()]
+    complete = [p for p in sorted(directory.glob("step_??????")) if (p / STATE_FILE).is_file() and _shard_file(p, 0).is_file()]
     if not complete and any((p / STATE_FILE).is_file() for p in directory.glob("step_??????")):
-        log.warning("ignoring checkpoints without sharded (DCP) state: written by an older trainer", directory=str(directory))
+        log.warning("ignoring checkpoints without shard files: written by an older trainer", directory=str(directory))
     return complete[-1] if complete else None
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Loads the policy and optimizer into this rank's shards (resharded if the checkpoint was
     saved by another number of ranks) and this rank's RNG state if the checkpoint has one."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    rng = path / f"rng_rank{_rank()}.pt"
-    if rng.is_file():
-        torch.set_rng_state(torch.load(rng, weights_only=True))
     saved = torch.load(path / STATE_FILE, weights_only=True)
-    if saved.get("world_size", _world()) != _world():
-        log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved["world_size"], ranks=_world())
+    saved_world = saved.get("world_size", 1)
+    shards = [torch.load(_shard_file(path, rank), weights_only=True, mmap=True) for rank in range(saved_world)]
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    for key, value in _flat_entries(model_state, optimizer_state).items():
+        if key not in shards[0]["tensors"] and key not in shards[0]["values"]:
+            raise ValueError(f"checkpoint {path} has no {key}: it was saved from another model or optimizer")
+        if not isinstance(value, torch.Tensor):
+            name, field_name = key.removeprefix("optimizer/").rsplit("/", 1)
+            optimizer_state["state"][name][field_name] = shards[0]["values"][key]
+            continue
+        local, rows = _local_rows(key, value)
+        if local.dim() == 0:
+            local.copy_(shards[0]["tensors"][key])
+            continue
+        # A tensor a rank saved whole (an unsharded model's) covers every row.
+        pieces = [(shard["rows"].get(key, (0, shard["tensors"][key].shape[0])), shard["tensors"][key]) for shard in shards]
+        local.copy_(gather_rows(pieces, rows or (0, local.shape[0])))
+    optimizer_state["param_groups"] = shards[0]["param_groups"]
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    if _rank() < saved_world:
+        torch.set_rng_state(shards[_rank()]["rng"])
+    if saved_world != _world():
+        log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved_world, ranks=_world())
     return TrainerState(step=saved["step"], version=saved["version"], task_cursors=dict(saved.get("task_cursors", {})))

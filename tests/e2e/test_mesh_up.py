@@ -172,6 +172,6 @@ def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
     assert any(r.get("event") == "stopped by rank 0" and r["rank"] == 1 for r in logs)
 
     checkpoint = Path(json.loads((output_dir / "summary.json").read_text())["checkpoint"])
-    assert {"__0_0.distcp", "__1_0.distcp", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+    assert {"shards_rank0.pt", "shards_rank1.pt", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
     assert mesh_processes(output_dir) == []
     assert not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{mesh_tag(str(output_dir.resolve()))}-*")), "a rank left its shared memory behind"
