@@ -13,10 +13,12 @@ the same order. Without a process group it runs on a plain (unsharded) model."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import structlog
 import torch
@@ -85,9 +87,9 @@ def _begin(directory: Path, step: int, group: dist.ProcessGroup | None) -> tuple
 def _complete(directory: Path, target: Path, partial: Path, state: TrainerState, world_size: int) -> None:
     """Rank 0, once every rank's shards are written: the state, then the rename, then pruning."""
     if state.pipeline:
-        (partial / PIPELINE_FILE).write_bytes(state.pipeline)
-    torch.save({"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors),
-                "world_size": world_size}, partial / STATE_FILE)
+        _write_durably(partial / PIPELINE_FILE, lambda file: file.write(state.pipeline))
+    saved = {"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors), "world_size": world_size}
+    _write_durably(partial / STATE_FILE, lambda file: torch.save(saved, file))
     shutil.rmtree(target, ignore_errors=True)
     # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
     partial.rename(target)
@@ -133,9 +135,17 @@ def _stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             "rng": torch.get_rng_state()}
 
 
+def _write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write` to the file, then fsync: the rename that completes a checkpoint must not outrun its files."""
+    with path.open("wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def _write(partial: Path, staged: dict, group: dist.ProcessGroup | None) -> None:
     """This rank's shard file; returns once every rank has written its own."""
-    torch.save(staged, _shard_file(partial, _rank()))
+    _write_durably(_shard_file(partial, _rank()), lambda file: torch.save(staged, file))
     _barrier(group)
 
 
