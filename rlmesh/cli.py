@@ -229,6 +229,43 @@ def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
                         help="present DIR/NAME.pem with DIR/NAME-key.pem (default client)")
 
 
+def _status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from rlmesh.launcher import STATE_FILE, find_running_mesh
+    from rlmesh.status import MeshAddresses, read, render, watch
+
+    if not _call_with_tls_dir(args):
+        return 2
+    if args.interval <= 0:
+        print("rlmesh status: --interval must be above 0", file=sys.stderr)
+        return 2
+    if args.manager:
+        addresses = MeshAddresses(args.manager, args.weights, args.trainer)
+    else:
+        run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
+        if run is None or not (run / STATE_FILE).is_file():
+            print(f"rlmesh status: no running mesh found in {args.run or 'runs/'} (rlmesh up writes {STATE_FILE} in its "
+                  "output folder); or name the services with --manager, --weights and --trainer", file=sys.stderr)
+            return 2
+        addresses = MeshAddresses.of_run(run)
+    # Piped output is not cut to 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if args.once:
+        snapshot = asyncio.run(read(addresses))
+        if not snapshot.reachable:
+            print("rlmesh status: no service answered: " + "; ".join(f"{k} {v}" for k, v in sorted(snapshot.errors.items())),
+                  file=sys.stderr)
+            return 1
+        console.print(render(snapshot))
+        return 0
+    try:
+        asyncio.run(watch(addresses, args.interval, console))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _health(args: argparse.Namespace) -> int:
     from rlmesh.rpc import check_health
 
@@ -337,6 +374,8 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlmesh.prometheus import METRICS_PORT_OFFSET
+
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="run a training job on the whole mesh locally (default: the built-in job)",
@@ -355,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh.trainer_ranks: FSDP ranks of the trainer; more than 1 runs it under torchrun (default 1)")
     up.add_argument("--host", help="mesh.host (default 127.0.0.1)")
     up.add_argument("--base-port", type=int,
-                    help="mesh.base_port: manager port; weights +1, trainer +2, rollout instances +10.. (default 50151)")
+                    help="mesh.base_port: manager port; weights +1, trainer +2, rollout instances +10..; "
+                         f"each service's /metrics on its port +{METRICS_PORT_OFFSET} (default 50151)")
     up.add_argument("--max-staleness", type=int, choices=range(0, 9), metavar="K",
                     help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)")
     up.add_argument("--rollout-tp", type=_positive, metavar="T",
@@ -394,6 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--run", help="the mesh's output folder (default: the newest running one under runs/)")
     scale.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the instances (default 120)")
     scale.set_defaults(handler=_scale)
+    status = commands.add_parser("status", help="a live view of a running mesh: instances, queue, staleness, pushes, the trainer",
+                                 description="Reads the manager's, the weights service's and the trainer's status RPCs "
+                                             "and refreshes the view in place; q or Ctrl-C quits. Addresses come from "
+                                             "--manager/--weights/--trainer, else from the mesh.json of a running "
+                                             "`rlmesh up` (--run, default the newest under runs/).")
+    status.add_argument("--run", help="a running `rlmesh up`'s output folder")
+    status.add_argument("--manager", metavar="HOST:PORT", help="the manager (compose: localhost:50151)")
+    status.add_argument("--weights", metavar="HOST:PORT", help="the weights service (compose: localhost:50152)")
+    status.add_argument("--trainer", metavar="HOST:PORT", help="the trainer (compose: localhost:50153)")
+    status.add_argument("--once", action="store_true", help="print the view once and exit (1 if no service answered)")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    _add_tls_arguments(status)
+    status.set_defaults(handler=_status)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)

@@ -69,6 +69,8 @@ class ServerConfig(StrictModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tls: TlsFiles | None = None
     """Mutual TLS for this server and for every call the process makes (None: plaintext)."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the Prometheus `/metrics` endpoint, on `host` (0 picks a free one; None: none)."""
 
     @property
     def advertised_host(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from rlmesh.config import ConfigError, StrictModel
+from rlmesh.prometheus import METRICS_PORT_OFFSET
 from rlmesh.tasks.config import TaskConfig
 
 DEFAULT_MODELS = {
@@ -210,8 +211,9 @@ class MeshSection(StrictModel):
             raise ValueError(f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start ({self.rollout_instances})")
         if self.rollout_netns > NETNS_MAX_INSTANCES:
             raise ValueError(f"rollout_netns: at most {NETNS_MAX_INSTANCES} instances run in network namespaces")
-        if self.base_port + 10 + cap > 65535:
-            raise ValueError("base_port leaves no room for every rollout instance's port")
+        if self.base_port + METRICS_PORT_OFFSET + 10 + cap > 65535:
+            raise ValueError(f"base_port leaves no room for every rollout instance's port and its metrics port "
+                             f"(+{METRICS_PORT_OFFSET}): at most {65535 - METRICS_PORT_OFFSET - 10 - cap}")
         return self
 
 

@@ -28,6 +28,7 @@ from rlmesh.autoscale import Autoscaler
 from rlmesh.config import TlsFiles
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.prometheus import METRICS_PORT_OFFSET
 from rlmesh.rpc import call_options, open_channel, use_tls, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -183,6 +184,16 @@ class Child:
 
 def _port(address: str) -> str:
     return address.rsplit(":", 1)[1]
+
+
+def metrics_address(address: str) -> str:
+    """Where the service at gRPC `address` serves Prometheus `/metrics`."""
+    host, port = address.rsplit(":", 1)
+    return f"{host}:{int(port) + METRICS_PORT_OFFSET}"
+
+
+def _metrics_setting(prefix: str, address: str) -> dict[str, str]:
+    return {f"{prefix}_SERVER__METRICS_PORT": _port(metrics_address(address))}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -405,6 +416,7 @@ class Mesh:
             "RLMESH_MANAGER_SERVER__PORT": _port(plan.manager_address),
             "RLMESH_MANAGER_MAX_STALENESS": str(plan.max_staleness),
             "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
+            **_metrics_setting("RLMESH_MANAGER", plan.manager_address),
             **plan.security_settings("manager"),
         })
 
@@ -416,6 +428,7 @@ class Mesh:
             "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
             "RLMESH_WEIGHTS_BACKEND": plan.transfer_backend,
             "RLMESH_WEIGHTS_COMPRESSION": plan.compression,
+            **_metrics_setting("RLMESH_WEIGHTS", plan.weights_address),
             **plan.security_settings("weights"),
         })
 
@@ -433,6 +446,7 @@ class Mesh:
             "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(plan.rollout_max_batch_size),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
             "RLMESH_ROLLOUT_ENGINE__UPDATE_MODE": plan.update_mode,
+            **_metrics_setting("RLMESH_ROLLOUT", plan.rollout_address(index)),
             **plan.security_settings("rollout"),
         }, python=str(VLLM_PYTHON) if plan.engine == "vllm" else None,
             wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)
@@ -466,6 +480,7 @@ class Mesh:
             "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
             "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
             "RLMESH_TRAINER_STEPS": str(plan.steps),
+            **_metrics_setting("RLMESH_TRAINER", plan.trainer_address),
             **plan.security_settings("trainer"),
         }, launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
         await wait_started([trainer])
@@ -478,6 +493,7 @@ class Mesh:
 
     def _service_state(self, service: Supervised, index: int | None = None) -> dict:
         state = {"name": service.name, "pid": service.child.process.pid, "address": service.child.address,
+                 "metrics": metrics_address(service.child.address),
                  "restarts": service.restarts_in_a_row, "restarts_total": service.restarts_total}
         link = self.plan.netns_link(index) if index is not None else None
         if link is not None:
@@ -499,7 +515,8 @@ class Mesh:
             "autoscale": plan.autoscale,
         }
         if self.trainer is not None:
-            state["trainer"] = {"pid": self.trainer.process.pid, "address": self.trainer.address, "restarts": self.trainer_restarts}
+            state["trainer"] = {"pid": self.trainer.process.pid, "address": self.trainer.address,
+                                "metrics": metrics_address(self.trainer.address), "restarts": self.trainer_restarts}
         path = plan.output_dir / STATE_FILE
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(state, indent=2))

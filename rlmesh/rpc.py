@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rlmesh import errors
 from rlmesh.config import ConfigError, ServerConfig, TlsFiles
+from rlmesh.prometheus import Collect, MetricsEndpoint
 
 log = structlog.get_logger()
 
@@ -272,10 +273,17 @@ class GrpcServer:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.port = 0
+        self.metrics: MetricsEndpoint | None = None
 
     @property
     def address(self) -> str:
         return f"{self.config.advertised_host}:{self.port}"
+
+    async def serve_metrics(self, service: str, collect: Collect) -> None:
+        """Prometheus `/metrics` on the configured metrics port, if the config names one."""
+        if self.config.metrics_port is not None:
+            self.metrics = MetricsEndpoint(service, self.config.host, self.config.metrics_port, collect)
+            await self.metrics.start()
 
     async def start(self) -> None:
         bind = f"{self.config.host}:{self.config.port}"
@@ -296,6 +304,8 @@ class GrpcServer:
     async def stop(self) -> None:
         await self.set_serving(False)
         await self.server.stop(self.config.grace_seconds)
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("stopped")
 
 

@@ -67,8 +67,10 @@ async def start(config: ManagerConfig) -> RunningManager:
     if config.registration_token:
         interceptors.append(RegistrationTokenInterceptor(config.registration_token, [f"/{service}/{name}" for name in INSTANCE_METHODS]))
     server = GrpcServer(config.server, [service], interceptors=interceptors)
-    manager_pb2_grpc.add_ManagerServiceServicer_to_server(ManagerServicer(state, dispatcher, changes, config, journal), server.server)
+    servicer = ManagerServicer(state, dispatcher, changes, config, journal)
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server.server)
     await server.start()
+    await server.serve_metrics("manager", servicer.collect_metrics)
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
     journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
     dispatcher.dispatch()

@@ -11,6 +11,7 @@ import grpc
 import structlog
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.prometheus import Families
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
@@ -380,6 +381,34 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             continued_tokens=state.continued_tokens,
             stage_balance=balance_to_proto(state.balancer.balance),
         )
+
+
+    async def collect_metrics(self, families: Families) -> None:
+        """What Prometheus scrapes: the figures of GetStatus, and the staleness of the tokens held."""
+        status = await self.GetStatus(manager_pb2.GetStatusRequest(), None)
+        families.gauge("published_version", "Latest weight version the trainer published.", status.published_version)
+        families.gauge("max_staleness", "Versions a trained token may lag the policy (eta).", status.max_staleness)
+        families.gauge("queued_samples", "Samples waiting for an instance (queue depth).", status.queued_samples)
+        families.gauge("running_samples", "Samples being generated.", status.running_samples)
+        families.gauge("ready_groups", "Complete groups not yet streamed to the trainer.", status.ready_groups)
+        families.counter("delivered_groups", "Groups streamed to the trainer.", status.delivered_groups)
+        families.counter("generated_tokens", "Tokens generated across all instances.", status.generated_tokens)
+        families.gauge("tokens_per_second", "Generation rate across all instances.", status.tokens_per_second)
+        families.counter("requeued_samples", "Samples sent back to the queue to continue elsewhere.", status.requeued_samples)
+        families.counter("migrated_samples", "Samples moved off a slow instance near the end of a step.", status.migrated_samples)
+        families.counter("continued_tokens", "Tokens a continuation reused instead of generating them again.", status.continued_tokens)
+        families.counter("discarded_tokens", "Tokens received from abandoned attempts.", status.discarded_tokens)
+        staleness = self.state.token_staleness()
+        families.gauge("token_staleness_max", "Largest lag, in versions, of the oldest token of a sample held.", max(staleness, default=0))
+        families.gauge("token_staleness_mean", "Mean lag, in versions, of the oldest token of the samples held.",
+                       sum(staleness) / len(staleness) if staleness else 0.0)
+        families.gauge("instances", "Rollout instances registered.", len(status.instances))
+        for instance in status.instances:
+            labels = {"instance": instance.instance_id}
+            families.gauge("instance_weight_version", "Weight version the instance serves.", instance.weight_version, **labels)
+            families.gauge("instance_running_requests", "Requests running on the instance.", instance.running_requests, **labels)
+            families.gauge("instance_tokens_per_second", "The instance's measured generation rate.", instance.tokens_per_second, **labels)
+            families.counter("instance_generated_tokens", "Tokens the instance generated.", instance.generated_tokens, **labels)
 
 
 async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.25) -> None:

@@ -913,6 +913,11 @@ class ManagerState:
 
     # Observability -----------------------------------------------------------------------
 
+    def token_staleness(self) -> list[int]:
+        """For each sample holding tokens and not yet delivered: versions between its oldest token's
+        and the published one (its staleness if trained now)."""
+        return [self.published_version - r.weight_versions[0] for r in self.requests.values() if r.weight_versions]
+
     def measure(self, now: float) -> None:
         """Updates tokens/s per instance (total and per sequence, only over busy intervals, so
         idle time does not read as slowness) and overall; smoothed."""

@@ -118,6 +118,7 @@ async def start(config: RolloutConfig) -> RunningRollout:
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
         await engine.start()
         await server.start()
+        await server.serve_metrics("rollout", servicer.collect_metrics)
     except BaseException:
         # A tensor-parallel engine's worker processes must not outlive a failed start.
         await engine.stop()

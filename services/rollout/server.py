@@ -3,12 +3,14 @@ and the weight updater."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.sampling import sampling_problem
 from rlmesh.transfer.auth import UnprovenPayload
@@ -80,6 +82,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """Set by the process: hands running requests back and stops the instance."""
         self.streams = 0
         """Generate streams still open: a drain waits for them to deliver their last chunk."""
+        self._scraped: tuple[float, int] | None = None
+        """(time, generated tokens) at the last metrics scrape: tokens/s is measured between scrapes."""
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         if not request.request_id:
@@ -127,6 +131,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             quantized_weights=self.engine.quantized_weights,
             update_mode=self.engine.update_mode,
         )
+
+    async def collect_metrics(self, families: Families) -> None:
+        """What Prometheus scrapes: the figures of GetInfo, and tokens/s since the last scrape."""
+        info = await self.GetInfo(rollout_pb2.GetInfoRequest(), None)
+        now = time.monotonic()
+        rate = 0.0
+        if self._scraped is not None and now > self._scraped[0]:
+            rate = (info.generated_tokens - self._scraped[1]) / (now - self._scraped[0])
+        self._scraped = (now, info.generated_tokens)
+        labels = {"instance": info.instance_id, "engine": info.engine}
+        families.counter("generated_tokens", "Tokens generated since the instance started.", info.generated_tokens, **labels)
+        families.gauge("tokens_per_second", "Tokens generated per second since the previous scrape.", rate, **labels)
+        families.gauge("running_requests", "Requests being decoded.", info.running_requests, **labels)
+        families.gauge("max_batch_size", "Sequences the engine decodes at once.", info.max_batch_size, **labels)
+        families.gauge("weight_version", "Weight version the instance serves.", info.weight_version, **labels)
+        families.gauge("paused", "1 while generation is paused (a weight update in pause mode).", info.paused, **labels)
+        families.gauge("draining", "1 while the instance hands its requests back before leaving.", info.draining, **labels)
 
     async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:
         backend = _BACKENDS.get(request.backend)

@@ -13,6 +13,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument
 from rlmesh.models.tp_layout import hf_parameter_shapes
 from rlmesh.payload import DTYPE_CODES, torch_dtype
+from rlmesh.prometheus import Families
 from rlmesh.shards import layout_from_proto, read_shared_memory
 from rlmesh.transfer.receiver import CODE_OF_MODE
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
@@ -185,3 +186,19 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                 for s in self.pusher.instances.values()
             ],
         )
+
+    async def collect_metrics(self, families: Families) -> None:
+        """What Prometheus scrapes: the figures of GetStatus, per instance for the pushes."""
+        status = await self.GetStatus(weights_pb2.GetStatusRequest(), None)
+        families.gauge("latest_version", "Newest weight version stored (-1: none yet).", status.latest_version)
+        families.gauge("latest_bytes", "Bytes of the newest version stored.", status.latest_bytes)
+        for push in status.instances:
+            labels = {"instance": push.instance_id}
+            families.gauge("committed_version", "Version the instance confirmed it serves.", push.committed_version, **labels)
+            families.gauge("push_seconds", "Duration of the last push to the instance.", push.last_push_ms / 1e3, **labels)
+            families.gauge("push_gbps", "GB/s of the last push to the instance.", push.last_push_gbps, **labels)
+            families.gauge("stored_to_served_seconds", "From the last version pushed being stored to the instance serving it.",
+                           push.last_version_latency_ms / 1e3, **labels)
+            families.gauge("compression_ratio", "Payload bytes over bytes sent in the last push.", push.compression_ratio, **labels)
+            families.counter("push_failures", "Pushes to the instance that failed.", push.failures, **labels)
+            families.counter("pushes_superseded", "Pushes abandoned because a newer version arrived.", push.superseded, **labels)

@@ -1,18 +1,23 @@
 """`rlmesh up` as real processes: it trains, accounts for every prompt exactly once, writes its
-outputs, serves reflection on every port, and leaves no process behind (also after Ctrl-C)."""
+outputs, serves reflection and Prometheus metrics on every service, shows in `rlmesh status`,
+and leaves no process behind (also after Ctrl-C)."""
 
 import asyncio
 import collections
 import json
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rlmesh.launcher import free_port, mesh_processes
 from rlmesh.rpc import call_options, open_channel
@@ -85,8 +90,17 @@ async def training_step(address: str) -> int:
     return status.step
 
 
-def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_path):
-    output_dir = tmp_path / "run"
+@dataclass
+class LiveMesh:
+    process: subprocess.Popen
+    output_dir: Path
+    base_port: int
+
+
+@pytest.fixture(scope="module")
+def live_mesh(model_dir, tmp_path_factory):
+    """`rlmesh up` training (a long job) until the module's last test stops it with Ctrl-C."""
+    output_dir = tmp_path_factory.mktemp("live") / "run"
     base = free_base_port()
     process = subprocess.Popen(up_command(model_dir, output_dir, base, steps=10_000),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -96,17 +110,99 @@ def test_grpcurl_sees_every_service_and_ctrl_c_leaves_nothing(model_dir, tmp_pat
             assert process.poll() is None, process.stdout.read()
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.5)
-        services = {base: "ManagerService", base + 1: "WeightsService", base + 2: "TrainerService", base + 10: "RolloutService"}
-        for port, service in services.items():
-            listed = asyncio.run(grpcurl(f"127.0.0.1:{port}", "list"))
-            assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
-        assert len(mesh_processes(output_dir)) == 4
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 130
+        yield LiveMesh(process, output_dir, base)
     finally:
         if process.poll() is None:
             process.kill()
-    assert mesh_processes(output_dir) == []
+
+
+def test_grpcurl_sees_every_service(live_mesh):
+    base = live_mesh.base_port
+    services = {base: "ManagerService", base + 1: "WeightsService", base + 2: "TrainerService", base + 10: "RolloutService"}
+    for port, service in services.items():
+        listed = asyncio.run(grpcurl(f"127.0.0.1:{port}", "list"))
+        assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
+    assert len(mesh_processes(live_mesh.output_dir)) == 4
+
+
+WATCHED = {
+    "manager": {"rlmesh_manager_queued_samples", "rlmesh_manager_running_samples", "rlmesh_manager_token_staleness_max",
+                "rlmesh_manager_token_staleness_mean", "rlmesh_manager_migrated_samples_total",
+                "rlmesh_manager_continued_tokens_total", "rlmesh_manager_generated_tokens_total",
+                "rlmesh_manager_instance_tokens_per_second", "rlmesh_manager_published_version"},
+    "weights": {"rlmesh_weights_latest_version", "rlmesh_weights_push_seconds", "rlmesh_weights_push_gbps",
+                "rlmesh_weights_stored_to_served_seconds", "rlmesh_weights_committed_version"},
+    "rollout-0": {"rlmesh_rollout_generated_tokens_total", "rlmesh_rollout_tokens_per_second",
+                  "rlmesh_rollout_running_requests", "rlmesh_rollout_weight_version"},
+    "trainer": {"rlmesh_trainer_step", "rlmesh_trainer_step_seconds", "rlmesh_trainer_reward", "rlmesh_trainer_kl",
+                "rlmesh_trainer_rollout_wait_seconds", "rlmesh_trainer_weight_version"},
+}
+"""The metrics a person watches, by the service (its mesh.json name) that serves them."""
+MOVING = {"manager": "rlmesh_manager_generated_tokens_total", "weights": "rlmesh_weights_latest_version",
+          "rollout-0": "rlmesh_rollout_weight_version", "trainer": "rlmesh_trainer_step"}
+"""One value per service that must grow while the mesh trains."""
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Every sample of the service's /metrics, by name (the first of each labelled family)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, sample.value)
+    return samples
+
+
+def metrics_addresses(output_dir: Path) -> dict[str, str]:
+    state = json.loads((output_dir / "mesh.json").read_text())
+    services = [*state["services"], *state["rollout_instances"]["running"], {"name": "trainer", **state["trainer"]}]
+    return {s["name"]: s["metrics"] for s in services}
+
+
+def test_prometheus_scrapes_every_service_and_the_values_move(live_mesh):
+    addresses = metrics_addresses(live_mesh.output_dir)
+    assert set(addresses) == set(WATCHED)
+    first = {name: scrape(address) for name, address in addresses.items()}
+    for name, expected in WATCHED.items():
+        assert expected <= set(first[name]), f"{name} does not serve {sorted(expected - set(first[name]))}"
+    deadline = time.monotonic() + 60
+    while True:
+        time.sleep(1.0)
+        later = {name: scrape(address) for name, address in addresses.items()}
+        still = [name for name, metric in MOVING.items() if later[name][metric] <= first[name][metric]]
+        if not still:
+            break
+        assert time.monotonic() < deadline, f"{still} did not move in 60 s: {[(n, first[n][MOVING[n]]) for n in still]}"
+    assert later["rollout-0"]["rlmesh_rollout_tokens_per_second"] >= 0
+    assert later["weights"]["rlmesh_weights_push_seconds"] > 0
+
+
+def test_status_once_prints_the_mesh(live_mesh):
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--run", str(live_mesh.output_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert re.search(r"trainer step \d+/10000", out), out
+    assert re.search(r"manager published \d+", out) and "queued" in out and "staleness" in out, out
+    assert re.search(r"rollout-0\s+│\s+\d+", out), out
+    assert "unreachable" not in out, out
+
+
+def test_status_names_what_it_cannot_reach(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--run", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no running mesh found" in missing.stderr
+    port = free_port()
+    down = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--manager", f"127.0.0.1:{port}"],
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and f"manager 127.0.0.1:{port}: UNAVAILABLE" in down.stderr
+
+
+def test_ctrl_c_leaves_nothing(live_mesh):
+    live_mesh.process.send_signal(signal.SIGINT)
+    assert live_mesh.process.wait(timeout=60) == 130
+    assert mesh_processes(live_mesh.output_dir) == []
 
 
 def test_a_rerun_resumes_from_the_last_checkpoint(model_dir, tmp_path):

@@ -18,24 +18,28 @@ KUBERNETES_VERSION = "1.37"
 SERVICE_PORTS = {"manager": 50151, "weights": 50152, "trainer": 50153, "rollout": 50161}
 PROBED = ("manager", "weights", "rollout")
 """Services with probes; the trainer has none, since only its global rank 0 serves."""
-TARGETS = [("cpu", False), ("gpu", False), ("cpu", True), ("gpu", True)]
-"""(overlay, with the tls component)."""
+METRICS_PORT_OFFSET = 1000
+TARGETS = [("cpu", ()), ("gpu", ()), ("cpu", ("tls",)), ("gpu", ("tls",)), ("cpu", ("monitoring",)),
+           ("gpu", ("tls", "monitoring"))]
+"""(overlay, the components added to it)."""
+OPERATOR_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+"""Kinds of the Prometheus Operator's CRDs, which no Kubernetes schema has: checked for what they select."""
 
 
 @functools.cache
-def render(overlay: str, tls: bool, scratch: Path) -> tuple[dict, ...]:
+def render(overlay: str, components: tuple[str, ...], scratch: Path) -> tuple[dict, ...]:
     kubectl = shutil.which("kubectl")
     assert kubectl, ("kubectl is not on PATH: it renders deploy/k8s (`kubectl kustomize`, kubectl >= 1.27, offline); "
                      "install it, e.g. apt-get install kubectl")
     target = K8S / "overlays" / overlay
-    if tls:
+    if components:
         # kustomize takes only relative paths to other kustomizations.
-        target = scratch / f"{overlay}-tls"
+        target = scratch / "-".join((overlay, *components))
         target.mkdir(parents=True, exist_ok=True)
         (target / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
             "resources": [os.path.relpath(K8S / "overlays" / overlay, target)],
-            "components": [os.path.relpath(K8S / "components" / "tls", target)],
+            "components": [os.path.relpath(K8S / "components" / component, target) for component in components],
         }))
     result = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"kubectl kustomize {target}: {result.stderr}"
@@ -47,10 +51,10 @@ def scratch(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("k8s")
 
 
-@pytest.fixture(params=TARGETS, ids=[f"{overlay}{'+tls' if tls else ''}" for overlay, tls in TARGETS])
+@pytest.fixture(params=TARGETS, ids=["+".join((overlay, *components)) for overlay, components in TARGETS])
 def rendered(request, scratch):
-    overlay, tls = request.param
-    return overlay, tls, render(overlay, tls, scratch)
+    overlay, components = request.param
+    return overlay, "tls" in components, render(overlay, components, scratch)
 
 
 def find(objects, kind: str, name: str) -> dict:
@@ -94,6 +98,8 @@ def test_every_object_matches_the_kubernetes_schema(rendered, no_network):
     problems = []
     for obj in objects:
         assert "namespace" not in obj["metadata"], f"{obj['kind']} {obj['metadata']['name']}: the namespace is the user's choice"
+        if (obj["apiVersion"], obj["kind"]) in OPERATOR_KINDS:
+            continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -210,7 +216,7 @@ def test_overlays_pick_engine_backend_and_gpus(rendered):
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_tls_points_every_service_at_mounted_certificates(overlay, scratch):
-    objects = render(overlay, True, scratch)
+    objects = render(overlay, ("tls",), scratch)
     for service in SERVICE_PORTS:
         workload = find(objects, "Job" if service == "trainer" else "Deployment", service)
         pod, spec = workload["spec"]["template"]["spec"], container(objects, service)
@@ -231,3 +237,28 @@ def test_tls_points_every_service_at_mounted_certificates(overlay, scratch):
     for service in ("manager", "rollout"):
         token = env(container(objects, service))[f"RLMESH_{service.upper()}_REGISTRATION_TOKEN"]["valueFrom"]["secretKeyRef"]
         assert token == {"name": "rlmesh-registration-token", "key": "token"}
+
+
+def test_every_service_exposes_its_metrics_port(rendered):
+    _, _, objects = rendered
+    for service, port in SERVICE_PORTS.items():
+        spec = container(objects, service)
+        metrics = port + METRICS_PORT_OFFSET
+        assert {"containerPort": metrics, "name": "metrics"} in spec["ports"], service
+        assert env(spec)[f"RLMESH_{service.upper()}_SERVER__METRICS_PORT"]["value"] == str(metrics)
+        assert {"name": "metrics", "port": metrics, "targetPort": "metrics"} in find(objects, "Service", service)["spec"]["ports"]
+
+
+def test_the_service_monitor_scrapes_every_service(scratch):
+    for overlay in ("cpu", "gpu"):
+        objects = render(overlay, ("monitoring",), scratch)
+        monitor = find(objects, "ServiceMonitor", "rlmesh")
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        scraped = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "Service"
+                   and selector.items() <= obj["metadata"].get("labels", {}).items()
+                   and any(port["name"] == "metrics" for port in obj["spec"]["ports"])}
+        assert scraped == set(SERVICE_PORTS), overlay
+    assert not any(obj["kind"] == "ServiceMonitor" for obj in render("cpu", (), scratch)), \
+        "the ServiceMonitor needs the operator's CRDs: only the monitoring component may add it"
