@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 NODE_VERIFIER := examples/node-verifier
 
-.PHONY: setup setup-vllm node-verifier protos run test test-vllm bench lint-protos check-compose release-protos clean
+.PHONY: setup setup-vllm node-verifier protos run test test-vllm test-compose wheels wheels-vllm-cuda bench lint-protos check-compose release-protos clean
 
 setup: $(VENV)/.installed $(GEN)/.stamp
 
@@ -70,6 +70,29 @@ check-compose: $(VENV)/.installed
 
 run: setup
 	$(BIN)/rlmesh up
+
+# The wheelhouse the images install from, offline (Dockerfile): what pip resolves on this host for
+# requirements.txt, torch's wheel included (the CPU one here, the CUDA one on a GPU host), with the
+# requirements themselves, which the image reads from it.
+WHEELS := wheels
+
+wheels: $(WHEELS)/.stamp
+
+$(WHEELS)/.stamp: requirements.txt $(VENV)/.installed
+	$(PY) -m pip download -q -r requirements.txt "setuptools>=68" -d $(WHEELS)
+	cp requirements.txt $(WHEELS)/requirements.txt
+	@touch $@
+
+# The GPU rollout image's wheels (Dockerfile target rollout-vllm); run it on a GPU host.
+wheels-vllm-cuda: $(VENV)/.installed
+	$(PY) -m pip download -q -r requirements-vllm-cuda.txt "setuptools>=68" -d $(WHEELS)
+	cp requirements-vllm-cuda.txt $(WHEELS)/requirements-vllm-cuda.txt
+
+# docker compose for real (tests/compose): starts a Docker engine if none answers, builds the
+# images on BASE_IMAGE (default: a base built from Debian packages, no registry needed), trains,
+# kills a rollout container, scales rollout to 3, then `down -v`. The second step of .ci/run.
+test-compose: setup wheels
+	$(PY) -m pytest tests/compose -m compose -s
 
 test: setup setup-vllm $(NODE_VERIFIER)/.installed lint-protos check-compose
 	$(PY) -m pytest tests

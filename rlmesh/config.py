@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+"""Bind addresses that listen on every interface: never an address to hand to another service."""
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -61,7 +65,8 @@ class ServerConfig(StrictModel):
     port: int = Field(default=0, ge=0, le=65535)
     """TCP port; 0 picks a free one (tests)."""
     advertise_host: str = ""
-    """Host other services use to reach this one; defaults to `host`."""
+    """Host other services use to reach this one; defaults to `host`, or to this machine's hostname
+    when `host` is a wildcard (0.0.0.0 or ::), as in a container."""
     max_message_mb: int = Field(default=64, ge=4, le=1024)
     """Largest gRPC message accepted or sent."""
     grace_seconds: float = Field(default=5.0, ge=0)
@@ -74,7 +79,9 @@ class ServerConfig(StrictModel):
 
     @property
     def advertised_host(self) -> str:
-        return self.advertise_host or self.host
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in WILDCARD_HOSTS else self.host
 
 
 def _set_path(tree: dict[str, Any], path: list[str], value: str) -> None:

@@ -28,6 +28,8 @@ from tests.integration.test_contracts_on_the_wire import grpcurl
 
 pytestmark = pytest.mark.e2e
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def free_base_port() -> int:
     while True:
@@ -176,6 +178,12 @@ def test_prometheus_scrapes_every_service_and_the_values_move(live_mesh):
         assert time.monotonic() < deadline, f"{still} did not move in 60 s: {[(n, first[n][MOVING[n]]) for n in still]}"
     assert later["rollout-0"]["rlmesh_rollout_tokens_per_second"] >= 0
     assert later["weights"]["rlmesh_weights_push_seconds"] > 0
+    # Every series the compose profile `observe`'s Grafana dashboard plots is served.
+    dashboard = json.loads((ROOT / "deploy" / "observe" / "grafana" / "dashboards" / "rlmesh.json").read_text())
+    plotted = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"rlmesh_\w+", target["expr"])}
+    served = {name for samples in later.values() for name in samples}
+    assert plotted <= served, f"the dashboard plots series no service serves: {sorted(plotted - served)}"
 
 
 def test_status_once_prints_the_mesh(live_mesh):

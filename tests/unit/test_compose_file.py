@@ -1,0 +1,94 @@
+"""docker-compose.yml rendered offline by the real Compose binary for each profile (cpu, gpu,
+observe, and with the TLS file), then checked for what the mesh needs: one Dockerfile target per
+service, a scalable rollout, GPU reservations, and Prometheus and Grafana wired to the services."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import compose
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = Path(compose.__file__).parent / "docker-compose"
+GRPC_PORTS = {"manager": 50151, "weights": 50152, "trainer": 50153, "rollout": 50161}
+METRICS_PORT_OFFSET = 1000
+
+
+def render(profiles: str, *files: str) -> dict:
+    env = {**os.environ, "COMPOSE_PROFILES": profiles}
+    env.pop("BASE_IMAGE", None)
+    command = [str(COMPOSE), *(arg for f in ("docker-compose.yml", *files) for arg in ("-f", f)), "config", "--format", "json"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def dockerfile_targets() -> set[str]:
+    return set(re.findall(r"^FROM \S+ AS (\S+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE))
+
+
+def test_the_cpu_mesh_builds_every_service_from_one_dockerfile():
+    services = render("cpu")["services"]
+    assert set(services) == {"model-init", "manager", "weights", "rollout", "trainer"}
+    for name, service in services.items():
+        build = service["build"]
+        assert build["dockerfile"] == "Dockerfile" and build["target"] == ("trainer" if name == "model-init" else name)
+        assert build["args"] == {"BASE_IMAGE": "python:3.11-slim"}
+        assert build["target"] in dockerfile_targets()
+    assert {services["model-init"]["image"], services["trainer"]["image"]} == {"rlmesh-trainer:cpu"}
+
+
+def test_rollout_scales_and_restarts():
+    rollout = render("cpu")["services"]["rollout"]
+    # A fixed host port, instance id or advertised host would make replicas collide.
+    assert "ports" not in rollout and "container_name" not in rollout
+    assert not {"RLMESH_ROLLOUT_INSTANCE_ID", "RLMESH_ROLLOUT_SERVER__ADVERTISE_HOST"} & set(rollout["environment"])
+    assert rollout["restart"] == "on-failure"
+
+
+def test_the_gpu_profile_reserves_gpus_for_vllm_and_the_nccl_trainer():
+    services = render("gpu")["services"]
+    assert set(services) == {"manager", "weights", "rollout-gpu", "trainer-gpu"}
+    rollout, trainer = services["rollout-gpu"], services["trainer-gpu"]
+    assert rollout["build"]["target"] == "rollout-vllm" and rollout["build"]["target"] in dockerfile_targets()
+    assert trainer["environment"]["RLMESH_TRAINER_DISTRIBUTED_BACKEND"] == "nccl"
+    for service in (rollout, trainer):
+        [device] = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "rollout-gpu" in trainer["depends_on"]
+
+
+def test_observe_scrapes_every_service_and_provisions_the_dashboard():
+    services = render("cpu,observe")["services"]
+    assert {"prometheus", "grafana"} <= set(services)
+    config = yaml.safe_load((ROOT / "deploy" / "observe" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == set(GRPC_PORTS)
+    for name, port in GRPC_PORTS.items():
+        metrics = port + METRICS_PORT_OFFSET
+        job = jobs[name]
+        if name == "rollout":
+            # Every replica of a scaled service, through the compose network's DNS.
+            [discovery] = job["dns_sd_configs"]
+            assert "rollout" in discovery["names"] and discovery["port"] == metrics
+        else:
+            assert f"{name}:{metrics}" in job["static_configs"][0]["targets"]
+    mounts = {v["target"]: ROOT / v["source"] for v in services["grafana"]["volumes"] if v["type"] == "bind"}
+    datasource = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").read_text())
+    dashboard = json.loads((mounts["/var/lib/grafana/dashboards"] / "rlmesh.json").read_text())
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"]}
+    assert uids == {datasource["datasources"][0]["uid"]}
+    assert all(target["expr"] for panel in dashboard["panels"] for target in panel["targets"])
+
+
+@pytest.mark.parametrize("profiles", ["cpu", "gpu"])
+def test_the_tls_file_applies_to_every_profile(profiles, tmp_path):
+    services = render(profiles, "docker-compose.tls.yml")["services"]
+    for name in ("manager", "weights"):
+        assert services[name]["environment"][f"RLMESH_{name.upper()}_SERVER__TLS__CA_FILE"] == "/certs/ca.pem"
