@@ -7,10 +7,12 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS system
-# The Mooncake transfer engine links libibverbs and libnuma even on machines without RDMA. A base
-# that lacks them gets them from its distribution (the one step that then needs a mirror).
-RUN if ! { ldconfig -p | grep -q libnuma.so.1 && ldconfig -p | grep -q libibverbs.so.1; }; then \
-        apt-get update && apt-get install -y --no-install-recommends libnuma1 libibverbs1 \
+# The Mooncake transfer engine links libibverbs, libnuma and libcurl even on machines without
+# RDMA. A base that lacks them gets them from its distribution (the one step that then needs a
+# mirror).
+RUN if ! { ldconfig -p | grep -q libnuma.so.1 && ldconfig -p | grep -q libibverbs.so.1 \
+           && ldconfig -p | grep -q libcurl.so.4; }; then \
+        apt-get update && apt-get install -y --no-install-recommends libnuma1 libibverbs1 libcurl4 \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 ENV PATH=/opt/rlmesh/bin:$PATH \
@@ -38,38 +40,26 @@ COPY --from=sources /app /app
 WORKDIR /app
 RUN python -m rlmesh.protogen && pip install --no-cache-dir --no-index --no-deps --no-build-isolation -e . \
     && python -c "import torch, grpc, mooncake.engine, rlmesh.manager.v1.manager_pb2"
+# Each target below is one ENV step (every step costs a whole copy of the image under vfs): the
+# service it runs, which listens on every interface at its gRPC port, /metrics at that port + 1000.
+# Health checks are the deployment's (compose, Kubernetes probes): `rlmesh health 127.0.0.1:PORT`.
+CMD ["sh", "-c", "exec rlmesh \"$RLMESH_SERVICE\""]
 
 FROM app AS manager
-ENV RLMESH_MANAGER_SERVER__HOST=0.0.0.0 \
-    RLMESH_MANAGER_SERVER__PORT=50151 \
-    RLMESH_MANAGER_SERVER__METRICS_PORT=51151
-EXPOSE 50151 51151
-HEALTHCHECK --interval=5s --timeout=3s --start-period=30s --retries=5 CMD ["rlmesh", "health", "127.0.0.1:50151"]
-CMD ["python", "-m", "services.manager"]
+ENV RLMESH_SERVICE=manager \
+    RLMESH_MANAGER_SERVER__HOST=0.0.0.0 RLMESH_MANAGER_SERVER__PORT=50151 RLMESH_MANAGER_SERVER__METRICS_PORT=51151
 
 FROM app AS weights
-ENV RLMESH_WEIGHTS_SERVER__HOST=0.0.0.0 \
-    RLMESH_WEIGHTS_SERVER__PORT=50152 \
-    RLMESH_WEIGHTS_SERVER__METRICS_PORT=51152
-EXPOSE 50152 51152
-HEALTHCHECK --interval=5s --timeout=3s --start-period=30s --retries=5 CMD ["rlmesh", "health", "127.0.0.1:50152"]
-CMD ["python", "-m", "services.weights"]
+ENV RLMESH_SERVICE=weights \
+    RLMESH_WEIGHTS_SERVER__HOST=0.0.0.0 RLMESH_WEIGHTS_SERVER__PORT=50152 RLMESH_WEIGHTS_SERVER__METRICS_PORT=51152
 
 FROM app AS trainer
-ENV RLMESH_TRAINER_SERVER__HOST=0.0.0.0 \
-    RLMESH_TRAINER_SERVER__PORT=50153 \
-    RLMESH_TRAINER_SERVER__METRICS_PORT=51153
-EXPOSE 50153 51153
-HEALTHCHECK --interval=5s --timeout=3s --start-period=30s --retries=5 CMD ["rlmesh", "health", "127.0.0.1:50153"]
-CMD ["python", "-m", "services.trainer"]
+ENV RLMESH_SERVICE=trainer \
+    RLMESH_TRAINER_SERVER__HOST=0.0.0.0 RLMESH_TRAINER_SERVER__PORT=50153 RLMESH_TRAINER_SERVER__METRICS_PORT=51153
 
 FROM app AS rollout
-ENV RLMESH_ROLLOUT_SERVER__HOST=0.0.0.0 \
-    RLMESH_ROLLOUT_SERVER__PORT=50161 \
-    RLMESH_ROLLOUT_SERVER__METRICS_PORT=51161
-EXPOSE 50161 51161
-HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=5 CMD ["rlmesh", "health", "127.0.0.1:50161"]
-CMD ["python", "-m", "services.rollout"]
+ENV RLMESH_SERVICE=rollout \
+    RLMESH_ROLLOUT_SERVER__HOST=0.0.0.0 RLMESH_ROLLOUT_SERVER__PORT=50161 RLMESH_ROLLOUT_SERVER__METRICS_PORT=51161
 
 # The rollout instance on vLLM's CUDA build (GPU hosts): its own virtualenv, since vLLM pins its
 # own torch and transformers. Fill the wheelhouse on a GPU host with `make wheels-vllm-cuda`.
@@ -85,10 +75,7 @@ COPY --from=sources /app /app
 COPY --from=app /app/gen /app/gen
 WORKDIR /app
 RUN pip install --no-cache-dir --no-index --no-deps --no-build-isolation -e .
-ENV RLMESH_ROLLOUT_SERVER__HOST=0.0.0.0 \
-    RLMESH_ROLLOUT_SERVER__PORT=50161 \
-    RLMESH_ROLLOUT_SERVER__METRICS_PORT=51161 \
+ENV RLMESH_SERVICE=rollout \
+    RLMESH_ROLLOUT_SERVER__HOST=0.0.0.0 RLMESH_ROLLOUT_SERVER__PORT=50161 RLMESH_ROLLOUT_SERVER__METRICS_PORT=51161 \
     RLMESH_ROLLOUT_ENGINE__KIND=vllm
-EXPOSE 50161 51161
-HEALTHCHECK --interval=5s --timeout=3s --start-period=300s --retries=5 CMD ["rlmesh", "health", "127.0.0.1:50161"]
-CMD ["python", "-m", "services.rollout"]
+CMD ["sh", "-c", "exec rlmesh \"$RLMESH_SERVICE\""]

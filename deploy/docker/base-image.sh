@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a Debian bookworm base image for the Dockerfile from Debian packages, for machines that
 # cannot pull from an image registry: Python 3.11 with venv, and the shared libraries the wheels
-# load (libnuma1, libibverbs1). Needs root, debootstrap and a Docker engine.
+# load (libnuma1, libibverbs1, libcurl4). Needs root, debootstrap and a Docker engine.
 #   deploy/docker/base-image.sh [IMAGE]          (default rlmesh-base:bookworm)
 #   docker compose build --build-arg BASE_IMAGE=rlmesh-base:bookworm   (or BASE_IMAGE=... in .env)
 set -euo pipefail
@@ -13,7 +13,7 @@ mirror=${mirror:-http://deb.debian.org/debian}
 rootfs=$(mktemp -d)
 trap 'rm -rf "$rootfs"' EXIT
 debootstrap --variant=minbase bookworm "$rootfs" "$mirror" > "$rootfs.log" 2>&1 || { cat "$rootfs.log"; exit 1; }
-chroot "$rootfs" apt-get install -y -qq --no-install-recommends python3 python3-venv libnuma1 libibverbs1 ca-certificates > /dev/null
+chroot "$rootfs" apt-get install -y -qq --no-install-recommends python3 python3-venv libnuma1 libibverbs1 libcurl4 ca-certificates > /dev/null
 chroot "$rootfs" apt-get clean
 rm -rf "$rootfs"/var/lib/apt/lists/*
 tar -C "$rootfs" -c . | docker import - "$image" > /dev/null

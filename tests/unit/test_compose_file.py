@@ -42,6 +42,8 @@ def test_the_cpu_mesh_builds_every_service_from_one_dockerfile():
         assert build["args"] == {"BASE_IMAGE": "python:3.11-slim"}
         assert build["target"] in dockerfile_targets()
     assert {services["model-init"]["image"], services["trainer"]["image"]} == {"rlmesh-trainer:cpu"}
+    for name, port in GRPC_PORTS.items():
+        assert services[name]["healthcheck"]["test"] == ["CMD", "rlmesh", "health", f"127.0.0.1:{port}"], name
 
 
 def test_rollout_scales_and_restarts():
@@ -62,6 +64,7 @@ def test_the_gpu_profile_reserves_gpus_for_vllm_and_the_nccl_trainer():
         [device] = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "rollout-gpu" in trainer["depends_on"]
+    assert rollout["healthcheck"]["test"][-1] == "127.0.0.1:50161" and trainer["healthcheck"]["test"][-1] == "127.0.0.1:50153"
 
 
 def test_observe_scrapes_every_service_and_provisions_the_dashboard():
