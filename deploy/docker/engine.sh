@@ -2,7 +2,7 @@
 # A Docker engine for machines where none runs (no systemd, no iptables): dockerd on a private
 # socket, without the default bridge or iptables, on the vfs storage driver. Compose's own
 # networks still work, with DNS by service name. Needs root and Debian's docker.io.
-#   eval "$(deploy/docker/engine.sh start)"    # prints export DOCKER_HOST=...
+#   eval "$(deploy/docker/engine.sh start)"    # prints export DOCKER_HOST=... DOCKER_BUILDKIT=0
 #   deploy/docker/engine.sh stop
 set -euo pipefail
 root=${RLMESH_DOCKER_ROOT:-/var/tmp/rlmesh-docker}
@@ -24,6 +24,8 @@ case "${1:-start}" in
       DOCKER_HOST=$socket docker info > /dev/null 2>&1 || { tail -20 "$root/dockerd.log" >&2; exit 1; }
     fi
     echo "export DOCKER_HOST=$socket"
+    # BuildKit runs RUN steps on the default bridge, which this engine has none of: build classic.
+    echo "export DOCKER_BUILDKIT=0"
     ;;
   stop)
     if [ -f "$root/dockerd.pid" ]; then
