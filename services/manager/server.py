@@ -11,8 +11,8 @@ import grpc
 import structlog
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.prometheus import Families
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from services.manager.config import ManagerConfig
@@ -381,7 +381,6 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             continued_tokens=state.continued_tokens,
             stage_balance=balance_to_proto(state.balancer.balance),
         )
-
 
     async def collect_metrics(self, families: Families) -> None:
         """What Prometheus scrapes: the figures of GetStatus, and the staleness of the tokens held."""

@@ -21,7 +21,8 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
-pytestmark = pytest.mark.compose
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(5400)]
+"""The first test builds the images (about 10 minutes on 2 cores with the vfs driver)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
@@ -46,12 +47,11 @@ def docker_env() -> dict[str, str]:
     """The environment of every docker call: the reachable engine, or one started here (and
     stopped at the end)."""
     env = dict(os.environ)
-    started = run(["docker", "info"], env, check=False).returncode != 0
-    if started:
+    if run(["docker", "info"], env, check=False).returncode != 0:
         exports = run([str(ROOT / "deploy" / "docker" / "engine.sh"), "start"], env, timeout=600).stdout
         env |= dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines() if line.startswith("export "))
     yield env
-    if started:
+    if env.get("RLMESH_DOCKER_STARTED"):
         run([str(ROOT / "deploy" / "docker" / "engine.sh"), "stop"], env, check=False)
 
 
