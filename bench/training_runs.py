@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlmesh.launcher import free_port
+from rlmesh.launcher import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
-MESH_PORTS = 13
-"""Ports a local mesh takes from its base port on (manager, weights, trainer, then the instances)."""
 START_ATTEMPTS = 3
 """Other processes of a shared machine may take one of the mesh's ports between the check and the bind."""
 BIND_FAILED = "Failed to bind to address"
@@ -39,23 +36,6 @@ class TrainingRun:
     @property
     def evaluations(self) -> list[dict]:
         return [r for r in self.records if "eval/sampled_reward" in r]
-
-
-def free_base_port() -> int:
-    """A base port whose MESH_PORTS ports are all free now."""
-    while True:
-        base = free_port()
-        if base + MESH_PORTS < 65535 and all(_bindable(port) for port in range(base + 1, base + MESH_PORTS)):
-            return base
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def run_up(output_dir: Path, steps: int, settings: list[str], flags: list[str] = (), model_dir: Path | None = None,

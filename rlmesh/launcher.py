@@ -10,6 +10,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -200,6 +201,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+MESH_PORT_OFFSETS = (0, 1, 2, *range(10, 26))
+"""Ports `rlmesh up` takes from its base: manager, weights, trainer and up to 16 rollout
+instances, each with its metrics port METRICS_PORT_OFFSET above."""
+
+
+def _port_free(port: int, host: str) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(host: str = "127.0.0.1") -> int:
+    """A base port for a mesh on `host` (tests, benchmarks) whose every port is free now, below
+    the kernel's ephemeral ports: outgoing connections take those at random, and one landing on a
+    mesh port would stop a service from binding it."""
+    while True:
+        base = random.randrange(20000, 31000)
+        if all(_port_free(base + offset + extra, host) for offset in MESH_PORT_OFFSETS for extra in (0, METRICS_PORT_OFFSET)):
+            return base
 
 
 def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[str]:

@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from tests.e2e.test_mesh_up import free_base_port, up_command
+from rlmesh.launcher import free_base_port
+from tests.e2e.test_mesh_up import up_command
 
 pytestmark = pytest.mark.e2e
 

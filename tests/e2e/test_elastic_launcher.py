@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launcher import mesh_processes
-from tests.e2e.test_mesh_up import free_base_port
+from rlmesh.launcher import free_base_port, mesh_processes
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launcher import free_port
-from tests.e2e.test_mesh_up import free_base_port
+from rlmesh.launcher import free_base_port, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -5,11 +5,9 @@ and leaves no process behind (also after Ctrl-C)."""
 import asyncio
 import collections
 import json
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,8 +19,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlmesh.launcher import free_port, mesh_processes
-from rlmesh.prometheus import METRICS_PORT_OFFSET
+from rlmesh.launcher import free_base_port, free_port, mesh_processes
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -32,29 +29,6 @@ from tests.integration.test_contracts_on_the_wire import grpcurl
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-MESH_PORT_OFFSETS = (0, 1, 2, *range(10, 26))
-"""Ports `rlmesh up` takes from its base: manager, weights, trainer and up to 16 rollout
-instances, each with its metrics port METRICS_PORT_OFFSET above."""
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_base_port() -> int:
-    """A base below the kernel's ephemeral ports (outgoing connections take those at random, and
-    one landing on a mesh port would stop a service from binding it) with every mesh port free."""
-    while True:
-        base = random.randrange(20000, 31000)
-        if all(port_free(base + offset + extra) for offset in MESH_PORT_OFFSETS for extra in (0, METRICS_PORT_OFFSET)):
-            return base
 
 
 def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
