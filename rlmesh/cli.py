@@ -374,7 +374,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlmesh.prometheus import METRICS_PORT_OFFSET
+    from rlmesh.config import METRICS_PORT_OFFSET
 
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

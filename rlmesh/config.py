@@ -11,6 +11,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+METRICS_PORT_OFFSET = 1000
+"""`rlmesh up`, the compose file and the Kubernetes manifests serve a service's `/metrics` on its
+gRPC port + this."""
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 """Bind addresses that listen on every interface: never an address to hand to another service."""
 

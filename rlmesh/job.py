@@ -9,8 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from rlmesh.config import ConfigError, StrictModel
-from rlmesh.prometheus import METRICS_PORT_OFFSET
+from rlmesh.config import METRICS_PORT_OFFSET, ConfigError, StrictModel
 from rlmesh.tasks.config import TaskConfig
 
 DEFAULT_MODELS = {

@@ -26,10 +26,9 @@ import grpc
 from tqdm import tqdm
 
 from rlmesh.autoscale import Autoscaler
-from rlmesh.config import TlsFiles
+from rlmesh.config import METRICS_PORT_OFFSET, TlsFiles
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.prometheus import METRICS_PORT_OFFSET
 from rlmesh.rpc import call_options, open_channel, use_tls, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 

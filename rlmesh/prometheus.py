@@ -15,9 +15,6 @@ from prometheus_client.registry import Collector
 log = structlog.get_logger()
 
 PREFIX = "rlmesh"
-METRICS_PORT_OFFSET = 1000
-"""`rlmesh up`, the compose file and the Kubernetes manifests serve a service's `/metrics` on its
-gRPC port + this."""
 SCRAPE_TIMEOUT_SECONDS = 5.0
 """A scrape waits this long for the event loop; a loop this busy is worth a failed scrape."""
 

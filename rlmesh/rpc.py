@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -20,7 +20,9 @@ from grpc_reflection.v1alpha import reflection
 
 from rlmesh import errors
 from rlmesh.config import ConfigError, ServerConfig, TlsFiles
-from rlmesh.prometheus import Collect, MetricsEndpoint
+
+if TYPE_CHECKING:
+    from rlmesh.prometheus import Collect, MetricsEndpoint
 
 log = structlog.get_logger()
 
@@ -282,6 +284,9 @@ class GrpcServer:
     async def serve_metrics(self, service: str, collect: Collect) -> None:
         """Prometheus `/metrics` on the configured metrics port, if the config names one."""
         if self.config.metrics_port is not None:
+            # Imported here: `rlmesh health`, which containers run every few seconds, needs none of it.
+            from rlmesh.prometheus import MetricsEndpoint
+
             self.metrics = MetricsEndpoint(service, self.config.host, self.config.metrics_port, collect)
             await self.metrics.start()
 
