@@ -233,7 +233,7 @@ def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from rlmesh.launcher import STATE_FILE, find_running_mesh
-    from rlmesh.status import MeshAddresses, read, render, watch
+    from rlmesh.status import MeshAddresses, read_once, render, watch
 
     if not _call_with_tls_dir(args):
         return 2
@@ -252,7 +252,7 @@ def _status(args: argparse.Namespace) -> int:
     # Piped output is not cut to 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 160)
     if args.once:
-        snapshot = asyncio.run(read(addresses))
+        snapshot = asyncio.run(read_once(addresses))
         if not snapshot.reachable:
             print("rlmesh status: no service answered: " + "; ".join(f"{k} {v}" for k, v in sorted(snapshot.errors.items())),
                   file=sys.stderr)

@@ -58,26 +58,45 @@ class Snapshot:
         return any(s is not None for s in (self.manager, self.weights, self.trainer))
 
 
-async def _call(address: str | None, stub_class, method: str, request, errors: dict[str, str], name: str):
-    if address is None:
-        return None
-    async with open_channel(address) as channel:
-        try:
-            return await getattr(stub_class(channel), method)(request, **call_options(RPC_TIMEOUT_SECONDS))
-        except grpc.aio.AioRpcError as exc:
-            errors[name] = f"{address}: {exc.code().name} {exc.details() or ''}".strip()
-            return None
+class MeshReader:
+    """The services' status RPCs, over channels opened once and kept while the view runs."""
+
+    def __init__(self, addresses: MeshAddresses) -> None:
+        self.addresses = addresses
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __aenter__(self) -> MeshReader:
+        named = {"manager": self.addresses.manager, "weights": self.addresses.weights, "trainer": self.addresses.trainer}
+        self._channels = {name: open_channel(address) for name, address in named.items() if address is not None}
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*(channel.close() for channel in self._channels.values()))
+
+    async def read(self) -> Snapshot:
+        errors: dict[str, str] = {}
+
+        async def call(name: str, stub_class, method: str, request):
+            channel = self._channels.get(name)
+            if channel is None:
+                return None
+            try:
+                return await getattr(stub_class(channel), method)(request, **call_options(RPC_TIMEOUT_SECONDS))
+            except grpc.aio.AioRpcError as exc:
+                errors[name] = f"{getattr(self.addresses, name)}: {exc.code().name} {exc.details() or ''}".strip()
+                return None
+
+        manager, weights, trainer = await asyncio.gather(
+            call("manager", manager_pb2_grpc.ManagerServiceStub, "GetStatus", manager_pb2.GetStatusRequest()),
+            call("weights", weights_pb2_grpc.WeightsServiceStub, "GetStatus", weights_pb2.GetStatusRequest()),
+            call("trainer", trainer_pb2_grpc.TrainerServiceStub, "GetTrainingStatus", trainer_pb2.GetTrainingStatusRequest()),
+        )
+        return Snapshot(manager, weights, trainer, errors)
 
 
-async def read(addresses: MeshAddresses) -> Snapshot:
-    errors: dict[str, str] = {}
-    manager, weights, trainer = await asyncio.gather(
-        _call(addresses.manager, manager_pb2_grpc.ManagerServiceStub, "GetStatus", manager_pb2.GetStatusRequest(), errors, "manager"),
-        _call(addresses.weights, weights_pb2_grpc.WeightsServiceStub, "GetStatus", weights_pb2.GetStatusRequest(), errors, "weights"),
-        _call(addresses.trainer, trainer_pb2_grpc.TrainerServiceStub, "GetTrainingStatus",
-              trainer_pb2.GetTrainingStatusRequest(), errors, "trainer"),
-    )
-    return Snapshot(manager, weights, trainer, errors)
+async def read_once(addresses: MeshAddresses) -> Snapshot:
+    async with MeshReader(addresses) as reader:
+        return await reader.read()
 
 
 def _figure(metrics, name: str, digits: int = 3) -> str:
@@ -156,15 +175,16 @@ async def watch(addresses: MeshAddresses, interval: float, console: Console) -> 
 
             loop.add_reader(sys.stdin.fileno(), on_key)
         try:
-            with Live(console=console, auto_refresh=False, screen=False) as live:
-                while not quit_pressed.is_set():
-                    snapshot = await read(addresses)
-                    footer = Text("q or Ctrl-C to quit", style="dim")
-                    live.update(Group(render(snapshot), footer), refresh=True)
-                    try:
-                        await asyncio.wait_for(quit_pressed.wait(), interval)
-                    except TimeoutError:
-                        pass
+            async with MeshReader(addresses) as reader:
+                with Live(console=console, auto_refresh=False, screen=False) as live:
+                    while not quit_pressed.is_set():
+                        snapshot = await reader.read()
+                        footer = Text("q or Ctrl-C to quit", style="dim")
+                        live.update(Group(render(snapshot), footer), refresh=True)
+                        try:
+                            await asyncio.wait_for(quit_pressed.wait(), interval)
+                        except TimeoutError:
+                            pass
         finally:
             if keys:
                 loop.remove_reader(sys.stdin.fileno())
