@@ -106,6 +106,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "prompts_per_step": algorithm.prompts_per_step,
         "group_size": algorithm.group_size,
         "micro_batch_groups": algorithm.micro_batch_groups,
+        "min_micro_batch_groups": algorithm.min_micro_batch_groups,
         "mini_batches_per_step": algorithm.mini_batches_per_step,
         "schedule": algorithm.schedule,
         "dynamic_sampling": algorithm.dynamic_sampling,

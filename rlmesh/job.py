@@ -39,6 +39,11 @@ def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_b
         raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
 
 
+def check_micro_batch_range(min_micro_batch_groups: int, micro_batch_groups: int) -> None:
+    if min_micro_batch_groups > micro_batch_groups:
+        raise ValueError(f"min_micro_batch_groups ({min_micro_batch_groups}) must not exceed micro_batch_groups ({micro_batch_groups})")
+
+
 def check_cap_mode(loss: str, importance_cap_mode: str) -> None:
     """Raises ValueError when the cap mode cannot apply to the loss."""
     if loss == "tis" and importance_cap_mode == "drop":
@@ -111,6 +116,11 @@ class AlgorithmSection(StrictModel):
     runs its forward in each training micro-batch. train and logp always share."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     micro_batch_groups: int = Field(default=4, ge=1)
+    """Most groups per forward/backward."""
+    min_micro_batch_groups: int = Field(default=1, ge=1)
+    """Fewest groups an async micro-batch waits for: 1 trains whatever has arrived, so a step's
+    last group is all that is left when its longest response comes in. At max_staleness 0 (and
+    under the sync schedule) micro-batches are always micro_batch_groups, in prompt order."""
     mini_batches_per_step: int = Field(default=1, ge=1)
     max_staleness: int = Field(default=1, ge=0, le=8)
     """η: trainer versions a rollout may lag behind (0 = synchronous on-policy). The capacity rule
@@ -133,6 +143,7 @@ class AlgorithmSection(StrictModel):
     @model_validator(mode="after")
     def _batches_split(self) -> "AlgorithmSection":
         check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
+        check_micro_batch_range(self.min_micro_batch_groups, self.micro_batch_groups)
         check_cap_mode(self.loss, self.importance_cap_mode)
         return self
 

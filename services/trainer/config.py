@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
-from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_placement, reference_apart
+from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_micro_batch_range, check_placement, reference_apart
 from rlmesh.tasks.config import TaskConfig
 
 LossKind = Literal["ppo", "decoupled", "tis"]
@@ -78,9 +78,10 @@ class TrainerConfig(StrictModel):
     """Samples per prompt; group-normalised advantages need at least two."""
     micro_batch_groups: int = Field(default=4, ge=1)
     """Most groups per forward/backward; micro-batches are trained on as they arrive."""
-    min_micro_batch_groups: int = Field(default=0, ge=0)
-    """Fewest groups per micro-batch (0: micro_batch_groups, fixed size). Lower lets training
-    start on whatever is ready instead of waiting for a full micro-batch."""
+    min_micro_batch_groups: int = Field(default=1, ge=1)
+    """Fewest groups an async micro-batch waits for (ordered ones, at max_staleness 0 or under the
+    sync schedule, are always full). 1 trains whatever has arrived, so that when a step's longest
+    response comes in only its own group is left to train."""
     micro_batch_max_tokens: int = Field(default=0, ge=0)
     """Token budget of a micro-batch (prompt + response of every sample; 0: none)."""
     mini_batches_per_step: int = Field(default=1, ge=1)
@@ -155,8 +156,7 @@ class TrainerConfig(StrictModel):
     @model_validator(mode="after")
     def _mini_batches_divide(self) -> "TrainerConfig":
         check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
-        if self.min_micro_batch_groups > self.micro_batch_groups:
-            raise ValueError("min_micro_batch_groups must not exceed micro_batch_groups")
+        check_micro_batch_range(self.min_micro_batch_groups, self.micro_batch_groups)
         if self.collective_timeout_seconds <= self.rollout_timeout_seconds:
             raise ValueError("collective_timeout_seconds must exceed rollout_timeout_seconds "
                              "(ranks other than 0 wait in a collective while rank 0 waits for rollouts)")

@@ -529,7 +529,7 @@ class GrpoTrainer:
     async def _train_plan(self, plan: StepPlan, totals: StepTotals) -> None:
         """Trains on the step's groups as they are accepted, in micro-batches; steps the optimizer per mini-batch."""
         config = self.config
-        fewest = config.min_micro_batch_groups or config.micro_batch_groups
+        fewest = config.min_micro_batch_groups
         deadline = time.monotonic() + config.rollout_timeout_seconds
         # The proximal policy of the off-policy losses is the policy as this step starts.
         await self.group.lead(BeginStep())

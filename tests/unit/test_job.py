@@ -65,6 +65,7 @@ def test_set_on_the_default_job_addresses_its_task():
     ("[mesh]\nrollout_instances = 63\nrollout_netns = 63\n", "at most 62 instances run in network namespaces"),
     ("[algorithm\n", "not valid TOML"),
     ("[algorithm]\nloss = 'tis'\nimportance_cap_mode = 'drop'\n", "tis truncates by definition"),
+    ("[algorithm]\nmin_micro_batch_groups = 8\n", "min_micro_batch_groups (8) must not exceed micro_batch_groups (4)"),
 ])
 def test_a_bad_job_names_the_problem(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=None) as caught:

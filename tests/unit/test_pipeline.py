@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from rlmesh.rewards.base import RewardResult
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.batching import TrainingSample
+from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan, prompt_seed, untrained_plans
 
 
@@ -69,6 +70,21 @@ def test_arrival_order_trains_what_is_there():
     plan.accept(scored(plan.outstanding["p1"]))
     assert plan.take_micro_batch(True, 2, 2, 0) == []
     assert [g.record.index for g in plan.take_micro_batch(False, 2, 2, 0)] == [3, 1]
+
+
+def test_by_default_an_async_step_trains_each_group_as_it_arrives():
+    config = TrainerConfig(model_dir="m")
+    plan = StepPlan(0, 4)
+    for index in range(4):
+        plan.add(record(0, index))
+    plan.accept(scored(plan.outstanding["p2"]))
+    most, fewest = config.micro_batch_groups, config.min_micro_batch_groups
+    # Ordered (max_staleness 0) micro-batches stay full and in prompt order.
+    assert plan.take_micro_batch(True, most, fewest, 0) == []
+    assert [g.record.index for g in plan.take_micro_batch(False, most, fewest, 0)] == [2]
+    for index in (0, 3):
+        plan.accept(scored(plan.outstanding[f"p{index}"]))
+    assert [g.record.index for g in plan.take_micro_batch(False, most, fewest, 0)] == [0, 3]
 
 
 def test_the_last_micro_batch_may_be_smaller_and_the_token_budget_cuts_one():
