@@ -7,7 +7,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlmesh.config import ServerConfig, StrictModel
-from rlmesh.job import REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_micro_batch_range, check_placement, reference_apart
+from rlmesh.job import (
+    REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_micro_batch_range, check_placement, reference_apart,
+)
 from rlmesh.tasks.config import TaskConfig
 
 LossKind = Literal["ppo", "decoupled", "tis"]
