@@ -173,6 +173,7 @@ def _up(args: argparse.Namespace) -> int:
         trainer_ranks=mesh.trainer_ranks,
         rollout_tp=mesh.rollout_tp,
         rollout_max_batch_size=mesh.rollout_max_batch_size,
+        rollout_stream_interval=mesh.rollout_stream_interval,
         compression=mesh.compression,
         trainer_config=trainer_config,
         engine=mesh.engine,

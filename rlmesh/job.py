@@ -174,6 +174,11 @@ class MeshSection(StrictModel):
     """Sequences a rollout instance decodes at once. 1 makes every response's tokens and logprobs
     independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
     cost in throughput."""
+    rollout_stream_interval: int = Field(default=16, ge=1)
+    """Tokens per chunk a torch-engine instance streams back (a response's last chunk may be
+    shorter), as vLLM's stream_interval: one message per token costs the instance and the manager
+    CPU that decoding and training need. When an instance dies, each of its requests regenerates
+    elsewhere up to rollout_stream_interval - 1 tokens it had not sent yet."""
     rollout_netns: int = Field(default=0, ge=0)
     """The first N rollout instances each run in their own network namespace, linked to the host
     by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the

@@ -104,6 +104,8 @@ class MeshPlan:
     """Tensor-parallel processes per rollout instance."""
     rollout_max_batch_size: int = 256
     """Sequences a rollout instance decodes at once."""
+    rollout_stream_interval: int = 16
+    """Tokens per chunk a torch-engine instance streams back."""
     compression: str = "none"
     """Link compression of weight pushes."""
     trainer_config: Path | None = None
@@ -468,6 +470,7 @@ class Mesh:
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
             "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
             "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(plan.rollout_max_batch_size),
+            "RLMESH_ROLLOUT_ENGINE__STREAM_INTERVAL": str(plan.rollout_stream_interval),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,
             "RLMESH_ROLLOUT_ENGINE__UPDATE_MODE": plan.update_mode,
             **_metrics_setting("RLMESH_ROLLOUT", plan.rollout_address(index)),

@@ -33,6 +33,11 @@ class EngineConfig(StrictModel):
     seed: int = 0
     threads: int = Field(default=1, ge=1)
     """torch intra-op threads (per tensor-parallel rank); tiny models decode faster with one thread per process."""
+    stream_interval: int = Field(default=1, ge=1)
+    """Torch engine: tokens per chunk streamed back (a request's last chunk may be shorter), as
+    vLLM's stream_interval. Fewer, larger messages cost the manager and this process less CPU per
+    token; a request whose instance dies regenerates up to stream_interval - 1 unsent tokens. The
+    synthetic engine has its own (`synthetic.stream_interval`)."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Processes the torch engine splits the model over (heads, MLP and vocabulary; gloo on this
     machine); rank 0 is the service process, the others are workers it starts."""

@@ -42,7 +42,8 @@ def build_engine(config: RolloutConfig) -> Engine:
     from services.rollout.torch_engine import TorchEngine
 
     return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
-                       transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode)
+                       transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode,
+                       stream_interval=engine.stream_interval)
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:

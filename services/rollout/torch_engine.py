@@ -114,8 +114,11 @@ class TorchEngine(TensorParallelEngine):
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
                  tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
-                 update_mode: UpdateMode = "continue") -> None:
+                 update_mode: UpdateMode = "continue", stream_interval: int = 1) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
+        if stream_interval < 1:
+            raise InvalidArgument(f"stream_interval must be at least 1, got {stream_interval}")
+        self._stream_interval = stream_interval
         check_model_dir(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         self._shape = ModelShape.from_hf_config(config, f"model folder {model_dir}")
@@ -471,7 +474,7 @@ class TorchEngine(TensorParallelEngine):
                 emitted.append((sequence, sequence.take_chunk(Finish.STOP)))
             elif len(sequence.token_ids) >= sequence.request.remaining_tokens:
                 emitted.append((sequence, sequence.take_chunk(Finish.LENGTH)))
-            else:
+            elif len(sequence.pending.token_ids) >= self._stream_interval:
                 emitted.append((sequence, sequence.take_chunk()))
         return tokens
 

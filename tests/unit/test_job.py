@@ -115,9 +115,9 @@ def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
     assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
 
 
-def test_the_update_mode_flag_reaches_every_rollout_instance(tmp_path, model_dir, monkeypatch):
+def test_the_update_mode_flag_and_the_stream_interval_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
     """`rlmesh up --update-mode` sets mesh.update_mode, which the launcher hands each rollout
-    instance as the engine setting it reads at start."""
+    instance as the engine setting it reads at start; mesh.rollout_stream_interval likewise."""
     from rlmesh import cli, launcher
     from rlmesh.config import load_config
     from services.rollout.config import RolloutConfig
@@ -131,14 +131,15 @@ def test_the_update_mode_flag_reaches_every_rollout_instance(tmp_path, model_dir
     monkeypatch.setattr(launcher, "run_mesh", run_mesh)
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
-    assert cli.main(["up", "--update-mode", "pause", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 0
+    assert cli.main(["up", "--update-mode", "pause", "--set", "mesh.rollout_stream_interval=8", "--model-dir", str(model_dir),
+                     "--output-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "job.json").read_text())["mesh"]["update_mode"] == "pause"
     mesh = launcher.Mesh(plans[0])
     spawned = {}
     monkeypatch.setattr(mesh, "_spawn", lambda name, module, address, settings, **kwargs: spawned.setdefault(name, settings))
     mesh._spawn_rollout(0)
     config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=spawned["rollout-0"])
-    assert config.engine.update_mode == "pause"
+    assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
     assert load_job(None, {"mesh.update_mode": "abort-continue"})[0].mesh.update_mode == "abort-continue"
     with pytest.raises(ConfigError, match="update_mode"):
         load_job(None, {"mesh.update_mode": "drop"})

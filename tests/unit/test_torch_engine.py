@@ -192,6 +192,38 @@ async def test_abort_one_leaves_the_others_running(engine, model_dir):
     assert finish is Finish.LENGTH and len(tokens) == 50
 
 
+async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks_and_an_abort_loses_none(model_dir):
+    ids, _ = prompts(model_dir, ["4321="])
+    seeded = Sampling(temperature=1.0, max_tokens=11, seed=7)
+
+    async def chunks(engine, request):
+        return [chunk async for chunk in engine.generate(request)]
+
+    by_interval = {}
+    for interval in (1, 4):
+        engine = TorchEngine(model_dir, max_batch_size=8, seed=1, stream_interval=interval)
+        await engine.start()
+        try:
+            by_interval[interval] = await chunks(engine, EngineRequest(f"s{interval}", ids[0], seeded))
+            aborted = asyncio.create_task(chunks(engine, EngineRequest("cut", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+            while engine.generated_tokens < 11 + 6 and not aborted.done():
+                await asyncio.sleep(0.001)
+            engine.abort(["cut"])
+            cut = await aborted
+            # Every token the engine decoded for the request reaches the caller, streamed or not.
+            assert sum(len(c.token_ids) for c in cut) == engine.generated_tokens - 11
+            assert cut[-1].finish is Finish.ABORT
+        finally:
+            await engine.stop()
+    one, four = by_interval[1], by_interval[4]
+    assert [t for c in four for t in c.token_ids] == [t for c in one for t in c.token_ids]
+    assert [x for c in four for x in c.logprobs] == pytest.approx([x for c in one for x in c.logprobs])
+    # Chunks the caller was too busy to take leave merged, so at least the interval but the last.
+    assert all(len(c.token_ids) >= 4 for c in four[:-1]) and len(four) <= 3
+    with pytest.raises(InvalidArgument, match="stream_interval"):
+        TorchEngine(model_dir, stream_interval=0)
+
+
 async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_dir):
     ids, _ = prompts(model_dir, ["31=", "4159=", "26="])
     tasks = [
