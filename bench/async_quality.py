@@ -199,7 +199,8 @@ def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, tag:
             "held-out reward rose in every run": all(r.final_held_out > start for r in rows),
             "no staleness violation in any run": all(r.staleness_violations == 0 for r in rows),
         },
-        settings={"steps": steps, "seed": seed, "target_seeds": list(range(seed, seed + target_seeds)), "staleness": STALENESS, "losses": LOSSES, "extra_settings": settings,
+        settings={"steps": steps, "seed": seed, "target_seeds": list(range(seed, seed + target_seeds)), "staleness": STALENESS,
+                  "losses": LOSSES, "extra_settings": settings,
                   "job": "the default (built-in increment task, tiny-increment model, 16 prompts x 8 samples per step, "
                          "held-out evaluation every 10 steps)",
                   "runs_dir": str(work), "plot": str(RESULTS / f"{name}.png")},

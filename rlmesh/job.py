@@ -40,6 +40,7 @@ def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_b
 
 
 def check_micro_batch_range(min_micro_batch_groups: int, micro_batch_groups: int) -> None:
+    """Raises ValueError when a micro-batch would have to wait for more groups than it may hold."""
     if min_micro_batch_groups > micro_batch_groups:
         raise ValueError(f"min_micro_batch_groups ({min_micro_batch_groups}) must not exceed micro_batch_groups ({micro_batch_groups})")
 

@@ -117,7 +117,7 @@ class TorchEngine(TensorParallelEngine):
                  update_mode: UpdateMode = "continue", stream_interval: int = 1) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         if stream_interval < 1:
-            raise InvalidArgument(f"stream_interval must be at least 1, got {stream_interval}")
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self._stream_interval = stream_interval
         check_model_dir(model_dir)
         config = AutoConfig.from_pretrained(model_dir)

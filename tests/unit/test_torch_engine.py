@@ -1,7 +1,8 @@
 """The torch engine on a real model: agreement with HF greedy decoding and with the trainer's
-log-probabilities, continuous batching, continuation, stop and length handling, abort, pause and
-resume, the weight switch between decode steps and what running requests do at it (update modes),
-and requests pinned to a version, which hold the switch back until they end."""
+log-probabilities, continuous batching, continuation, stop and length handling, chunks of several
+tokens (stream_interval), abort, pause and resume, the weight switch between decode steps and what
+running requests do at it (update modes), and requests pinned to a version, which hold the switch
+back until they end."""
 
 import asyncio
 import time
@@ -220,7 +221,7 @@ async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks_and_an_ab
     assert [x for c in four for x in c.logprobs] == pytest.approx([x for c in one for x in c.logprobs])
     # Chunks the caller was too busy to take leave merged, so at least the interval but the last.
     assert all(len(c.token_ids) >= 4 for c in four[:-1]) and len(four) <= 3
-    with pytest.raises(InvalidArgument, match="stream_interval"):
+    with pytest.raises(ValueError, match="stream_interval"):
         TorchEngine(model_dir, stream_interval=0)
 
 
