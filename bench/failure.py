@@ -33,7 +33,7 @@ BATCH_ID = "step"
 def expected_lengths(sampling: common_pb2.SamplingParams) -> dict[tuple[str, int], int]:
     """Every sample's length as its seed fixes it, whichever instances generate it."""
     return {
-        (f"p{p}", i): response_length(SYNTHETIC, per_sample_sampling(sampling, f"{BATCH_ID}/p{p}/{i}").seed, MAX_TOKENS)
+        (f"p{p}", i): response_length(SYNTHETIC, per_sample_sampling(sampling, f"p{p}", i).seed, MAX_TOKENS)
         for p in range(PROMPTS) for i in range(GROUP_SIZE)
     }
 

@@ -111,6 +111,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "schedule": algorithm.schedule,
         "dynamic_sampling": algorithm.dynamic_sampling,
         "validation": algorithm.validation,
+        "validation_priority": algorithm.validation_priority,
         "placement": algorithm.placement,
         "seed": algorithm.seed,
         "eval_every": algorithm.eval_every,

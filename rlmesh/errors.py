@@ -39,6 +39,10 @@ class FailedPrecondition(DomainError):
     """The request is well formed but the system is not in a state to accept it."""
 
 
+class PermissionDenied(DomainError):
+    """The caller may not do this here (a request dispatched to another incarnation of an instance)."""
+
+
 class Aborted(DomainError):
     """The request lost to a concurrent change of state; the caller may retry it at a higher level,
     e.g. elsewhere (an instance asked to generate with a weight version it is moving on from)."""

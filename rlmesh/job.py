@@ -134,6 +134,10 @@ class AlgorithmSection(StrictModel):
     """`background`: every eval_every steps the version just published is evaluated on the held-out
     prompts on spare rollout capacity, pinned to that version, while training goes on. `inline`:
     on the trainer's policy, training waiting."""
+    validation_priority: Literal["low", "normal"] = "low"
+    """`low`: rollout instances decode a background validation at the lowest CPU priority while
+    nothing else shares their batch (spare capacity on a host shared with training). `normal`: as
+    training requests."""
     dynamic_sampling: bool = False
     """DAPO: drop a group whose rewards are all equal (it teaches nothing) and draw a new prompt
     for the same step in its place."""

@@ -26,6 +26,37 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 BACKGROUND_NICE = 19
 
 
+class SessionPriority:
+    """Moves this process's session (its autogroup) between its priority at start and the lowest,
+    as the work at hand asks. Going back needs no privilege: only a nice below 0 does. Where the
+    kernel has no autogroup or refuses the write, it stays where it is, said once in the log."""
+
+    AUTOGROUP = Path("/proc/self/autogroup")
+
+    def __init__(self) -> None:
+        self.lowered = False
+        self._normal = self.read()
+        self.usable = self._normal is not None
+
+    @classmethod
+    def read(cls) -> int | None:
+        """The session's nice value, or None where the kernel shows no autogroup priority."""
+        try:
+            return int(cls.AUTOGROUP.read_text().rsplit("nice", 1)[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def lower(self, lowered: bool) -> None:
+        if lowered == self.lowered or not self.usable:
+            return
+        try:
+            self.AUTOGROUP.write_text(str(BACKGROUND_NICE if lowered else self._normal))
+            self.lowered = lowered
+        except OSError as exc:
+            self.usable = False
+            log.warning("cannot change the session's CPU priority; background work runs at normal priority", error=str(exc))
+
+
 def background_process() -> None:
     """Gives this process the least CPU share: nice 19 for the threads it starts from now on and,
     where the kernel groups each session's processes (autogroup) and weighs the groups against

@@ -35,6 +35,7 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
 }
 
@@ -144,12 +145,12 @@ def call_options(timeout: float) -> dict[str, Any]:
     return {"timeout": timeout, "metadata": metadata}
 
 
+def status_code_of(exc: errors.DomainError) -> grpc.StatusCode:
+    return next((code for kind, code in _STATUS_OF_ERROR.items() if isinstance(exc, kind)), grpc.StatusCode.UNKNOWN)
+
+
 async def _abort_for(exc: errors.DomainError, context: grpc.aio.ServicerContext) -> None:
-    code = next(
-        (code for kind, code in _STATUS_OF_ERROR.items() if isinstance(exc, kind)),
-        grpc.StatusCode.UNKNOWN,
-    )
-    await context.abort(code, str(exc))
+    await context.abort(status_code_of(exc), str(exc))
 
 
 class RequestContextInterceptor(grpc.aio.ServerInterceptor):

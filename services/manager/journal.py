@@ -13,13 +13,15 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from services.manager.state import Batch, Instance, ManagerState, SampleRequest
 
-FORMAT = 3
+FORMAT = 4
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""
 
 _MIGRATIONS = {
     # 3: exact-version batches (held-out evaluation) and their failure when the version is gone.
     2: ["ALTER TABLE batches ADD COLUMN exact_version INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE batches ADD COLUMN version_gone INTEGER NOT NULL DEFAULT 0"],
+    # 4: background batches (decoded at the lowest CPU priority).
+    3: ["ALTER TABLE batches ADD COLUMN background INTEGER NOT NULL DEFAULT 0"],
 }
 """Per format, the statements that turn it into the next."""
 
@@ -28,7 +30,7 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
     sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL, exact_version INTEGER NOT NULL DEFAULT 0,
-    version_gone INTEGER NOT NULL DEFAULT 0);
+    version_gone INTEGER NOT NULL DEFAULT 0, background INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, prompt_token_ids BLOB NOT NULL,
     sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB NOT NULL,
@@ -117,8 +119,9 @@ class Journal:
                                         "token, preemptible, draining FROM instances ORDER BY instance_id")
         ]
         batches = []
-        for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone in self._db.execute(
-            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone FROM batches ORDER BY submitted"
+        for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background in self._db.execute(
+            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background FROM batches "
+            "ORDER BY submitted"
         ).fetchall():
             groups: dict[str, list[SampleRequest]] = {prompt_id: [] for prompt_id in json.loads(prompt_ids)}
             for row in self._db.execute(
@@ -129,7 +132,8 @@ class Journal:
                 sampling.ParseFromString(row[3])
                 groups[row[1]].append(SampleRequest(
                     request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_token_ids_from(row[2]),
-                    sampling=sampling, policy_version=row[4], exact_version=bool(exact_version), token_ids=_token_ids_from(row[5]),
+                    sampling=sampling, policy_version=row[4], exact_version=bool(exact_version), background=bool(background),
+                    token_ids=_token_ids_from(row[5]),
                     logprobs=_logprobs_from(row[6]),
                     weight_versions=_versions_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
                     migrations=row[11],
@@ -137,7 +141,7 @@ class Journal:
             for group in groups.values():
                 group.sort(key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
             batches.append(Batch(batch_id, policy_version, groups, submitted_at=state.clock(), sent=json.loads(sent), error=error,
-                                 exact_version=bool(exact_version), version_gone=bool(version_gone)))
+                                 exact_version=bool(exact_version), version_gone=bool(version_gone), background=bool(background)))
         state.restore(instances, batches, self._counter("published_version") or 0, self._counter("registrations") or 0, now)
         return len(batches), len(instances)
 
@@ -156,11 +160,12 @@ class Journal:
             for batch_id in changed.batches & state.batches.keys():
                 batch = state.batches[batch_id]
                 db.execute(
-                    "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, version_gone) "
-                    "VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?) ON CONFLICT (batch_id) DO UPDATE "
+                    "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, version_gone, "
+                    "background) VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?) "
+                    "ON CONFLICT (batch_id) DO UPDATE "
                     "SET sent = excluded.sent, error = excluded.error, version_gone = excluded.version_gone",
                     (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error,
-                     int(batch.exact_version), int(batch.version_gone)),
+                     int(batch.exact_version), int(batch.version_gone), int(batch.background)),
                 )
             requests = [state.requests[i] for i in changed.requests if i in state.requests]
             new = [r for r in requests if r.request_id in changed.new_requests]

@@ -10,12 +10,14 @@ from typing import NoReturn
 import grpc
 import structlog
 
+from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from services.manager.config import ManagerConfig
+from services.manager.instance_stream import InstanceStream
 from services.manager.journal import Journal, NoJournal
 from services.manager.stage_balance import Balance
 from services.manager.state import Assignment, Instance, ManagerState, SampleRequest, WrongIncarnation
@@ -41,8 +43,13 @@ class Changes:
             pass
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class Dispatcher:
-    """Turns assignments into Generate streams and feeds their chunks back into the state."""
+    """Turns assignments into requests on one GenerateMany stream per instance incarnation (one
+    Generate stream per request for an instance whose contract predates GenerateMany) and feeds
+    their chunks back into the state."""
 
     def __init__(self, state: ManagerState, changes: Changes, config: ManagerConfig) -> None:
         self.state = state
@@ -50,6 +57,15 @@ class Dispatcher:
         self.config = config
         self._channels: dict[str, tuple[grpc.aio.Channel, rollout_pb2_grpc.RolloutServiceStub]] = {}
         self._streams: dict[str, asyncio.Task[None]] = {}
+        """Generate streams (one request each) by request id."""
+        self._instance_streams: dict[tuple[str, int], InstanceStream] = {}
+        """The stream taking new requests for each incarnation, by (instance id, incarnation)."""
+        self._open_streams: dict[InstanceStream, tuple[str, int]] = {}
+        """Every GenerateMany stream not ended yet (retired ones too), with its incarnation."""
+        self._stream_of: dict[str, tuple[InstanceStream, str]] = {}
+        """Where each request dispatched on a GenerateMany stream runs: (stream, engine request id)."""
+        self._single_request_addresses: set[str] = set()
+        """Instances that answered GenerateMany with UNIMPLEMENTED."""
         self._closing: set[asyncio.Task[None]] = set()
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
@@ -60,16 +76,137 @@ class Dispatcher:
 
     def dispatch(self) -> None:
         for assignment in self.state.assign():
-            key = assignment.request.request_id
-            self._streams[key] = asyncio.create_task(self._run(assignment))
+            if assignment.instance.address in self._single_request_addresses:
+                self._streams[assignment.request.request_id] = asyncio.create_task(self._run(assignment))
+            else:
+                stream = self._stream_to(assignment.instance)
+                generate = self._generate_request(assignment)
+                self._stream_of[assignment.request.request_id] = (stream, generate.request_id)
+                stream.start(assignment, generate)
+
+    def _stream_to(self, instance: Instance) -> InstanceStream:
+        key = (instance.instance_id, instance.incarnation)
+        stream = self._instance_streams.get(key)
+        if stream is not None and stream.takes_requests:
+            return stream
+        if stream is not None:
+            stream.retire()
+        stream = InstanceStream(self._stub(instance.address), self.config.generate_timeout_seconds, self._received, self._stream_ended)
+        self._instance_streams[key] = stream
+        self._open_streams[stream] = key
+        return stream
+
+    @staticmethod
+    def _generate_request(assignment: Assignment) -> rollout_pb2.GenerateRequest:
+        request, instance = assignment.request, assignment.instance
+        generate = rollout_pb2.GenerateRequest(
+            request_id=request.engine_request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            continued_token_ids=request.token_ids,
+            sampling=request.sampling,
+            incarnation_token=instance.token,
+        )
+        if request.exact_version:
+            generate.pinned_version = request.policy_version
+        generate.background = request.background
+        return generate
+
+    def _received(self, stream: InstanceStream, response: rollout_pb2.GenerateManyResponse) -> None:
+        for chunk in response.chunks:
+            assignment = stream.assignments.get(chunk.request_id)
+            if assignment is None:
+                continue
+            request, instance = assignment.request, assignment.instance
+            known_version = instance.weight_version
+            try:
+                goes_on = self.state.record_chunk(
+                    request.request_id, assignment.attempt, list(chunk.token_ids), list(chunk.logprobs),
+                    list(chunk.weight_versions), chunk.finish_reason,
+                )
+            except InvalidArgument as exc:
+                log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
+                self.state.stream_lost(request.request_id, assignment.attempt)
+                goes_on = False
+            if instance.weight_version != known_version:
+                # The instance switched: samples waiting for its new version may go now.
+                self.dispatch()
+            if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self._forget(stream, chunk.request_id)
+            elif not goes_on:
+                stream.cancel(chunk.request_id)
+        for refusal in response.refusals:
+            assignment = self._forget(stream, refusal.request_id)
+            if assignment is not None:
+                self._refused(assignment, _STATUS_CODES.get(refusal.code, grpc.StatusCode.UNKNOWN), refusal.message)
+        self.dispatch()
+        self.changes.notify()
+
+    def _forget(self, stream: InstanceStream, engine_request_id: str) -> Assignment | None:
+        assignment = stream.ended(engine_request_id)
+        if assignment is not None and self._stream_of.get(assignment.request.request_id, (None, ""))[1] == engine_request_id:
+            del self._stream_of[assignment.request.request_id]
+        return assignment
+
+    def _stream_ended(self, stream: InstanceStream, error: grpc.aio.AioRpcError | None) -> None:
+        self._discard(stream)
+        for engine_request_id in list(stream.assignments):
+            assignment = self._forget(stream, engine_request_id)
+            if assignment is None:
+                continue
+            if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED and assignment.instance.address not in self._single_request_addresses:
+                log.info("instance predates GenerateMany; one Generate stream per request", instance_id=assignment.instance.instance_id)
+                self._single_request_addresses.add(assignment.instance.address)
+            self._refused(assignment, error.code() if error else grpc.StatusCode.INTERNAL,
+                          error.details() if error else "the stream ended before the request finished")
+        self.dispatch()
+        self.changes.notify()
+
+    def _discard(self, stream: InstanceStream) -> None:
+        key = self._open_streams.pop(stream, None)
+        if key is not None and self._instance_streams.get(key) is stream:
+            del self._instance_streams[key]
+
+    def close_streams(self, instance_id: str, keep_incarnation: int | None = None) -> None:
+        """Ends the streams to the incarnations of an instance that left the pool (all but
+        `keep_incarnation`); the state already requeued what they ran."""
+        for stream in [s for s, (i, incarnation) in self._open_streams.items() if i == instance_id and incarnation != keep_incarnation]:
+            self._discard(stream)
+            for engine_request_id in list(stream.assignments):
+                self._forget(stream, engine_request_id)
+            stream.close()
+
+    def _refused(self, assignment: Assignment, code: grpc.StatusCode, details: str) -> None:
+        """A request ended without finishing: with `code`, as the instance refused it or its stream failed."""
+        request, attempt, instance = assignment.request, assignment.attempt, assignment.instance
+        if code == grpc.StatusCode.ABORTED and request.exact_version:
+            if self.state.version_refused(request.request_id, attempt):
+                log.info("instance moved on from an exact-version request's version", request=request.request_id,
+                         instance_id=instance.instance_id, weight_version=request.policy_version, error=details)
+            return
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            if self.state.reject(request.request_id, attempt, details):
+                log.warning("instance refused a request; its batch fails", request=request.request_id, error=details)
+            return
+        if self.state.stream_lost(request.request_id, attempt):
+            log.warning("stream failed; request continues elsewhere", request=request.request_id,
+                        instance_id=instance.instance_id, code=code.name, tokens_kept=len(request.token_ids))
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._drop_gone(instance, "instance unreachable; dropped")
+        elif code == grpc.StatusCode.PERMISSION_DENIED:
+            self._drop_gone(instance, "another process answers at the instance's address; dropped")
 
     def cancel(self, requests: list[SampleRequest]) -> None:
-        """Stops streams of requests that were taken away from their instance."""
+        """Stops the requests that were taken away from their instance."""
         current = asyncio.current_task()
         for request in requests:
+            if request.instance_id is not None:
+                continue
             task = self._streams.get(request.request_id)
-            if task is not None and task is not current and request.instance_id is None:
+            if task is not None and task is not current:
                 task.cancel()
+            if request.request_id in self._stream_of:
+                stream, engine_request_id = self._stream_of[request.request_id]
+                stream.cancel(engine_request_id)
 
     async def forget_address(self, address: str) -> None:
         """Closes the channel to an address no registered instance uses any more."""
@@ -98,18 +235,10 @@ class Dispatcher:
             self.state.migration_failed(request)
 
     async def _run(self, assignment: Assignment) -> None:
+        """One request on its own Generate stream."""
         request, attempt, instance = assignment.request, assignment.attempt, assignment.instance
-        generate = rollout_pb2.GenerateRequest(
-            request_id=request.engine_request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            continued_token_ids=request.token_ids,
-            sampling=request.sampling,
-            incarnation_token=instance.token,
-        )
-        if request.exact_version:
-            generate.pinned_version = request.policy_version
         try:
-            stream = self._stub(instance.address).Generate(generate, **call_options(self.config.generate_timeout_seconds))
+            stream = self._stub(instance.address).Generate(self._generate_request(assignment), **call_options(self.config.generate_timeout_seconds))
             async for response in stream:
                 chunk = response.chunk
                 known_version = instance.weight_version
@@ -118,7 +247,6 @@ class Dispatcher:
                     list(chunk.weight_versions), chunk.finish_reason,
                 )
                 if instance.weight_version != known_version:
-                    # The instance switched: samples waiting for its new version may go now.
                     self.dispatch()
                     self.changes.notify()
                 if not goes_on:
@@ -127,22 +255,7 @@ class Dispatcher:
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream ended before the request finished", request=request.request_id)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.ABORTED and request.exact_version:
-                if self.state.version_refused(request.request_id, attempt):
-                    log.info("instance moved on from an exact-version request's version", request=request.request_id,
-                             instance_id=instance.instance_id, weight_version=request.policy_version, error=exc.details())
-                return
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                if self.state.reject(request.request_id, attempt, exc.details() or ""):
-                    log.warning("instance refused a request; its batch fails", request=request.request_id, error=exc.details())
-                return
-            if self.state.stream_lost(request.request_id, attempt):
-                log.warning("stream failed; request continues elsewhere", request=request.request_id,
-                            instance_id=instance.instance_id, code=exc.code().name, tokens_kept=len(request.token_ids))
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._drop_gone(instance, "instance unreachable; dropped")
-            elif exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                self._drop_gone(instance, "another process answers at the instance's address; dropped")
+            self._refused(assignment, exc.code(), exc.details() or "")
         except InvalidArgument as exc:
             log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
             self.state.stream_lost(request.request_id, attempt)
@@ -160,12 +273,15 @@ class Dispatcher:
             return
         requeued = self.state.remove(instance.instance_id, time.monotonic())
         self.cancel(requeued)
+        self.close_streams(instance.instance_id)
         self._in_background(self.forget_address(instance.address))
         log.warning(why, instance_id=instance.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
 
     async def close(self) -> None:
         for task in list(self._streams.values()):
             task.cancel()
+        for stream in list(self._open_streams):
+            stream.close()
         for channel, _ in self._channels.values():
             await channel.close()
 
@@ -245,6 +361,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             request.preemptible, request.incarnation_token,
         )
         self.dispatcher.cancel(requeued)
+        self.dispatcher.close_streams(instance.instance_id, keep_incarnation=instance.incarnation)
         log.info("instance registered", instance_id=request.instance_id, address=request.address, incarnation=instance.incarnation,
                  weight_version=request.weight_version, preemptible=request.preemptible)
         self._durable()
@@ -278,6 +395,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         except WrongIncarnation as exc:
             await refuse_incarnation(context, exc)
         self.dispatcher.cancel(requeued)
+        self.dispatcher.close_streams(request.instance_id)
         await self.dispatcher.forget_address(instance.address)
         log.info("instance deregistered", instance_id=request.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
         self._durable()
@@ -303,6 +421,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
             request.sampling,
             exact_version=request.exact_version,
+            background=request.background,
         )
         self._durable()
         self._changed()
@@ -424,6 +543,7 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
             for instance, requeued in state.expire(now):
                 log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
                 dispatcher.cancel(requeued)
+                dispatcher.close_streams(instance.instance_id)
                 await dispatcher.forget_address(instance.address)
                 dispatcher.dispatch()
                 changes.notify()

@@ -64,6 +64,9 @@ class EngineRequest:
     pinned_version: int | None = None
     """Every token must come from exactly this weight version (an exact-version batch, held-out
     evaluation); None: any version."""
+    background: bool = False
+    """Background work: decoded at the lowest CPU priority while nothing else shares the batch
+    (engines that can; see GenerateRequest.background)."""
 
     @property
     def remaining_tokens(self) -> int:

@@ -84,10 +84,10 @@ class RunningRollout:
             await self.engine.release_update_hold()
         self._drained = self.engine.abort()
         deadline = time.monotonic() + self.drain_timeout
-        while self.servicer.streams and time.monotonic() < deadline:
+        while self.servicer.open_responses and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await self.membership.deregister()
-        log.info("drained", handed_back_requests=self._drained, streams_left=self.servicer.streams)
+        log.info("drained", handed_back_requests=self._drained, streams_left=self.servicer.open_responses)
         self.stop_requested.set()
         return self._drained
 

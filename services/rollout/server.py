@@ -3,21 +3,26 @@ and the weight updater."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+import structlog
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.errors import DomainError, FailedPrecondition, InvalidArgument, PermissionDenied
 from rlmesh.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc import status_code_of
 from rlmesh.sampling import sampling_problem
 from rlmesh.transfer.auth import UnprovenPayload
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
 from services.rollout.rank import RankPort
 from services.rollout.weight_update import Backend, WeightUpdater
+
+log = structlog.get_logger()
 
 _BACKENDS: dict[int, Backend] = {
     rollout_pb2.TRANSFER_BACKEND_MOONCAKE: "mooncake",
@@ -45,6 +50,10 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
         stop_token_ids=frozenset(params.stop_token_ids),
         seed=params.seed,
     )
+
+
+def refusal(request_id: str, code: grpc.StatusCode, message: str) -> rollout_pb2.GenerateRefusal:
+    return rollout_pb2.GenerateRefusal(request_id=request_id, code=code.value[0], message=message)
 
 
 def endpoint_to_proto(port: RankPort) -> rollout_pb2.RankEndpoint:
@@ -80,32 +89,102 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.membership: Membership | None = None
         self.drain: Callable[[str], Awaitable[int]] | None = None
         """Set by the process: hands running requests back and stops the instance."""
-        self.streams = 0
-        """Generate streams still open: a drain waits for them to deliver their last chunk."""
+        self.open_responses = 0
+        """Responses not yet ended (Generate streams, requests of GenerateMany streams): a drain
+        waits for them to deliver their last chunk."""
         self._scraped: tuple[float, int] | None = None
         """(time, generated tokens) at the last metrics scrape: tokens/s is measured between scrapes."""
 
-    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
+    async def _engine_request(self, request: rollout_pb2.GenerateRequest) -> EngineRequest:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         if request.incarnation_token and self.membership and not await self.membership.is_incarnation(request.incarnation_token):
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise PermissionDenied(
                 f"instance {self.instance_id!r}: the request was dispatched to another incarnation of this id; "
-                "this process restarted or has not registered as it yet",
+                "this process restarted or has not registered as it yet"
             )
         if self.membership and self.membership.draining:
             raise FailedPrecondition("this instance is draining and takes no new requests")
-        engine_request = EngineRequest(
+        return EngineRequest(
             request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids),
-            request.pinned_version if request.HasField("pinned_version") else None,
+            request.pinned_version if request.HasField("pinned_version") else None, request.background,
         )
-        self.streams += 1
+
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
+        engine_request = await self._engine_request(request)
+        self.open_responses += 1
         try:
             async for chunk in self.engine.generate(engine_request):
                 yield rollout_pb2.GenerateResponse(chunk=chunk_to_proto(chunk))
         finally:
-            self.streams -= 1
+            self.open_responses -= 1
+
+    async def GenerateMany(self, request_iterator: AsyncIterator[rollout_pb2.GenerateManyRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateManyResponse]:
+        outbox: asyncio.Queue[common_pb2.TokenChunk | rollout_pb2.GenerateRefusal | None] = asyncio.Queue()
+        """Chunks and refusals to send; None only wakes the writer (a request or the reader ended)."""
+        running: dict[str, asyncio.Task[None]] = {}
+        cancelled: set[str] = set()
+        """Cancelled while their task had not reached the engine yet, where an abort finds them."""
+
+        async def run(request: rollout_pb2.GenerateRequest) -> None:
+            finished = False
+            try:
+                engine_request = await self._engine_request(request)
+                if request.request_id in cancelled:
+                    outbox.put_nowait(common_pb2.TokenChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    return
+                async for chunk in self.engine.generate(engine_request):
+                    finished = chunk.finish is not Finish.NONE
+                    outbox.put_nowait(chunk_to_proto(chunk))
+                if not finished:
+                    outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INTERNAL, "the engine ended the request unfinished"))
+            except DomainError as exc:
+                outbox.put_nowait(refusal(request.request_id, status_code_of(exc), str(exc)))
+            except Exception as exc:
+                log.exception("request failed", request_id=request.request_id)
+                outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INTERNAL, f"the instance failed the request: {exc}"))
+            finally:
+                running.pop(request.request_id, None)
+                cancelled.discard(request.request_id)
+                self.open_responses -= 1
+                outbox.put_nowait(None)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    for request in message.requests:
+                        if request.request_id in running:
+                            outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INVALID_ARGUMENT,
+                                                      f"request {request.request_id} is already running on this stream"))
+                            continue
+                        self.open_responses += 1
+                        running[request.request_id] = asyncio.create_task(run(request))
+                    own = [i for i in message.cancel_request_ids if i in running]
+                    if own:
+                        cancelled.update(own)
+                        self.engine.abort(own)
+            finally:
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while not (reader.done() and not running and outbox.empty()):
+                items = [await outbox.get()]
+                # Let the other requests of the same decode step put their chunks in first.
+                await asyncio.sleep(0)
+                while not outbox.empty():
+                    items.append(outbox.get_nowait())
+                chunks = [i for i in items if isinstance(i, common_pb2.TokenChunk)]
+                refusals = [i for i in items if isinstance(i, rollout_pb2.GenerateRefusal)]
+                if chunks or refusals:
+                    yield rollout_pb2.GenerateManyResponse(chunks=chunks, refusals=refusals)
+            reader.result()
+        finally:
+            tasks = [reader, *running.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.AbortResponse:
         if not request.all and not request.request_ids:

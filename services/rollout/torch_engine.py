@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.lifecycle import SessionPriority
 from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
@@ -139,6 +140,8 @@ class TorchEngine(TensorParallelEngine):
         self._halt_acks: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         """Who waits for the decode step in progress to end after a pause or a hold."""
         self._staging = threading.Lock()
+        self._priority = SessionPriority()
+        """Lowest while every sequence decoded is background work (decode thread only)."""
         self._stopped = False
         self._failure = ""
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
@@ -351,6 +354,7 @@ class TorchEngine(TensorParallelEngine):
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             emitted: list[tuple[_Sequence, Chunk]] = []
+            self._take_priority_of(self._batch.rows + joining)
             try:
                 if swap is not None:
                     self._apply_swap(swap)
@@ -377,7 +381,11 @@ class TorchEngine(TensorParallelEngine):
                     self._group.run("clear")
                 except Exception as exc:
                     log.error("cannot clear the KV cache after a failed step", error=str(exc))
+            self._take_priority_of(self._batch.rows)
             _deliver(emitted)
+
+    def _take_priority_of(self, rows: list[_Sequence]) -> None:
+        self._priority.lower(bool(rows) and all(row.request.background for row in rows))
 
     def _abandon(self) -> None:
         """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""

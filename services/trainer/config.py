@@ -99,6 +99,10 @@ class TrainerConfig(StrictModel):
     published on spare rollout capacity, every prompt pinned to that version, while training goes
     on (filed under the step and `eval/weight_version` when it is done); `inline` generates on the
     trainer's own policy and training waits for it."""
+    validation_priority: Literal["low", "normal"] = "low"
+    """`low`: a background validation's requests are background work: an instance decodes them at
+    the lowest CPU priority while nothing else shares its batch, so on a host shared with the
+    trainer they take only the CPU training leaves. `normal`: like training requests."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
     and a new prompt drawn for the same step in its place, within the capacity rule."""

@@ -85,10 +85,11 @@ class MeshClient:
 
     async def submit(self, batch_id: str, policy_version: int,
                      prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]], n: int,
-                     sampling: common_pb2.SamplingParams, exact_version: bool = False) -> None:
+                     sampling: common_pb2.SamplingParams, exact_version: bool = False, background: bool = False) -> None:
         """A prompt given with its own sampling settings (its task's) uses them instead of the batch's.
         `exact_version`: every token comes from exactly `policy_version` (held-out evaluation of that
-        version, background work); its rollouts fail with OUT_OF_RANGE once no instance serves it."""
+        version); its rollouts fail with OUT_OF_RANGE once no instance serves it. `background`:
+        instances decode it only with the CPU other work leaves."""
         request = manager_pb2.SubmitPromptsRequest(
             batch_id=batch_id,
             policy_version=policy_version,
@@ -96,6 +97,7 @@ class MeshClient:
                                         sampling=entry[2] if len(entry) > 2 else None) for entry in prompts],
             sampling=sampling,
             exact_version=exact_version,
+            background=background,
         )
         await self._call_manager(self.manager.SubmitPrompts, request, landed=grpc.StatusCode.ALREADY_EXISTS)
 

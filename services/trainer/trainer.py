@@ -170,7 +170,8 @@ class GrpoTrainer:
         self.reference: ReferenceWorker | None = None
         """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
         self.validation = (BackgroundValidation(self.mixture, mesh, self._completion, self.stop_ids, config.seed, self.run_tag,
-                                                config.rollout_timeout_seconds, self._file_evaluation)
+                                                config.rollout_timeout_seconds, self._file_evaluation,
+                                                low_priority=config.validation_priority == "low")
                            if config.validation == "background" else None)
         self.evaluations: dict[int, dict[str, float]] = {}
         """Inline evaluations by step (background ones are kept by `validation`)."""

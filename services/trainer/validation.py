@@ -84,7 +84,7 @@ class BackgroundValidation:
 
     def __init__(self, mixture: TaskMixture, mesh: MeshClient, completion: Callable[[list[int]], str], stop_ids: list[int],
                  seed: int, run_tag: str, timeout_seconds: float,
-                 report: Callable[[int, dict[str, float]], None]) -> None:
+                 report: Callable[[int, dict[str, float]], None], low_priority: bool = True) -> None:
         self.held_out = held_out_sets(mixture)
         self.mesh = mesh
         self.completion = completion
@@ -93,6 +93,8 @@ class BackgroundValidation:
         self.run_tag = run_tag
         self.timeout_seconds = timeout_seconds
         self.report = report
+        self.low_priority = low_priority
+        """Submitted as background work: instances decode it only with the CPU training leaves."""
         self.running: dict[int, asyncio.Task] = {}
         self.results: dict[int, dict[str, float]] = {}
         """Figures by the training step whose version was evaluated."""
@@ -135,7 +137,7 @@ class BackgroundValidation:
         prompt_ids = [f"t{index}{kind[0]}{i}" for i in range(len(held_out.prompts))]
         samples = 1 if greedy else held_out.task.config.eval.samples
         prompts = [(pid, ids, self._sampling(held_out, step, pid, greedy)) for pid, ids in zip(prompt_ids, held_out.token_ids)]
-        await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True)
+        await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority)
         return PinnedBatch(batch_id, held_out, prompt_ids, samples, greedy)
 
     async def _validate(self, step: int, version: int, batches: list[PinnedBatch]) -> None:

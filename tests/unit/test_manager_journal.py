@@ -1,6 +1,6 @@
 """The manager's journal: what a flush wrote is what a restarted manager restores, and a restored
 state goes on (unfinished requests continue from their tokens, sent groups resend, tokens hold,
-exact-version batches stay exact); a journal of the previous format is migrated."""
+exact-version batches stay exact, background ones background); a journal of an earlier format is migrated."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ def snapshot(state: ManagerState) -> dict:
         "registrations": state.registrations,
         "instances": {i.instance_id: (i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
                                       i.preemptible, i.draining) for i in state.instances.values()},
-        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error, b.exact_version, b.version_gone)
+        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error, b.exact_version, b.version_gone, b.background)
                     for b in state.batches.values()},
         "requests": {r.request_id: (r.prompt_token_ids, r.sampling.SerializeToString(deterministic=True), r.token_ids, r.logprobs,
-                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt, r.exact_version)
+                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt, r.exact_version, r.background)
                      for r in state.requests.values()},
     }
 
@@ -149,14 +149,14 @@ def test_a_journal_of_another_format_or_not_sqlite_is_refused(tmp_path):
         Journal(other)
 
 
-def test_exact_version_batches_survive_a_restart_exact_or_failed(tmp_path):
+def test_exact_version_batches_survive_a_restart_exact_or_failed_and_background(tmp_path):
     path = tmp_path / "journal.sqlite"
     journal = Journal(path)
     state = ManagerState(lease_seconds=10, max_staleness=0)
     state.publish(2)
     state.register("old", "127.0.0.1:1", 1, 4, now=0)
     state.register("new", "127.0.0.1:2", 2, 4, now=0)
-    state.submit("eval2", 2, [("p", [5], 2)], sampling(), exact_version=True)
+    state.submit("eval2", 2, [("p", [5], 2)], sampling(), exact_version=True, background=True)
     state.submit("eval0", 0, [("p", [5], 1)], sampling(), exact_version=True)
     running = next(a for a in state.assign() if a.request.batch_id == "eval2")
     state.record_chunk(running.request.request_id, running.attempt, [7], [-0.5], [2], NONE)
@@ -167,6 +167,8 @@ def test_exact_version_batches_survive_a_restart_exact_or_failed(tmp_path):
     after = restarted(path)
     assert snapshot(after) == snapshot(state)
     assert after.batches["eval2"].exact_version and all(r.exact_version for r in after.batches["eval2"].groups["p"])
+    assert after.batches["eval2"].background and all(r.background for r in after.batches["eval2"].groups["p"])
+    assert not after.batches["eval0"].background
     # The failed batch queues nothing again; the other still runs only on its version's instance.
     assert {r.batch_id for r in after.queue} == {"eval2"}
     assert {a.instance.instance_id for a in after.assign()} == {"new"}
@@ -190,4 +192,5 @@ def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
     state = restarted(path)
     batch = state.batches["b1"]
     assert state.published_version == 4 and batch.policy_version == 4 and not batch.exact_version and not batch.version_gone
-    assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (3,)
+    assert not batch.background
+    assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (4,)

@@ -768,6 +768,37 @@ def test_a_validation_stays_on_one_instance_while_the_others_take_training_sampl
     assert [(a.instance.instance_id, a.request.batch_id) for a in state.assign()] == [(holder, "eval")]
 
 
+def test_training_samples_wait_for_another_instance_rather_than_join_background_work():
+    state = state_with({"a": 1, "b": 1}, max_staleness=1)
+    state.publish(1)
+    for instance in state.instances.values():
+        instance.max_batch_size = 4
+    state.submit("eval", 1, [("e", [1], 2)], sampling(), exact_version=True, background=True)
+    state.submit("train", 1, [("t", [1], 6)], sampling())
+    placed = [(a.instance.instance_id, a.request.batch_id) for a in state.assign()]
+    (holder,) = {i for i, batch in placed if batch == "eval"}
+    other = ({"a", "b"} - {holder}).pop()
+    # The holder has two free slots, yet the training samples left wait for the other instance.
+    assert sorted(placed) == sorted([(holder, "eval")] * 2 + [(other, "train")] * 4)
+    assert state.instances[holder].free_slots == 2 and state.assign() == []
+    finished = next(iter(state.instances[other].running))
+    state.record_chunk(finished, state.requests[finished].attempt, [1], [0.0], [1], STOP)
+    assert [(a.instance.instance_id, a.request.batch_id) for a in state.assign()] == [(other, "train")]
+    # Once the background work ended, the holder takes training samples again.
+    for request_id in list(state.instances[holder].running):
+        state.record_chunk(request_id, state.requests[request_id].attempt, [1], [0.0], [1], STOP)
+    assert [(a.instance.instance_id, a.request.batch_id) for a in state.assign()] == [(holder, "train")]
+
+
+def test_with_one_instance_training_samples_share_it_with_background_work():
+    state = state_with({"a": 1}, max_staleness=1)
+    state.publish(1)
+    state.instances["a"].max_batch_size = 4
+    state.submit("eval", 1, [("e", [1], 2)], sampling(), exact_version=True, background=True)
+    state.submit("train", 1, [("t", [1], 2)], sampling())
+    assert sorted(a.request.batch_id for a in state.assign()) == ["eval", "eval", "train", "train"]
+
+
 def test_a_chunk_of_a_newer_version_tells_the_manager_before_the_heartbeat():
     state = state_with({"a": 0}, max_staleness=0)
     state.submit("step0", 0, [("p", [1], 1)], sampling())

@@ -1,10 +1,11 @@
 """The torch engine on a real model: agreement with HF greedy decoding and with the trainer's
 log-probabilities, continuous batching, continuation, stop and length handling, chunks of several
 tokens (stream_interval), abort, pause and resume, the weight switch between decode steps and what
-running requests do at it (update modes), and requests pinned to a version, which hold the switch
-back until they end."""
+running requests do at it (update modes), requests pinned to a version, which hold the switch
+back until they end, and background requests, decoded at the lowest CPU priority while alone."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import Aborted, FailedPrecondition, InvalidArgument
+from rlmesh.lifecycle import SessionPriority
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.payload import pack, stream_chunks
@@ -494,3 +496,35 @@ async def test_a_commit_given_up_while_a_pinned_request_holds_it_back_is_withdra
     assert engine.weight_version == 0
     await engine.commit_staged(1)
     assert engine.weight_version == 1
+
+
+async def test_background_requests_decode_at_the_lowest_priority_only_while_alone(engine, model_dir):
+    """While every sequence in the batch is background work (a validation), the process's session
+    runs at nice 19; a training request joining brings it back at once, and so does the end."""
+    if not SessionPriority().usable or not os.access(SessionPriority.AUTOGROUP, os.W_OK):
+        pytest.skip("this kernel shows no autogroup priority, or does not let it be written")
+    before = SessionPriority.read()
+    priority_at_decode: list[tuple[frozenset[str], int]] = []
+    run = engine._group.run
+
+    def recording(op, *args):
+        if op == "decode":
+            running = frozenset(s.request.request_id for s in engine._batch.rows)
+            priority_at_decode.append((running, SessionPriority.read()))
+            time.sleep(0.002)
+        return run(op, *args)
+
+    engine._group.run = recording
+    ids, _ = prompts(model_dir, ["111=", "222="])
+    background = asyncio.create_task(collect(engine, EngineRequest("validation", ids[0], Sampling(temperature=1.0, max_tokens=50),
+                                                                   background=True)))
+    while engine.generated_tokens < 5:
+        await asyncio.sleep(0.001)
+    training = await collect(engine, EngineRequest("training", ids[1], Sampling(temperature=1.0, max_tokens=10)))
+    await background
+    assert training[3] is Finish.LENGTH
+    alone = {nice for running, nice in priority_at_decode if running == {"validation"}}
+    shared = {nice for running, nice in priority_at_decode if "training" in running}
+    assert alone == {19}
+    assert shared == {before}
+    assert SessionPriority.read() == before
