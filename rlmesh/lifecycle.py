@@ -37,6 +37,8 @@ class SessionPriority:
         self.lowered = False
         self._normal = self.read()
         self.usable = self._normal is not None
+        if not self.usable:
+            log.info("this kernel shows no autogroup priority; background work runs at normal priority")
 
     @classmethod
     def read(cls) -> int | None:
