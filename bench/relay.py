@@ -16,6 +16,7 @@ from bench.common import BenchMesh, InstanceSpec, check_exactly_once, write_resu
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
+from services.manager.config import ManagerConfig
 
 INSTANCES = 3
 MAX_BATCH = 128
@@ -117,11 +118,12 @@ async def main(rounds: int) -> dict:
                  "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8},
         settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,
                   "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
-                  "journal": "SQLite WAL, synchronous=NORMAL, flushed every 0.1 s and before every reply that confirms something"},
+                  "journal": f"SQLite WAL, synchronous=NORMAL, flushed every {ManagerConfig().journal_flush_seconds} s "
+                             "and before every reply that confirms something"},
     )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     asyncio.run(main(parser.parse_args().rounds))

@@ -70,9 +70,28 @@ def _logprobs_from(blob: bytes) -> list[float]:
     return array("f", blob).tolist()
 
 
+class _EncodedProgress:
+    """A request's tokens, logprobs and versions in their journal encoding. A request's arrays only
+    grow, so each flush encodes what came since the last one instead of the whole request again."""
+
+    __slots__ = ("request", "count", "token_ids", "logprobs", "weight_versions")
+
+    def __init__(self, request: SampleRequest) -> None:
+        self.request, self.count = request, 0
+        self.token_ids, self.logprobs, self.weight_versions = bytearray(), bytearray(), bytearray()
+
+    def extend(self, request: SampleRequest) -> _EncodedProgress:
+        start, self.count = self.count, len(request.token_ids)
+        self.token_ids += _token_ids(request.token_ids[start:])
+        self.logprobs += _logprobs(request.logprobs[start:])
+        self.weight_versions += _versions(request.weight_versions[start:])
+        return self
+
+
 class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._encoded: dict[str, _EncodedProgress] = {}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # The event loop is the only writer; autocommit is off so that a flush is one transaction.
@@ -168,14 +187,14 @@ class Journal:
                      int(batch.exact_version), int(batch.version_gone), int(batch.background)),
                 )
             requests = [state.requests[i] for i in changed.requests if i in state.requests]
-            new = [r for r in requests if r.request_id in changed.new_requests]
+            progress = {r.request_id: self._progress(r) for r in requests}
             db.executemany(
                 "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (r.request_id, r.batch_id, r.prompt_id, _token_ids(r.prompt_token_ids), r.sampling.SerializeToString(),
-                     r.policy_version, _token_ids(r.token_ids), _logprobs(r.logprobs), _versions(r.weight_versions),
+                     r.policy_version, (p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions,
                      json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations)
-                    for r in new
+                    for r in requests if r.request_id in changed.new_requests
                 ],
             )
             # Requests written before change only in how far they got.
@@ -183,7 +202,7 @@ class Journal:
                 "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, finish_reason = ?, "
                 "attempt = ?, migrations = ? WHERE request_id = ?",
                 [
-                    (_token_ids(r.token_ids), _logprobs(r.logprobs), _versions(r.weight_versions), json.dumps(r.instance_ids),
+                    ((p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions, json.dumps(r.instance_ids),
                      r.finish_reason, r.attempt, r.migrations, r.request_id)
                     for r in requests if r.request_id not in changed.new_requests
                 ],
@@ -207,6 +226,23 @@ class Journal:
             # Still unwritten: the next flush tries them again.
             state.changed.absorb(changed)
             raise
+        self._forget_encodings(state, requests, bool(changed.forgotten_batches))
+
+    def _progress(self, request: SampleRequest) -> _EncodedProgress:
+        encoded = self._encoded.get(request.request_id)
+        # A batch forgotten and submitted again under its id has new requests under the old ids.
+        if encoded is None or encoded.request is not request:
+            encoded = self._encoded[request.request_id] = _EncodedProgress(request)
+        return encoded.extend(request)
+
+    def _forget_encodings(self, state: ManagerState, written: list[SampleRequest], batches_forgotten: bool) -> None:
+        """A finished request is rarely written again, and a forgotten one never: their encodings go."""
+        for request in written:
+            if request.done:
+                del self._encoded[request.request_id]
+        if batches_forgotten:
+            for request_id in [i for i in self._encoded if i not in state.requests]:
+                del self._encoded[request_id]
 
     def close(self) -> None:
         self._db.close()

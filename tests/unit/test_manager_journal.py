@@ -194,3 +194,25 @@ def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
     assert state.published_version == 4 and batch.policy_version == 4 and not batch.exact_version and not batch.version_gone
     assert not batch.background
     assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (4,)
+
+
+def test_a_batch_submitted_again_under_its_id_is_journaled_from_its_new_requests(tmp_path):
+    """The journal encodes a request's tokens once and then only what it gained; a batch forgotten
+    and submitted again reuses the request ids, and its new requests must not extend the old ones."""
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path)
+    state = ManagerState(lease_seconds=10, max_staleness=1)
+    state.register("a", "127.0.0.1:1", 0, 4, now=0)
+    state.submit("b1", 0, [("p", [1], 1)], sampling())
+    (first,) = state.assign()
+    state.record_chunk(first.request.request_id, first.attempt, [1, 2, 3], [-0.5] * 3, [0] * 3, NONE)
+    journal.flush(state)
+    state.cancel_batch("b1")
+    state.submit("b1", 0, [("p", [1], 1)], sampling())
+    (again,) = state.assign()
+    assert again.request.request_id == first.request.request_id and again.request is not first.request
+    state.record_chunk(again.request.request_id, again.attempt, [7, 8, 9, 10], [-0.25] * 4, [0] * 4, NONE)
+    journal.flush(state)
+    journal.close()
+    assert snapshot(restarted(path)) == snapshot(state)
+    assert restarted(path).requests["b1/p/0"].token_ids == [7, 8, 9, 10]
