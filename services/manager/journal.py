@@ -80,7 +80,8 @@ class _EncodedProgress:
         self.request, self.count = request, 0
         self.token_ids, self.logprobs, self.weight_versions = bytearray(), bytearray(), bytearray()
 
-    def extend(self, request: SampleRequest) -> _EncodedProgress:
+    def extend(self) -> _EncodedProgress:
+        request = self.request
         start, self.count = self.count, len(request.token_ids)
         self.token_ids += _token_ids(request.token_ids[start:])
         self.logprobs += _logprobs(request.logprobs[start:])
@@ -233,7 +234,7 @@ class Journal:
         # A batch forgotten and submitted again under its id has new requests under the old ids.
         if encoded is None or encoded.request is not request:
             encoded = self._encoded[request.request_id] = _EncodedProgress(request)
-        return encoded.extend(request)
+        return encoded.extend()
 
     def _forget_encodings(self, state: ManagerState, written: list[SampleRequest], batches_forgotten: bool) -> None:
         """A finished request is rarely written again, and a forgotten one never: their encodings go."""

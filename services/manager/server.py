@@ -116,20 +116,7 @@ class Dispatcher:
             assignment = stream.assignments.get(chunk.request_id)
             if assignment is None:
                 continue
-            request, instance = assignment.request, assignment.instance
-            known_version = instance.weight_version
-            try:
-                goes_on = self.state.record_chunk(
-                    request.request_id, assignment.attempt, list(chunk.token_ids), list(chunk.logprobs),
-                    list(chunk.weight_versions), chunk.finish_reason,
-                )
-            except InvalidArgument as exc:
-                log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
-                self.state.stream_lost(request.request_id, assignment.attempt)
-                goes_on = False
-            if instance.weight_version != known_version:
-                # The instance switched: samples waiting for its new version may go now.
-                self.dispatch()
+            goes_on = self._record(assignment, chunk)
             if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self._forget(stream, chunk.request_id)
             elif not goes_on:
@@ -140,6 +127,24 @@ class Dispatcher:
                 self._refused(assignment, _STATUS_CODES.get(refusal.code, grpc.StatusCode.UNKNOWN), refusal.message)
         self.dispatch()
         self.changes.notify()
+
+    def _record(self, assignment: Assignment, chunk: common_pb2.TokenChunk) -> bool:
+        """Feeds a chunk into the state; False when its request is not to go on (it ended, was
+        taken away, or the chunk was malformed)."""
+        request, instance = assignment.request, assignment.instance
+        known_version = instance.weight_version
+        try:
+            goes_on = self.state.record_chunk(request.request_id, assignment.attempt, list(chunk.token_ids), list(chunk.logprobs),
+                                              list(chunk.weight_versions), chunk.finish_reason)
+        except InvalidArgument as exc:
+            log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
+            self.state.stream_lost(request.request_id, assignment.attempt)
+            return False
+        if instance.weight_version != known_version:
+            # The instance switched: samples waiting for its new version may go now.
+            self.dispatch()
+            self.changes.notify()
+        return goes_on
 
     def _forget(self, stream: InstanceStream, engine_request_id: str) -> Assignment | None:
         assignment = stream.ended(engine_request_id)
@@ -240,25 +245,13 @@ class Dispatcher:
         try:
             stream = self._stub(instance.address).Generate(self._generate_request(assignment), **call_options(self.config.generate_timeout_seconds))
             async for response in stream:
-                chunk = response.chunk
-                known_version = instance.weight_version
-                goes_on = self.state.record_chunk(
-                    request.request_id, attempt, list(chunk.token_ids), list(chunk.logprobs),
-                    list(chunk.weight_versions), chunk.finish_reason,
-                )
-                if instance.weight_version != known_version:
-                    self.dispatch()
-                    self.changes.notify()
-                if not goes_on:
+                if not self._record(assignment, response.chunk):
                     stream.cancel()
                     return
             if self.state.stream_lost(request.request_id, attempt):
                 log.warning("stream ended before the request finished", request=request.request_id)
         except grpc.aio.AioRpcError as exc:
             self._refused(assignment, exc.code(), exc.details() or "")
-        except InvalidArgument as exc:
-            log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
-            self.state.stream_lost(request.request_id, attempt)
         finally:
             if self._streams.get(request.request_id) is asyncio.current_task():
                 del self._streams[request.request_id]
