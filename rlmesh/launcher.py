@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from rlmesh.autoscale import Autoscaler
 from rlmesh.config import METRICS_PORT_OFFSET, TlsFiles
-from rlmesh.lifecycle import die_with_parent
+from rlmesh.lifecycle import CAP_NET_ADMIN, CAP_SYS_ADMIN, die_with_parent, effective_capabilities
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel, use_tls, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -246,9 +246,8 @@ def netns_problem() -> str:
     """Why this process cannot run rollout instances in network namespaces ("" when it can)."""
     if shutil.which("ip") is None:
         return "iproute2's `ip` command is not installed"
-    status = Path("/proc/self/status").read_text()
-    effective = int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.MULTILINE)[1], 16)
-    missing = [name for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")) if not effective >> bit & 1]
+    effective = effective_capabilities()
+    missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")) if not effective >> bit & 1]
     if missing:
         return f"it needs {' and '.join(missing)} to create network namespaces and veth pairs (run as root)"
     try:

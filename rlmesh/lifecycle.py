@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -23,6 +24,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
+def effective_capabilities() -> int:
+    """This process's effective capability set, as /proc/self/status shows it (bit n: capability n)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.MULTILINE)[1], 16)
+
+
+CAP_NET_ADMIN = 12
+CAP_SYS_ADMIN = 21
 BACKGROUND_NICE = 19
 
 
@@ -49,11 +58,17 @@ class SessionPriority:
             return None
 
     def lower(self, lowered: bool) -> None:
+        """Asks for the lowest priority or the one at start; a change the kernel defers is asked
+        for again by the next call (the next decode step), so the session never stays low."""
         if lowered == self.lowered or not self.usable:
             return
         try:
             self.AUTOGROUP.write_text(str(BACKGROUND_NICE if lowered else self._normal))
             self.lowered = lowered
+        except BlockingIOError:
+            # Without CAP_SYS_ADMIN the kernel takes one autogroup change per 100 ms on the whole
+            # host and answers EAGAIN to the rest: a rate limit, not a refusal.
+            pass
         except OSError as exc:
             self.usable = False
             log.warning("cannot change the session's CPU priority; background work runs at normal priority", error=str(exc))

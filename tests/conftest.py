@@ -1,4 +1,5 @@
-"""Shared fixtures: a small model folder created once per session."""
+"""Shared fixtures (a small model folder created once per session) and the suite's Hypothesis
+settings."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import settings
 
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
 
 torch.set_num_threads(1)
+
+# No per-example deadline: on a busy 2-core machine one slow example (a GC pause, a tokenizer
+# built) is timing, not a failed property.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def every_kind_of_field():
 
 
 OUTER = every_kind_of_field()
-EXAMPLES = settings(max_examples=400, deadline=None, database=None, derandomize=True,
+EXAMPLES = settings(max_examples=400, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -105,7 +105,7 @@ def _wire(message, name: str) -> bytes:
 
 
 @given(st.data())
-@settings(max_examples=50, deadline=None, database=None, derandomize=True)
+@settings(max_examples=50, database=None, derandomize=True)
 def test_unknown_fields_are_skipped_by_every_request_type(data):
     rpc = data.draw(st.sampled_from(contract_rpcs()))
     extra = data.draw(unknown_fields(rpc.request.DESCRIPTOR))

@@ -38,7 +38,7 @@ EXAMPLES = max(BOUNDED_EXAMPLES, math.ceil(REQUESTS / len(RPCS)))
 
 def fuzz_settings(examples: int) -> settings:
     # The bounded run is derandomized so `make test` is repeatable; the full run draws afresh.
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=not REQUESTS, print_blob=True,
+    return settings(max_examples=examples, database=None, derandomize=not REQUESTS, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 
 

@@ -98,7 +98,7 @@ async def manager():
 
 
 @pytest.mark.asyncio(loop_scope="module")
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cuts=st.lists(st.integers(min_value=0, max_value=2500), max_size=4), micro_batch_groups=st.integers(1, 4),
        wait_for_all=st.booleans())
 async def test_every_group_arrives_exactly_once_however_the_stream_is_cut(manager, cuts, micro_batch_groups, wait_for_all):

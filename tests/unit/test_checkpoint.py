@@ -33,7 +33,7 @@ def test_save_and_resume(model_dir, tmp_path):
     assert {p.name for p in latest.glob("shards_rank*.pt")} == {"shards_rank0.pt"}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(rows=st.integers(0, 40), saved_world=st.integers(1, 6), loaded_world=st.integers(1, 6), columns=st.integers(1, 3))
 def test_rows_saved_by_n_ranks_reassemble_for_m(rows, saved_world, loaded_world, columns):
     full = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)

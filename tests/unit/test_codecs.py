@@ -41,7 +41,7 @@ def as_bytes(values: torch.Tensor) -> np.ndarray:
     return values.contiguous().view(torch.uint8).numpy()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     mode=st.sampled_from(LOSSLESS_MODES),
     dtype=st.sampled_from(FLOAT_DTYPES),
@@ -96,7 +96,7 @@ def test_delta_of_two_percent_changed_bf16_compresses_more_than_5x():
     assert encoded.raw_bytes / len(encoded.data) > 5
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     dtype=st.sampled_from(FLOAT_DTYPES),
     count=st.integers(min_value=0, max_value=5_000),

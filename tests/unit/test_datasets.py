@@ -90,7 +90,7 @@ def test_a_limited_number_of_epochs_runs_out(jsonl):
         data.take(1)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(chunks=st.lists(st.integers(0, 40), max_size=6), seed=st.integers(0, 5))
 def test_a_cursor_resumes_the_exact_sequence(tmp_path_factory, chunks, seed):
     path = tmp_path_factory.mktemp("d") / "rows.jsonl"

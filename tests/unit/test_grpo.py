@@ -76,7 +76,7 @@ def loss_and_gradient(logprobs, *args, **kwargs):
     return loss.detach(), logprobs.grad.clone(), totals
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.data(), st.integers(1, 6), st.integers(1, 8), st.floats(0.05, 0.5), st.floats(0.05, 0.5),
        st.sampled_from(["sequence-mean", "token-mean"]))
 def test_decoupled_and_tis_are_ppo_when_the_proximal_policy_is_the_behaviour_policy(data, sequences, width, low, high, aggregation):
@@ -90,7 +90,7 @@ def test_decoupled_and_tis_are_ppo_when_the_proximal_policy_is_the_behaviour_pol
         assert other[2].importance_weight == pytest.approx(other[2].tokens)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.data(), st.integers(1, 6), st.integers(1, 8))
 def test_both_cap_modes_agree_while_no_weight_reaches_the_cap(data, sequences, width):
     logprobs, behaviour, proximal, advantages, mask = loss_inputs(data, sequences, width)
@@ -180,7 +180,7 @@ def one_shot_loss(logprobs, behaviour, advantages, mask, aggregation: str) -> to
     return (token_loss.sum(-1) / mask.sum(-1)).mean()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.data(), st.lists(st.integers(1, 7), min_size=1, max_size=9), st.sampled_from(["sequence-mean", "token-mean"]))
 def test_streamed_micro_batches_give_the_gradient_of_the_whole_mini_batch(data, lengths, aggregation):
     """Micro-batches of any size, each padded to its own longest sequence; their loss sums

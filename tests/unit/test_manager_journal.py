@@ -105,7 +105,7 @@ def test_forgotten_batches_and_dropped_instances_leave_the_journal(tmp_path):
     assert rows == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(steps=st.lists(st.tuples(st.sampled_from(["chunk", "finish", "take", "flush", "expire"]), st.integers(0, 7)), max_size=30))
 def test_any_flushed_state_restores_exactly(tmp_path_factory, steps):
     path = tmp_path_factory.mktemp("journal") / "journal.sqlite"

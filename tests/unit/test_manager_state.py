@@ -71,7 +71,7 @@ def test_the_capacity_rule_holds_a_step_until_the_trainer_is_within_staleness_of
     assert [a.request.batch_id for a in state.assign()] == ["step2"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     staleness=st.integers(0, 3),
     batch_size=st.integers(1, 4),
@@ -355,7 +355,7 @@ events = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(events)
 def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
     """Random interleavings of generation, finishes, stream failures, instance deaths and joins:
@@ -673,7 +673,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(operations)
 def test_outstanding_tokens_always_equal_what_running_requests_are_charged(script):
     state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)

@@ -11,7 +11,7 @@ shapes = st.lists(st.integers(min_value=1, max_value=7), min_size=1, max_size=3)
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(st.lists(st.tuples(shapes, dtypes), min_size=1, max_size=6), st.integers(min_value=1, max_value=64))
 def test_pack_unpack_round_trip(specs, bucket_bytes):
     tensors = {f"t{i}": torch.randn(shape).to(dtype) for i, (shape, dtype) in enumerate(specs)}

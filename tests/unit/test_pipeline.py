@@ -43,7 +43,7 @@ def drain(plan: StepPlan, ordered: bool, arrivals: list[int], most: int, fewest:
     return taken
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(data=st.data(), size=st.integers(1, 12), most=st.integers(1, 4))
 def test_ordered_micro_batches_do_not_depend_on_the_order_groups_finish(data, size, most):
     drops = data.draw(st.sets(st.integers(0, size - 1), max_size=size // 2))

@@ -70,7 +70,7 @@ def test_the_mixture_splits_steps_by_weight(tmp_path, tokenizer):
         TaskMixture([tasks[0], tasks[0]], seed=0)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20)
 @given(stop=st.integers(0, 12), seed=st.integers(0, 3))
 def test_a_resumed_mixture_draws_what_the_uninterrupted_one_would(tmp_path_factory, model_dir, stop, seed):
     tokenizer = load_hf_tokenizer(model_dir)

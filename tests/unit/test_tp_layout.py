@@ -147,7 +147,7 @@ def build_rank(full: dict[str, torch.Tensor], shape: ModelShape, fsdp_world: int
     return outputs
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(shapes_and_tp(), st.integers(1, 8), st.integers(0, 2**16))
 def test_tp_shards_built_from_fsdp_shards_reassemble_to_the_full_tensors(case, fsdp_world, seed):
     shape, tp = case
@@ -159,7 +159,7 @@ def test_tp_shards_built_from_fsdp_shards_reassemble_to_the_full_tensors(case, f
         assert torch.equal(merged[name], full[name]), name
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(shapes_and_tp(), st.integers(1, 8), st.integers(0, 2**16))
 def test_each_rank_matches_vllm_slicing_conventions(case, fsdp_world, seed):
     shape, tp = case
@@ -172,7 +172,7 @@ def test_each_rank_matches_vllm_slicing_conventions(case, fsdp_world, seed):
             assert torch.equal(built[name], expected[name]), (name, rank)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(shapes_and_tp(), st.integers(1, 8))
 def test_each_rank_receives_only_its_own_bytes(case, fsdp_world):
     """Summed over ranks, the plan moves the model's bytes once plus only what replication
