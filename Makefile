@@ -22,11 +22,9 @@ $(VENV)/.system:
 		else sudo apt-get update -qq && sudo apt-get install -y -qq libibverbs1; fi; fi
 	@touch $@
 
-# --no-compile: the tests and services compile what they import on first use, a small part of
-# torch and vLLM; compiling everything at install took half of each install's time.
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)/.system
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -r requirements.txt -r requirements-dev.txt > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e . >> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import torch, grpc, mooncake.engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
@@ -38,7 +36,7 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml $(VENV)/.system
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --no-compile -r requirements-vllm.txt > $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
+	$(VLLM_PY) -m pip install -q -r requirements-vllm.txt > $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec triton >> $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
 	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e . >> $(VLLM_VENV)/pip.log 2>&1 || { cat $(VLLM_VENV)/pip.log; exit 1; }
 	$(VLLM_PY) -c "import vllm, grpc, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
