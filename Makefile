@@ -94,7 +94,7 @@ wheels-vllm-cuda: $(VENV)/.installed
 test-compose: setup wheels
 	$(PY) -m pytest tests/compose -m compose -s
 
-# The two virtualenvs and the Node verifier install side by side (mostly download and unpack).
+# The two virtualenvs and the Node verifier install side by side: two installs keep both cores busy.
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose
 	$(PY) -m pytest tests
