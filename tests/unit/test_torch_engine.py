@@ -119,11 +119,23 @@ async def test_a_request_running_during_a_switch_reports_both_versions(engine, m
     ids, _ = prompts(model_dir, ["5555="])
     weights = trainable_tensors(load_causal_lm(model_dir))
     await asyncio.to_thread(engine.stage_weights, 1, weights)
+    run = engine._group.run
+
+    def held_until_the_commit(op, *args):
+        # The decode thread outruns a loaded event loop: without the hold it decoded all 40
+        # tokens before the commit below was asked for, and the request never spanned it.
+        deadline = time.monotonic() + 10
+        while op == "decode" and engine.generated_tokens >= 3 and engine.weight_version == 0 and engine._swap is None:
+            assert time.monotonic() < deadline, "the commit was never asked for"
+            time.sleep(0.001)
+        return run(op, *args)
+
+    engine._group.run = held_until_the_commit
     request = EngineRequest("during", ids[0], Sampling(temperature=1.0, max_tokens=40))
     versions = []
     async for chunk in engine.generate(request):
         versions += chunk.weight_versions
-        if len(versions) == 3:
+        if len(versions) >= 3 and engine.weight_version == 0:
             await engine.commit_staged(1)
     assert versions[0] == 0 and versions[-1] == 1
     assert versions == sorted(versions)
