@@ -6,6 +6,7 @@ back until they end, and background requests, decoded at the lowest CPU priority
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -46,6 +47,20 @@ def prompts(model_dir, texts):
     return [tokenizer.encode(t).ids for t in texts], tokenizer.token_to_id(EOS_TOKEN)
 
 
+def hold_decoding(engine, after_tokens: int, acted: threading.Event) -> None:
+    """Once the engine generated `after_tokens` tokens, its decode steps wait until the test sets
+    `acted`. The decode thread outruns a loaded event loop: a test that acts on a running request
+    from the loop must find it still running."""
+    run = engine._group.run
+
+    def held(op, *args):
+        if op == "decode" and engine.generated_tokens >= after_tokens:
+            assert acted.wait(10), "the test never acted on the held request"
+        return run(op, *args)
+
+    engine._group.run = held
+
+
 async def test_greedy_batch_matches_hf_generate(engine, model_dir):
     ids, eos = prompts(model_dir, ["1234=", "98765432=", "50="])
     results = await asyncio.gather(*[
@@ -82,8 +97,12 @@ async def test_length_limit_and_abort(engine, model_dir):
     async def abort_soon():
         while engine.running_requests == 0:
             await asyncio.sleep(0.001)
-        return engine.abort(["long"])
+        count = engine.abort(["long"])
+        aborted.set()
+        return count
 
+    aborted = threading.Event()
+    hold_decoding(engine, engine.generated_tokens + 1, aborted)
     long_request = EngineRequest("long", ids[0], Sampling(temperature=1.0, max_tokens=50))
     (tokens, _, _, finish), _ = await asyncio.gather(collect(engine, long_request), abort_soon())
     assert finish is Finish.ABORT and len(tokens) < 50
@@ -119,24 +138,18 @@ async def test_a_request_running_during_a_switch_reports_both_versions(engine, m
     ids, _ = prompts(model_dir, ["5555="])
     weights = trainable_tensors(load_causal_lm(model_dir))
     await asyncio.to_thread(engine.stage_weights, 1, weights)
-    run = engine._group.run
-
-    def held_until_the_commit(op, *args):
-        # The decode thread outruns a loaded event loop: without the hold it decoded all 40
-        # tokens before the commit below was asked for, and the request never spanned it.
-        deadline = time.monotonic() + 10
-        while op == "decode" and engine.generated_tokens >= 3 and engine.weight_version == 0 and engine._swap is None:
-            assert time.monotonic() < deadline, "the commit was never asked for"
-            time.sleep(0.001)
-        return run(op, *args)
-
-    engine._group.run = held_until_the_commit
+    # Without the hold, a loaded machine once decoded all 40 tokens before the commit was asked for.
+    committing = threading.Event()
+    hold_decoding(engine, 3, committing)
     request = EngineRequest("during", ids[0], Sampling(temperature=1.0, max_tokens=40))
     versions = []
     async for chunk in engine.generate(request):
         versions += chunk.weight_versions
-        if len(versions) >= 3 and engine.weight_version == 0:
-            await engine.commit_staged(1)
+        if len(versions) >= 3 and not committing.is_set():
+            commit = asyncio.create_task(engine.commit_staged(1))
+            await asyncio.sleep(0)  # the commit asks for the switch in its first step; then decoding goes on
+            committing.set()
+            await commit
     assert versions[0] == 0 and versions[-1] == 1
     assert versions == sorted(versions)
 
@@ -197,10 +210,13 @@ async def test_continuation_picks_up_where_the_first_attempt_stopped(engine, mod
 async def test_abort_one_leaves_the_others_running(engine, model_dir):
     ids, _ = prompts(model_dir, ["111=", "222="])
     victim = asyncio.create_task(collect(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    aborted = threading.Event()
+    hold_decoding(engine, 10, aborted)
     survivor = asyncio.create_task(collect(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50))))
     while engine.generated_tokens < 10:
         await asyncio.sleep(0.001)
     assert engine.abort(["victim", "unknown"]) == 1
+    aborted.set()
     tokens, logprobs, versions, finish = await victim
     assert finish is Finish.ABORT and 0 < len(tokens) < 55 and len(tokens) == len(logprobs) == len(versions)
     tokens, _, _, finish = await survivor
