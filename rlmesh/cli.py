@@ -116,6 +116,8 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "seed": algorithm.seed,
         "eval_every": algorithm.eval_every,
         "checkpoint_every": algorithm.checkpoint_every,
+        "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
+        "weights_dtype": job.model.dtype,
         "grpo": {name: getattr(algorithm, name) for name in (
             "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
             "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm")},
@@ -142,6 +144,12 @@ def _up(args: argparse.Namespace) -> int:
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
+        wants_gpu = [name for name in ("rollout_device", "trainer_device") if getattr(mesh, name) == "cuda"]
+        if wants_gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"mesh.{wants_gpu[0]} = cuda, but torch {torch.__version__} sees no CUDA device on this host")
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +181,8 @@ def _up(args: argparse.Namespace) -> int:
         transfer_backend=mesh.transfer_backend,
         trainer_ranks=mesh.trainer_ranks,
         rollout_tp=mesh.rollout_tp,
+        rollout_device=mesh.rollout_device,
+        rollout_dtype=job.model.dtype,
         rollout_max_batch_size=mesh.rollout_max_batch_size,
         rollout_stream_interval=mesh.rollout_stream_interval,
         compression=mesh.compression,

@@ -29,6 +29,10 @@ class ModelSection(StrictModel):
     builtin: Literal["tiny-increment", "tiny-chat"] = "tiny-increment"
     """`tiny-increment`: a tiny Qwen2 with a digit tokenizer (the default task); `tiny-chat`: a tiny
     Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """The dtype weight versions travel and are served in: the trainer publishes its (fp32 master)
+    weights cast to it and the torch engine holds its weights and KV cache in it. `auto`: the
+    model folder's (`dtype` in config.json; bf16 for Qwen2.5, fp32 for the built-in models)."""
 
 
 def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_batch_groups: int) -> None:
@@ -175,6 +179,13 @@ class MeshSection(StrictModel):
     """The least time between two changes, so a new instance has time to show in the measurements."""
     rollout_tp: int = Field(default=1, ge=1)
     """Tensor-parallel processes per rollout instance."""
+    rollout_device: Literal["cpu", "cuda"] = "cpu"
+    """Where a torch-engine instance holds its weights and KV cache and samples: `cuda` puts each
+    instance on one GPU (rollout_tp 1), with pushed weights staged in pinned host memory and copied
+    to the GPU bucket by bucket into the standby copy. vLLM picks its device itself."""
+    trainer_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's FSDP ranks run: `cuda` (NCCL, one GPU per rank, bf16 mixed precision),
+    `cpu` (gloo, fp32), `auto`: cuda when the host has a GPU."""
     rollout_max_batch_size: int = Field(default=256, ge=1)
     """Sequences a rollout instance decodes at once. 1 makes every response's tokens and logprobs
     independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
@@ -222,6 +233,10 @@ class MeshSection(StrictModel):
             raise ValueError("the mooncake backend writes raw bytes; compression needs transfer_backend tcp or grpc")
         if self.engine == "vllm" and self.rollout_tp > 1:
             raise ValueError("rollout_tp > 1 runs on the torch engine only")
+        if self.rollout_device == "cuda" and self.rollout_tp > 1:
+            raise ValueError("rollout_device cuda runs one rank per instance: rollout_tp must be 1")
+        if self.rollout_device == "cuda" and self.engine != "torch":
+            raise ValueError("rollout_device applies to the torch engine; vLLM picks its device itself")
         cap = self.max_rollout_instances or self.rollout_instances
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")

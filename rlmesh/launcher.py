@@ -102,6 +102,10 @@ class MeshPlan:
     """FSDP ranks of the trainer; more than one runs it under torchrun on this machine."""
     rollout_tp: int = 1
     """Tensor-parallel processes per rollout instance."""
+    rollout_device: str = "cpu"
+    """Where a torch-engine instance runs: cpu or cuda."""
+    rollout_dtype: str = "auto"
+    """The dtype instances serve in (model.dtype)."""
     rollout_max_batch_size: int = 256
     """Sequences a rollout instance decodes at once."""
     rollout_stream_interval: int = 16
@@ -468,6 +472,8 @@ class Mesh:
             "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.transfer_backend == "mooncake" else "false",
             "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(plan.rollout_tp),
+            "RLMESH_ROLLOUT_ENGINE__DEVICE": plan.rollout_device,
+            "RLMESH_ROLLOUT_ENGINE__DTYPE": plan.rollout_dtype,
             "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(plan.rollout_max_batch_size),
             "RLMESH_ROLLOUT_ENGINE__STREAM_INTERVAL": str(plan.rollout_stream_interval),
             "RLMESH_ROLLOUT_ENGINE__KIND": plan.engine,

@@ -46,6 +46,16 @@ def weights_dtype(config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def serving_config(directory: str | Path, dtype: torch.dtype | None = None):
+    """A model folder's config, with `dtype` (when given) as the dtype its weights are served in."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
 def load_weights(directory: str | Path, names: Collection[str]) -> dict[str, torch.Tensor]:
     """The named tensors of a folder's safetensors files, in their stored dtype, without building a
     model (a tied lm_head that the files also carry is left out when not asked for)."""

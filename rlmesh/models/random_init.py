@@ -66,10 +66,12 @@ def scaled_config(family: str, **overrides: Any) -> dict[str, Any]:
     return {**real_config(family), **SCALED_DOWN[family], **overrides}
 
 
-def write_random_model(directory: str | Path, values: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def write_random_model(directory: str | Path, values: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
+                       device: str = "cpu") -> Path:
     """Writes config.json, model.safetensors and the character tokenizer of a random-init model.
     Norm weights and biases, which HF initialises to constants, get noise too, so a norm or bias
-    routed to the wrong place changes the outputs."""
+    routed to the wrong place changes the outputs. `device`: where the random init runs (a GPU
+    initialises a model of billions of parameters in seconds)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
@@ -81,7 +83,8 @@ def write_random_model(directory: str | Path, values: dict[str, Any], seed: int 
     config = AutoConfig.for_model(model_type, **values)
     supported_family(config, f"random {model_type} model")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -63,8 +63,8 @@ class MooncakeReceiveBuffer(ReceiveBuffer):
     memory it has not registered, so the served copy and a version being checked are out of any
     remote writer's reach. Registering costs microseconds with the TCP protocol (measured here)."""
 
-    def __init__(self, endpoint: MooncakeEndpoint) -> None:
-        super().__init__()
+    def __init__(self, endpoint: MooncakeEndpoint, pinned: bool = False) -> None:
+        super().__init__(pinned)
         self.endpoint = endpoint
 
     def ensure(self, nbytes: int) -> bool:

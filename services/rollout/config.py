@@ -38,6 +38,13 @@ class EngineConfig(StrictModel):
     vLLM's stream_interval. Fewer, larger messages cost the manager and this process less CPU per
     token; a request whose instance dies regenerates up to stream_interval - 1 unsent tokens. The
     synthetic engine has its own (`synthetic.stream_interval`)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Torch engine: where the weights, the KV cache and sampling live. `cuda`: one GPU (the current
+    CUDA device; tensor_parallel_size 1); pushes land in pinned host memory and are copied to the
+    GPU bucket by bucket into the standby copy, which is switched to between two decode steps."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Torch engine: the dtype of its weights and KV cache, which pushed versions must carry too
+    (the trainer's weights_dtype); `auto`: the model folder's."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Processes the torch engine splits the model over (heads, MLP and vocabulary; gloo on this
     machine); rank 0 is the service process, the others are workers it starts."""
@@ -58,6 +65,10 @@ class EngineConfig(StrictModel):
     def _model_for_real_engines(self) -> "EngineConfig":
         if self.kind != "synthetic" and not self.model_dir:
             raise ValueError(f"engine.model_dir is required for the {self.kind} engine")
+        if self.device == "cuda" and self.kind != "torch":
+            raise ValueError(f"engine.device applies to the torch engine, not {self.kind}")
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            raise ValueError("engine.device cuda runs one rank per instance: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1:
             if self.kind != "torch":
                 raise ValueError(f"engine.tensor_parallel_size: only the torch engine runs tensor-parallel, not {self.kind}")

@@ -43,7 +43,7 @@ def build_engine(config: RolloutConfig) -> Engine:
 
     return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
                        transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode,
-                       stream_interval=engine.stream_interval)
+                       stream_interval=engine.stream_interval, device=engine.device, dtype=engine.dtype)
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:

@@ -1,6 +1,7 @@
 """What every tensor-parallel rank holds, in the rollout process (rank 0) and in worker processes
 alike: two model copies and its share of the KV cache with the operations of a decode step, and
-the receiving end of weight pushes, which land in the standby copy's own memory."""
+the receiving end of weight pushes, which land in the standby copy's own memory (on a GPU, in
+its pinned host staging buffer, then copied to the device)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ from transformers import AutoConfig, DynamicCache, PreTrainedModel
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.lifecycle import return_freed_memory
-from rlmesh.models.loading import load_weights
+from rlmesh.models.loading import load_weights, serving_config, weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
-from rlmesh.payload import pack_layout, unpack
+from rlmesh.payload import bucket_ranges, pack_layout, unpack
 from rlmesh.transfer.auth import new_secret
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.receiver import RankReceiver
@@ -68,13 +69,14 @@ class KvBatch:
     last ones (mask 1), padding is on the left (mask 0). Rows join by merging their prefill cache
     and leave by being dropped, at any decode step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = device
         self.clear()
 
     def clear(self) -> None:
         self.cache = DynamicCache()
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.positions = torch.zeros(0, dtype=torch.long)
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)
         """Position of the token each row feeds next."""
 
     def __len__(self) -> int:
@@ -95,7 +97,7 @@ class KvBatch:
         if not rows:
             self.clear()
             return
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=self.device)
         self.mask, self.positions = self.mask[index], self.positions[index]
         # Columns that only the departed rows used are dropped too, so the cache shrinks.
         first = int((self.mask.sum(0) > 0).nonzero()[0])
@@ -108,19 +110,23 @@ class KvBatch:
 class RankRunner:
     """A rank's active and standby models and its KV cache. Rank 0 calls these operations from its
     decode thread; workers replay the same calls in the same order, so every rank's cache holds
-    the same rows and every collective finds its peers. Each returns full last-position logits."""
+    the same rows and every collective finds its peers. Each returns full last-position logits, on
+    the rank's device; inputs may come from the host."""
 
-    def __init__(self, active: PreTrainedModel, standby: PreTrainedModel, version: int) -> None:
+    def __init__(self, active: PreTrainedModel, standby: PreTrainedModel, version: int,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.active = active
         self.standby = standby
         self.version = version
-        self.batch = KvBatch()
+        self.device = device
+        self.batch = KvBatch(device)
         self.on_switch: Callable[[], None] | None = None
         """Called after each switch, before the new version counts as served."""
         self._switched = threading.Condition()
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
         out = self.active(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         self.batch.join(out.past_key_values, mask, positions[:, -1] + 1)
         return out.logits[:, -1]
@@ -128,7 +134,8 @@ class RankRunner:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         batch = self.batch
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype)], dim=1)
+        tokens = tokens.to(self.device, non_blocking=True)
+        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype, device=self.device)], dim=1)
         out = self.active(input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=batch.positions[:, None],
                           past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
         batch.cache = out.past_key_values
@@ -188,13 +195,20 @@ class RankPort:
 
 
 class ModelSlot:
-    """A model copy whose parameters are views into one flat pre-faulted buffer laid out as a rank
-    payload: a push lands straight in the parameters, and nothing is copied after the transfer."""
+    """A model copy whose parameters are views into one flat buffer laid out as a rank payload.
+    On the CPU that buffer is the pre-faulted receive buffer itself: a push lands straight in the
+    parameters, and nothing is copied after the transfer. On a GPU a push lands in the pinned host
+    buffer, and once every bucket is checked each bucket is copied once into the device buffer the
+    parameters view (`upload`), on a stream of its own so decoding on the other copy goes on."""
 
-    def __init__(self, model: PreTrainedModel, layout: RankLayout, buffer: ReceiveBuffer) -> None:
+    def __init__(self, model: PreTrainedModel, layout: RankLayout, buffer: ReceiveBuffer,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.model = model
         self.layout = layout
         self.buffer = buffer
+        self.device_bytes = None if device.type == "cpu" else torch.zeros(0, dtype=torch.uint8, device=device)
+        """The parameters' memory on a GPU; None on the CPU, where they view `buffer`."""
+        self._copies = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.held_version = -1
         """The version whose checked payload bytes the buffer holds; -1 while none is known."""
         self.manifest: common_pb2.WeightManifest | None = None
@@ -204,14 +218,31 @@ class ModelSlot:
     def bind(self, manifest: common_pb2.WeightManifest) -> None:
         """Lays the parameters over the buffer where `manifest` places the payload's tensors; if
         they move (another layout, a bigger buffer) the buffer holds no known version any more."""
-        moved = self.buffer.ensure(manifest.total_bytes) or self.manifest is None or _placements(self.manifest) != _placements(manifest)
+        moved = self.buffer.ensure(manifest.total_bytes)
+        if self.device_bytes is not None and self.device_bytes.numel() < manifest.total_bytes:
+            self.device_bytes = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device_bytes.device)
+            moved = True
+        moved = moved or self.manifest is None or _placements(self.manifest) != _placements(manifest)
         if moved:
+            memory = self.buffer.tensor if self.device_bytes is None else self.device_bytes
             with torch.no_grad():
-                for name, tensor in unpack(manifest, self.buffer.tensor).items():
+                for name, tensor in unpack(manifest, memory).items():
                     for target, start, end in self.layout.targets[name]:
                         self._params[target].data = tensor[start:end]
             self.held_version = -1
         self.manifest = manifest
+
+    def upload(self) -> None:
+        """On a GPU: copies the checked payload from the pinned host buffer into the parameters'
+        device memory, one asynchronous copy per bucket, and returns once all have landed."""
+        if self.device_bytes is None:
+            return
+        assert self.manifest is not None
+        host, device = self.buffer.tensor, self.device_bytes
+        with torch.cuda.stream(self._copies):
+            for start, end in bucket_ranges(self.manifest.total_bytes, self.manifest.bucket_bytes):
+                device[start:end].copy_(host[start:end], non_blocking=host.is_pinned())
+        self._copies.synchronize()
 
     def copy_from(self, other: ModelSlot) -> None:
         """Makes this copy hold what `other` holds, byte for byte."""
@@ -220,6 +251,10 @@ class ModelSlot:
         size = other.manifest.total_bytes
         # numpy copies on the calling thread, which keeps the copy at that thread's priority.
         np.copyto(self.buffer.tensor[:size].numpy(), other.buffer.tensor[:size].numpy())
+        if self.device_bytes is not None:
+            with torch.cuda.stream(self._copies):
+                self.device_bytes[:size].copy_(other.device_bytes[:size])
+            self._copies.synchronize()
         self.held_version = other.held_version
 
 
@@ -247,9 +282,10 @@ class RankWeights:
             self._endpoint = MooncakeEndpoint(transfer.advertised_host, transfer.mooncake_protocol)
             self.session = self._endpoint.session
         self._slots: dict[int, ModelSlot] = {}
+        self._pinned = runner is not None and runner.device.type == "cuda"
         if runner is not None and layout is not None and manifest is not None:
             for model in (runner.active, runner.standby):
-                slot = self._slots[id(model)] = ModelSlot(model, layout, self._new_buffer())
+                slot = self._slots[id(model)] = ModelSlot(model, layout, self._new_buffer(self._pinned), runner.device)
                 slot.bind(manifest)
             runner.on_switch = self._switched
         self._full: ReceiveBuffer | None = None
@@ -264,12 +300,12 @@ class RankWeights:
         self._base_needed = threading.Event()
         self._closed = False
 
-    def _new_buffer(self) -> ReceiveBuffer:
+    def _new_buffer(self, pinned: bool = False) -> ReceiveBuffer:
         if self._endpoint is None:
-            return ReceiveBuffer()
+            return ReceiveBuffer(pinned)
         from rlmesh.transfer.mooncake import MooncakeReceiveBuffer
 
-        return MooncakeReceiveBuffer(self._endpoint)
+        return MooncakeReceiveBuffer(self._endpoint, pinned)
 
     @property
     def standby(self) -> ModelSlot:
@@ -331,6 +367,7 @@ class RankWeights:
             manifest = self.receiver.manifest
             if slot is None or manifest is None or manifest.version != version or self.receiver.held_version != version:
                 raise TransferError(f"rank {self.rank} holds no verified version {version} in its standby copy")
+            slot.upload()
             slot.held_version = version
             self._receiving = None
 
@@ -396,19 +433,21 @@ class RankWeights:
         self.receiver.close()
 
 
-def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTransfer, version: int) -> tuple[RankRunner, RankWeights]:
-    """A rank's two model copies, cut from the model folder's full weights, and its receiving end."""
-    config = AutoConfig.from_pretrained(model_dir)
+def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTransfer, version: int,
+               device: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> tuple[RankRunner, RankWeights]:
+    """A rank's two model copies on `device`, cut from the model folder's full weights, and its
+    receiving end. `dtype`: what the copies hold and pushes carry (None: the folder's dtype)."""
+    config = serving_config(model_dir, dtype)
     shape = ModelShape.from_hf_config(config)
     layout = RankLayout(shape, collectives.size)
     full = load_weights(model_dir, hf_parameter_shapes(shape).keys())
-    tensors = shard_full_tensors(full, shape, collectives.size, collectives.rank)
+    tensors = {name: t.to(weights_dtype(config)) for name, t in shard_full_tensors(full, shape, collectives.size, collectives.rank).items()}
     del full
     manifest = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version)
-    models = [build_rank_model(config, collectives) for _ in range(2)]
+    models = [build_rank_model(config, collectives).to(device) for _ in range(2)]
     for model in models:
         layout.check(model)
-    runner = RankRunner(models[0], models[1], version)
+    runner = RankRunner(models[0], models[1], version, device)
     weights = RankWeights(collectives.rank, transfer, runner, layout, manifest)
     for model in models:
         params = dict(model.named_parameters())

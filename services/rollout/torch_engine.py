@@ -1,6 +1,6 @@
-"""The default engine: a HF causal LM on CPU with continuous batching over one KV cache, split
-over tensor-parallel ranks (rank 0 here, the others in worker processes) and driven by a
-dedicated thread so the gRPC event loop stays responsive while it decodes."""
+"""The default engine: a HF causal LM on CPU (split over tensor-parallel ranks: rank 0 here, the
+others in worker processes) or on one GPU, with continuous batching over one KV cache, driven by
+a dedicated thread so the gRPC event loop stays responsive while it decodes."""
 
 from __future__ import annotations
 
@@ -13,12 +13,10 @@ from pathlib import Path
 
 import structlog
 import torch
-from transformers import AutoConfig
-
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.lifecycle import SessionPriority
 from rlmesh.models.families import check_model_dir
-from rlmesh.models.loading import weights_dtype
+from rlmesh.models.loading import serving_config, weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.payload import name_mismatch
 from services.rollout.engine import (
@@ -37,6 +35,8 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     """The tokens generated here (after the request's continued tokens)."""
     finish: Finish = Finish.NONE
+    device: torch.device = torch.device("cpu")
+    """Where its generator draws: the engine's device, where sampling runs."""
     pending: Chunk = field(init=False)
     generator: torch.Generator | None = field(init=False)
     """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
@@ -60,7 +60,7 @@ class _Sequence:
         recomputed here draws what its continuation would draw anywhere."""
         seed = self.request.sampling.seed
         done = len(self.request.continued_token_ids) + len(self.token_ids)
-        self.generator = torch.Generator().manual_seed(seed + done) if seed else None
+        self.generator = torch.Generator(self.device).manual_seed(seed + done) if seed else None
 
     def take_chunk(self, finish: Finish = Finish.NONE) -> Chunk:
         self.finish = finish
@@ -82,9 +82,9 @@ class _RunningBatch:
     """The sequences being decoded, in the row order of every rank's KV cache (see KvBatch), and
     the token each feeds next."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.rows: list[_Sequence] = []
-        self.next_tokens = torch.zeros(0, dtype=torch.long)
+        self.next_tokens = torch.zeros(0, dtype=torch.long, device=device)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -111,17 +111,22 @@ class TorchEngine(TensorParallelEngine):
     that could land elsewhere, and the manager sees one request whatever the weights do.
 
     A pinned request holds the switch back: the swap is claimed only at a step where no pinned
-    request is running or waiting, so none is prefilled, decoded or recomputed on another version."""
+    request is running or waiting, so none is prefilled, decoded or recomputed on another version.
+
+    On a GPU (`device` cuda) the weights, the KV cache and sampling live on the device; the host
+    only builds each step's inputs and reads back one token and logprob per row."""
 
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
                  tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
-                 update_mode: UpdateMode = "continue", stream_interval: int = 1) -> None:
+                 update_mode: UpdateMode = "continue", stream_interval: int = 1, device: str = "cpu",
+                 dtype: str = "auto") -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self._stream_interval = stream_interval
+        self._device = engine_device(device, tensor_parallel_size)
         check_model_dir(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = serving_config(model_dir, serving_dtype(dtype))
         self._shape = ModelShape.from_hf_config(config, f"model folder {model_dir}")
         self._dtype = weights_dtype(config)
         self._shape.check_tp(tensor_parallel_size)
@@ -129,10 +134,10 @@ class TorchEngine(TensorParallelEngine):
         self._max_positions = int(config.max_position_embeddings)
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
         self._staged_version: int | None = None
-        self._rng = torch.Generator().manual_seed(seed)
+        self._rng = torch.Generator(self._device).manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._batch = _RunningBatch()
+        self._batch = _RunningBatch(self._device)
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
         self._recompute_pending = False
@@ -145,7 +150,8 @@ class TorchEngine(TensorParallelEngine):
         self._stopped = False
         self._failure = ""
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
-        self._group = TensorParallelGroup(model_dir, tensor_parallel_size, transfer, weight_version, threads, self._fail)
+        self._group = TensorParallelGroup(model_dir, tensor_parallel_size, transfer, weight_version, threads, self._fail,
+                                          self._device, serving_dtype(dtype))
 
     @property
     def running_requests(self) -> int:
@@ -180,7 +186,7 @@ class TorchEngine(TensorParallelEngine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self._vocab_size, self._max_positions)
-        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()))
+        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()), device=self._device)
         request_id = request.request_id
         with self._cond:
             if self._stopped:
@@ -375,7 +381,7 @@ class TorchEngine(TensorParallelEngine):
                 for sequence in self._batch.rows + joining:
                     if sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
-                self._batch = _RunningBatch()
+                self._batch = _RunningBatch(self._device)
                 self._recompute_pending = False
                 try:
                     self._group.run("clear")
@@ -390,7 +396,7 @@ class TorchEngine(TensorParallelEngine):
     def _abandon(self) -> None:
         """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""
         emitted = [(s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE]
-        self._batch = _RunningBatch()
+        self._batch = _RunningBatch(self._device)
         self._recompute_pending = False
         self._waiting.clear()
         self._aborted.clear()
@@ -433,7 +439,7 @@ class TorchEngine(TensorParallelEngine):
         if not rows:
             return
         self._group.run("clear")
-        self._batch = _RunningBatch()
+        self._batch = _RunningBatch(self._device)
         for sequence in rows:
             sequence.restart_generator()
         self._prefill(rows, emitted)
@@ -455,8 +461,8 @@ class TorchEngine(TensorParallelEngine):
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int, emitted: list[tuple[_Sequence, Chunk]]) -> torch.Tensor:
         """Samples one token per row, vectorised except for seeded rows; the logprob is taken
         under the temperature-scaled distribution before top-p truncation."""
-        temperatures = torch.tensor([s.request.sampling.temperature for s in rows])
-        top_p = torch.tensor([s.request.sampling.top_p for s in rows])
+        temperatures = torch.tensor([s.request.sampling.temperature for s in rows], device=logits.device)
+        top_p = torch.tensor([s.request.sampling.top_p for s in rows], device=logits.device)
         logprobs = torch.log_softmax(logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None], dim=-1)
         tokens = logprobs.argmax(-1)
         sampled = (temperatures > 0).nonzero().flatten().tolist()
@@ -485,6 +491,29 @@ class TorchEngine(TensorParallelEngine):
             elif len(sequence.pending.token_ids) >= self._stream_interval:
                 emitted.append((sequence, sequence.take_chunk()))
         return tokens
+
+
+def engine_device(device: str, tensor_parallel_size: int) -> torch.device:
+    """The device the engine runs on; raises ValueError naming what is wrong when it cannot."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"engine device must be cpu or cuda, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"engine device cuda: torch {torch.__version__} sees no CUDA device on this host")
+    if tensor_parallel_size > 1:
+        raise ValueError("engine device cuda runs one rank per instance: tensor_parallel_size must be 1 "
+                         "(tensor-parallel decoding on GPUs is the vLLM engine's)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def serving_dtype(dtype: str) -> torch.dtype | None:
+    """The dtype the engine serves in; None: the model folder's."""
+    if dtype == "auto":
+        return None
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"engine dtype must be auto, bfloat16 or float32, got {dtype!r}")
+    return getattr(torch, dtype)
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -174,7 +174,8 @@ class TensorParallelGroup:
     rank 0 only; the tokens reach the workers as arguments of the next step."""
 
     def __init__(self, model_dir: str | Path, tp: int, transfer: RankTransfer, version: int, threads: int,
-                 on_failure: Callable[[str], None]) -> None:
+                 on_failure: Callable[[str], None], device: torch.device = torch.device("cpu"),
+                 dtype: torch.dtype | None = None) -> None:
         self.tp = tp
         self._on_failure = on_failure
         self.failure = ""
@@ -189,13 +190,13 @@ class TensorParallelGroup:
                 self._store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS),
                                             wait_for_workers=False)
                 spec = {"model_dir": str(model_dir), "tp": tp, "store_port": self._store.port, "version": version,
-                        "threads": threads, "transfer": asdict(transfer)}
+                        "threads": threads, "transfer": asdict(transfer), "dtype": str(dtype).removeprefix("torch.") if dtype else ""}
                 for rank in range(1, tp):
                     self.workers.append(Worker(rank, spec, self._worker_exited))
                 for worker in self.workers:
                     worker.expect("joining", deadline)
                 self.collectives = Collectives.connect(self._store, 0, tp)
-            self.runner, self.weights = build_rank(model_dir, self.collectives, transfer, version)
+            self.runner, self.weights = build_rank(model_dir, self.collectives, transfer, version, device, dtype)
             for worker in self.workers:
                 worker.expect("ready", deadline)
         except BaseException:

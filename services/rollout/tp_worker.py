@@ -82,7 +82,8 @@ def main(spec: dict[str, Any]) -> int:
         send(steps, ("joining", None))
         store = dist.TCPStore("127.0.0.1", spec["store_port"], spec["tp"], False, timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS))
         collectives = Collectives.connect(store, rank, spec["tp"])
-        runner, weights = build_rank(spec["model_dir"], collectives, RankTransfer(**spec["transfer"]), spec["version"])
+        runner, weights = build_rank(spec["model_dir"], collectives, RankTransfer(**spec["transfer"]), spec["version"],
+                                     dtype=getattr(torch, spec["dtype"]) if spec["dtype"] else None)
         send(steps, ("ready", None))
     except Exception as exc:
         log.exception("tensor-parallel rank failed to start")

@@ -1,0 +1,94 @@
+"""Where and in which dtype the torch engine serves: `engine.device` and `engine.dtype` (job fields
+`mesh.rollout_device` and `model.dtype`) reach each instance, a GPU asked for where there is none
+is refused with a message naming it, and a dtype other than the folder's is served and expected
+of pushes."""
+
+import json
+
+import pytest
+import torch
+
+from rlmesh.config import ConfigError, load_config
+from rlmesh.job import load_job
+from rlmesh.models.random_init import scaled_config, write_random_model
+from services.rollout.config import EngineConfig, RolloutConfig
+from services.rollout.engine import EngineRequest, Sampling
+from services.rollout.torch_engine import TorchEngine, engine_device, serving_dtype
+
+cuda_absent = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
+
+
+@cuda_absent
+def test_a_cuda_engine_on_a_host_without_a_gpu_is_refused_with_a_message(model_dir):
+    with pytest.raises(ValueError, match="engine device cuda: torch .* sees no CUDA device"):
+        TorchEngine(model_dir, device="cuda")
+
+
+def test_device_and_dtype_values_are_checked():
+    with pytest.raises(ValueError, match="must be cpu or cuda, got 'tpu'"):
+        engine_device("tpu", 1)
+    with pytest.raises(ValueError, match="auto, bfloat16 or float32, got 'int8'"):
+        serving_dtype("int8")
+    assert engine_device("cpu", 2) == torch.device("cpu") and serving_dtype("auto") is None
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        EngineConfig(model_dir="m", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="applies to the torch engine"):
+        EngineConfig(kind="synthetic", device="cuda")
+
+
+def test_the_job_refuses_a_gpu_rollout_split_over_ranks_or_on_vllm():
+    with pytest.raises(ConfigError, match="rollout_tp must be 1"):
+        load_job(None, {"mesh.rollout_device": "cuda", "mesh.rollout_tp": 2})
+    with pytest.raises(ConfigError, match="vLLM picks its device itself"):
+        load_job(None, {"mesh.rollout_device": "cuda", "mesh.engine": "vllm"})
+    with pytest.raises(ConfigError, match="rollout_device"):
+        load_job(None, {"mesh.rollout_device": "gpu"})
+
+
+@cuda_absent
+def test_up_refuses_a_gpu_mesh_on_a_host_without_one(tmp_path, model_dir, capsys, monkeypatch):
+    from rlmesh import cli
+
+    monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
+    assert cli.main(["up", "--set", "mesh.trainer_device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
+    assert "mesh.trainer_device = cuda, but torch" in capsys.readouterr().err
+
+
+def test_the_device_and_dtype_reach_every_rollout_instance_and_the_trainer(tmp_path, model_dir, monkeypatch):
+    from rlmesh import cli, launcher
+
+    plans = []
+
+    async def run_mesh(plan):
+        plans.append(plan)
+        return 0
+
+    monkeypatch.setattr(launcher, "run_mesh", run_mesh)
+    monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(["up", "--set", "mesh.rollout_device=cuda", "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16",
+                     "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 0
+    mesh = launcher.Mesh(plans[0])
+    spawned = {}
+    monkeypatch.setattr(mesh, "_spawn", lambda name, module, address, settings, **kwargs: spawned.setdefault(name, settings))
+    mesh._spawn_rollout(0)
+    config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=spawned["rollout-0"])
+    assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
+    trainer = json.loads((tmp_path / "trainer.json").read_text())
+    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16"
+
+
+async def test_an_engine_serves_in_the_dtype_asked_for_whatever_the_folder_holds(tmp_path):
+    folder = write_random_model(tmp_path / "bf16", scaled_config("qwen2"), dtype=torch.bfloat16)
+    for dtype, expected in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        engine = TorchEngine(folder, max_batch_size=2, dtype=dtype)
+        await engine.start()
+        try:
+            assert {spec.dtype for spec in engine.parameter_specs()} == {expected}
+            assert {spec.dtype for spec in engine.rank_parameter_specs()} == {expected}
+            assert {p.dtype for p in engine._group.runner.active.parameters()} == {expected}
+            tokens = [t async for chunk in engine.generate(EngineRequest("r", [5, 6, 7], Sampling(temperature=0, max_tokens=4)))
+                      for t in chunk.token_ids]
+            assert len(tokens) == 4
+        finally:
+            await engine.stop()
