@@ -1,5 +1,5 @@
 """docker-compose.yml rendered offline by the real Compose binary for each profile (cpu, gpu,
-observe, and with the TLS file), then checked for what the mesh needs: one Dockerfile target per
+gpu-vllm, observe, and with the TLS file), then checked for what the mesh needs: one Dockerfile target per
 service, a scalable rollout, GPU reservations, and Prometheus and Grafana wired to the services."""
 
 from __future__ import annotations
@@ -54,16 +54,21 @@ def test_rollout_scales_and_restarts():
     assert rollout["restart"] == "on-failure"
 
 
-def test_the_gpu_profile_reserves_gpus_for_vllm_and_the_nccl_trainer():
-    services = render("gpu")["services"]
-    assert set(services) == {"manager", "weights", "rollout-gpu", "trainer-gpu"}
-    rollout, trainer = services["rollout-gpu"], services["trainer-gpu"]
-    assert rollout["build"]["target"] == "rollout-vllm" and rollout["build"]["target"] in dockerfile_targets()
+@pytest.mark.parametrize(("profile", "rollout_name", "target"), [("gpu", "rollout-gpu", "rollout"),
+                                                                   ("gpu-vllm", "rollout-gpu-vllm", "rollout-vllm")])
+def test_the_gpu_profiles_reserve_gpus_for_the_rollout_engine_and_the_nccl_trainer(profile, rollout_name, target):
+    services = render(profile)["services"]
+    assert set(services) == {"manager", "weights", rollout_name, "trainer-gpu"}
+    rollout, trainer = services[rollout_name], services["trainer-gpu"]
+    assert rollout["build"]["target"] == target and target in dockerfile_targets()
+    if profile == "gpu":
+        # The torch engine's CUDA path, not vLLM.
+        assert rollout["environment"]["RLMESH_ROLLOUT_ENGINE__DEVICE"] == "cuda"
     assert trainer["environment"]["RLMESH_TRAINER_DISTRIBUTED_BACKEND"] == "nccl"
     for service in (rollout, trainer):
         [device] = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert "rollout-gpu" in trainer["depends_on"]
+    assert rollout_name in trainer["depends_on"]
     assert rollout["healthcheck"]["test"][-1] == "127.0.0.1:50161" and trainer["healthcheck"]["test"][-1] == "127.0.0.1:50153"
 
 
