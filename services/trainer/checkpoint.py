@@ -119,8 +119,9 @@ def _local_rows(key: str, value: torch.Tensor) -> tuple[torch.Tensor, tuple[int,
 
 
 def _stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """A copy of this rank's rows of the policy and optimizer, its RNG state and where each
-    tensor's rows lie: what the shard file holds. Training may change the originals at once."""
+    """A copy in host memory of this rank's rows of the policy and optimizer, its RNG state and
+    where each tensor's rows lie: what the shard file holds. Training may change the originals at
+    once (a copy from a GPU waits for the device's work on them so far)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     tensors, rows, values = {}, {}, {}
     for key, value in _flat_entries(model_state, optimizer_state).items():
@@ -128,7 +129,7 @@ def _stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
             values[key] = value
             continue
         local, held = _local_rows(key, value)
-        tensors[key] = local.detach().clone()
+        tensors[key] = local.detach().to("cpu", copy=True)
         if held is not None:
             rows[key] = held
     return {"tensors": tensors, "rows": rows, "values": values, "param_groups": optimizer_state["param_groups"],

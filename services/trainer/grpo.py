@@ -140,25 +140,27 @@ def policy_loss(
     lengths = mask.sum(dim=-1)
     if aggregation == "sequence-mean":
         total = ((token_loss * mask).sum(dim=-1) / lengths.clamp(min=1)).sum()
-        count = float(mask.shape[0])
+        count = torch.tensor(float(mask.shape[0]), device=mask.device)
     elif aggregation == "token-mean":
         total = (token_loss * mask).sum()
-        count = float(lengths.sum())
+        count = lengths.sum()
     else:
         raise ValueError(f"unknown loss aggregation {aggregation!r}: expected sequence-mean or token-mean")
     with torch.no_grad():
         kl_anchor = reference_logprobs if reference_logprobs is not None else behaviour_logprobs
         was_clipped = ((ratio - clipped).abs() > 1e-8).to(mask.dtype)
-        on_tokens = mask > 0
-        totals = LossTotals(
-            loss=float(total),
-            count=count,
-            tokens=float(mask.sum()),
-            clipped_tokens=float((was_clipped * mask).sum()),
-            kl=float((k3_kl(logprobs, kl_anchor) * mask).sum()),
-            importance_weight=float((raw_weight * mask).sum()),
-            importance_weight_max=float(raw_weight[on_tokens].max()) if on_tokens.any() else 0.0,
-            capped_tokens=float((over_cap.to(mask.dtype) * mask).sum()),
-            behaviour_kl=float((k3_kl(behaviour_logprobs, proximal) * mask).sum()),
-        )
+        # Weights are positive: 0 stands for "no response token" and never exceeds a real one.
+        masked_weights = torch.where(mask > 0, raw_weight, torch.zeros_like(raw_weight))
+        weight_max = masked_weights.max() if masked_weights.numel() else masked_weights.new_zeros(())
+        # One transfer of every figure: on a GPU each float() would wait for the device on its own.
+        figures = torch.stack([
+            total.detach(), count.to(mask.dtype), mask.sum(), (was_clipped * mask).sum(),
+            (k3_kl(logprobs, kl_anchor) * mask).sum(), (raw_weight * mask).sum(), weight_max,
+            (over_cap.to(mask.dtype) * mask).sum(), (k3_kl(behaviour_logprobs, proximal) * mask).sum(),
+        ]).tolist()
+        (loss_sum, count_value, tokens, clipped_tokens, kl, importance_weight, importance_weight_max, capped_tokens,
+         behaviour_kl) = figures
+        totals = LossTotals(loss=loss_sum, count=count_value, tokens=tokens, clipped_tokens=clipped_tokens, kl=kl,
+                            importance_weight=importance_weight, importance_weight_max=importance_weight_max,
+                            capped_tokens=capped_tokens, behaviour_kl=behaviour_kl)
     return total, totals

@@ -12,7 +12,10 @@ compute what one rank computes.
 
 Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `grpo.policy_loss`):
 the mini-batch's size is known only once its last micro-batch has streamed in, so the optimizer
-step divides the accumulated gradients by it (gradients are linear: this is exact)."""
+step divides the accumulated gradients by it (gradients are linear: this is exact).
+
+Precision (`TrainerConfig.precision`): the shards are fp32 master weights; under bf16 FSDP gathers
+bf16 copies for the forward and backward and reduces the gradients in fp32."""
 
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.families import check_model_dir
-from rlmesh.models.loading import load_causal_lm
+from rlmesh.models.loading import load_causal_lm, weights_dtype
 from rlmesh.models.tokenizer import load_hf_tokenizer, stop_token_ids
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.shards import LocalShard
@@ -63,15 +67,33 @@ class MicroBatchStats:
     """k3 estimate of KL(pi_behav || pi_prox): how far the rollouts' sampler is from pi_prox."""
 
 
-def shard_model(model: torch.nn.Module, rank: RankInfo) -> torch.nn.Module:
-    """FSDP2: each module of a class HF marks as not to be split (the decoder layers), then the root."""
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype the forward and backward run in (`TrainerConfig.precision`): auto is bf16 on CUDA."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def publish_dtype(setting: str, model_dir: str | Path) -> torch.dtype:
+    """The dtype a weight version is handed over in (`TrainerConfig.weights_dtype`): auto is the
+    model folder's, which the rollout engines serve."""
+    if setting == "auto":
+        return weights_dtype(AutoConfig.from_pretrained(model_dir))
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[setting]
+
+
+def shard_model(model: torch.nn.Module, rank: RankInfo, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """FSDP2: each module of a class HF marks as not to be split (the decoder layers), then the root.
+    The shards stay fp32; a lower `dtype` is what FSDP gathers them in for compute."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     units = [m for m in model.modules() if type(m).__name__ in no_split]
     if not units:
         raise ValueError(f"{type(model).__name__} names no decoder layer class to shard (_no_split_modules)")
+    precision = (MixedPrecisionPolicy() if dtype == torch.float32
+                 else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for unit in units:
-        fully_shard(unit)
-    fully_shard(model)
+        fully_shard(unit, mp_policy=precision)
+    fully_shard(model, mp_policy=precision)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -96,17 +118,20 @@ class ShardedPolicy:
         torch.manual_seed(config.seed)
         # An architecture without layout rules is refused before any weight is loaded.
         check_model_dir(config.model_dir)
+        self.compute_dtype = compute_dtype(config.precision, rank.device)
+        self.weights_dtype = publish_dtype(config.weights_dtype, config.model_dir)
+        """What each published version's shards are cast to."""
         policy = load_causal_lm(config.model_dir).to(rank.device)
         self.shape = ModelShape.from_hf_config(policy.config)
         policy.train()
-        self.model = shard_model(policy, rank)
+        self.model = shard_model(policy, rank, self.compute_dtype)
         self.reference = None
         """The frozen reference sharded over the ranks (placement: ref_logp with train); with the
         reference in its own process the samples carry its log-probabilities instead."""
         if config.grpo.kl_coef > 0 and not config.reference_apart:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
-            self.reference = shard_model(reference, rank)
+            self.reference = shard_model(reference, rank, self.compute_dtype)
         self.proximal = None
         """The policy as it was at the start of the training step, for the proximal log-probabilities
         of micro-batches that arrive after the step's first optimizer step (decoupled and tis only;
@@ -115,7 +140,7 @@ class ShardedPolicy:
             proximal = load_causal_lm(config.model_dir).to(rank.device)
             proximal.requires_grad_(False)
             proximal.train(policy.training)
-            self.proximal = shard_model(proximal, rank)
+            self.proximal = shard_model(proximal, rank, self.compute_dtype)
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
@@ -128,6 +153,8 @@ class ShardedPolicy:
         """BeginStep was sent at least once (the decoupled and tis losses need it every step)."""
         self.stepped_in_step = False
         """The optimizer stepped since the training step began: the policy is no longer pi_prox."""
+        self._read_by: torch.cuda.Event | None = None
+        """Recorded on a side stream after its last read of the shards (a publish's copy to the host)."""
 
     def share(self, samples: list[TrainingSample]) -> list[TrainingSample]:
         """This rank's samples of a micro-batch."""
@@ -225,6 +252,7 @@ class ShardedPolicy:
         """Normalises the accumulated gradients by the mini-batch's size (sequences or tokens),
         clips their norm (over every rank's shards), steps, clears; returns the norm before clipping."""
         count, self.pending_count = self.pending_count, 0.0
+        self._wait_for_readers()
         if count > 1:
             with torch.no_grad():
                 for param in self.model.parameters():
@@ -244,8 +272,19 @@ class ShardedPolicy:
         return generate_responses(self.model, request, self.stop_ids, self.pad_id, synced_gpus=self.rank.world_size > 1,
                                   device=self.rank.device)
 
+    def guard_writes(self, read_by: torch.cuda.Event | None) -> None:
+        """Nothing changes the shards before `read_by` (None: nothing reads them in the background):
+        a publish's copy to the host reads them on a side stream while training goes on."""
+        self._read_by = read_by
+
+    def _wait_for_readers(self) -> None:
+        if self._read_by is not None:
+            torch.cuda.current_stream(self.rank.device).wait_event(self._read_by)
+            self._read_by = None
+
     def local_shards(self) -> dict[str, LocalShard]:
-        """This rank's rows of every parameter (HF names, tied weights once): views, no copy, no gather."""
+        """This rank's fp32 rows of every parameter (HF names, tied weights once): views, no copy,
+        no gather; the hand-off casts them to `weights_dtype`."""
         shards = {}
         for name, param in self.model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
@@ -265,4 +304,5 @@ class ShardedPolicy:
                                tokenizer_dir=Path(self.config.model_dir), group=self.rank.control)
 
     def load(self, path: Path) -> TrainerState:
+        self._wait_for_readers()
         return load_checkpoint(path, self.model, self.optimizer)

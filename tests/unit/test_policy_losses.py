@@ -4,6 +4,7 @@ accumulated gradients are divided by the mini-batch's size at the optimizer step
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -115,3 +116,32 @@ def test_the_optimizer_step_divides_the_accumulated_gradients_by_the_mini_batch_
     norm = policy.optimizer_step()
     assert norm == pytest.approx(float(torch.stack([g.norm() for g in gradients.values()]).norm()), rel=1e-5)
     assert policy.pending_count == 0
+
+
+def test_bf16_precision_computes_in_bf16_on_float32_master_weights_and_a_float32_loss(model_dir, tmp_path, rank, monkeypatch):
+    config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), precision="bf16", weights_dtype="bfloat16",
+                           grpo=GrpoConfig(learning_rate=1e-2))
+    policy = ShardedPolicy(config, rank)
+    assert (policy.compute_dtype, policy.weights_dtype) == (torch.bfloat16, torch.bfloat16)
+    computed_in = set()
+    linear = next(m for m in policy.model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_pre_hook(lambda module, args: computed_in.add(module.weight.dtype))
+    loss_inputs = []
+    real_loss = policy_module.policy_loss
+
+    def recording_loss(logprobs, *args, **kwargs):
+        loss_inputs.append(logprobs.dtype)
+        return real_loss(logprobs, *args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "policy_loss", recording_loss)
+    before = policy.full_parameters()
+    stats = policy.backward(micro_batches(model_dir, 1)[0])
+    assert all(p.grad.dtype == torch.float32 for p in policy.model.parameters()), "gradients reduced in float32"
+    norm = policy.optimizer_step()
+    assert computed_in == {torch.bfloat16} and loss_inputs == [torch.float32]
+    assert math.isfinite(stats.loss) and math.isfinite(norm) and norm > 0
+    after = policy.full_parameters()
+    assert all(t.dtype == torch.float32 for t in after.values()), "the master weights stay float32"
+    assert any(not torch.equal(before[name], after[name]) for name in after)
+    assert {shard.tensor.dtype for shard in policy.local_shards().values()} == {torch.float32}, \
+        "the hand-off casts the shards, not the policy"
