@@ -48,16 +48,18 @@ def layout_from_proto(layout: weights_pb2.ModelLayout) -> ModelShape:
     )
 
 
-def shard_specs(shards: Mapping[str, LocalShard]) -> tuple[list[weights_pb2.ShardSpec], int]:
-    """Where each shard lies in the payload, and the payload's size."""
+def shard_specs(shards: Mapping[str, LocalShard], dtype: torch.dtype | None = None) -> tuple[list[weights_pb2.ShardSpec], int]:
+    """Where each shard lies in the payload, and the payload's size; each shard is laid out in
+    `dtype` (None: its own)."""
     specs, end = [], 0
     for name, shard in shards.items():
-        if shard.tensor.dtype not in DTYPE_CODES:
-            raise ValueError(f"{name}: dtype {shard.tensor.dtype} is not supported")
-        nbytes = shard.tensor.numel() * shard.tensor.element_size()
+        stored = dtype or shard.tensor.dtype
+        if stored not in DTYPE_CODES:
+            raise ValueError(f"{name}: dtype {stored} is not supported")
+        nbytes = shard.tensor.numel() * torch.empty(0, dtype=stored).element_size()
         offset = aligned(end)
         specs.append(weights_pb2.ShardSpec(
-            name=name, dtype=DTYPE_CODES[shard.tensor.dtype], full_shape=list(shard.full_shape),
+            name=name, dtype=DTYPE_CODES[stored], full_shape=list(shard.full_shape),
             row_start=shard.row_start, row_end=shard.row_end, offset=offset, nbytes=nbytes,
         ))
         end = offset + nbytes
@@ -65,12 +67,21 @@ def shard_specs(shards: Mapping[str, LocalShard]) -> tuple[list[weights_pb2.Shar
 
 
 def write_payload(shards: Mapping[str, LocalShard], specs: list[weights_pb2.ShardSpec], target: torch.Tensor) -> int:
-    """Copies the shards into `target` (uint8) at their offsets; returns the payload's crc32."""
+    """Copies the shards into `target` (uint8) at their offsets, each cast to its spec's dtype;
+    returns the payload's crc32."""
     for spec, shard in zip(specs, shards.values()):
         if spec.nbytes:
-            target[spec.offset : spec.offset + spec.nbytes].copy_(shard.tensor.detach().contiguous().view(-1).view(torch.uint8))
-    total = specs[-1].offset + specs[-1].nbytes if specs else 0
-    return crc32(target[:total].numpy())
+            target[spec.offset : spec.offset + spec.nbytes].copy_(as_bytes(shard.tensor, torch_dtype(spec.dtype)))
+    return crc32(target[:payload_bytes(specs)].numpy())
+
+
+def as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` cast to `dtype` (no copy if it is already), flat, as uint8 on its device."""
+    return tensor.detach().to(dtype).contiguous().view(-1).view(torch.uint8)
+
+
+def payload_bytes(specs: list[weights_pb2.ShardSpec]) -> int:
+    return specs[-1].offset + specs[-1].nbytes if specs else 0
 
 
 def validate_header(header: weights_pb2.ShardsHeader) -> ModelShape:

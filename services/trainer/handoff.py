@@ -6,12 +6,18 @@ same host, or as chunks after the header across hosts).
 Shared memory: two /dev/shm slots per rank, allocated at the first publish, used alternately
 and reused for every version. Their names carry the mesh (output folder), the pid and the rank,
 so two meshes or runs on one host never share a file; slots of dead processes of the same mesh
-are removed at start."""
+are removed at start.
+
+On CUDA, packing only enqueues the shards' copy (cast on the device) into a pinned staging buffer
+on a side stream and returns; the bytes reach the slot once that copy is done, off the rank's
+torch thread (`ShardHandoff.land`), so training goes on meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -21,9 +27,11 @@ import structlog
 import torch
 
 from rlmesh.models.tp_layout import ModelShape
-from rlmesh.payload import stream_chunks
+from rlmesh.payload import crc32, stream_chunks, torch_dtype
 from rlmesh.rpc import call_options
-from rlmesh.shards import SHM_DIR, LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
+from rlmesh.shards import (
+    SHM_DIR, LocalShard, SharedMemorySlot, as_bytes, layout_to_proto, shard_specs, write_payload,
+)
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 log = structlog.get_logger()
@@ -78,13 +86,18 @@ class PublishError(RuntimeError):
 class PackedShards:
     header: weights_pb2.ShardsHeader
     payload: torch.Tensor
-    """uint8; the first header.total_bytes bytes are the payload."""
+    """uint8; the first header.total_bytes bytes are the payload (once `copied` is None)."""
     pack_seconds: float
+    """Enqueueing the copy, waiting for it and writing the slot (and its crc32)."""
+    copied: torch.cuda.Event | None = None
+    """While not None, the copy from the device to the staging buffer is in flight until this
+    event, and neither the payload nor header.payload_crc32 is written yet (`ShardHandoff.land`)."""
 
 
 class ShardHandoff:
     def __init__(self, stub: weights_pb2_grpc.WeightsServiceStub, shape: ModelShape, rank: int, world_size: int,
-                 mode: str, mesh: str, timeout: float) -> None:
+                 mode: str, mesh: str, timeout: float, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: what the shards are cast to in the payload (the version's served dtype)."""
         if mode not in ("shm", "stream"):
             raise ValueError(f"handoff must be 'shm' or 'stream', got {mode!r}")
         self.stub = stub
@@ -94,9 +107,15 @@ class ShardHandoff:
         self.mode = mode
         self.mesh = mesh
         self.timeout = timeout
+        self.dtype = dtype
         self._slots: list[SharedMemorySlot] = []
         self._buffer: torch.Tensor | None = None
         self._published = 0
+        self._stream: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None
+        """Pinned host memory the device copies go to, reused for every version."""
+        self._landing = threading.Lock()
+        self._unlanded: PackedShards | None = None
         if mode == "shm":
             removed = remove_stale_slots(mesh, rank)
             if removed:
@@ -107,7 +126,8 @@ class ShardHandoff:
         if self.mode == "stream":
             self.close()
             if self._buffer is None or self._buffer.numel() < nbytes:
-                self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+                # Zeroed: the padding between shards is never written, yet its bytes are checksummed.
+                self._buffer = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
             return self._buffer, ""
         if not self._slots or self._slots[0].nbytes < nbytes:
             for slot in self._slots:
@@ -118,22 +138,77 @@ class ShardHandoff:
         return slot.tensor, str(slot.path)
 
     def pack(self, version: int, shards: Mapping[str, LocalShard]) -> PackedShards:
-        """Copies this rank's shards into the next slot (blocking; the rank's torch thread)."""
+        """Copies this rank's shards, cast to `dtype`, into the next slot (the rank's torch thread).
+        Shards on a CUDA device are only enqueued for the copy: `land` completes it."""
         started = time.perf_counter()
-        specs, total = shard_specs(shards)
+        # The staging buffer and the slots are reused: the last version's bytes must be out first.
+        self._land_pending()
+        specs, total = shard_specs(shards, self.dtype)
         target, shm_path = self._target(total)
-        crc = write_payload(shards, specs, target)
         self._published += 1
         header = weights_pb2.ShardsHeader(
             version=version, rank=self.rank, world_size=self.world_size, layout=self.layout, shards=specs,
-            total_bytes=total, shm_path=shm_path, payload_crc32=crc,
+            total_bytes=total, shm_path=shm_path,
         )
-        return PackedShards(header, target, time.perf_counter() - started)
+        device = next((shard.tensor.device for shard in shards.values()), torch.device("cpu"))
+        if device.type != "cuda":
+            header.payload_crc32 = write_payload(shards, specs, target)
+            return PackedShards(header, target, time.perf_counter() - started)
+        copied = self._enqueue_copy(shards, specs, total, device)
+        self._unlanded = PackedShards(header, target, time.perf_counter() - started, copied)
+        return self._unlanded
+
+    def _enqueue_copy(self, shards: Mapping[str, LocalShard], specs: list[weights_pb2.ShardSpec], total: int,
+                      device: torch.device) -> torch.cuda.Event:
+        """Casts each shard on the device and copies it to the staging buffer, on a side stream that
+        first waits for the compute stream (the last optimizer step); returns the copy's event.
+        Whatever changes the shards must wait for that event (`ShardedPolicy.guard_writes`)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None  # the old buffer's pinned memory goes before the new one is pinned
+            self._staging = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            # The casts' temporaries are allocated on this stream, so their memory is reused only after the copies.
+            for spec, shard in zip(specs, shards.values()):
+                if spec.nbytes:
+                    self._staging[spec.offset : spec.offset + spec.nbytes].copy_(
+                        as_bytes(shard.tensor, torch_dtype(spec.dtype)), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return copied
+
+    async def land(self, packed: PackedShards) -> None:
+        """Waits for the packed shards' copy from the device, then writes them into their slot or
+        buffer and checksums them, all in a worker thread; nothing to do once they are there."""
+        if packed.copied is not None:
+            await asyncio.to_thread(self.land_now, packed)
+
+    def land_now(self, packed: PackedShards) -> None:
+        """`land`, blocking the calling thread (not the rank's torch thread, or nothing overlaps)."""
+        with self._landing:
+            if packed.copied is None:
+                return
+            started = time.perf_counter()
+            packed.copied.synchronize()
+            total = packed.header.total_bytes
+            packed.payload[:total].copy_(self._staging[:total])
+            packed.header.payload_crc32 = crc32(packed.payload[:total].numpy())
+            packed.copied = None
+            packed.pack_seconds += time.perf_counter() - started
+            if self._unlanded is packed:
+                self._unlanded = None
+
+    def _land_pending(self) -> None:
+        if self._unlanded is not None:
+            self.land_now(self._unlanded)
 
     async def upload(self, packed: PackedShards) -> weights_pb2.UploadShardsResponse:
         """Hands the packed shards over; returns once the weights service copied them. If the
         weights service cannot open the shared-memory file (another host or container), the
         bytes are streamed instead, now and for every later version."""
+        await self.land(packed)
         try:
             return await self._send(packed)
         except grpc.aio.AioRpcError as exc:
@@ -169,10 +244,11 @@ class ShardHandoff:
 
     def close(self) -> None:
         """Unmaps and unlinks the slots. A slot something still views keeps its memory until the
-        process ends, but its name goes now."""
-        for slot in self._slots:
-            try:
-                slot.close()
-            except BufferError:
-                slot.path.unlink(missing_ok=True)
-        self._slots = []
+        process ends, but its name goes now. Waits for a landing copy into a slot first."""
+        with self._landing:
+            for slot in self._slots:
+                try:
+                    slot.close()
+                except BufferError:
+                    slot.path.unlink(missing_ok=True)
+            self._slots = []

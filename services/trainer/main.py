@@ -49,7 +49,7 @@ async def _build(config: TrainerConfig, rank: RankInfo, thread: TorchThread) -> 
     policy = await thread.run(ShardedPolicy, config, rank)
     channel = open_channel(config.weights_address)
     handoff = ShardHandoff(weights_pb2_grpc.WeightsServiceStub(channel), policy.shape, rank.rank, rank.world_size,
-                           config.handoff, mesh_tag(config.output_dir), config.upload_timeout_seconds)
+                           config.handoff, mesh_tag(config.output_dir), config.upload_timeout_seconds, policy.weights_dtype)
     return RankGroup(rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints"), channel
 
 

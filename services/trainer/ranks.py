@@ -23,7 +23,7 @@ from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState
 from services.trainer.distributed import RankInfo, TorchThread
 from services.trainer.evaluation import EvalRequest, EvalResponses
-from services.trainer.handoff import PublishError, ShardHandoff
+from services.trainer.handoff import PackedShards, PublishError, ShardHandoff
 from services.trainer.policy import MicroBatchStats, ShardedPolicy
 
 log = structlog.get_logger()
@@ -98,6 +98,7 @@ class PublishResult:
     seconds: float
     """Broadcast, pack, upload and the wait for every rank."""
     pack_seconds: float
+    """Copying the shards into the hand-off's memory (on CUDA: from the device, through pinned memory)."""
     upload_seconds: float
     rank_bytes: list[int]
     """Payload bytes each rank handed over."""
@@ -192,9 +193,16 @@ class RankGroup:
             return self.policy.save(self.checkpoints, state, export_hf=True)
         return self.background.save(self.policy.model, self.policy.optimizer, state, self.rank.control)
 
+    def _pack(self, version: int) -> PackedShards:
+        packed = self.handoff.pack(version, self.policy.local_shards())
+        self.policy.guard_writes(packed.copied)
+        return packed
+
     async def _publish(self, version: int) -> PublishResult:
         started = time.perf_counter()
-        packed = await self.thread.run(lambda: self.handoff.pack(version, self.policy.local_shards()))
+        packed = await self.thread.run(self._pack, version)
+        # On CUDA the copy to the host may still be in flight; the torch thread is free meanwhile.
+        await self.handoff.land(packed)
         uploading = time.perf_counter()
         error, retryable, complete = "", False, False
         try:

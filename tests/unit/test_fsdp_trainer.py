@@ -19,12 +19,14 @@ import torch
 from rlmesh.config import ConfigError, load_config
 from rlmesh.launcher import torchrun_args
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
-from rlmesh.payload import STREAM_CHUNK_BYTES
+from rlmesh.models.random_init import scaled_config, write_random_model
+from rlmesh.payload import DTYPE_CODES, STREAM_CHUNK_BYTES, aligned
 from rlmesh.shards import SHM_DIR, LocalShard, read_shared_memory, shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import TorchThread
 from services.trainer.handoff import SLOT_PREFIX, PublishError, ShardHandoff, mesh_tag, remove_stale_slots, slot_name
+from services.trainer.policy import compute_dtype, publish_dtype
 
 SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
                    num_layers=2, tie_word_embeddings=True, attention_bias=True)
@@ -113,6 +115,49 @@ async def test_a_rank_on_another_host_streams_its_shards_after_the_header(mesh):
     handoff.close()
 
 
+def payload_as_before(shards: dict[str, LocalShard], dtype: torch.dtype) -> bytes:
+    """The payload laid out by hand: each shard's bytes in `dtype` at the next aligned offset."""
+    payload = bytearray()
+    for shard in shards.values():
+        payload += bytes(aligned(len(payload)) - len(payload))
+        payload += shard.tensor.to(dtype).contiguous().view(torch.uint8).numpy().tobytes()
+    return bytes(payload)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_on_cpu_a_float32_version_is_packed_at_once_byte_for_byte(mesh, dtype):
+    extra = {} if dtype is None else {"dtype": dtype}
+    handoff = ShardHandoff(RecordingStub(), SHAPE, rank=0, world_size=2, mode="stream", mesh=mesh, timeout=5.0, **extra)
+    shards = rank_shards(full_tensors(3), 2, 0)
+    packed = handoff.pack(3, shards)
+    expected = payload_as_before(shards, torch.float32)
+    assert packed.copied is None, "on CPU nothing is left in flight"
+    assert packed.header.total_bytes == len(expected)
+    assert packed.payload[: len(expected)].numpy().tobytes() == expected
+    assert packed.header.payload_crc32 == zlib.crc32(expected)
+    assert {spec.dtype for spec in packed.header.shards} == {DTYPE_CODES[torch.float32]}
+
+
+async def test_a_bfloat16_version_carries_the_master_shards_cast_to_bfloat16(mesh):
+    stub = RecordingStub()
+    handoff = ShardHandoff(stub, SHAPE, rank=1, world_size=2, mode="stream", mesh=mesh, timeout=5.0, dtype=torch.bfloat16)
+    full = full_tensors(4)
+    shards = rank_shards(full, 2, 1)
+    packed = handoff.pack(4, shards)
+    header = packed.header
+    assert validate_header(header) == SHAPE
+    assert {spec.dtype for spec in header.shards} == {DTYPE_CODES[torch.bfloat16]}
+    assert all(shard.tensor.dtype == torch.float32 for shard in shards.values()), "the master shards stay float32"
+    expected = payload_as_before(shards, torch.bfloat16)
+    assert header.total_bytes == len(expected) < 0.6 * len(payload_as_before(shards, torch.float32))
+    await handoff.upload(packed)
+    sent = b"".join(r.chunk.data for r in stub.requests[1:])
+    assert sent == expected and zlib.crc32(sent) == header.payload_crc32
+    for name, view in shard_views(header, torch.frombuffer(bytearray(sent), dtype=torch.uint8)).items():
+        start, end = fsdp_rows(full[name].shape[0], 2, 1)
+        assert view.dtype == torch.bfloat16 and torch.equal(view, full[name][start:end].to(torch.bfloat16)), name
+
+
 def test_slots_of_dead_processes_of_the_same_mesh_are_removed(mesh):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     stale = SHM_DIR / slot_name(mesh, int(dead), 0, 0)
@@ -154,6 +199,28 @@ def test_settings_are_checked_and_come_from_the_environment():
         load_config(TrainerConfig, overrides={"model_dir": "m", "handoff": "socket"})
     with pytest.raises(ConfigError, match="collective_timeout_seconds"):
         load_config(TrainerConfig, overrides={"model_dir": "m", "collective_timeout_seconds": 60})
+
+
+def test_precision_and_the_published_dtype_are_checked_and_resolved(tmp_path):
+    config = TrainerConfig(model_dir="m")
+    assert (config.precision, config.weights_dtype) == ("auto", "auto")
+    config = load_config(TrainerConfig, env_prefix="RLMESH_TRAINER_", environ={
+        "RLMESH_TRAINER_MODEL_DIR": "m", "RLMESH_TRAINER_PRECISION": "bf16", "RLMESH_TRAINER_WEIGHTS_DTYPE": "bfloat16"})
+    assert (config.precision, config.weights_dtype) == ("bf16", "bfloat16")
+    with pytest.raises(ConfigError, match="precision"):
+        load_config(TrainerConfig, overrides={"model_dir": "m", "precision": "fp16"})
+    with pytest.raises(ConfigError, match="weights_dtype"):
+        load_config(TrainerConfig, overrides={"model_dir": "m", "weights_dtype": "float16"})
+    assert compute_dtype("auto", torch.device("cpu")) == torch.float32
+    assert compute_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert compute_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert compute_dtype("fp32", torch.device("cuda", 0)) == torch.float32
+    float32_dir = write_random_model(tmp_path / "f32", scaled_config("qwen2"))
+    bfloat16_dir = write_random_model(tmp_path / "bf16", scaled_config("qwen2"), dtype=torch.bfloat16)
+    assert publish_dtype("auto", float32_dir) == torch.float32
+    assert publish_dtype("auto", bfloat16_dir) == torch.bfloat16, "a bf16 folder (as Qwen2.5's) is served in bf16"
+    assert publish_dtype("float32", bfloat16_dir) == torch.float32
+    assert publish_dtype("bfloat16", float32_dir) == torch.bfloat16
 
 
 def test_rlmesh_up_runs_several_ranks_under_torchrun():
