@@ -110,6 +110,14 @@ test-vllm: setup setup-vllm
 test-large: setup
 	$(PY) -m pytest tests -m large
 
+# The GPU check on a CUDA host (bench/gpu): engine parity with HF, GRPO steps at the Qwen2.5-0.5B
+# and -1.5B shapes, the weight path, decode tokens/s and a 30-step job on the GPU; figures in
+# bench/results/gpu.json and gpu.log. `make test` runs the same script on the CPU at small shapes;
+# scripts/gpu-check.sh runs it on a machine that brings its own PyTorch.
+.PHONY: test-gpu
+test-gpu: setup
+	$(PY) -m bench.gpu --device cuda
+
 # The chaos suite: 100 random faults during a real training run of the tiny model; the short
 # version (10 faults) is tests/e2e/test_chaos.py in `make test`. Writes bench/results/chaos.json.
 .PHONY: chaos

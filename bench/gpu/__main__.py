@@ -1,0 +1,151 @@
+"""`python -m bench.gpu --device cuda|cpu`: every section of the GPU check in one go, a table at the
+end, figures in a JSON file and a log beside it. Exit 1 when parity fails, the short job's reward
+does not rise, or a section fails."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS
+from bench.gpu.models import write_models
+from bench.gpu.parity import check_parity
+from bench.gpu.short_job import run_short_job
+from bench.gpu.train_step import measure_grpo_step
+from bench.gpu.weight_path import measure
+
+log = logging.getLogger("gpu-check")
+
+SIZES = {
+    # samples, tokens per sample, samples per micro-batch, parity prompts and tokens, decode batches
+    "cuda": {"samples": 64, "tokens": 512, "micro_batch_samples": 8, "parity_prompts": 6, "parity_tokens": 32,
+             "decode_batches": [1, 16, 64], "pushes": 3},
+    "cpu": {"samples": 8, "tokens": 64, "micro_batch_samples": 4, "parity_prompts": 3, "parity_tokens": 12,
+            "decode_batches": [1, 4, 8], "pushes": 2},
+}
+
+
+def machine(device: str) -> dict:
+    import grpc
+    import transformers
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+             "grpcio": grpc.__version__, "cpu": platform.processor() or platform.machine()}
+    if device == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        found |= {"gpu": properties.name, "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
+                  "cuda": torch.version.cuda}
+    return found
+
+
+def section(results: dict, name: str, run: Callable[[], dict]) -> None:
+    """Runs one section; a failure is recorded with its traceback and the check goes on."""
+    started = time.perf_counter()
+    log.info("section %s: start", name)
+    try:
+        results[name] = run()
+    except Exception as exc:  # noqa: BLE001 - every section's outcome is reported
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        log.error("section %s failed:\n%s", name, traceback.format_exc())
+    results[name]["section_seconds"] = round(time.perf_counter() - started, 2)
+    log.info("section %s: %s", name, json.dumps(results[name], default=str))
+
+
+def failures(results: dict) -> list[str]:
+    failed = [name for name, figures in results.items() if isinstance(figures, dict) and "error" in figures]
+    if "error" not in results.get("parity", {"error": ""}) and not results["parity"]["holds"]:
+        failed.append("parity")
+    job = results.get("short_job", {})
+    if "error" not in job and not (job.get("completed") and job.get("rises")):
+        failed.append("short_job")
+    return failed
+
+
+def table(results: dict) -> str:
+    rows = [f"GPU check on {results['machine'].get('gpu', 'CPU')} ({results['device']}), torch {results['machine']['torch']}"]
+    parity = results.get("parity", {})
+    if "float32" in parity:
+        rows.append(f"parity ({parity['shape']}): greedy equal alone fp32 {parity['float32']['greedy_equal_alone']}/{parity['prompts']}, "
+                    f"bf16 {parity['bfloat16']['greedy_equal_alone']}/{parity['prompts']}; max |dlogprob| fp32 "
+                    f"{parity['float32']['max_logprob_difference']:.2e}, bf16 {parity['bfloat16']['max_logprob_difference']:.2e}; "
+                    f"holds {parity['holds']}")
+    for name, figures in results.get("train_step", {}).items():
+        if isinstance(figures, dict) and "step_seconds" in figures:
+            rows.append(f"GRPO step {name}: {figures['step_seconds']:.3f} s, peak {figures['peak_memory_gib']:.1f} GiB, "
+                        f"{figures.get('tokens_per_second', 0):.0f} tok/s")
+    for name, figures in results.get("weight_path", {}).items():
+        if isinstance(figures, dict) and "stored_to_served_seconds" in figures:
+            rows.append(f"weights {name}: {figures['payload_bytes'] / 1e9:.2f} GB stored->served {figures['stored_to_served_seconds']:.3f} s, "
+                        f"baseline (D2H + socket) {figures['baseline']['seconds']:.3f} s, ratio {figures['ratio_to_baseline']:.2f}")
+            if "decode_tokens_per_second" in figures:
+                rates = ", ".join(f"batch {b}: {r:.0f}" for b, r in figures["decode_tokens_per_second"].items())
+                during = figures["decode_during_push"]
+                rows.append(f"decode tok/s {name}: {rates}; batch {during['batch']} during push / without: {during['ratio']:.2f}")
+    job = results.get("short_job", {})
+    if "reward_first" in job:
+        rows.append(f"short job: {job['steps']} steps, reward {job['reward_first']:.3f} -> {job['reward_last']:.3f}, "
+                    f"median step {job['median_step_seconds']:.3f} s, rises {job['rises']}")
+    rows.append(f"total {results['total_seconds']:.0f} s; failed: {results['failed'] or 'none'}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/gpu.json, or gpu-cpu.json on the CPU)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="model folders and run outputs (default: a temporary folder)")
+    parser.add_argument("--job-steps", type=int, default=30)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    out = args.out or RESULTS / ("gpu.json" if args.device == "cuda" else "gpu-cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="rlmesh-gpu-"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        handlers=[logging.StreamHandler(sys.stdout), logging.FileHandler(out.with_suffix(".log"), mode="w")])
+    sizes = SIZES[args.device]
+    started = time.perf_counter()
+    results: dict = {"device": args.device, "machine": machine(args.device), "sizes": sizes,
+                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    section(results, "models", lambda: {name: str(path) for name, path in write_models(work / "models", args.device).items()})
+    folders = {name: Path(path) for name, path in results["models"].items() if name != "section_seconds"}
+    first = next(iter(folders), None)
+
+    def parity() -> dict:
+        return {"shape": first, **check_parity(folders[first], args.device, sizes["parity_prompts"], sizes["parity_tokens"])}
+
+    def train_steps() -> dict:
+        return {name: measure_grpo_step(folder, args.device, sizes["samples"], sizes["tokens"], sizes["micro_batch_samples"])
+                for name, folder in folders.items()}
+
+    def weight_paths() -> dict:
+        # On the CPU one small shape is enough to keep the path exercised between GPU runs.
+        shown = folders if args.device == "cuda" else {first: folders[first]}
+        return {name: asyncio.run(measure(folder, args.device, sizes["pushes"], sizes["decode_batches"] if name == first else None,
+                                          quick=args.device == "cpu"))
+                for name, folder in shown.items()}
+
+    section(results, "parity", parity)
+    section(results, "train_step", train_steps)
+    section(results, "weight_path", weight_paths)
+    section(results, "short_job", lambda: run_short_job(args.device, args.job_steps, work / "short-job"))
+    results["total_seconds"] = round(time.perf_counter() - started, 1)
+    results["failed"] = failures(results)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(table(results), flush=True)
+    return 1 if results["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
