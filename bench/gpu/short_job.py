@@ -15,7 +15,7 @@ WINDOW = 5
 """Steps averaged at each end of the run to say whether the reward rose."""
 
 
-def run_short_job(device: str, steps: int, output_dir: Path, timeout: float = 480) -> dict:
+def run_short_job(device: str, steps: int, output_dir: Path, timeout: float = 300) -> dict:
     """Mean reward of the first and the last WINDOW steps, step seconds, and `rises`."""
     command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--output-dir", str(output_dir),
                "--base-port", str(free_base_port()), "--set", f"mesh.rollout_device={device}",

@@ -90,13 +90,13 @@ class Mesh:
             **quiet, "SERVER__PORT": _port(self.weights_address), "MANAGER_ADDRESS": manager, "BACKEND": "tcp",
             "COMPRESSION": "none", "POLL_INTERVAL_SECONDS": "0.05",
         })
-        await wait_started(self.children, timeout=600)
+        await wait_started(self.children, timeout=180)
 
     def _spawn(self, name: str, module: str, address: str, prefix: str, settings: dict[str, str]) -> None:
         self.children.append(spawn_service(name, module, address, {f"{prefix}_{k}": v for k, v in settings.items()},
                                            self.log_dir, str(self.log_dir)))
 
-    async def committed(self, stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 300) -> weights_pb2.InstancePush:
+    async def committed(self, stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 120) -> weights_pb2.InstancePush:
         deadline = time.monotonic() + timeout
         while True:
             crashed = [c for c in self.children if c.process.poll() is not None]
