@@ -35,6 +35,8 @@ class RankInfo:
     """A gloo group for commands and small objects (None: the default group, already gloo)."""
     checkpointing: dist.ProcessGroup | None = None
     """A gloo group only background checkpoint writes use (None: one process, no collectives)."""
+    publishing: dist.ProcessGroup | None = None
+    """A gloo group only background publishes use, to agree on each upload's outcome."""
 
     @property
     def is_leader(self) -> bool:
@@ -64,8 +66,9 @@ def init_distributed(backend: str, timeout_seconds: float) -> RankInfo:
         dist.init_process_group(pg_backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else None
     checkpointing = dist.new_group(backend="gloo", timeout=timeout)
+    publishing = dist.new_group(backend="gloo", timeout=timeout)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, control, checkpointing)
+    return RankInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, control, checkpointing, publishing)
 
 
 def shutdown_distributed() -> None:

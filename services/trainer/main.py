@@ -50,7 +50,7 @@ async def _build(config: TrainerConfig, rank: RankInfo, thread: TorchThread) -> 
     channel = open_channel(config.weights_address)
     handoff = ShardHandoff(weights_pb2_grpc.WeightsServiceStub(channel), policy.shape, rank.rank, rank.world_size,
                            config.handoff, mesh_tag(config.output_dir), config.upload_timeout_seconds, policy.weights_dtype)
-    return RankGroup(rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints"), channel
+    return RankGroup(rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints", config.publish_timeout_seconds), channel
 
 
 async def lead(config: TrainerConfig, rank: RankInfo) -> None:

@@ -2,7 +2,8 @@
 broadcasts each command with `broadcast_object_list` (small: samples are token lists); every
 other rank receives it and runs the same command, so their FSDP collectives match. Commands:
 begin a training step, train on these samples, optimizer step, evaluate, publish version v,
-checkpoint, resume, stop.
+checkpoint, resume, stop. A publish may go on in the background once the shards are packed: the
+upload, and the ranks' agreement on its outcome, overlap the commands that follow.
 
 A failure every rank sees alike (a rank could not upload its shards) is raised on every rank as
 `CollectiveFailure`: the ranks stay in step and rank 0 decides (it stops them). Any other
@@ -59,6 +60,10 @@ class Publish:
     """Every rank hands its shards of `version` to the weights service."""
 
     version: int
+    wait: bool = True
+    """False: the command ends once the shards are packed (on CUDA: once their copy to pinned host
+    memory is enqueued) and returns the delivery, a task that lands, uploads and agrees with the
+    other ranks while the next commands run (the next step's forwards and backwards)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,14 +109,33 @@ class PublishResult:
     """Payload bytes each rank handed over."""
 
 
+PUBLISH_RETRY_FIRST_SECONDS = 0.5
+PUBLISH_RETRY_MAX_SECONDS = 8.0
+
+
+def retry_delays(timeout: float) -> list[float]:
+    """The waits between upload attempts while the weights service is unreachable, doubling, whose
+    sum stays within `timeout`: the same on every rank, so all give up after the same attempt."""
+    delays, delay = [], PUBLISH_RETRY_FIRST_SECONDS
+    while sum(delays) + delay <= timeout:
+        delays.append(delay)
+        delay = min(2 * delay, PUBLISH_RETRY_MAX_SECONDS)
+    return delays
+
+
 class RankGroup:
     def __init__(self, rank: RankInfo, policy: ShardedPolicy, handoff: ShardHandoff, thread: TorchThread,
-                 checkpoints: Path) -> None:
+                 checkpoints: Path, publish_timeout: float = 300.0) -> None:
+        """`publish_timeout`: how long a version's upload is tried again while the weights service
+        is unreachable (restarting) before the publish fails."""
         self.rank = rank
         self.policy = policy
         self.handoff = handoff
         self.thread = thread
         self.checkpoints = checkpoints
+        self.publish_timeout = publish_timeout
+        self.delivery: asyncio.Task[PublishResult] | None = None
+        """The last publish's upload and agreement (it may still run in the background)."""
         self.background = BackgroundCheckpoints(checkpoints, rank.checkpointing)
         self.in_step = True
         """False while a command runs on this rank: a stop then could not be broadcast safely."""
@@ -122,11 +146,6 @@ class RankGroup:
         objects: list[Any] = [command]
         dist.broadcast_object_list(objects, src=0, group=self.rank.control)
         return objects[0]
-
-    def _all_gather(self, value: Any) -> list[Any]:
-        gathered: list[Any] = [None] * self.rank.world_size
-        dist.all_gather_object(gathered, value, group=self.rank.control)
-        return gathered
 
     async def lead(self, command: Command) -> Any:
         """Rank 0: sends the command to every rank and runs it here too; returns this rank's result."""
@@ -147,6 +166,8 @@ class RankGroup:
         """Ranks other than 0: run rank 0's commands until it says stop."""
         while True:
             command = await self.thread.run(self._broadcast, None)
+            if isinstance(command, Stop):
+                await self.delivered()
             try:
                 await self.execute(command)
             except CollectiveFailure as exc:
@@ -176,8 +197,8 @@ class RankGroup:
             case Evaluate(request):
                 responses: EvalResponses = await thread.run(policy.evaluate, request)
                 return responses
-            case Publish(version):
-                return await self._publish(version)
+            case Publish(version, wait):
+                return await self._publish(version, wait)
             case Checkpoint(state, export_hf):
                 return await thread.run(self._checkpoint, state, export_hf)
             case Resume(path):
@@ -198,27 +219,61 @@ class RankGroup:
         self.policy.guard_writes(packed.copied)
         return packed
 
-    async def _publish(self, version: int) -> PublishResult:
+    async def delivered(self) -> PublishResult | None:
+        """Waits for the last publish's delivery; its outcome (None if there was none, or if it failed:
+        whoever waited for it learned why)."""
+        delivery = self.delivery
+        if delivery is None:
+            return None
+        try:
+            return await asyncio.shield(delivery)
+        except CollectiveFailure as exc:
+            log.warning("a publish failed on every rank", error=str(exc))
+            return None
+
+    async def _publish(self, version: int, wait: bool) -> PublishResult | asyncio.Task[PublishResult]:
+        # One delivery at a time, so every rank agrees on the outcomes in the same order.
+        await self.delivered()
         started = time.perf_counter()
         packed = await self.thread.run(self._pack, version)
-        # On CUDA the copy to the host may still be in flight; the torch thread is free meanwhile.
-        await self.handoff.land(packed)
-        uploading = time.perf_counter()
-        error, retryable, complete = "", False, False
-        try:
-            reply = await self.handoff.upload(packed)
-            complete = reply.complete
-        except PublishError as exc:
-            error, retryable = str(exc), exc.retryable
-        upload_seconds = time.perf_counter() - uploading
-        # The barrier after the uploads, carrying each rank's outcome so all ranks agree on it.
-        outcomes = await self.thread.run(self._all_gather, (error, retryable, complete, packed.header.total_bytes))
-        failed = [(e, r) for e, r, _, _ in outcomes if e]
-        if failed:
-            raise CollectiveFailure(f"publishing version {version}: " + "; ".join(e for e, _ in failed),
-                                    retryable=all(r for _, r in failed))
+        self.delivery = asyncio.create_task(self._deliver(packed, started))
+        return await self.delivery if wait else self.delivery
+
+    async def _deliver(self, packed: PackedShards, started: float) -> PublishResult:
+        """Lands the packed shards (on CUDA: waits for their copy off the torch thread), uploads
+        them, and agrees with the other ranks on the outcome; while the weights service is
+        unreachable, uploads the same bytes again with backoff (the policy may have moved on)."""
+        version = packed.header.version
+        for delay in [*retry_delays(self.publish_timeout), None]:
+            uploading = time.perf_counter()
+            error, retryable, complete = "", False, False
+            try:
+                reply = await self.handoff.upload(packed)
+                complete = reply.complete
+            except PublishError as exc:
+                error, retryable = str(exc), exc.retryable
+            upload_seconds = time.perf_counter() - uploading
+            outcomes = await asyncio.to_thread(self._agree, (error, retryable, complete, packed.header.total_bytes))
+            failed = [(e, r) for e, r, _, _ in outcomes if e]
+            if not failed:
+                break
+            failure = CollectiveFailure(f"publishing version {version}: " + "; ".join(e for e, _ in failed),
+                                        retryable=all(r for _, r in failed))
+            if not failure.retryable or delay is None:
+                raise failure
+            log.warning("the weights service is unreachable; uploading the version again", weight_version=version,
+                        retry_in_s=delay, error=str(failure))
+            await asyncio.sleep(delay)
         if not any(c for _, _, c, _ in outcomes):
             raise CollectiveFailure(f"publishing version {version}: every rank uploaded its shards but the weights "
                                     "service never reported the version complete")
         return PublishResult(version=version, seconds=time.perf_counter() - started, pack_seconds=packed.pack_seconds,
                              upload_seconds=upload_seconds, rank_bytes=[b for _, _, _, b in outcomes])
+
+    def _agree(self, outcome: Any) -> list[Any]:
+        """Every rank's upload outcome, on the publishing group (any thread but the torch thread)."""
+        if self.rank.world_size == 1:
+            return [outcome]
+        gathered: list[Any] = [None] * self.rank.world_size
+        dist.all_gather_object(gathered, outcome, group=self.rank.publishing)
+        return gathered

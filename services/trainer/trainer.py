@@ -41,8 +41,6 @@ from services.trainer.validation import SOLVED, BackgroundValidation, Validation
 
 log = structlog.get_logger()
 
-PUBLISH_RETRY_FIRST_SECONDS = 0.5
-PUBLISH_RETRY_MAX_SECONDS = 8.0
 WEIGHTS_CHECK_SECONDS = 2.0
 """While waiting for rollouts, how often the weights service is asked whether it still holds the
 latest version (a restarted one holds none, and no instance could then catch up)."""
@@ -167,6 +165,8 @@ class GrpoTrainer:
         self.published_version = -1
         self.stepped_since_publish = False
         """The optimizer stepped after the last publish: the policy is no longer that version."""
+        self.publishing: asyncio.Task[PublishResult] | None = None
+        """The last version's delivery and announcement, while it may still run in the background."""
         self.reference: ReferenceWorker | None = None
         """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
         self.validation = (BackgroundValidation(self.mixture, mesh, self._completion, self.stop_ids, config.seed, self.run_tag,
@@ -246,8 +246,11 @@ class GrpoTrainer:
                                                                   dump_pipeline(pipeline)), export_hf=last_step))
                     # What training waited for: the copy to memory; the write goes on in the background.
                     self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
+            await self._published()
             evaluations = await self.validation.finish() if self.validation else self.evaluations
         finally:
+            if self.publishing is not None:
+                self.publishing.cancel()
             if self.validation:
                 await self.validation.cancel()
             await self._stop_collectors()
@@ -293,7 +296,9 @@ class GrpoTrainer:
         retry = self.validation is not None and self.validation.retry_due
         if state.step % self.config.eval_every == 0 or state.step == self.total_steps or retry:
             await self._validate(state.step, state.version)
-        published = await self._publish(state.version)
+        # Ordered runs wait for the version: the next step's rollouts must come from it. Others go
+        # on training while it is uploaded; its figures are filed under this step once it is served.
+        published = await self._publish(state.version, wait=self.ordered, step=state.step)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
@@ -308,9 +313,7 @@ class GrpoTrainer:
             "step_seconds": step_seconds,
             "generated_tokens_per_second": totals.response_tokens / step_seconds,
             "response_length": totals.response_tokens / len(totals.rewards),
-            "publish_seconds": published.seconds,
-            "publish_upload_seconds": published.upload_seconds,
-            "publish_rank_bytes": float(max(published.rank_bytes)),
+            **(publish_figures(published) if published is not None else {}),
             "grad_norm": sum(totals.grad_norm) / len(totals.grad_norm),
             "rollout_wait_seconds": totals.wait_seconds,
             "weight_version": float(state.version),
@@ -322,30 +325,36 @@ class GrpoTrainer:
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
         log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
-                 step_s=round(step_seconds, 3), publish_s=round(published.seconds, 4), staleness=values["staleness_mean"])
+                 step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
 
-    async def _publish(self, version: int) -> PublishResult:
-        """Every rank hands its shards to the weights service; then the manager learns the version.
-        While the weights service is unreachable (restarting) the same version is handed over again,
-        with backoff, for up to publish_timeout_seconds; ranks whose upload it already took are
-        answered as before."""
-        deadline = time.monotonic() + self.config.publish_timeout_seconds
-        delay = PUBLISH_RETRY_FIRST_SECONDS
-        while True:
-            try:
-                published: PublishResult = await self.group.lead(Publish(version))
-                break
-            except CollectiveFailure as exc:
-                if not exc.retryable or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("the weights service is unreachable; publishing the version again", weight_version=version,
-                            retry_in_s=delay, error=str(exc))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, PUBLISH_RETRY_MAX_SECONDS)
-        self.published_version, self.stepped_since_publish = version, False
-        started = time.perf_counter()
+    async def _publish(self, version: int, wait: bool = True, step: int | None = None) -> PublishResult | None:
+        """Every rank packs its shards of the version (the policy as it is now), then hands them to
+        the weights service, and the manager learns the version. With `wait` False this returns once
+        the shards are packed and the rest goes on in the background (`publishing`); its figures
+        are filed under `step`. While the weights service is unreachable (restarting) the same bytes
+        are uploaded again, with backoff, for up to publish_timeout_seconds (`RankGroup`)."""
+        await self._published()
+        self.stepped_since_publish = False
+        delivery = await self.group.lead(Publish(version, wait=False))
+        self.publishing = asyncio.create_task(self._announce(version, delivery, None if wait else step))
+        return await self._published() if wait else None
+
+    async def _announce(self, version: int, delivery: asyncio.Task[PublishResult], file_under: int | None) -> PublishResult:
+        published = await delivery
+        announcing = time.perf_counter()
         await self.mesh.announce(version)
-        return replace(published, seconds=published.seconds + time.perf_counter() - started)
+        self.published_version = version
+        published = replace(published, seconds=published.seconds + time.perf_counter() - announcing)
+        if file_under is not None:
+            figures = publish_figures(published)
+            self.metrics.write(file_under, figures)
+            self.status.metrics.update(figures)
+        return published
+
+    async def _published(self) -> PublishResult | None:
+        """Waits for the last version's delivery and announcement; raises if it failed."""
+        publishing, self.publishing = self.publishing, None
+        return await publishing if publishing is not None else None
 
     async def _report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> dict[str, float]:
         """Tells the manager how training and rollout compared; returns its balance estimate as metrics."""
@@ -501,7 +510,7 @@ class GrpoTrainer:
                 return
             except TimeoutError:
                 pass
-            if self.stepped_since_publish or self.published_version < 0:
+            if self.stepped_since_publish or self.published_version < 0 or (self.publishing and not self.publishing.done()):
                 continue
             try:
                 stored = await self.mesh.stored_version()
@@ -654,3 +663,9 @@ class GrpoTrainer:
     def _file_evaluation(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write(step, values)
         self.status.metrics.update(values)
+
+
+def publish_figures(published: PublishResult) -> dict[str, float]:
+    """A version's publish figures, as filed in the metrics of the step that made it."""
+    return {"publish_seconds": published.seconds, "publish_upload_seconds": published.upload_seconds,
+            "publish_pack_seconds": published.pack_seconds, "publish_rank_bytes": float(max(published.rank_bytes))}

@@ -12,7 +12,7 @@ from tests.e2e.test_mesh_up import up_command
 
 pytestmark = pytest.mark.e2e
 
-TIMING = {"time", "step_seconds", "generated_tokens_per_second", "publish_seconds", "publish_upload_seconds",
+TIMING = {"time", "step_seconds", "generated_tokens_per_second", "publish_seconds", "publish_upload_seconds", "publish_pack_seconds",
           "rollout_wait_seconds", "checkpoint_seconds", "eval/seconds"}
 """Wall-clock figures: the only metrics two runs may differ in."""
 
