@@ -27,6 +27,8 @@ from bench.gpu.weight_path import measure
 
 log = logging.getLogger("gpu-check")
 
+SECTIONS = ("parity", "train_step", "weight_path", "short_job")
+
 SIZES = {
     # samples, tokens per sample, samples per micro-batch, parity prompts and tokens, decode batches
     "cuda": {"samples": 64, "tokens": 512, "micro_batch_samples": 8, "parity_prompts": 6, "parity_tokens": 32,
@@ -106,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/gpu.json, or gpu-cpu.json on the CPU)")
     parser.add_argument("--work-dir", type=Path, default=None, help="model folders and run outputs (default: a temporary folder)")
     parser.add_argument("--job-steps", type=int, default=30)
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
     args = parser.parse_args(argv)
+    chosen = args.sections.split(",")
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        parser.error(f"--sections: unknown {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
     out = args.out or RESULTS / ("gpu.json" if args.device == "cuda" else "gpu-cpu.json")
@@ -136,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                                           quick=args.device == "cpu"))
                 for name, folder in shown.items()}
 
-    section(results, "parity", parity)
-    section(results, "train_step", train_steps)
-    section(results, "weight_path", weight_paths)
-    section(results, "short_job", lambda: run_short_job(args.device, args.job_steps, work / "short-job"))
+    runs = {"parity": parity, "train_step": train_steps, "weight_path": weight_paths,
+            "short_job": lambda: run_short_job(args.device, args.job_steps, work / "short-job")}
+    for name in SECTIONS:
+        if name in chosen:
+            section(results, name, runs[name])
     results["total_seconds"] = round(time.perf_counter() - started, 1)
     results["failed"] = failures(results)
     out.write_text(json.dumps(results, indent=2, default=str) + "\n")

@@ -1,17 +1,15 @@
-"""Where and in which dtype the torch engine serves: `engine.device` and `engine.dtype` (job fields
-`mesh.rollout_device` and `model.dtype`) reach each instance, a GPU asked for where there is none
-is refused with a message naming it, and a dtype other than the folder's is served and expected
-of pushes."""
-
-import json
+"""Where and in which dtype the torch engine serves (`engine.device`, `engine.dtype`; the job fields
+`mesh.rollout_device` and `model.dtype` reach them, see test_job.py): a GPU asked for where there is
+none is refused with a message naming it, and a dtype other than the folder's is served and
+expected of pushes."""
 
 import pytest
 import torch
 
-from rlmesh.config import ConfigError, load_config
+from rlmesh.config import ConfigError
 from rlmesh.job import load_job
 from rlmesh.models.random_init import scaled_config, write_random_model
-from services.rollout.config import EngineConfig, RolloutConfig
+from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.torch_engine import TorchEngine, engine_device, serving_dtype
 
@@ -52,30 +50,6 @@ def test_up_refuses_a_gpu_mesh_on_a_host_without_one(tmp_path, model_dir, capsys
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     assert cli.main(["up", "--set", "mesh.trainer_device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
     assert "mesh.trainer_device = cuda, but torch" in capsys.readouterr().err
-
-
-def test_the_device_and_dtype_reach_every_rollout_instance_and_the_trainer(tmp_path, model_dir, monkeypatch):
-    from rlmesh import cli, launcher
-
-    plans = []
-
-    async def run_mesh(plan):
-        plans.append(plan)
-        return 0
-
-    monkeypatch.setattr(launcher, "run_mesh", run_mesh)
-    monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cli.main(["up", "--set", "mesh.rollout_device=cuda", "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16",
-                     "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 0
-    mesh = launcher.Mesh(plans[0])
-    spawned = {}
-    monkeypatch.setattr(mesh, "_spawn", lambda name, module, address, settings, **kwargs: spawned.setdefault(name, settings))
-    mesh._spawn_rollout(0)
-    config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=spawned["rollout-0"])
-    assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
-    trainer = json.loads((tmp_path / "trainer.json").read_text())
-    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16"
 
 
 async def test_an_engine_serves_in_the_dtype_asked_for_whatever_the_folder_holds(tmp_path):

@@ -115,9 +115,11 @@ def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
     assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
 
 
-def test_the_update_mode_flag_and_the_stream_interval_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
+def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
     """`rlmesh up --update-mode` sets mesh.update_mode, which the launcher hands each rollout
-    instance as the engine setting it reads at start; mesh.rollout_stream_interval likewise."""
+    instance as the engine setting it reads at start; mesh.rollout_stream_interval,
+    mesh.rollout_device and model.dtype likewise, and the trainer gets mesh.trainer_device as its
+    backend and model.dtype as the dtype it publishes in."""
     from rlmesh import cli, launcher
     from rlmesh.config import load_config
     from services.rollout.config import RolloutConfig
@@ -131,7 +133,9 @@ def test_the_update_mode_flag_and_the_stream_interval_reach_every_rollout_instan
     monkeypatch.setattr(launcher, "run_mesh", run_mesh)
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
-    assert cli.main(["up", "--update-mode", "pause", "--set", "mesh.rollout_stream_interval=8", "--model-dir", str(model_dir),
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert cli.main(["up", "--update-mode", "pause", "--set", "mesh.rollout_stream_interval=8", "--set", "mesh.rollout_device=cuda",
+                     "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16", "--model-dir", str(model_dir),
                      "--output-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "job.json").read_text())["mesh"]["update_mode"] == "pause"
     mesh = launcher.Mesh(plans[0])
@@ -140,6 +144,9 @@ def test_the_update_mode_flag_and_the_stream_interval_reach_every_rollout_instan
     mesh._spawn_rollout(0)
     config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=spawned["rollout-0"])
     assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
+    assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
+    trainer = json.loads((tmp_path / "trainer.json").read_text())
+    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16"
     assert load_job(None, {"mesh.update_mode": "abort-continue"})[0].mesh.update_mode == "abort-continue"
     with pytest.raises(ConfigError, match="update_mode"):
         load_job(None, {"mesh.update_mode": "drop"})
