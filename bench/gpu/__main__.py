@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS
+from bench.gpu.engine_steps import measure_engine_steps
 from bench.gpu.models import write_models
 from bench.gpu.parity import check_parity
 from bench.gpu.short_job import run_short_job
@@ -27,14 +28,14 @@ from bench.gpu.weight_path import measure
 
 log = logging.getLogger("gpu-check")
 
-SECTIONS = ("parity", "train_step", "weight_path", "short_job")
+SECTIONS = ("parity", "engine_steps", "train_step", "weight_path", "short_job")
 
 SIZES = {
     # samples, tokens per sample, samples per micro-batch, parity prompts and tokens, decode batches
     "cuda": {"samples": 64, "tokens": 512, "micro_batch_samples": 8, "parity_prompts": 6, "parity_tokens": 32,
-             "decode_batches": [1, 16, 64], "pushes": 3},
+             "decode_batches": [1, 16, 64], "pushes": 3, "step_batches": [1, 64], "step_tokens": 64},
     "cpu": {"samples": 8, "tokens": 64, "micro_batch_samples": 4, "parity_prompts": 3, "parity_tokens": 12,
-            "decode_batches": [1, 4, 8], "pushes": 2},
+            "decode_batches": [1, 4, 8], "pushes": 2, "step_batches": [1, 8], "step_tokens": 16},
 }
 
 
@@ -68,8 +69,8 @@ def failures(results: dict) -> list[str]:
     failed = [name for name, figures in results.items() if isinstance(figures, dict) and "error" in figures]
     if "error" not in results.get("parity", {"error": ""}) and not results["parity"]["holds"]:
         failed.append("parity")
-    job = results.get("short_job", {})
-    if "error" not in job and not (job.get("completed") and job.get("rises")):
+    job = results.get("short_job", {"error": ""})
+    if "error" not in job and not (job["completed"] and job["rises"]):
         failed.append("short_job")
     return failed
 
@@ -82,6 +83,10 @@ def table(results: dict) -> str:
                     f"bf16 {parity['bfloat16']['greedy_equal_alone']}/{parity['prompts']}; max |dlogprob| fp32 "
                     f"{parity['float32']['max_logprob_difference']:.2e}, bf16 {parity['bfloat16']['max_logprob_difference']:.2e}; "
                     f"holds {parity['holds']}")
+    steps = results.get("engine_steps", {})
+    for batch in sizes_of(steps):
+        rows.append(f"decode step in-process, batch {batch}: engine {steps[batch]['engine_step_ms']:.1f} ms "
+                    f"({steps[batch]['engine_tokens_per_second']:.0f} tok/s), HF loop {steps[batch]['hf_step_ms']:.1f} ms")
     for name, figures in results.get("train_step", {}).items():
         if isinstance(figures, dict) and "step_seconds" in figures:
             rows.append(f"GRPO step {name}: {figures['step_seconds']:.3f} s, peak {figures['peak_memory_gib']:.1f} GiB, "
@@ -100,6 +105,11 @@ def table(results: dict) -> str:
                     f"median step {job['median_step_seconds']:.3f} s, rises {job['rises']}")
     rows.append(f"total {results['total_seconds']:.0f} s; failed: {results['failed'] or 'none'}")
     return "\n".join(rows)
+
+
+def sizes_of(figures: dict) -> list[str]:
+    """The batch sizes a section measured (its keys that are numbers)."""
+    return [key for key in figures if key.isdigit()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                                           quick=args.device == "cpu"))
                 for name, folder in shown.items()}
 
-    runs = {"parity": parity, "train_step": train_steps, "weight_path": weight_paths,
+    runs = {"parity": parity,
+            "engine_steps": lambda: measure_engine_steps(folders[first], args.device, sizes["step_batches"], sizes["step_tokens"]),
+            "train_step": train_steps, "weight_path": weight_paths,
             "short_job": lambda: run_short_job(args.device, args.job_steps, work / "short-job")}
     for name in SECTIONS:
         if name in chosen:

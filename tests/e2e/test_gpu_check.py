@@ -18,7 +18,7 @@ def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["failed"] == []
-    assert out.with_suffix(".log").read_text().count("section ") >= 10
+    assert out.with_suffix(".log").read_text().count("section ") >= 12
 
     parity = figures["parity"]
     assert parity["holds"]
@@ -37,6 +37,10 @@ def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     assert all(rate > 0 for rate in decode["decode_tokens_per_second"].values())
     during = decode["decode_during_push"]
     assert during["push_window_seconds"] > 0 and during["tokens_per_second_without_push"] > 0
+
+    for batch in ("1", "8"):
+        steps = figures["engine_steps"][batch]
+        assert steps["engine_tokens_per_second"] > 0 and steps["hf_step_ms"] > 0
 
     job = figures["short_job"]
     assert job["completed"] and job["steps"] == 30
