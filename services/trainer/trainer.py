@@ -167,6 +167,8 @@ class GrpoTrainer:
         """The optimizer stepped after the last publish: the policy is no longer that version."""
         self.publishing: asyncio.Task[PublishResult] | None = None
         """The last version's delivery and announcement, while it may still run in the background."""
+        self._publish_lock = asyncio.Lock()
+        """One publish at a time: the training loop's and the weights watcher's."""
         self.reference: ReferenceWorker | None = None
         """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
         self.validation = (BackgroundValidation(self.mixture, mesh, self._completion, self.stop_ids, config.seed, self.run_tag,
@@ -333,6 +335,20 @@ class GrpoTrainer:
         the shards are packed and the rest goes on in the background (`publishing`); its figures
         are filed under `step`. While the weights service is unreachable (restarting) the same bytes
         are uploaded again, with backoff, for up to publish_timeout_seconds (`RankGroup`)."""
+        async with self._publish_lock:
+            return await self._publish_now(version, wait, step)
+
+    async def _republish(self, version: int) -> None:
+        """Hands `version` over again, unless the policy moved on from it in the meantime or a newer
+        version is still on its way (or failed: the training loop learns of that at its next publish)."""
+        async with self._publish_lock:
+            publishing = self.publishing
+            if publishing is not None and (not publishing.done() or publishing.cancelled() or publishing.exception() is not None):
+                return
+            if not self.stepped_since_publish and version == self.published_version:
+                await self._publish_now(version, wait=True, step=None)
+
+    async def _publish_now(self, version: int, wait: bool, step: int | None) -> PublishResult | None:
         await self._published()
         self.stepped_since_publish = False
         delivery = await self.group.lead(Publish(version, wait=False))
@@ -510,7 +526,7 @@ class GrpoTrainer:
                 return
             except TimeoutError:
                 pass
-            if self.stepped_since_publish or self.published_version < 0 or (self.publishing and not self.publishing.done()):
+            if self.stepped_since_publish or self.published_version < 0:
                 continue
             try:
                 stored = await self.mesh.stored_version()
@@ -520,7 +536,7 @@ class GrpoTrainer:
                 log.warning("the weights service lost the latest version (restarted?); handing it over again",
                             weight_version=self.published_version, stored_version=stored)
                 try:
-                    await self._publish(self.published_version)
+                    await self._republish(self.published_version)
                 except (CollectiveFailure, grpc.aio.AioRpcError) as exc:
                     log.warning("could not hand the latest version over again", weight_version=self.published_version, error=str(exc))
 
