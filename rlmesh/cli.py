@@ -118,6 +118,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "checkpoint_every": algorithm.checkpoint_every,
         "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
         "weights_dtype": job.model.dtype,
+        "precision": job.mesh.trainer_precision,
         "grpo": {name: getattr(algorithm, name) for name in (
             "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
             "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm")},

@@ -186,6 +186,9 @@ class MeshSection(StrictModel):
     trainer_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's FSDP ranks run: `cuda` (NCCL, one GPU per rank, bf16 mixed precision),
     `cpu` (gloo, fp32), `auto`: cuda when the host has a GPU."""
+    trainer_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """The trainer's compute precision: `bf16` gathers bf16 copies of the fp32 master weights for
+    the forwards and backwards and reduces gradients in fp32; `auto`: bf16 on CUDA, fp32 on CPU."""
     rollout_max_batch_size: int = Field(default=256, ge=1)
     """Sequences a rollout instance decodes at once. 1 makes every response's tokens and logprobs
     independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large

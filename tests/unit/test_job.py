@@ -135,7 +135,8 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert cli.main(["up", "--update-mode", "pause", "--set", "mesh.rollout_stream_interval=8", "--set", "mesh.rollout_device=cuda",
-                     "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16", "--model-dir", str(model_dir),
+                     "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16", "--set", "mesh.trainer_precision=bf16",
+                     "--model-dir", str(model_dir),
                      "--output-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "job.json").read_text())["mesh"]["update_mode"] == "pause"
     mesh = launcher.Mesh(plans[0])
@@ -146,7 +147,7 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
     assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
     trainer = json.loads((tmp_path / "trainer.json").read_text())
-    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16"
+    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16" and trainer["precision"] == "bf16"
     assert load_job(None, {"mesh.update_mode": "abort-continue"})[0].mesh.update_mode == "abort-continue"
     with pytest.raises(ConfigError, match="update_mode"):
         load_job(None, {"mesh.update_mode": "drop"})
