@@ -145,12 +145,8 @@ def _up(args: argparse.Namespace) -> int:
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
-        wants_gpu = [name for name in ("rollout_device", "trainer_device") if getattr(mesh, name) == "cuda"]
-        if wants_gpu:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ConfigError(f"mesh.{wants_gpu[0]} = cuda, but torch {torch.__version__} sees no CUDA device on this host")
+        if missing := mesh.missing_gpu():
+            raise ConfigError(missing)
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
         output_dir.mkdir(parents=True, exist_ok=True)

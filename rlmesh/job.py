@@ -228,6 +228,17 @@ class MeshSection(StrictModel):
     leave (`authorization: Bearer <token>`; others get UNAUTHENTICATED); "auto": a random one for
     each run; "": none. With or without tls."""
 
+    def missing_gpu(self) -> str:
+        """Why this host cannot run the devices the mesh asks for ("" when it can)."""
+        wants_gpu = [name for name in ("rollout_device", "trainer_device") if getattr(self, name) == "cuda"]
+        if not wants_gpu:
+            return ""
+        import torch
+
+        if torch.cuda.is_available():
+            return ""
+        return f"mesh.{wants_gpu[0]} = cuda, but torch {torch.__version__} sees no CUDA device on this host"
+
     @model_validator(mode="after")
     def _compatible(self) -> "MeshSection":
         if self.tls_dir is not None and not self.tls:

@@ -22,7 +22,9 @@ from rlmesh.payload import name_mismatch
 from services.rollout.engine import (
     Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, check_pin, validate_request,
 )
+from services.rollout.device import engine_device, serving_dtype
 from services.rollout.rank import RankHandle, RankTransfer
+from services.rollout.sampling import draw
 from services.rollout.tp_group import TensorParallelGroup
 
 log = structlog.get_logger()
@@ -459,23 +461,8 @@ class TorchEngine(TensorParallelEngine):
         self._batch.next_tokens = self._sample(self._batch.rows, logits.float(), self._version, emitted)
 
     def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int, emitted: list[tuple[_Sequence, Chunk]]) -> torch.Tensor:
-        """Samples one token per row, vectorised except for seeded rows; the logprob is taken
-        under the temperature-scaled distribution before top-p truncation."""
-        temperatures = torch.tensor([s.request.sampling.temperature for s in rows], device=logits.device)
-        top_p = torch.tensor([s.request.sampling.top_p for s in rows], device=logits.device)
-        logprobs = torch.log_softmax(logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None], dim=-1)
-        tokens = logprobs.argmax(-1)
-        sampled = (temperatures > 0).nonzero().flatten().tolist()
-        if sampled:
-            probs = _nucleus(logprobs[sampled].exp(), top_p[sampled])
-            shared = [i for i, row in enumerate(sampled) if rows[row].generator is None]
-            if shared:
-                draws = torch.multinomial(probs[shared], 1, generator=self._rng).flatten()
-                tokens[[sampled[i] for i in shared]] = draws
-            for i, row in enumerate(sampled):
-                if rows[row].generator is not None:
-                    tokens[row] = torch.multinomial(probs[i], 1, generator=rows[row].generator)
-        chosen = logprobs.gather(1, tokens[:, None]).flatten().tolist()
+        """Samples one token per row (`draw`) and files it with its logprob in the row's next chunk."""
+        tokens, chosen = draw(logits, [s.request.sampling for s in rows], [s.generator for s in rows], self._rng)
         for sequence, token, logprob in zip(rows, tokens.tolist(), chosen):
             if sequence.finish is not Finish.NONE:
                 continue
@@ -491,40 +478,6 @@ class TorchEngine(TensorParallelEngine):
             elif len(sequence.pending.token_ids) >= self._stream_interval:
                 emitted.append((sequence, sequence.take_chunk()))
         return tokens
-
-
-def engine_device(device: str, tensor_parallel_size: int) -> torch.device:
-    """The device the engine runs on; raises ValueError naming what is wrong when it cannot."""
-    if device == "cpu":
-        return torch.device("cpu")
-    if device != "cuda":
-        raise ValueError(f"engine device must be cpu or cuda, got {device!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"engine device cuda: torch {torch.__version__} sees no CUDA device on this host")
-    if tensor_parallel_size > 1:
-        raise ValueError("engine device cuda runs one rank per instance: tensor_parallel_size must be 1 "
-                         "(tensor-parallel decoding on GPUs is the vLLM engine's)")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def serving_dtype(dtype: str) -> torch.dtype | None:
-    """The dtype the engine serves in; None: the model folder's."""
-    if dtype == "auto":
-        return None
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"engine dtype must be auto, bfloat16 or float32, got {dtype!r}")
-    return getattr(torch, dtype)
-
-
-def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per row, keeps the smallest set of most likely tokens whose mass reaches top_p."""
-    if bool((top_p >= 1).all()):
-        return probs
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return filtered / filtered.sum(-1, keepdim=True)
 
 
 def _deliver(emitted: list[tuple[_Sequence, Chunk]]) -> None:

@@ -11,7 +11,8 @@ from rlmesh.job import load_job
 from rlmesh.models.random_init import scaled_config, write_random_model
 from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
-from services.rollout.torch_engine import TorchEngine, engine_device, serving_dtype
+from services.rollout.device import engine_device, serving_dtype
+from services.rollout.torch_engine import TorchEngine
 
 cuda_absent = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without a GPU")
 
