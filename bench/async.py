@@ -270,7 +270,7 @@ def trainer_config(model_dir: Path, output_dir: Path, steps: int, max_staleness:
         "group_size": GROUP_SIZE,
         "micro_batch_groups": MICRO_BATCH_GROUPS,
         # What the README advises: the on-policy loss at η = 0, the decoupled one for stale rollouts.
-        "grpo": {"loss": "decoupled" if max_staleness else "ppo"},
+        "loss": "decoupled" if max_staleness else "ppo",
         # Evaluation and checkpoints run inline between steps: here only before the first step and
         # after the last one, outside the measured window, on one held-out prompt.
         "eval_every": 1_000_000,

@@ -97,31 +97,18 @@ def prepare_job(args: argparse.Namespace):
 
 
 def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
-    """The trainer's config, from the job."""
-    algorithm = job.algorithm
+    """The trainer's config: the job's algorithm and trainer sections as they are (the trainer's own
+    models), and the wiring: folders, tasks, and the devices the mesh section picks."""
+    from rlmesh.settings.trainer import AlgorithmConfig
+
     return {
+        **job.algorithm.model_dump(mode="json", include=set(AlgorithmConfig.model_fields)),
+        **job.trainer.model_dump(mode="json"),
         "model_dir": str(model_dir),
         "output_dir": str(output_dir),
-        "steps": algorithm.steps,
-        "prompts_per_step": algorithm.prompts_per_step,
-        "group_size": algorithm.group_size,
-        "micro_batch_groups": algorithm.micro_batch_groups,
-        "min_micro_batch_groups": algorithm.min_micro_batch_groups,
-        "mini_batches_per_step": algorithm.mini_batches_per_step,
-        "schedule": algorithm.schedule,
-        "dynamic_sampling": algorithm.dynamic_sampling,
-        "validation": algorithm.validation,
-        "validation_priority": algorithm.validation_priority,
-        "placement": algorithm.placement,
-        "seed": algorithm.seed,
-        "eval_every": algorithm.eval_every,
-        "checkpoint_every": algorithm.checkpoint_every,
         "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
         "weights_dtype": job.model.dtype,
         "precision": job.mesh.trainer_precision,
-        "grpo": {name: getattr(algorithm, name) for name in (
-            "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
-            "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm")},
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],
     }

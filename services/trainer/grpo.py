@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.trainer.config import CapMode, LossAggregation, LossKind
+from rlmesh.settings.trainer import CapMode, LossAggregation, LossKind
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -128,7 +128,7 @@ class ShardedPolicy:
         self.reference = None
         """The frozen reference sharded over the ranks (placement: ref_logp with train); with the
         reference in its own process the samples carry its log-probabilities instead."""
-        if config.grpo.kl_coef > 0 and not config.reference_apart:
+        if config.kl_coef > 0 and not config.reference_apart:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
             self.reference = shard_model(reference, rank, self.compute_dtype)
@@ -136,14 +136,14 @@ class ShardedPolicy:
         """The policy as it was at the start of the training step, for the proximal log-probabilities
         of micro-batches that arrive after the step's first optimizer step (decoupled and tis only;
         with one mini-batch per step none does)."""
-        if config.grpo.loss != "ppo" and config.mini_batches_per_step > 1:
+        if config.loss != "ppo" and config.mini_batches_per_step > 1:
             proximal = load_causal_lm(config.model_dir).to(rank.device)
             proximal.requires_grad_(False)
             proximal.train(policy.training)
             self.proximal = shard_model(proximal, rank, self.compute_dtype)
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate)
         self.tokenizer = load_hf_tokenizer(config.model_dir)
         self.stop_ids = stop_token_ids(self.model.config, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -179,10 +179,10 @@ class ShardedPolicy:
     def _proximal_from_snapshot(self) -> bool:
         """Whether this micro-batch's pi_prox needs the step-start snapshot (the optimizer already
         stepped in this step) rather than the current policy's own log-probabilities."""
-        if self.config.grpo.loss == "ppo":
+        if self.config.loss == "ppo":
             return False
         if not self.step_begun:
-            raise RuntimeError(f"loss {self.config.grpo.loss!r} needs the policy at the start of each training step: "
+            raise RuntimeError(f"loss {self.config.loss!r} needs the policy at the start of each training step: "
                                "the training loop must send BeginStep before a step's first micro-batch")
         if self.stepped_in_step and self.proximal is None:
             raise RuntimeError("a micro-batch arrived after an optimizer step of the same training step, but with "
@@ -191,13 +191,13 @@ class ShardedPolicy:
 
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
         """Forward and backward of this rank's share of the micro-batch; gradients accumulate."""
-        grpo = self.config.grpo
+        config = self.config
         share = self.share(samples)
         from_snapshot = self._proximal_from_snapshot()
         # Decided on the whole micro-batch, so every rank runs the same reference forwards (FSDP
         # collectives): the reference's own forward only for samples that bring no log-probabilities.
         given = all(s.reference_logprobs is not None for s in samples)
-        if grpo.kl_coef > 0 and self.reference is None and not given:
+        if config.kl_coef > 0 and self.reference is None and not given:
             raise RuntimeError("kl_coef > 0 with the reference in its own process (placement): every sample "
                                "must carry its reference_logprobs")
         own_reference = self.reference is not None and not given
@@ -215,10 +215,10 @@ class ShardedPolicy:
                     reference = token_logprobs(self.reference, batch)
             logprobs = token_logprobs(self.model, batch)
             loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
-                                       loss=grpo.loss, proximal_logprobs=proximal, clip_low=grpo.clip_low,
-                                       clip_high=grpo.clip_high, importance_cap=grpo.importance_cap,
-                                       cap_mode=grpo.importance_cap_mode,
-                                       aggregation=grpo.loss_aggregation, reference_logprobs=reference, kl_coef=grpo.kl_coef)
+                                       loss=config.loss, proximal_logprobs=proximal, clip_low=config.clip_low,
+                                       clip_high=config.clip_high, importance_cap=config.importance_cap,
+                                       cap_mode=config.importance_cap_mode,
+                                       aggregation=config.loss_aggregation, reference_logprobs=reference, kl_coef=config.kl_coef)
             sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
                     totals.capped_tokens, totals.behaviour_kl]
             weight_max = totals.importance_weight_max
@@ -258,7 +258,7 @@ class ShardedPolicy:
                 for param in self.model.parameters():
                     if param.grad is not None:
                         param.grad.div_(count)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grpo.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         self.optimizer.step()

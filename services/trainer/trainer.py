@@ -638,13 +638,13 @@ class GrpoTrainer:
 
     def _shape_overlong(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
         """DAPO's soft overlong punishment added to each sample's reward (a component of its own)."""
-        grpo = self.config.grpo
-        if not grpo.overlong_buffer_tokens:
+        config = self.config
+        if not config.overlong_buffer_tokens:
             return results
         max_tokens = self.mixture.by_name[record.task].config.max_tokens
         shaped = []
         for sample, result in zip(group.samples, results):
-            penalty = overlong_penalty(len(sample.token_ids), max_tokens, grpo.overlong_buffer_tokens, grpo.overlong_penalty)
+            penalty = overlong_penalty(len(sample.token_ids), max_tokens, config.overlong_buffer_tokens, config.overlong_penalty)
             shaped.append(replace(result, reward=result.reward + penalty, components={**result.components, "overlong_penalty": penalty}))
         return shaped
 
