@@ -29,7 +29,8 @@ import torch
 from bench.common import BenchMesh, InstanceSpec, write_result
 from rlmesh.common.v1 import common_pb2
 from rlmesh.job import DEFAULT_MODELS
-from rlmesh.launcher import free_port, spawn_service, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import spawn_service, wait_started
 from rlmesh.models.qwen2_tiny import create_default_model, is_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -76,7 +76,7 @@ def prepare_job(args: argparse.Namespace):
     Raises ConfigError or TaskError."""
     from rlmesh.config import ConfigError
     from rlmesh.job import load_job
-    from rlmesh.launcher import netns_problem
+    from rlmesh.launch.netns import netns_problem
     from rlmesh.models.families import check_model_dir
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.tasks.build import build_task
@@ -119,7 +119,9 @@ def _up(args: argparse.Namespace) -> int:
     # have nothing to protect, and they log a line per restarted service when they skip.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from rlmesh.config import ConfigError
-    from rlmesh.launcher import MeshPlan, plan_netns, run_mesh
+    from rlmesh.launch.netns import plan_netns
+    from rlmesh.launch.plan import LaunchPlan
+    from rlmesh.launch.run import run_mesh
     from rlmesh.logging import configure_logging
     from rlmesh.tasks.build import TaskError
 
@@ -128,7 +130,7 @@ def _up(args: argparse.Namespace) -> int:
         job, base, model_dir = prepare_job(args)
         mesh = job.mesh
         if mesh.engine == "vllm":
-            from rlmesh.launcher import VLLM_PYTHON
+            from rlmesh.launch.services import VLLM_PYTHON
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
@@ -154,29 +156,11 @@ def _up(args: argparse.Namespace) -> int:
     (output_dir / "job.json").write_text(json.dumps(job.model_dump(mode="json"), indent=2))
     trainer_config = output_dir / "trainer.json"
     trainer_config.write_text(json.dumps(trainer_settings(job, base, model_dir, output_dir), indent=2))
-    plan = MeshPlan(
+    plan = LaunchPlan(
+        job=job,
         output_dir=output_dir,
         model_dir=model_dir,
-        steps=job.algorithm.steps,
-        rollout_instances=mesh.rollout_instances,
-        host=mesh.host,
-        base_port=mesh.base_port,
-        max_staleness=job.algorithm.max_staleness,
-        transfer_backend=mesh.transfer_backend,
-        trainer_ranks=mesh.trainer_ranks,
-        rollout_tp=mesh.rollout_tp,
-        rollout_device=mesh.rollout_device,
-        rollout_dtype=job.model.dtype,
-        rollout_max_batch_size=mesh.rollout_max_batch_size,
-        rollout_stream_interval=mesh.rollout_stream_interval,
-        compression=mesh.compression,
         trainer_config=trainer_config,
-        engine=mesh.engine,
-        update_mode=mesh.update_mode,
-        max_rollout_instances=mesh.max_rollout_instances or mesh.rollout_instances,
-        autoscale=mesh.autoscale,
-        autoscale_patience_seconds=mesh.autoscale_patience_seconds,
-        autoscale_cooldown_seconds=mesh.autoscale_cooldown_seconds,
         tls_dir=tls_dir,
         # Only the processes of this run learn a generated token (not job.json).
         registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
@@ -229,7 +213,7 @@ def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
 def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rlmesh.launcher import STATE_FILE, find_running_mesh
+    from rlmesh.launch.state import STATE_FILE, find_running_mesh
     from rlmesh.status import MeshAddresses, read_once, render, watch
 
     if not _call_with_tls_dir(args):
@@ -337,7 +321,8 @@ def _instance_range(text: str) -> tuple[int, int]:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from rlmesh.launcher import SCALE_FILE, STATE_FILE, find_running_mesh
+    from rlmesh.launch.scale import request_scale
+    from rlmesh.launch.state import STATE_FILE, find_running_mesh
 
     run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
     if run is None or not (run / STATE_FILE).is_file():
@@ -350,10 +335,7 @@ def _scale(args: argparse.Namespace) -> int:
         print(f"rlmesh scale: this mesh runs {bounds['min']} to {bounds['max']} rollout instances "
               f"(rlmesh up --rollout-instances MIN:MAX); {args.rollout_instances} is outside", file=sys.stderr)
         return 2
-    request = run / SCALE_FILE
-    partial = request.with_suffix(".partial")
-    partial.write_text(json.dumps({"rollout_instances": args.rollout_instances}))
-    partial.replace(request)
+    request_scale(run, args.rollout_instances)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.5)

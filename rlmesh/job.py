@@ -110,6 +110,11 @@ class MeshSection(StrictModel):
     leave (`authorization: Bearer <token>`; others get UNAUTHENTICATED); "auto": a random one for
     each run; "": none. With or without tls."""
 
+    @property
+    def instance_cap(self) -> int:
+        """The most rollout instances `rlmesh scale` or the autoscaler may run."""
+        return self.max_rollout_instances or self.rollout_instances
+
     def missing_gpu(self) -> str:
         """Why this host cannot run the devices the mesh asks for ("" when it can)."""
         wants_gpu = [name for name in ("rollout_device", "trainer_device") if getattr(self, name) == "cuda"]
@@ -133,7 +138,7 @@ class MeshSection(StrictModel):
             raise ValueError("rollout_device cuda runs one rank per instance: rollout_tp must be 1")
         if self.rollout_device == "cuda" and self.engine != "torch":
             raise ValueError("rollout_device applies to the torch engine; vLLM picks its device itself")
-        cap = self.max_rollout_instances or self.rollout_instances
+        cap = self.instance_cap
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
         if self.autoscale and cap == self.rollout_instances:
