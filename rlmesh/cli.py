@@ -96,24 +96,6 @@ def prepare_job(args: argparse.Namespace):
     return job, base, model_dir
 
 
-def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
-    """The trainer's config: the job's algorithm and trainer sections as they are (the trainer's own
-    models), and the wiring: folders, tasks, and the devices the mesh section picks."""
-    from rlmesh.settings.trainer import AlgorithmConfig
-
-    return {
-        **job.algorithm.model_dump(mode="json", include=set(AlgorithmConfig.model_fields)),
-        **job.trainer.model_dump(mode="json"),
-        "model_dir": str(model_dir),
-        "output_dir": str(output_dir),
-        "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
-        "weights_dtype": job.model.dtype,
-        "precision": job.mesh.trainer_precision,
-        "tasks": [task.model_dump(mode="json") for task in job.tasks],
-        "python_path": [str(base)],
-    }
-
-
 def _up(args: argparse.Namespace) -> int:
     # Every process this one starts is a fork followed at once by an exec: gRPC's fork handlers
     # have nothing to protect, and they log a line per restarted service when they skip.
@@ -123,6 +105,7 @@ def _up(args: argparse.Namespace) -> int:
     from rlmesh.launch.plan import LaunchPlan
     from rlmesh.launch.run import run_mesh
     from rlmesh.logging import configure_logging
+    from rlmesh.settings.handover import hand_settings_to_services, trainer_settings
     from rlmesh.tasks.build import TaskError
 
     configure_logging("warning")
@@ -166,7 +149,12 @@ def _up(args: argparse.Namespace) -> int:
         registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
         netns=netns,
     )
-    code = asyncio.run(run_mesh(plan))
+    handed = hand_settings_to_services(job, output_dir)
+    try:
+        code = asyncio.run(run_mesh(plan))
+    finally:
+        for variable in handed:
+            os.environ.pop(variable, None)
     if code == 130:
         print("\ninterrupted: every process of the mesh was stopped", file=sys.stderr)
     return code

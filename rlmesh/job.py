@@ -10,7 +10,10 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from rlmesh.config import METRICS_PORT_OFFSET, ConfigError, StrictModel
+from rlmesh.settings.manager import ManagerSettings, StalenessSetting
+from rlmesh.settings.rollout import RolloutSettings
 from rlmesh.settings.trainer import AlgorithmConfig, TrainerSettings
+from rlmesh.settings.weights import WeightsSettings
 from rlmesh.tasks.config import TaskConfig
 
 DEFAULT_MODELS = {
@@ -36,13 +39,9 @@ class ModelSection(StrictModel):
     model folder's (`dtype` in config.json; bf16 for Qwen2.5, fp32 for the built-in models)."""
 
 
-class AlgorithmSection(AlgorithmConfig):
-    """The trainer's algorithm (`rlmesh/settings/trainer.py`, AlgorithmConfig: every field of it is
-    a field here) and how far rollout may run ahead of it."""
-
-    max_staleness: int = Field(default=1, ge=0, le=8)
-    """η: trainer versions a rollout may lag behind (0 = synchronous on-policy). The capacity rule
-    lets a step's samples generate only while the trainer is within η versions of that step."""
+class AlgorithmSection(StalenessSetting, AlgorithmConfig):
+    """The trainer's algorithm (`rlmesh/settings/trainer.py`, AlgorithmConfig) and η, the manager's
+    bound on how far rollout may run ahead of it: every field of either is a field here."""
 
 
 class MeshSection(StrictModel):
@@ -95,6 +94,7 @@ class MeshSection(StrictModel):
     transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
     compression: Literal["none", "zstd", "delta"] = "none"
     host: str = "127.0.0.1"
+    """The address every service listens on and is reached at."""
     base_port: int = Field(default=50151, ge=1024, le=65000)
     """The manager's port; weights +1, trainer +2, rollout instances +10..."""
     tls: bool = False
@@ -163,8 +163,17 @@ class Job(StrictModel):
     tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
     """One [[tasks]] table per task; several are mixed by weight within every step."""
     algorithm: AlgorithmSection = AlgorithmSection()
+    """What the trainer learns and in what steps: the loss, the step's shape, η."""
     trainer: TrainerSettings = TrainerSettings()
+    """How the trainer process runs (`rlmesh/settings/trainer.py`)."""
+    manager: ManagerSettings = ManagerSettings()
+    """Leases, dispatch and the journal (`rlmesh/settings/manager.py`)."""
+    rollout: RolloutSettings = RolloutSettings()
+    """Every rollout instance's engine, weight receiver and deadlines (`rlmesh/settings/rollout.py`)."""
+    weights: WeightsSettings = WeightsSettings()
+    """How weight versions are pushed (`rlmesh/settings/weights.py`)."""
     mesh: MeshSection = MeshSection()
+    """The mesh's shape: processes, devices, engine, network and security."""
     output: OutputSection = OutputSection()
 
     @model_validator(mode="after")

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlmesh.config import StrictModel
+from rlmesh.config import ServerSettings, StrictModel
 
 LossKind = Literal["ppo", "decoupled", "tis"]
 LossAggregation = Literal["sequence-mean", "token-mean"]
@@ -44,6 +44,7 @@ class GrpoConfig(StrictModel):
     """The policy loss and its regularisers."""
 
     learning_rate: float = Field(default=3e-4, gt=0)
+    """Adam's learning rate for the policy."""
     loss: LossKind = "ppo"
     """The policy loss (`services/trainer/grpo.py`, `policy_loss`): `ppo` clips the ratio to the
     behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
@@ -73,9 +74,11 @@ class GrpoConfig(StrictModel):
     """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
     loses reward linearly, up to overlong_penalty at its task's max_tokens; 0 is off."""
     overlong_penalty: float = Field(default=1.0, ge=0)
+    """Reward lost by a response of exactly its task's max_tokens under overlong_buffer_tokens."""
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the k3 KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradients are clipped to this global norm before each optimizer step."""
 
     @model_validator(mode="after")
     def _cap_mode_applies(self) -> "GrpoConfig":
@@ -97,7 +100,9 @@ class AlgorithmConfig(GrpoConfig):
     """What the trainer learns and in what steps: the loss (GrpoConfig) and the step's shape."""
 
     steps: int = Field(default=600, ge=1)
+    """Training steps; each publishes a weight version."""
     prompts_per_step: int = Field(default=16, ge=1)
+    """Prompts (groups) trained on per step, drawn from the tasks by weight."""
     group_size: int = Field(default=8, ge=2)
     """Samples per prompt; group-normalised advantages need at least two."""
     micro_batch_groups: int = Field(default=4, ge=1)
@@ -135,8 +140,11 @@ class AlgorithmConfig(GrpoConfig):
     the trainer's ranks and runs its forward in each training micro-batch. train and logp always
     share."""
     seed: int = 0
+    """Seeds the prompt order and each prompt's sampling: the same seed draws the same prompts."""
     eval_every: int = Field(default=10, ge=1)
+    """Steps between held-out evaluations."""
     checkpoint_every: int = Field(default=25, ge=1)
+    """Steps between checkpoints (the last step is always checkpointed)."""
 
     @field_validator("placement")
     @classmethod
@@ -164,6 +172,8 @@ class AlgorithmConfig(GrpoConfig):
 class TrainerSettings(StrictModel):
     """How the trainer process runs: threads, hand-off, checkpoint resumption and deadlines."""
 
+    server: ServerSettings = ServerSettings()
+    """The service's gRPC server limits and log level (its socket is the mesh's)."""
     resume: bool = True
     """Continue from the newest checkpoint in the output folder if there is one."""
     threads: int = Field(default=1, ge=1)

@@ -105,7 +105,7 @@ def test_up_stops_a_bad_job_before_starting_anything(tmp_path):
 
 
 def test_the_job_model_carries_every_documented_section():
-    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "trainer", "mesh", "output"}
+    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "trainer", "manager", "rollout", "weights", "mesh", "output"}
 
 
 def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlmesh.cli import trainer_settings
+from rlmesh.settings.handover import trainer_settings
 from rlmesh.config import ConfigError
 from rlmesh.job import AlgorithmSection, load_job, parse_value
 from rlmesh.settings.trainer import REFERENCE_APART, REFERENCE_COLOCATED
