@@ -117,10 +117,12 @@ class Supervisor:
         self.target_instances = plan.mesh.rollout_instances
         self._scale_requests = ScaleRequests(plan.output_dir)
 
-    def _supervise(self, spec: Callable[[], ServiceSpec], policy: RestartPolicy = SERVICE_RESTARTS,
+    def _supervise(self, make_spec: Callable[[], ServiceSpec], policy: RestartPolicy = SERVICE_RESTARTS,
                    resumes: bool = False) -> Supervised:
+        """Starts a service; `make_spec` is called again at each restart (the trainer's rendezvous port is new each time)."""
+
         def start() -> Child:
-            return self._spawn(spec())
+            return self._spawn(make_spec())
 
         child = start()
         return Supervised(child.name, start, policy, child, self._clock(), resumes=resumes)
