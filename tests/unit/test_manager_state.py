@@ -2,6 +2,8 @@
 late joiners, continuation after an instance vanishes, exactly-once group delivery, and
 exact-version batches (held-out evaluation of a named version)."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -209,13 +211,23 @@ def test_the_live_incarnation_registering_again_with_its_token_keeps_its_identit
     state.submit("b1", 0, [("p", [1], 1)], sampling(4))
     (running,) = state.assign()
     original = state.instances["a"]
-    assert len(original.token) == 32 and int(original.token, 16) >= 0  # 128 bits, hex
+    assert re.fullmatch("[0-9a-f]{32}", original.token)  # 128 bits, hex
     instance, requeued = state.register("a", original.address, 2, 8, now=5, token=original.token)
     assert instance is original and requeued == []
     assert (instance.token, instance.incarnation) == (original.token, 1)
     assert instance.lease_expires == 15 and instance.weight_version == 2 and instance.max_batch_size == 8
     # Its stream goes on: the running request is still its own and its chunks are taken.
     assert state.record_chunk(running.request.request_id, running.attempt, [7], [0.0], [2], STOP)
+
+
+def test_every_incarnation_gets_its_own_token():
+    """Tokens are secrets drawn per registration: two instances, or two incarnations of one, never share one."""
+    state = state_with({"a": 0, "b": 0})
+    first, other = state.instances["a"].token, state.instances["b"].token
+    state.expire(now=11)
+    again, _ = state.register("a", "127.0.0.1:1000", 0, 64, now=11)
+    assert all(re.fullmatch("[0-9a-f]{32}", token) for token in (first, other, again.token))
+    assert len({first, other, again.token}) == 3 and again.incarnation == 3
 
 
 def test_calls_without_the_live_incarnations_token_are_refused():
