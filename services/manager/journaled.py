@@ -1,10 +1,5 @@
 """How the journal learns what changed: journaled objects mark themselves in one ChangeTracker
-when a journaled field is assigned, and their collections mark them as they enter and leave.
-
-One mechanism in the objects themselves rather than marks placed by hand after each mutation: a
-mutation added later is journaled without anyone remembering to say so. A field is marked when its
-value changes; a list field whenever it is assigned, since `+=` has already grown it in place by
-then (so journaled lists are only ever grown with `+=` or replaced, never mutated by a method)."""
+when a journaled field is assigned, and their collections mark them as they enter and leave."""
 
 from __future__ import annotations
 
@@ -62,7 +57,14 @@ class ChangeTracker:
 
 class Journaled:
     """Mixin: assigning one of the class's JOURNALED fields marks the object (its KIND, its
-    `journal_key`) in the tracker it is attached to; detached (None), nothing is marked."""
+    `journal_key`) in the tracker it is attached to; detached (None), nothing is marked.
+
+    One mechanism in the objects themselves rather than marks placed by hand after each mutation:
+    a mutation added later is journaled without anyone remembering to say so (a decorator on
+    mutating methods would still have to name what each touched; diffing the state at each flush
+    would cost relay throughput, as requests hold every token). A field is marked when its value
+    changes; a list field whenever it is assigned, since `+=` has already grown it in place by then
+    (so journaled lists are only ever grown with `+=` or replaced, never mutated by a method)."""
 
     __slots__ = ()
     JOURNALED: ClassVar[frozenset[str]] = frozenset()
@@ -71,6 +73,7 @@ class Journaled:
 
     @property
     def journal_key(self) -> str:
+        """Which one of its kind it is; the counters are one of a kind."""
         return self.KIND
 
     def __setattr__(self, name: str, value: Any) -> None:
