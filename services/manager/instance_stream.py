@@ -12,7 +12,7 @@ import grpc
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import call_options
-from services.manager.state import Assignment
+from services.manager.records import Assignment
 
 TAKES_REQUESTS_FOR = 0.5
 """Share of its deadline during which a stream takes new requests; then the dispatcher opens

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
-from services.manager.state import Batch, Instance, ManagerState, SampleRequest
+from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST
+from services.manager.records import Batch, Instance, SampleRequest
+from services.manager.state import ManagerState
 
 FORMAT = 4
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""
@@ -174,10 +176,10 @@ class Journal:
         db = self._db
         db.execute("BEGIN")
         try:
-            for batch_id in changed.forgotten_batches - state.batches.keys():
+            for batch_id in changed.removed[BATCH] - state.batches.keys():
                 db.execute("DELETE FROM batches WHERE batch_id = ?", (batch_id,))
                 db.execute("DELETE FROM requests WHERE batch_id = ?", (batch_id,))
-            for batch_id in changed.batches & state.batches.keys():
+            for batch_id in changed.written[BATCH] & state.batches.keys():
                 batch = state.batches[batch_id]
                 db.execute(
                     "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, version_gone, "
@@ -187,7 +189,8 @@ class Journal:
                     (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error,
                      int(batch.exact_version), int(batch.version_gone), int(batch.background)),
                 )
-            requests = [state.requests[i] for i in changed.requests if i in state.requests]
+            requests = [state.requests[i] for i in changed.written[REQUEST] if i in state.requests]
+            new_requests = changed.added[REQUEST]
             progress = {r.request_id: self._progress(r) for r in requests}
             db.executemany(
                 "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -195,7 +198,7 @@ class Journal:
                     (r.request_id, r.batch_id, r.prompt_id, _token_ids(r.prompt_token_ids), r.sampling.SerializeToString(),
                      r.policy_version, (p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions,
                      json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations)
-                    for r in requests if r.request_id in changed.new_requests
+                    for r in requests if r.request_id in new_requests
                 ],
             )
             # Requests written before change only in how far they got.
@@ -205,29 +208,29 @@ class Journal:
                 [
                     ((p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions, json.dumps(r.instance_ids),
                      r.finish_reason, r.attempt, r.migrations, r.request_id)
-                    for r in requests if r.request_id not in changed.new_requests
+                    for r in requests if r.request_id not in new_requests
                 ],
             )
-            for instance_id in changed.dropped_instances - state.instances.keys():
+            for instance_id in changed.removed[INSTANCE] - state.instances.keys():
                 db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
             db.executemany(
                 "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (i.instance_id, i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
                      int(i.preemptible), int(i.draining))
-                    for i in (state.instances[n] for n in changed.instances if n in state.instances)
+                    for i in (state.instances[n] for n in changed.written[INSTANCE] if n in state.instances)
                 ],
             )
-            if changed.counters:
+            if changed.written[COUNTERS]:
                 db.executemany("INSERT OR REPLACE INTO counters VALUES (?, ?)",
                                [("published_version", state.published_version), ("registrations", state.registrations)])
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             # Still unwritten: the next flush tries them again.
-            state.changed.absorb(changed)
+            state.tracker.put_back(changed)
             raise
-        self._forget_encodings(state, requests, bool(changed.forgotten_batches))
+        self._forget_encodings(state, requests, bool(changed.removed[BATCH]))
 
     def _progress(self, request: SampleRequest) -> _EncodedProgress:
         encoded = self._encoded.get(request.request_id)

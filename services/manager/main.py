@@ -12,7 +12,8 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import GrpcServer, RegistrationTokenInterceptor, use_tls
 from services.manager.config import ManagerConfig
 from services.manager.journal import Journal, NoJournal, open_journal
-from services.manager.server import Changes, Dispatcher, ManagerServicer, watch_leases
+from services.manager.dispatcher import Changes, Dispatcher
+from services.manager.server import ManagerServicer, watch_leases
 from services.manager.state import ManagerState
 
 

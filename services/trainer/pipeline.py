@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlmesh.micro_batch import group_tokens, pack
 from rlmesh.rewards.base import RewardResult
 from rlmesh.sampling import MAX_SEED
 from rlmesh.tasks.base import TaskPrompt
@@ -58,7 +59,7 @@ class ScoredGroup:
 
     @property
     def tokens(self) -> int:
-        return sum(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
+        return group_tokens(len(self.samples[0].prompt_ids), (len(s.response_ids) for s in self.samples))
 
 
 @dataclass(slots=True)
@@ -121,18 +122,11 @@ class StepPlan:
 
     def take_micro_batch(self, ordered: bool, most_groups: int, fewest_groups: int, max_tokens: int) -> list[ScoredGroup]:
         """The next micro-batch, or [] while it must wait for more groups. At most `most_groups`
-        and `max_tokens` (0: no budget; one group always fits); at least `fewest_groups` (ordered:
-        `most_groups`) unless it is the step's last."""
+        within `max_tokens` (packed by rlmesh.micro_batch's rule, as the manager packs); at least
+        `fewest_groups` (ordered: `most_groups`) unless it is the step's last."""
         if not self.can_take(ordered, most_groups, fewest_groups):
             return []
-        ready = self.ready(ordered)
-        taken: list[ScoredGroup] = []
-        tokens = 0
-        for group in ready[:most_groups]:
-            if taken and max_tokens and tokens + group.tokens > max_tokens:
-                break
-            taken.append(group)
-            tokens += group.tokens
+        taken = pack(self.ready(ordered), most_groups, max_tokens, lambda group: group.tokens)
         self.trained += len(taken)
         chosen = {id(g) for g in taken}
         self.waiting = [g for g in self.waiting if id(g) not in chosen]

@@ -2,6 +2,8 @@
 late joiners, continuation after an instance vanishes, exactly-once group delivery, and
 exact-version batches (held-out evaluation of a named version)."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,8 @@ from hypothesis import strategies as st
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from rlmesh.sampling import MAX_SEED
-from services.manager.state import ManagerState, WrongIncarnation
+from services.manager.registry import WrongIncarnation
+from services.manager.state import ManagerState
 
 STOP = common_pb2.FINISH_REASON_STOP
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -20,8 +23,8 @@ def sampling(max_tokens: int = 8) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens)
 
 
-def state_with(instances: dict[str, int], max_staleness: int = 0) -> ManagerState:
-    state = ManagerState(lease_seconds=10, max_staleness=max_staleness)
+def state_with(instances: dict[str, int], max_staleness: int = 0, policy: str = "balanced") -> ManagerState:
+    state = ManagerState(lease_seconds=10, max_staleness=max_staleness, policy=policy)
     for instance_id, version in instances.items():
         state.register(instance_id, f"127.0.0.1:{len(state.instances) + 1000}", version, 64, now=0)
     return state
@@ -208,13 +211,23 @@ def test_the_live_incarnation_registering_again_with_its_token_keeps_its_identit
     state.submit("b1", 0, [("p", [1], 1)], sampling(4))
     (running,) = state.assign()
     original = state.instances["a"]
-    assert len(original.token) == 32 and int(original.token, 16) >= 0  # 128 bits, hex
+    assert re.fullmatch("[0-9a-f]{32}", original.token)  # 128 bits, hex
     instance, requeued = state.register("a", original.address, 2, 8, now=5, token=original.token)
     assert instance is original and requeued == []
     assert (instance.token, instance.incarnation) == (original.token, 1)
     assert instance.lease_expires == 15 and instance.weight_version == 2 and instance.max_batch_size == 8
     # Its stream goes on: the running request is still its own and its chunks are taken.
     assert state.record_chunk(running.request.request_id, running.attempt, [7], [0.0], [2], STOP)
+
+
+def test_every_incarnation_gets_its_own_token():
+    """Tokens are secrets drawn per registration: two instances, or two incarnations of one, never share one."""
+    state = state_with({"a": 0, "b": 0})
+    first, other = state.instances["a"].token, state.instances["b"].token
+    state.expire(now=11)
+    again, _ = state.register("a", "127.0.0.1:1000", 0, 64, now=11)
+    assert all(re.fullmatch("[0-9a-f]{32}", token) for token in (first, other, again.token))
+    assert len({first, other, again.token}) == 3 and again.incarnation == 3
 
 
 def test_calls_without_the_live_incarnations_token_are_refused():
@@ -252,7 +265,7 @@ def test_after_the_lease_expired_a_restarted_process_is_a_new_incarnation_and_co
     charged = new.outstanding_tokens
     # A chunk of the old incarnation arriving late is not taken, and charges nothing to the new one.
     assert not state.record_chunk(old.request.request_id, old.attempt, [5], [-0.5], [0], NONE)
-    assert state.discarded_tokens == 1 and new.outstanding_tokens == charged
+    assert state.ledger.discarded_tokens == 1 and new.outstanding_tokens == charged
     state.record_chunk(retry.request.request_id, retry.attempt, [6, 7], [-0.6, -0.7], [0, 0], STOP)
     (group,), remaining = state.take_micro_batch("b1", 1)
     assert remaining == 0
@@ -452,7 +465,7 @@ def test_groups_sent_but_not_read_come_again_from_the_readers_position():
     with pytest.raises(InvalidArgument, match="resume_from 3 is past the 2 groups"):
         state.take_micro_batch("b1", 2, position=3)
     last, remaining = state.take_micro_batch("b1", 2, position=2)
-    assert remaining == 0 and state.delivered_groups == 3
+    assert remaining == 0 and state.delivery.delivered_groups == 3
     assert state.take_micro_batch("b1", 2, position=3) == ([], 0)
     assert state.acknowledge("b1")
     assert state.batches == {} and state.requests == {}
@@ -502,8 +515,7 @@ def test_near_the_end_a_much_slower_instance_starts_nothing():
 
 
 def test_round_robin_ignores_speed_and_load():
-    state = state_with({"a": 0, "b": 0, "c": 0})
-    state.policy = "round_robin"
+    state = state_with({"a": 0, "b": 0, "c": 0}, policy="round_robin")
     measured(state, {"a": (300.0, 10.0), "b": (100.0, 3.0), "c": (1.0, 1.0)})
     state.submit("b1", 0, [(f"p{i}", [1], 1) for i in range(7)], sampling(10))
     assert [a.instance.instance_id for a in state.assign()] == ["a", "b", "c", "a", "b", "c", "a"]
@@ -554,7 +566,7 @@ def test_stragglers_move_from_a_slow_instance_to_an_idle_fast_one():
     (again,) = state.assign()
     assert again.instance.instance_id == "fast"
     assert again.request.token_ids == [1, 1, 1, 1, 9]
-    assert state.migrated_samples == 1 and state.continued_tokens == 5
+    assert state.ledger.migrated_samples == 1 and state.ledger.continued_tokens == 5
 
 
 def test_no_migration_between_instances_of_equal_speed():
@@ -589,7 +601,7 @@ def test_late_chunks_of_an_abandoned_attempt_count_as_discarded():
     (first,) = state.assign()
     state.stream_lost(first.request.request_id, first.attempt)
     assert not state.record_chunk(first.request.request_id, first.attempt, [1, 2, 3], [0.0] * 3, [0] * 3, NONE)
-    assert state.discarded_tokens == 3
+    assert state.ledger.discarded_tokens == 3
 
 
 def test_work_without_any_instance_is_reported_starving():
@@ -682,7 +694,7 @@ def test_outstanding_tokens_always_equal_what_running_requests_are_charged(scrip
     state.submit("b", 0, [(f"p{i}", [1], 3) for i in range(4)], sampling(12))
     live = list(state.assign())
     for op in script:
-        current = [a for a in live if state._current(a.request.request_id, a.attempt)]
+        current = [a for a in live if state.ledger.current(a.request.request_id, a.attempt)]
         if op[0] == "chunk" and current:
             a = current[op[1] % len(current)]
             state.record_chunk(a.request.request_id, a.attempt, [1] * op[2], [0.0] * op[2], [0] * op[2], op[3])
@@ -869,7 +881,7 @@ def test_an_exact_version_sample_keeps_only_its_versions_tokens_from_an_instance
     assert not state.record_chunk(first.request.request_id, first.attempt, [4, 5, 6], [-0.1, -0.2, -0.3], [1, 2, 2], NONE)
     request = first.request
     assert (request.token_ids, request.logprobs, request.weight_versions) == ([4], [pytest.approx(-0.1)], [1])
-    assert state.discarded_tokens == 2 and state.instances["old"].weight_version == 2
+    assert state.ledger.discarded_tokens == 2 and state.instances["old"].weight_version == 2
     state.instances["b"].max_batch_size = 4
     (second,) = state.assign()
     assert second.instance.instance_id == "b" and second.request.token_ids == [4]

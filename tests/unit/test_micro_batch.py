@@ -1,0 +1,84 @@
+"""Micro-batches are packed by one rule (rlmesh.micro_batch): groups whole, in order, within the
+group count and the token budget; the manager's StreamRollouts and the trainer's pipeline both
+pack by it, so for the same groups they make the same micro-batches."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlmesh import micro_batch
+from rlmesh.common.v1 import common_pb2
+from rlmesh.micro_batch import group_tokens, pack
+from rlmesh.rewards.base import RewardResult
+from rlmesh.tasks.base import TaskPrompt
+from services.manager import delivery
+from services.manager.state import ManagerState
+from services.trainer import pipeline
+from services.trainer.batching import TrainingSample
+from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
+
+STOP = common_pb2.FINISH_REASON_STOP
+PROMPT = [1, 2]
+
+
+def test_groups_are_packed_whole_in_order_and_one_over_budget_travels_alone():
+    sizes = [5, 5, 12, 3]
+    micro_batches = []
+    while sizes:
+        taken = pack(sizes, 4, 10, lambda size: size)
+        micro_batches.append(taken)
+        sizes = sizes[len(taken):]
+    assert micro_batches == [[5, 5], [12], [3]]
+    assert pack([5, 5, 12, 3], 3, 0, lambda size: size) == [5, 5, 12]  # no budget: the count alone
+    assert group_tokens(2, [3, 4]) == 2 + 3 + 2 + 4
+
+
+def test_both_services_pack_with_the_one_rule():
+    assert delivery.pack is micro_batch.pack and pipeline.pack is micro_batch.pack
+    assert delivery.group_tokens is micro_batch.group_tokens and pipeline.group_tokens is micro_batch.group_tokens
+
+
+def manager_micro_batches(responses: list[list[int]], most: int, max_tokens: int) -> list[list[int]]:
+    """Groups (prompt PROMPT, one response length per sample) all complete, taken from StreamRollouts' state."""
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
+    state.register("a", "127.0.0.1:1", 0, 10_000, now=0)
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=100)
+    state.submit("b", 0, [(f"p{i}", PROMPT, len(lengths)) for i, lengths in enumerate(responses)], sampling)
+    # Complete in prompt order, so the stream order is the prompt order the trainer trains in.
+    for assignment in sorted(state.assign(), key=lambda a: (int(a.request.prompt_id[1:]), a.request.request_id)):
+        index = int(assignment.request.request_id.rsplit("/", 1)[1])
+        size = responses[int(assignment.request.prompt_id[1:])][index]
+        state.record_chunk(assignment.request.request_id, assignment.attempt, [1] * size, [0.0] * size, [0] * size, STOP)
+    packed = []
+    while True:
+        groups, remaining = state.take_micro_batch("b", most, min_groups=1, max_tokens=max_tokens)
+        packed.append([int(g[0].prompt_id[1:]) for g in groups])
+        if remaining == 0:
+            return packed
+
+
+def trainer_micro_batches(responses: list[list[int]], most: int, max_tokens: int) -> list[list[int]]:
+    """The same groups accepted into a step of the trainer's pipeline, taken in prompt order."""
+    plan = StepPlan(0, len(responses))
+    for index, lengths in enumerate(responses):
+        record = PromptRecord(0, f"p{index}", index, "task", TaskPrompt(uid=f"u{index}", text="x"), "x", PROMPT)
+        plan.add(record)
+        samples = [TrainingSample(PROMPT, [2] * length, [0.0] * length, 0.0) for length in lengths]
+        plan.accept(ScoredGroup(record, "b", samples, [RewardResult(0.0)] * len(lengths), [[0] * length for length in lengths]))
+    packed = []
+    while plan.trained < plan.expected:
+        packed.append([g.record.index for g in plan.take_micro_batch(True, most, 1, max_tokens)])
+    return packed
+
+
+@settings(max_examples=60, deadline=None)
+@given(responses=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=3), min_size=1, max_size=8),
+       most=st.integers(1, 4), max_tokens=st.integers(0, 40))
+def test_the_manager_and_the_trainer_pack_the_same_groups_into_the_same_micro_batches(responses, most, max_tokens):
+    sizes = [group_tokens(len(PROMPT), lengths) for lengths in responses]
+    expected, start = [], 0
+    while start < len(sizes):
+        count = len(pack(sizes[start:], most, max_tokens, lambda size: size))
+        expected.append(list(range(start, start + count)))
+        start += count
+    assert manager_micro_batches(responses, most, max_tokens) == expected
+    assert trainer_micro_batches(responses, most, max_tokens) == expected
