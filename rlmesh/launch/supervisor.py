@@ -51,9 +51,12 @@ class RestartPolicy:
 
 SERVICE_RESTARTS = RestartPolicy()
 """The manager, the weights service and the rollout instances: restarted whatever ended them."""
-TRAINER_RESTARTS_POLICY = RestartPolicy(restart_after_exit_code=False, max_restarts=TRAINER_RESTARTS)
+TRAINER_RESTARTS_POLICY = RestartPolicy(backoff_seconds=(0.0, *RESTART_BACKOFF_SECONDS), restart_after_exit_code=False,
+                                        max_restarts=TRAINER_RESTARTS)
 """The trainer killed by a signal (the OOM killer, a lost machine, an operator) resumes from its
-latest checkpoint; an exit code (0: trained every step; else: failed) ends the run."""
+latest checkpoint; an exit code (0: trained every step; else: failed) ends the run. Its first
+restart in a row is at once: it only restarts after a kill from outside, never after failing by
+itself, and each start already takes the time to load the model and the checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +235,7 @@ class Supervisor:
                              f"see {service.child.log_path}")
             else:
                 self._notice(f"{service.name} {describe_exit(code)}; restarting in {wait:.0f} s; see {service.child.log_path}")
-        elif now >= service.restart_at:
+        if now >= service.restart_at:
             service.child = service.start()
             service.started_at, service.restart_at = now, None
             service.restarts_in_a_row += 1

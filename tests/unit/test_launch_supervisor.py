@@ -148,21 +148,27 @@ def test_every_service_restarts_after_a_backoff_that_grows_in_a_row_and_resets_o
     assert mesh.spawned.count("manager") == 4
 
 
-def test_the_trainer_killed_by_a_signal_resumes_under_the_same_backoff_and_an_exit_code_ends_the_run(tmp_path):
+def test_the_trainer_killed_by_a_signal_resumes_with_a_growing_backoff_and_an_exit_code_ends_the_run(tmp_path):
     mesh = FakeMesh(tmp_path)
     trainer = mesh.supervisor.trainer
     trainer.child.process.exit(-9)
-    assert mesh.tick_at(1.0) == ["trainer exited (killed by signal 9); starting it again in 1 s (restart 1): "
-                                 "it resumes from its latest checkpoint; see trainer.log"]
-    assert mesh.tick_at(2.0) == [f"trainer restarted (pid {trainer.child.process.pid}, restart 1 in a row)"]
+    first = mesh.tick_at(1.0)
+    assert first == ["trainer exited (killed by signal 9); starting it again in 0 s (restart 1): "
+                     "it resumes from its latest checkpoint; see trainer.log",
+                     f"trainer restarted (pid {trainer.child.process.pid}, restart 1 in a row)"]
     assert mesh.state()["trainer"]["pid"] == trainer.child.process.pid
     trainer.child.process.exit(-9)
-    assert "starting it again in 2 s (restart 2)" in mesh.tick_at(3.0)[0]
-    mesh.tick_at(5.0)
+    assert mesh.tick_at(2.0) == ["trainer exited (killed by signal 9); starting it again in 1 s (restart 2): "
+                                 "it resumes from its latest checkpoint; see trainer.log"]
+    assert mesh.tick_at(3.0)[0].endswith("restart 2 in a row)")
+    trainer.child.process.exit(-9)
+    assert "starting it again in 2 s (restart 3)" in mesh.tick_at(4.0)[0]
+    assert mesh.tick_at(5.0) == []
+    mesh.tick_at(6.0)
     trainer.child.process.exit(0)
-    assert mesh.tick_at(6.0) == [ServiceEnded("trainer", 0)]
-    assert mesh.tick_at(7.0) == []
-    assert mesh.spawned.count("trainer") == 3
+    assert mesh.tick_at(7.0) == [ServiceEnded("trainer", 0)]
+    assert mesh.tick_at(8.0) == []
+    assert mesh.spawned.count("trainer") == 4
 
 
 def test_the_trainer_is_started_again_at_most_its_policys_limit(tmp_path):
