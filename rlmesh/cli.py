@@ -19,12 +19,12 @@ FLAG_FIELDS = {
     "max_staleness": "algorithm.max_staleness",
     "autoscale": "mesh.autoscale",
     "trainer_ranks": "mesh.trainer_ranks",
-    "rollout_tp": "mesh.rollout_tp",
+    "rollout_tp": "rollout.engine.tensor_parallel_size",
     "rollout_netns": "mesh.rollout_netns",
-    "transfer_backend": "mesh.transfer_backend",
-    "compression": "mesh.compression",
-    "engine": "mesh.engine",
-    "update_mode": "mesh.update_mode",
+    "transfer_backend": "weights.backend",
+    "compression": "weights.compression",
+    "engine": "rollout.engine.kind",
+    "update_mode": "rollout.engine.update_mode",
     "host": "mesh.host",
     "base_port": "mesh.base_port",
     "tls": "mesh.tls",
@@ -112,12 +112,12 @@ def _up(args: argparse.Namespace) -> int:
     try:
         job, base, model_dir = prepare_job(args)
         mesh = job.mesh
-        if mesh.engine == "vllm":
+        if job.rollout.engine.kind == "vllm":
             from rlmesh.launch.services import VLLM_PYTHON
 
             if not VLLM_PYTHON.exists():
-                raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
-        if missing := mesh.missing_gpu():
+                raise ConfigError(f"rollout.engine.kind = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
+        if missing := job.missing_gpu():
             raise ConfigError(missing)
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -366,19 +366,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-staleness", type=int, choices=range(0, 9), metavar="K",
                     help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)")
     up.add_argument("--rollout-tp", type=_positive, metavar="T",
-                    help="mesh.rollout_tp: tensor-parallel processes per rollout instance (default 1)")
+                    help="rollout.engine.tensor_parallel_size: tensor-parallel processes per rollout instance (default 1)")
     up.add_argument("--rollout-netns", type=int, metavar="N",
                     help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
                          "linked by a veth pair (needs root; default 0)")
-    up.add_argument("--engine", choices=("torch", "vllm"), help="mesh.engine: rollout engine (default torch)")
+    up.add_argument("--engine", choices=("torch", "vllm"), help="rollout.engine.kind: rollout engine (default torch)")
     up.add_argument("--update-mode", choices=("continue", "pause", "abort-continue"),
-                    help="mesh.update_mode: what requests in flight do when new weights arrive: continue on them, "
+                    help="rollout.engine.update_mode: what requests in flight do when new weights arrive: continue on them, "
                          "pause from the push's start to its commit, or recompute their KV cache at the switch "
                          "(default continue)")
     up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"),
-                    help="mesh.transfer_backend: data plane of weight pushes (default tcp)")
+                    help="weights.backend: data plane of weight pushes (default tcp)")
     up.add_argument("--compression", choices=("none", "zstd", "delta"),
-                    help="mesh.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
+                    help="weights.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
     up.add_argument("--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)")
     up.add_argument("--output-dir", help="output.dir: metrics, plot, checkpoints and logs (default runs/<time>)")
     up.add_argument("--tls", action="store_true", default=None,

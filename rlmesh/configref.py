@@ -11,7 +11,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from rlmesh.job import Job
+from rlmesh.job import JOB_DEFAULTS, Job
 
 HEADER = """# Job configuration reference
 
@@ -48,7 +48,10 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _default(field: FieldInfo) -> str:
+def _default(field: FieldInfo, dotted: str) -> str:
+    """The field's default in a job: the job's own where it differs from the service's (JOB_DEFAULTS)."""
+    if dotted in JOB_DEFAULTS:
+        return f"`{json.dumps(JOB_DEFAULTS[dotted])}`"
     if field.is_required():
         return "required"
     value = field.get_default(call_default_factory=True)
@@ -80,7 +83,7 @@ def _section(name: str, model: type[BaseModel], description: str | None, table: 
     plain = {key: field for key, field in model.model_fields.items() if _nested_model(field) is None}
     if plain:
         lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {_cell(field.description)} |"
+        lines += [f"| `{key}` | {_type_name(field.annotation)} | {_default(field, name + '.' + key)} | {_cell(field.description)} |"
                   for key, field in plain.items()]
         lines.append("")
     for key, field in model.model_fields.items():

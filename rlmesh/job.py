@@ -24,6 +24,24 @@ DEFAULT_MODELS = {
 NETNS_MAX_INSTANCES = 62
 """Rollout instances a mesh can put in network namespaces: a /30 each in one /24, whose last
 addresses hold the manager's."""
+MOVED_MESH_KEYS = {
+    "rollout_tp": "rollout.engine.tensor_parallel_size",
+    "rollout_device": "rollout.engine.device",
+    "rollout_max_batch_size": "rollout.engine.max_batch_size",
+    "rollout_stream_interval": "rollout.engine.stream_interval",
+    "engine": "rollout.engine.kind",
+    "update_mode": "rollout.engine.update_mode",
+    "transfer_backend": "weights.backend",
+    "compression": "weights.compression",
+    "trainer_precision": "trainer.precision",
+    "trainer_device": "trainer.distributed_backend (cpu: gloo, cuda: nccl)",
+}
+"""Mesh keys of earlier job files that are now their service's settings: a job naming one is
+refused with the key to write instead."""
+JOB_DEFAULTS = {"rollout.engine.stream_interval": 16}
+"""Where a job's default differs from a service's standalone one, by dotted key: applied unless
+the job sets the key. Streaming a chunk per 16 tokens leaves `rlmesh up`'s shared CPUs to
+decoding and training (see the field's docstring)."""
 
 
 class ModelSection(StrictModel):
@@ -35,8 +53,9 @@ class ModelSection(StrictModel):
     Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """The dtype weight versions travel and are served in: the trainer publishes its (fp32 master)
-    weights cast to it and the torch engine holds its weights and KV cache in it. `auto`: the
-    model folder's (`dtype` in config.json; bf16 for Qwen2.5, fp32 for the built-in models)."""
+    weights cast to it (its `weights_dtype`) and the torch engine holds its weights and KV cache in
+    it (its `engine.dtype`), so the two always agree. `auto`: the model folder's (`dtype` in
+    config.json; bf16 for Qwen2.5, fp32 for the built-in models)."""
 
 
 class AlgorithmSection(StalenessSetting, AlgorithmConfig):
@@ -58,41 +77,10 @@ class MeshSection(StrictModel):
     """How long the recommendation must point the same way before an instance is added or drained."""
     autoscale_cooldown_seconds: float = Field(default=60.0, ge=0)
     """The least time between two changes, so a new instance has time to show in the measurements."""
-    rollout_tp: int = Field(default=1, ge=1)
-    """Tensor-parallel processes per rollout instance."""
-    rollout_device: Literal["cpu", "cuda"] = "cpu"
-    """Where a torch-engine instance holds its weights and KV cache and samples: `cuda` puts each
-    instance on one GPU (rollout_tp 1), with pushed weights staged in pinned host memory and copied
-    to the GPU bucket by bucket into the standby copy. vLLM picks its device itself."""
-    trainer_device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where the trainer's FSDP ranks run: `cuda` (NCCL, one GPU per rank, bf16 mixed precision),
-    `cpu` (gloo, fp32), `auto`: cuda when the host has a GPU."""
-    trainer_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """The trainer's compute precision: `bf16` gathers bf16 copies of the fp32 master weights for
-    the forwards and backwards and reduces gradients in fp32; `auto`: bf16 on CUDA, fp32 on CPU."""
-    rollout_max_batch_size: int = Field(default=256, ge=1)
-    """Sequences a rollout instance decodes at once. 1 makes every response's tokens and logprobs
-    independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
-    cost in throughput."""
-    rollout_stream_interval: int = Field(default=16, ge=1)
-    """Tokens per chunk a torch-engine instance streams back (a response's last chunk may be
-    shorter), as vLLM's stream_interval: one message per token costs the instance and the manager
-    CPU that decoding and training need. When an instance dies, each of its requests regenerates
-    elsewhere up to rollout_stream_interval - 1 tokens it had not sent yet."""
     rollout_netns: int = Field(default=0, ge=0)
     """The first N rollout instances each run in their own network namespace, linked to the host
     by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the
     chaos suite cut an instance's network. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)."""
-    engine: Literal["torch", "vllm"] = "torch"
-    """Rollout engine; `vllm` runs each instance with the vLLM virtualenv (`make setup-vllm`)."""
-    update_mode: Literal["continue", "pause", "abort-continue"] = "continue"
-    """What requests in flight on a rollout instance do when a new weight version arrives:
-    `continue` decoding while it loads and on it after the switch (their KV cache kept); `pause`:
-    no decode step from the start of the push to its commit, then on with the KV cache kept (verl,
-    slime); `abort-continue`: at the switch their KV cache is recomputed under the new version from
-    their tokens so far (SkyRL). Every token records the version that produced it."""
-    transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
-    compression: Literal["none", "zstd", "delta"] = "none"
     host: str = "127.0.0.1"
     """The address every service listens on and is reached at."""
     base_port: int = Field(default=50151, ge=1024, le=65000)
@@ -115,29 +103,17 @@ class MeshSection(StrictModel):
         """The most rollout instances `rlmesh scale` or the autoscaler may run."""
         return self.max_rollout_instances or self.rollout_instances
 
-    def missing_gpu(self) -> str:
-        """Why this host cannot run the devices the mesh asks for ("" when it can)."""
-        wants_gpu = [name for name in ("rollout_device", "trainer_device") if getattr(self, name) == "cuda"]
-        if not wants_gpu:
-            return ""
-        import torch
-
-        if torch.cuda.is_available():
-            return ""
-        return f"mesh.{wants_gpu[0]} = cuda, but torch {torch.__version__} sees no CUDA device on this host"
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (moved := [f"mesh.{key} moved to {new}" for key, new in MOVED_MESH_KEYS.items() if key in data]):
+            raise ValueError("; ".join(moved))
+        return data
 
     @model_validator(mode="after")
     def _compatible(self) -> "MeshSection":
         if self.tls_dir is not None and not self.tls:
             raise ValueError("tls_dir needs tls = true")
-        if self.transfer_backend == "mooncake" and self.compression != "none":
-            raise ValueError("the mooncake backend writes raw bytes; compression needs transfer_backend tcp or grpc")
-        if self.engine == "vllm" and self.rollout_tp > 1:
-            raise ValueError("rollout_tp > 1 runs on the torch engine only")
-        if self.rollout_device == "cuda" and self.rollout_tp > 1:
-            raise ValueError("rollout_device cuda runs one rank per instance: rollout_tp must be 1")
-        if self.rollout_device == "cuda" and self.engine != "torch":
-            raise ValueError("rollout_device applies to the torch engine; vLLM picks its device itself")
         cap = self.instance_cap
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
@@ -173,20 +149,57 @@ class Job(StrictModel):
     weights: WeightsSettings = WeightsSettings()
     """How weight versions are pushed (`rlmesh/settings/weights.py`)."""
     mesh: MeshSection = MeshSection()
-    """The mesh's shape: processes, devices, engine, network and security."""
+    """The mesh's shape: how many processes of each service, where they listen, and security."""
     output: OutputSection = OutputSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _job_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for dotted, value in JOB_DEFAULTS.items():
+                data = _default_at(data, dotted.split("."), value)
+        return data
+
+    def missing_gpu(self) -> str:
+        """Why this host cannot run the devices the job asks for ("" when it can)."""
+        wants_gpu = [setting for setting, wanted in (
+            ("rollout.engine.device = cuda", self.rollout.engine.device == "cuda"),
+            ("trainer.distributed_backend = nccl", self.trainer.distributed_backend == "nccl")) if wanted]
+        if not wants_gpu:
+            return ""
+        import torch
+
+        if torch.cuda.is_available():
+            return ""
+        return f"{wants_gpu[0]}, but torch {torch.__version__} sees no CUDA device on this host"
+
     @model_validator(mode="after")
-    def _unique_tasks(self) -> "Job":
+    def _consistent(self) -> "Job":
         names = [t.name for t in self.tasks]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"task names must be unique; repeated: {duplicates}")
+        lossy = sorted({self.weights.compression, *self.weights.link_compression.values()} & {"int8", "fp8"})
+        if lossy:
+            raise ValueError(f"weights compression {lossy[0]} is lossy: only engines serving quantized weights take it, "
+                             f"and the torch and vllm engines serve the weights as pushed (use none, zstd or delta)")
         buffer = self.algorithm.overlong_buffer_tokens
         short = [f"{t.name} ({t.max_tokens})" for t in self.tasks if t.max_tokens < buffer]
         if short:
             raise ValueError(f"algorithm.overlong_buffer_tokens ({buffer}) exceeds the max_tokens of task {', '.join(short)}")
         return self
+
+
+def _default_at(section: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
+    """`section` with `value` at the path `keys` unless it holds one there (a copy; a nested section
+    given as a model, not a table, is its author's whole choice and is kept)."""
+    head, *rest = keys
+    if not rest:
+        return section if head in section else {**section, head: value}
+    nested = section.get(head, {})
+    if not isinstance(nested, dict):
+        return section
+    return {**section, head: _default_at(nested, rest, value)}
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -13,13 +13,15 @@ from rlmesh.launch.ports import free_base_port
 
 WINDOW = 5
 """Steps averaged at each end of the run to say whether the reward rose."""
+TRAINER_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+"""The trainer's torch.distributed backend, which puts its ranks on the device."""
 
 
 def run_short_job(device: str, steps: int, output_dir: Path, timeout: float = 300) -> dict:
     """Mean reward of the first and the last WINDOW steps, step seconds, and `rises`."""
     command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--output-dir", str(output_dir),
-               "--base-port", str(free_base_port()), "--set", f"mesh.rollout_device={device}",
-               "--set", f"mesh.trainer_device={device}"]
+               "--base-port", str(free_base_port()), "--set", f"rollout.engine.device={device}",
+               "--set", f"trainer.distributed_backend={TRAINER_BACKENDS[device]}"]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     seconds = time.perf_counter() - started

@@ -28,20 +28,16 @@ def manager_spec(plan: LaunchPlan) -> ServiceSpec:
 
 
 def weights_spec(plan: LaunchPlan) -> ServiceSpec:
-    mesh = plan.mesh
     return ServiceSpec("weights", "services.weights", plan.weights_address, {
-        "RLMESH_WEIGHTS_SERVER__HOST": mesh.host,
+        "RLMESH_WEIGHTS_SERVER__HOST": plan.mesh.host,
         "RLMESH_WEIGHTS_SERVER__PORT": port_of(plan.weights_address),
         "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
-        "RLMESH_WEIGHTS_BACKEND": mesh.transfer_backend,
-        "RLMESH_WEIGHTS_COMPRESSION": mesh.compression,
         **metrics_setting("RLMESH_WEIGHTS", plan.weights_address),
         **plan.security_settings("weights"),
     })
 
 
 def rollout_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
-    mesh = plan.mesh
     address = plan.rollout_address(index)
     link = plan.netns_link(index)
     return ServiceSpec(f"rollout-{index}", "services.rollout", address, {
@@ -50,17 +46,12 @@ def rollout_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
         "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
         "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
         "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
-        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if mesh.transfer_backend == "mooncake" else "false",
-        "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(mesh.rollout_tp),
-        "RLMESH_ROLLOUT_ENGINE__DEVICE": mesh.rollout_device,
         "RLMESH_ROLLOUT_ENGINE__DTYPE": plan.job.model.dtype,
-        "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(mesh.rollout_max_batch_size),
-        "RLMESH_ROLLOUT_ENGINE__STREAM_INTERVAL": str(mesh.rollout_stream_interval),
-        "RLMESH_ROLLOUT_ENGINE__KIND": mesh.engine,
-        "RLMESH_ROLLOUT_ENGINE__UPDATE_MODE": mesh.update_mode,
+        # Each rank starts a Mooncake transfer engine only when pushes go through one.
+        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.job.weights.backend == "mooncake" else "false",
         **metrics_setting("RLMESH_ROLLOUT", address),
         **plan.security_settings("rollout"),
-    }, python=str(VLLM_PYTHON) if mesh.engine == "vllm" else None,
+    }, python=str(VLLM_PYTHON) if plan.job.rollout.engine.kind == "vllm" else None,
         wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)
 
 

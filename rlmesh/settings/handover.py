@@ -14,15 +14,13 @@ from rlmesh.settings.trainer import AlgorithmConfig
 
 def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
     """The trainer's config: the job's algorithm and trainer sections as they are, and the wiring:
-    folders, tasks, and the devices and dtypes the mesh and model sections pick."""
+    folders, tasks, and the dtype the model section picks."""
     return {
         **job.algorithm.model_dump(mode="json", include=set(AlgorithmConfig.model_fields)),
         **job.trainer.model_dump(mode="json"),
         "model_dir": str(model_dir),
         "output_dir": str(output_dir),
-        "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
         "weights_dtype": job.model.dtype,
-        "precision": job.mesh.trainer_precision,
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],
     }
@@ -31,7 +29,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
 def service_settings(job) -> dict[str, dict]:
     """What the manager, the weights service and every rollout instance take from the job: its
     sections of the same names as they are, and η for the manager. The launcher's environment
-    settings (sockets, addresses, the mesh's choices) come on top."""
+    settings (sockets, addresses, folders, the model's dtype) come on top."""
     return {
         "manager": {**job.manager.model_dump(mode="json"),
                     **job.algorithm.model_dump(mode="json", include=set(StalenessSetting.model_fields))},

@@ -1,12 +1,12 @@
-"""A rollout instance's settings a job sets (`[rollout]`); `services/rollout/config.py` adds the
-wiring (its socket and id, the manager's address, the model folder, and the engine's kind, device,
-dtype, batch, stream interval, tensor-parallel size and update mode the mesh section picks)."""
+"""A rollout instance's settings a job sets (`[rollout]`): its engine, weight receiver and
+deadlines. `services/rollout/config.py` adds the wiring (its socket and id, the manager's address,
+the model folder and the dtype the job's model section picks)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlmesh.config import ServerSettings, StrictModel
 
@@ -20,7 +20,38 @@ class VllmConfig(StrictModel):
     """0: the model's own limit."""
 
 
+EngineKind = Literal["torch", "vllm"]
+"""The engines a job runs; a service started on its own also takes `synthetic` (benchmarks)."""
+
+
 class EngineSettings(StrictModel):
+    kind: EngineKind = "torch"
+    """Inference backend: `torch` (HF models on CPU or one GPU) or `vllm` (its async engine; runs
+    each instance with the vLLM virtualenv, `make setup-vllm`)."""
+    max_batch_size: int = Field(default=256, ge=1)
+    """Sequences the instance decodes at once. 1 makes every response's tokens and logprobs
+    independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
+    cost in throughput."""
+    stream_interval: int = Field(default=1, ge=1)
+    """Torch engine: tokens per chunk streamed back (a response's last chunk may be shorter), as
+    vLLM's stream_interval. One message per token costs the instance and the manager CPU that
+    decoding and training need; a request whose instance dies regenerates elsewhere up to
+    stream_interval - 1 tokens it had not sent yet. 1 for a service started on its own; 16 in a job
+    (`rlmesh/job.py`, JOB_DEFAULTS). The synthetic engine has its own (`synthetic.stream_interval`)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Torch engine: where the weights, the KV cache and sampling live. `cuda`: one GPU (the current
+    CUDA device; tensor_parallel_size 1); pushes land in pinned host memory and are copied to the
+    GPU bucket by bucket into the standby copy, which is switched to between two decode steps.
+    vLLM picks its device itself."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Processes the torch engine splits the model over (heads, MLP and vocabulary; gloo on CPU);
+    rank 0 is the service process, the others are workers it starts."""
+    update_mode: Literal["continue", "pause", "abort-continue"] = "continue"
+    """What requests in flight do when a new weight version arrives: `continue` decoding while it
+    loads and on it after the switch (their KV cache kept); `pause`: no decode step from the start
+    of the push to its commit, then on with the KV cache kept (verl, slime); `abort-continue`: at
+    the switch their KV cache is recomputed under the new version from their tokens so far
+    (SkyRL). Every token records the version that produced it."""
     seed: int = 0
     """Seed of the engine's sampling."""
     threads: int = Field(default=1, ge=1)
@@ -30,6 +61,16 @@ class EngineSettings(StrictModel):
     by then (its sender died or gave up) lets generation resume on the served version; a late
     commit holds it again while it switches."""
     vllm: VllmConfig = VllmConfig()
+
+    @model_validator(mode="after")
+    def _device_and_split_fit_the_kind(self) -> "EngineSettings":
+        if self.device == "cuda" and self.kind != "torch":
+            raise ValueError(f"engine.device cuda applies to the torch engine, not {self.kind} (vLLM picks its device itself)")
+        if self.device == "cuda" and self.tensor_parallel_size > 1:
+            raise ValueError("engine.device cuda runs one rank per instance: tensor_parallel_size must be 1")
+        if self.tensor_parallel_size > 1 and self.kind != "torch":
+            raise ValueError(f"engine.tensor_parallel_size: only the torch engine runs tensor-parallel, not {self.kind}")
+        return self
 
 
 class TransferSettings(StrictModel):

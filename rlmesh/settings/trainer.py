@@ -170,12 +170,23 @@ class AlgorithmConfig(GrpoConfig):
 
 
 class TrainerSettings(StrictModel):
-    """How the trainer process runs: threads, hand-off, checkpoint resumption and deadlines."""
+    """How the trainer process runs: device, precision, threads, hand-off, checkpoint resumption
+    and deadlines."""
 
     server: ServerSettings = ServerSettings()
     """The service's gRPC server limits and log level (its socket is the mesh's)."""
     resume: bool = True
     """Continue from the newest checkpoint in the output folder if there is one."""
+    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the FSDP ranks, which picks their device: `nccl` runs each rank
+    on one GPU, `gloo` on the CPU, `auto` is NCCL when CUDA is available, else gloo. Commands from
+    rank 0 always travel on a gloo group. Without torchrun (one rank) the process forms a one-rank
+    group by itself."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """What the policy computes in: `auto` is bf16 on CUDA and fp32 on CPU; `bf16` keeps fp32
+    master weights (what the optimizer steps and checkpoints hold) and gathers bf16 copies for the
+    forward and backward (FSDP2 mixed precision), with gradients reduced in fp32; `fp32` computes
+    in fp32 throughout. The loss is computed in fp32 either way (logits upcast)."""
     threads: int = Field(default=1, ge=1)
     """Intra-op torch threads of each rank."""
     handoff: Literal["shm", "stream"] = "shm"

@@ -1,5 +1,5 @@
 """Configuration of the trainer: the settings a job sets (`rlmesh/settings/trainer.py`) and the
-wiring `rlmesh up` fills in (addresses, folders, tasks, devices)."""
+wiring `rlmesh up` fills in (addresses, folders, tasks, the model's dtype)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,7 @@ class TrainerConfig(AlgorithmConfig, TrainerSettings):
     python_path: list[str] = Field(default_factory=list)
     """Folders put first on the import path before user code (reward functions) is loaded: the
     job file's folder."""
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """What the policy computes in: `auto` is bf16 on CUDA and fp32 on CPU; `bf16` keeps fp32
-    master weights (what the optimizer steps and checkpoints hold) and gathers bf16 copies for the
-    forward and backward (FSDP2 mixed precision), with gradients reduced in fp32; `fp32` computes
-    in fp32 throughout. The loss is computed in fp32 either way (logits upcast)."""
     weights_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """The dtype each weight version is handed to the weights service in (the master shards are
     cast to it): `auto` is the model folder's (its config's dtype, float32 when unstated), the
     dtype the rollout engines serve it in."""
-    distributed_backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend of the FSDP ranks: `auto` is NCCL when CUDA is available, else
-    gloo. Commands from rank 0 always travel on a gloo group. Without torchrun (one rank) the
-    process forms a one-rank group by itself."""

@@ -121,7 +121,7 @@ def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_d
         process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "up", "--steps", "100000", "--rollout-instances", "1:2",
                                     "--autoscale", "--base-port", str(free_base_port()), "--model-dir", str(model_dir),
                                     "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
-                                    "--set", "tasks.0.eval.prompts=8", "--set", "mesh.rollout_max_batch_size=8",
+                                    "--set", "tasks.0.eval.prompts=8", "--set", "rollout.engine.max_batch_size=8",
                                     "--set", "mesh.autoscale_patience_seconds=3",
                                     "--set", "mesh.autoscale_cooldown_seconds=3"],
                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

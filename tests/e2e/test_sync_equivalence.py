@@ -24,7 +24,7 @@ def run(model_dir: Path, output_dir: Path, schedule: str) -> list[dict]:
         "--set", "algorithm.mini_batches_per_step=2",
         # One sequence at a time: a response's logprobs then do not depend on its batch-mates. Two
         # instances: groups finish in an order that differs from run to run.
-        "--set", "mesh.rollout_max_batch_size=1", "--rollout-instances", "2",
+        "--set", "rollout.engine.max_batch_size=1", "--rollout-instances", "2",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

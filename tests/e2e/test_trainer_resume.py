@@ -63,7 +63,7 @@ def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(
         "--max-staleness", "2", "--set", f"algorithm.prompts_per_step={PROMPTS}", "--set", "algorithm.group_size=4",
         "--set", "algorithm.checkpoint_every=2", "--set", "algorithm.eval_every=100",
         # Rollout slower than training: checkpoints then hold prompts still in flight as well.
-        "--set", "mesh.rollout_max_batch_size=4",
+        "--set", "rollout.engine.max_batch_size=4",
     ]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rng = random.Random(13)

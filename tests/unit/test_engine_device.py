@@ -1,5 +1,5 @@
 """Where and in which dtype the torch engine serves (`engine.device`, `engine.dtype`; the job fields
-`mesh.rollout_device` and `model.dtype` reach them, see test_job.py): a GPU asked for where there is
+`rollout.engine.device` and `model.dtype` reach them, see test_job.py): a GPU asked for where there is
 none is refused with a message naming it, and a dtype other than the folder's is served and
 expected of pushes."""
 
@@ -36,12 +36,12 @@ def test_device_and_dtype_values_are_checked():
 
 
 def test_the_job_refuses_a_gpu_rollout_split_over_ranks_or_on_vllm():
-    with pytest.raises(ConfigError, match="rollout_tp must be 1"):
-        load_job(None, {"mesh.rollout_device": "cuda", "mesh.rollout_tp": 2})
+    with pytest.raises(ConfigError, match="rollout.engine: .*tensor_parallel_size must be 1"):
+        load_job(None, {"rollout.engine.device": "cuda", "rollout.engine.tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="vLLM picks its device itself"):
-        load_job(None, {"mesh.rollout_device": "cuda", "mesh.engine": "vllm"})
-    with pytest.raises(ConfigError, match="rollout_device"):
-        load_job(None, {"mesh.rollout_device": "gpu"})
+        load_job(None, {"rollout.engine.device": "cuda", "rollout.engine.kind": "vllm"})
+    with pytest.raises(ConfigError, match="rollout.engine.device"):
+        load_job(None, {"rollout.engine.device": "gpu"})
 
 
 @cuda_absent
@@ -49,8 +49,10 @@ def test_up_refuses_a_gpu_mesh_on_a_host_without_one(tmp_path, model_dir, capsys
     from rlmesh import cli
 
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
-    assert cli.main(["up", "--set", "mesh.trainer_device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
-    assert "mesh.trainer_device = cuda, but torch" in capsys.readouterr().err
+    assert cli.main(["up", "--set", "trainer.distributed_backend=nccl", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
+    assert "trainer.distributed_backend = nccl, but torch" in capsys.readouterr().err
+    assert cli.main(["up", "--set", "rollout.engine.device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
+    assert "rollout.engine.device = cuda, but torch" in capsys.readouterr().err
 
 
 async def test_an_engine_serves_in_the_dtype_asked_for_whatever_the_folder_holds(tmp_path):

@@ -44,10 +44,11 @@ def test_the_default_job_trains_the_increment_task():
 
 
 def test_paths_resolve_against_the_job_folder_and_overrides_apply(tmp_path):
-    job, base = load_job(dataset_job(tmp_path), {"algorithm.steps": 7, "tasks.0.weight": 2.5, "mesh.rollout_tp": 2})
+    job, base = load_job(dataset_job(tmp_path), {"algorithm.steps": 7, "tasks.0.weight": 2.5,
+                                                 "rollout.engine.tensor_parallel_size": 2})
     assert base == tmp_path.resolve()
     assert job.tasks[0].dataset.path == str(tmp_path.resolve() / "data.jsonl")
-    assert (job.algorithm.steps, job.tasks[0].weight, job.mesh.rollout_tp) == (7, 2.5, 2)
+    assert (job.algorithm.steps, job.tasks[0].weight, job.rollout.engine.tensor_parallel_size) == (7, 2.5, 2)
 
 
 def test_set_on_the_default_job_addresses_its_task():
@@ -60,7 +61,12 @@ def test_set_on_the_default_job_addresses_its_task():
     ("[[tasks]]\nname = 'x'\nkind = 'dataset'\n", "kind 'dataset' needs a [dataset] section"),
     ("[[tasks]]\nname = 'a'\nkind = 'increment'\n[[tasks]]\nname = 'a'\nkind = 'increment'\n", "repeated: ['a']"),
     ("[[tasks]]\nname = 'x'\nkind = 'increment'\nreward.function = 'nocolon'\n", "module:function"),
-    ("[mesh]\ntransfer_backend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
+    ("[weights]\nbackend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
+    ("[rollout.engine]\nkind = 'vllm'\ntensor_parallel_size = 2\n", "only the torch engine runs tensor-parallel, not vllm"),
+    ("[weights]\ncompression = 'int8'\n", "weights compression int8 is lossy"),
+    ("[mesh]\nrollout_tp = 2\n", "mesh.rollout_tp moved to rollout.engine.tensor_parallel_size"),
+    ("[mesh]\ntrainer_device = 'cuda'\n", "mesh.trainer_device moved to trainer.distributed_backend (cpu: gloo, cuda: nccl)"),
+    ("[mesh]\nengine = 'vllm'\ncompression = 'zstd'\n", "mesh.engine moved to rollout.engine.kind; mesh.compression moved to weights.compression"),
     ("[mesh]\nrollout_instances = 2\nrollout_netns = 3\n", "rollout_netns (3) is more than the rollout instances at start (2)"),
     ("[mesh]\nrollout_instances = 63\nrollout_netns = 63\n", "at most 62 instances run in network namespaces"),
     ("[algorithm\n", "not valid TOML"),
@@ -116,10 +122,10 @@ def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
 
 
 def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
-    """`rlmesh up --update-mode` sets mesh.update_mode, which the launcher hands each rollout
-    instance as the engine setting it reads at start; mesh.rollout_stream_interval,
-    mesh.rollout_device and model.dtype likewise, and the trainer gets mesh.trainer_device as its
-    backend and model.dtype as the dtype it publishes in."""
+    """`rlmesh up --update-mode` sets rollout.engine.update_mode, which each rollout instance reads
+    at start from the settings the launcher hands it; rollout.engine.stream_interval and .device
+    likewise, model.dtype as the engine's dtype, and the trainer gets trainer.distributed_backend,
+    trainer.precision and model.dtype as the dtype it publishes in."""
     from rlmesh import cli
     from rlmesh.config import load_config
     from rlmesh.launch import run
@@ -136,19 +142,42 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    assert cli.main(["up", "--update-mode", "pause", "--set", "mesh.rollout_stream_interval=8", "--set", "mesh.rollout_device=cuda",
-                     "--set", "mesh.trainer_device=cpu", "--set", "model.dtype=bfloat16", "--set", "mesh.trainer_precision=bf16",
+    assert cli.main(["up", "--update-mode", "pause", "--set", "rollout.engine.stream_interval=8", "--set", "rollout.engine.device=cuda",
+                     "--set", "trainer.distributed_backend=gloo", "--set", "model.dtype=bfloat16", "--set", "trainer.precision=bf16",
                      "--model-dir", str(model_dir),
                      "--output-dir", str(tmp_path)]) == 0
-    assert json.loads((tmp_path / "job.json").read_text())["mesh"]["update_mode"] == "pause"
-    config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=rollout_spec(plans[0], 0).settings)
+    assert json.loads((tmp_path / "job.json").read_text())["rollout"]["engine"]["update_mode"] == "pause"
+    config = load_config(RolloutConfig, tmp_path / "rollout.json", env_prefix="RLMESH_ROLLOUT_",
+                         environ=rollout_spec(plans[0], 0).settings)
     assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
     trainer = json.loads((tmp_path / "trainer.json").read_text())
     assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16" and trainer["precision"] == "bf16"
-    assert load_job(None, {"mesh.update_mode": "abort-continue"})[0].mesh.update_mode == "abort-continue"
+    assert load_job(None, {"rollout.engine.update_mode": "abort-continue"})[0].rollout.engine.update_mode == "abort-continue"
     with pytest.raises(ConfigError, match="update_mode"):
-        load_job(None, {"mesh.update_mode": "drop"})
+        load_job(None, {"rollout.engine.update_mode": "drop"})
+
+
+def test_the_up_flags_set_the_service_settings_they_name():
+    from rlmesh import cli
+
+    def job_of(*flags: str):
+        return load_job(None, cli._overrides(cli.build_parser().parse_args(["up", *flags])))[0]
+
+    job = job_of("--rollout-tp", "2", "--update-mode", "pause", "--transfer-backend", "grpc", "--compression", "zstd")
+    assert (job.rollout.engine.tensor_parallel_size, job.rollout.engine.update_mode) == (2, "pause")
+    assert (job.weights.backend, job.weights.compression) == ("grpc", "zstd")
+    assert job_of("--engine", "vllm").rollout.engine.kind == "vllm"
+
+
+def test_a_job_streams_a_chunk_per_16_tokens_unless_it_says_otherwise_and_a_lone_service_per_token(tmp_path):
+    from services.rollout.config import EngineConfig
+
+    assert load_job(None)[0].rollout.engine.stream_interval == 16 and Job().rollout.engine.stream_interval == 16
+    partial = load_job(write(tmp_path / "job.toml", "[rollout.engine]\nseed = 3\n"))[0].rollout.engine
+    assert (partial.seed, partial.stream_interval) == (3, 16)
+    assert load_job(None, {"rollout.engine.stream_interval": 1})[0].rollout.engine.stream_interval == 1
+    assert EngineConfig(model_dir="m").stream_interval == 1
 
 
 def test_the_async_example_job_sets_three_values_and_leaves_the_rest_to_defaults():

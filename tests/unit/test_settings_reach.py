@@ -29,8 +29,7 @@ WIRED = {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
         "weights_address": "mesh.base_port", "model_dir": "model.path", "output_dir": "output.dir", "tasks": "tasks",
-        "python_path": "tasks", "precision": "mesh.trainer_precision", "weights_dtype": "model.dtype",
-        "distributed_backend": "mesh.trainer_device",
+        "python_path": "tasks", "weights_dtype": "model.dtype",
     },
     "manager": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
@@ -40,22 +39,20 @@ WIRED = {
     "weights": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
-        "backend": "mesh.transfer_backend", "compression": "mesh.compression",
     },
     "rollout": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "instance_id": "mesh.rollout_instances",
         "manager_address": "mesh.base_port", "registration_token": "mesh.registration_token",
-        "engine.kind": "mesh.engine", "engine.model_dir": "model.path", "engine.max_batch_size": "mesh.rollout_max_batch_size",
-        "engine.stream_interval": "mesh.rollout_stream_interval", "engine.device": "mesh.rollout_device",
-        "engine.dtype": "model.dtype", "engine.tensor_parallel_size": "mesh.rollout_tp", "engine.update_mode": "mesh.update_mode",
-        "transfer.mooncake": "mesh.transfer_backend",
-        # Benchmarks only: `rlmesh up` never runs the synthetic engine (mesh.engine is torch or vllm).
-        "engine.synthetic": "mesh.engine",
+        "engine.model_dir": "model.path", "engine.dtype": "model.dtype", "transfer.mooncake": "weights.backend",
+        # Benchmarks only: `rlmesh up` never runs the synthetic engine (rollout.engine.kind is torch or vllm).
+        "engine.synthetic": "rollout.engine.kind",
     },
 }
-"""Service fields the launcher fills in from the job's model, mesh and output sections (or the
-run's folder), by the job field that decides them."""
+"""Service fields the launcher fills in, by the job field that decides them: the mesh's addresses,
+ports, instances and security, the model's folder and dtype (one for the trainer and the engines,
+so that they agree), the run's folders, and whether a rollout instance offers the weights
+service's Mooncake data plane."""
 VALUES: dict[str, Any] = {
     "prompts_per_step": 32, "micro_batch_groups": 2, "placement": REFERENCE_COLOCATED,
     "link_compression": {"rollout-0": "zstd"},
@@ -138,6 +135,8 @@ def test_every_setting_of_a_service_is_set_from_a_job(service, tmp_path):
         if any(path == w or path.startswith(f"{w}.") for w in WIRED[service]):
             source = next(WIRED[service][w] for w in WIRED[service] if path == w or path.startswith(f"{w}."))
             assert job_field_exists(source), f"{service} {path}: wired from {source}, which is no job field"
+            held = [section for section in JOB_SECTIONS[service] if job_field_exists(f"{section}.{path}")]
+            assert not held, f"{service} {path}: wired from {source} and declared again as {held[0]}.{path}"
             wired.append(path)
             continue
         sections = [section for section in JOB_SECTIONS[service] if job_field_exists(f"{section}.{path}")]
