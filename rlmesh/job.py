@@ -120,6 +120,8 @@ class AlgorithmSection(StrictModel):
     off the training path; [["train", "logp", "ref_logp"]] shards it over the trainer's ranks and
     runs its forward in each training micro-batch. train and logp always share."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+    advantage_estimator: str = "grpo"
+    """`grpo`, `rloo` or `reinforce_pp`; see the trainer's GrpoConfig."""
     micro_batch_groups: int = Field(default=4, ge=1)
     """Most groups per forward/backward."""
     min_micro_batch_groups: int = Field(default=1, ge=1)

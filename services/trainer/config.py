@@ -12,15 +12,14 @@ from rlmesh.job import (
 )
 from rlmesh.tasks.config import TaskConfig
 
-LossKind = Literal["ppo", "decoupled", "tis"]
 LossAggregation = Literal["sequence-mean", "token-mean"]
 CapMode = Literal["truncate", "drop"]
 
 
 class GrpoConfig(StrictModel):
     learning_rate: float = Field(default=3e-4, gt=0)
-    loss: LossKind = "ppo"
-    """The policy loss (`services/trainer/grpo.py`, `policy_loss`): `ppo` clips the ratio to the
+    loss: str = "ppo"
+    """The policy loss, by its name in `services/trainer/algorithms/losses.py`: `ppo` clips the ratio to the
     behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
     decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
     start of the training step and pi_prox / pi_behav, bounded by importance_cap, weighs each
@@ -46,11 +45,29 @@ class GrpoConfig(StrictModel):
     long response counts in proportion to its length."""
     overlong_buffer_tokens: int = Field(default=0, ge=0)
     """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
-    loses reward linearly, up to overlong_penalty at max_tokens (`grpo.overlong_penalty`); 0 is off."""
+    loses reward linearly, up to overlong_penalty at max_tokens (`algorithms/shaping.py`); 0 is off."""
     overlong_penalty: float = Field(default=1.0, ge=0)
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
+    advantage_estimator: str = "grpo"
+    """The advantage estimator, by its name in `services/trainer/algorithms/advantages.py`: `grpo`
+    normalises each group's rewards by the group's mean and standard deviation; `rloo` subtracts
+    the mean reward of the group's other samples; `reinforce_pp` (REINFORCE++ with a baseline)
+    subtracts the group's mean, then normalises over the micro-batch."""
+    @field_validator("loss")
+    @classmethod
+    def _loss_registered(cls, name: str) -> str:
+        from services.trainer.algorithms import POLICY_LOSSES
+
+        return POLICY_LOSSES.check(name)
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _estimator_registered(cls, name: str) -> str:
+        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.check(name)
 
     @model_validator(mode="after")
     def _cap_mode_applies(self) -> "GrpoConfig":

@@ -10,7 +10,7 @@ of the ranks' gradients is the micro-batch's gradient. FSDP would average the ra
 its divide factor is set to 1 with plain SUM reductions (gloo has no PREMUL_SUM), so N ranks
 compute what one rank computes.
 
-Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `grpo.policy_loss`):
+Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `algorithms.losses.policy_loss`):
 the mini-batch's size is known only once its last micro-batch has streamed in, so the optimizer
 step divides the accumulated gradients by it (gradients are linear: this is exact).
 
@@ -39,7 +39,7 @@ from services.trainer.checkpoint import TrainerState, load_checkpoint, save_chec
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
 from services.trainer.evaluation import EvalRequest, EvalResponses, generate_responses
-from services.trainer.grpo import policy_loss
+from services.trainer.algorithms.losses import policy_loss
 
 
 @dataclass(frozen=True, slots=True)
