@@ -121,7 +121,8 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "precision": job.mesh.trainer_precision,
         "grpo": {name: getattr(algorithm, name) for name in (
             "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
-            "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm", "advantage_estimator")},
+            "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm", "advantage_estimator",
+            "critic_learning_rate", "critic_warmup_steps", "gamma", "gae_lambda", "value_clip")},
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],
     }

@@ -121,7 +121,12 @@ class AlgorithmSection(StrictModel):
     runs its forward in each training micro-batch. train and logp always share."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     advantage_estimator: str = "grpo"
-    """`grpo`, `rloo` or `reinforce_pp`; see the trainer's GrpoConfig."""
+    """`grpo`, `rloo`, `reinforce_pp` or `gae` (PPO with a critic); see the trainer's GrpoConfig."""
+    critic_learning_rate: float = Field(default=5e-4, gt=0)
+    critic_warmup_steps: int = Field(default=0, ge=0)
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    gae_lambda: float = Field(default=1.0, ge=0, le=1)
+    value_clip: float = Field(default=0.5, gt=0)
     micro_batch_groups: int = Field(default=4, ge=1)
     """Most groups per forward/backward."""
     min_micro_batch_groups: int = Field(default=1, ge=1)

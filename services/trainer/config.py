@@ -54,7 +54,23 @@ class GrpoConfig(StrictModel):
     """The advantage estimator, by its name in `services/trainer/algorithms/advantages.py`: `grpo`
     normalises each group's rewards by the group's mean and standard deviation; `rloo` subtracts
     the mean reward of the group's other samples; `reinforce_pp` (REINFORCE++ with a baseline)
-    subtracts the group's mean, then normalises over the micro-batch."""
+    subtracts the group's mean, then normalises over the micro-batch; `gae` trains a critic (a
+    value model) beside the policy and estimates per-token advantages from its values (PPO with
+    a critic: the settings below)."""
+    critic_learning_rate: float = Field(default=5e-4, gt=0)
+    """The critic's Adam learning rate (advantage_estimator `gae`)."""
+    critic_warmup_steps: int = Field(default=0, ge=0)
+    """Training steps at the start during which only the critic learns: the policy's optimizer
+    steps wait until its values have seen some returns."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """GAE's discount of later tokens' rewards."""
+    gae_lambda: float = Field(default=1.0, ge=0, le=1)
+    """GAE's λ: 1 takes the whole return less the value (no bias from the critic, more variance);
+    lower trusts the critic's values more."""
+    value_clip: float = Field(default=0.5, gt=0)
+    """The critic's loss is the larger of the squared errors of its value and of its value kept
+    within value_clip of the value at the step's start (PPO's value clipping)."""
+
     @field_validator("loss")
     @classmethod
     def _loss_registered(cls, name: str) -> str:
@@ -73,6 +89,13 @@ class GrpoConfig(StrictModel):
     def _cap_mode_applies(self) -> "GrpoConfig":
         check_cap_mode(self.loss, self.importance_cap_mode)
         return self
+
+    @property
+    def critic(self) -> bool:
+        """The advantage estimator needs a value model."""
+        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
+
+        return ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).needs_critic
 
     @property
     def clip_low(self) -> float:

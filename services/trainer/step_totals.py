@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlmesh.rewards.base import RewardResult
+from services.trainer.critic import CriticSums
 from services.trainer.pipeline import ScoredGroup
 from services.trainer.policy import MicroBatchStats
 from services.trainer.validation import SOLVED
@@ -55,6 +56,8 @@ class StepTotals:
     grad_norm: list[float] = field(default_factory=list)
     dropped_groups: int = 0
     trained_groups: int = 0
+    critic: CriticSums | None = None
+    """The critic's sums over the step's micro-batches (advantage_estimator `gae`)."""
 
     def add_micro_batch(self, stats: MicroBatchStats) -> None:
         self._loss_sum += stats.loss * stats.loss_count
@@ -63,6 +66,8 @@ class StepTotals:
         for name in TOKEN_FIGURES:
             self.token_weighted[name] = self.token_weighted.get(name, 0.0) + getattr(stats, name) * stats.tokens
         self.importance_weight_max = max(self.importance_weight_max, stats.importance_weight_max)
+        if stats.critic is not None:
+            self.critic = stats.critic if self.critic is None else self.critic + stats.critic
 
     def end_mini_batch(self) -> None:
         self.mini_batch_losses.append(self._loss_sum / max(self._loss_count, 1))
@@ -76,6 +81,8 @@ class StepTotals:
         values["loss"] = mean(self.mini_batch_losses)
         values["importance_weight_max"] = self.importance_weight_max
         values["grad_norm"] = mean(self.grad_norm)
+        if self.critic is not None:
+            values.update(self.critic.metrics())
         return values
 
     def add(self, group: ScoredGroup, policy_version: int) -> None:

@@ -484,7 +484,7 @@ class GrpoTrainer:
         fewest = config.min_micro_batch_groups
         deadline = time.monotonic() + config.rollout_timeout_seconds
         # The proximal policy of the off-policy losses is the policy as this step starts.
-        await self.group.lead(BeginStep())
+        await self.group.lead(BeginStep(plan.step))
         groups_in_mini_batch = 0
         # The synchronous schedule trains once every group of the step is in.
         sync = config.schedule == "sync"
@@ -558,7 +558,8 @@ class GrpoTrainer:
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
             # The advantage is the estimator's, over the groups the sample is trained with (`_with_advantages`).
             samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
-                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None)
+                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None,
+                                      reward=result.reward)
                        for sample, result in zip(group.samples, results)]
             accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
         await self._attach_reference(accepted)

@@ -84,3 +84,22 @@ def reinforce_pp(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     if std <= EPSILON:
         return [torch.zeros_like(rewards) for rewards in groups]
     return [((values - mean) / (std + EPSILON)).to(rewards.dtype) for values, rewards in zip(centred, groups)]
+
+
+@critic_estimator("gae")
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each sequence's response tokens (where `mask` is 1):
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, the state after the
+    last response token terminal (V = 0); returns are A + V. All [sequences, tokens], 0 off the mask."""
+    mask = mask.double()
+    rewards, values = rewards.double() * mask, values.double() * mask
+    advantages = torch.zeros_like(values)
+    following = torch.zeros_like(values[:, 0])
+    next_values = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        following = delta + gamma * lam * following
+        advantages[:, t] = following
+        next_values = values[:, t]
+    advantages = advantages * mask
+    return advantages, advantages + values

@@ -187,3 +187,13 @@ def policy_loss(
                             importance_weight=importance_weight_sum, importance_weight_max=importance_weight_max,
                             capped_tokens=capped_tokens, behaviour_kl=behaviour_kl)
     return total, totals
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                       clip: float) -> torch.Tensor:
+    """The critic's loss summed over the masked tokens: half the larger squared error of the value
+    and of the value kept within `clip` of `old_values` (PPO's value clipping: one update moves a
+    value at most that far from where the step started, as the policy's ratio clip does)."""
+    kept = old_values + (values - old_values).clamp(-clip, clip)
+    errors = torch.maximum((values - returns) ** 2, (kept - returns) ** 2)
+    return 0.5 * (errors * mask).sum()
