@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 NODE_VERIFIER := examples/node-verifier
 
-.PHONY: setup setup-vllm node-verifier protos run test test-vllm test-compose wheels wheels-vllm-cuda bench lint-protos check-compose release-protos clean
+.PHONY: setup setup-vllm node-verifier protos run test test-vllm test-compose wheels wheels-vllm-cuda bench lint-protos check-compose release-protos docs clean
 
 setup: $(VENV)/.installed $(GEN)/.stamp
 
@@ -95,6 +95,7 @@ test-compose: setup wheels
 	$(PY) -m pytest tests/compose -m compose -s
 
 # The two virtualenvs and the Node verifier install side by side: two installs keep both cores busy.
+# pytest also builds the docs site as `mkdocs build --strict` does (tests/unit/test_docs_site.py).
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose
 	$(PY) -m pytest tests
@@ -142,5 +143,9 @@ bench: setup
 fuzz: setup
 	RLMESH_FUZZ_REQUESTS=10000 RLMESH_FUZZ_RESULTS=bench/results/fuzz.json $(PY) -m pytest tests/fuzz -q
 
+# The docs site (mkdocs.yml, pages in docs/) into site/; a broken link or anchor fails the build.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(GEN) runs .pytest_cache
+	rm -rf $(GEN) runs .pytest_cache site

@@ -29,7 +29,8 @@ import torch
 from bench.common import BenchMesh, InstanceSpec, write_result
 from rlmesh.common.v1 import common_pb2
 from rlmesh.job import DEFAULT_MODELS
-from rlmesh.launcher import free_port, spawn_service, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import spawn_service, wait_started
 from rlmesh.models.qwen2_tiny import create_default_model, is_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,7 +271,7 @@ def trainer_config(model_dir: Path, output_dir: Path, steps: int, max_staleness:
         "group_size": GROUP_SIZE,
         "micro_batch_groups": MICRO_BATCH_GROUPS,
         # What the README advises: the on-policy loss at η = 0, the decoupled one for stale rollouts.
-        "grpo": {"loss": "decoupled" if max_staleness else "ppo"},
+        "loss": "decoupled" if max_staleness else "ppo",
         # Evaluation and checkpoints run inline between steps: here only before the first step and
         # after the last one, outside the measured window, on one held-out prompt.
         "eval_every": 1_000_000,

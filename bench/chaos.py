@@ -24,7 +24,10 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.launcher import STATE_FILE, free_port, mesh_processes, netns_problem
+from rlmesh.launch.netns import netns_problem
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import mesh_processes
+from rlmesh.launch.state import STATE_FILE
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc

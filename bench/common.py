@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlmesh.launcher import free_base_port
+from rlmesh.launch.ports import free_base_port
 
 ROOT = Path(__file__).resolve().parent.parent
 START_ATTEMPTS = 3

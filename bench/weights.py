@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from bench.common import write_result
-from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.common.v1 import common_pb2
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes

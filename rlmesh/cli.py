@@ -76,7 +76,7 @@ def prepare_job(args: argparse.Namespace):
     Raises ConfigError or TaskError."""
     from rlmesh.config import ConfigError
     from rlmesh.job import load_job
-    from rlmesh.launcher import netns_problem
+    from rlmesh.launch.netns import netns_problem
     from rlmesh.models.families import check_model_dir
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.tasks.build import build_task
@@ -96,45 +96,16 @@ def prepare_job(args: argparse.Namespace):
     return job, base, model_dir
 
 
-def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
-    """The trainer's config, from the job."""
-    algorithm = job.algorithm
-    return {
-        "model_dir": str(model_dir),
-        "output_dir": str(output_dir),
-        "steps": algorithm.steps,
-        "prompts_per_step": algorithm.prompts_per_step,
-        "group_size": algorithm.group_size,
-        "micro_batch_groups": algorithm.micro_batch_groups,
-        "min_micro_batch_groups": algorithm.min_micro_batch_groups,
-        "mini_batches_per_step": algorithm.mini_batches_per_step,
-        "schedule": algorithm.schedule,
-        "dynamic_sampling": algorithm.dynamic_sampling,
-        "validation": algorithm.validation,
-        "validation_priority": algorithm.validation_priority,
-        "placement": algorithm.placement,
-        "seed": algorithm.seed,
-        "eval_every": algorithm.eval_every,
-        "checkpoint_every": algorithm.checkpoint_every,
-        "distributed_backend": {"auto": "auto", "cpu": "gloo", "cuda": "nccl"}[job.mesh.trainer_device],
-        "weights_dtype": job.model.dtype,
-        "precision": job.mesh.trainer_precision,
-        "grpo": {name: getattr(algorithm, name) for name in (
-            "learning_rate", "loss", "importance_cap", "importance_cap_mode", "clip_epsilon", "clip_epsilon_low", "clip_epsilon_high",
-            "loss_aggregation", "overlong_buffer_tokens", "overlong_penalty", "kl_coef", "max_grad_norm", "advantage_estimator",
-            "critic_learning_rate", "critic_warmup_steps", "gamma", "gae_lambda", "value_clip")},
-        "tasks": [task.model_dump(mode="json") for task in job.tasks],
-        "python_path": [str(base)],
-    }
-
-
 def _up(args: argparse.Namespace) -> int:
     # Every process this one starts is a fork followed at once by an exec: gRPC's fork handlers
     # have nothing to protect, and they log a line per restarted service when they skip.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from rlmesh.config import ConfigError
-    from rlmesh.launcher import MeshPlan, plan_netns, run_mesh
+    from rlmesh.launch.netns import plan_netns
+    from rlmesh.launch.plan import LaunchPlan
+    from rlmesh.launch.run import run_mesh
     from rlmesh.logging import configure_logging
+    from rlmesh.settings.handover import hand_settings_to_services, trainer_settings
     from rlmesh.tasks.build import TaskError
 
     configure_logging("warning")
@@ -142,7 +113,7 @@ def _up(args: argparse.Namespace) -> int:
         job, base, model_dir = prepare_job(args)
         mesh = job.mesh
         if mesh.engine == "vllm":
-            from rlmesh.launcher import VLLM_PYTHON
+            from rlmesh.launch.services import VLLM_PYTHON
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"mesh.engine = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
@@ -168,35 +139,22 @@ def _up(args: argparse.Namespace) -> int:
     (output_dir / "job.json").write_text(json.dumps(job.model_dump(mode="json"), indent=2))
     trainer_config = output_dir / "trainer.json"
     trainer_config.write_text(json.dumps(trainer_settings(job, base, model_dir, output_dir), indent=2))
-    plan = MeshPlan(
+    plan = LaunchPlan(
+        job=job,
         output_dir=output_dir,
         model_dir=model_dir,
-        steps=job.algorithm.steps,
-        rollout_instances=mesh.rollout_instances,
-        host=mesh.host,
-        base_port=mesh.base_port,
-        max_staleness=job.algorithm.max_staleness,
-        transfer_backend=mesh.transfer_backend,
-        trainer_ranks=mesh.trainer_ranks,
-        rollout_tp=mesh.rollout_tp,
-        rollout_device=mesh.rollout_device,
-        rollout_dtype=job.model.dtype,
-        rollout_max_batch_size=mesh.rollout_max_batch_size,
-        rollout_stream_interval=mesh.rollout_stream_interval,
-        compression=mesh.compression,
         trainer_config=trainer_config,
-        engine=mesh.engine,
-        update_mode=mesh.update_mode,
-        max_rollout_instances=mesh.max_rollout_instances or mesh.rollout_instances,
-        autoscale=mesh.autoscale,
-        autoscale_patience_seconds=mesh.autoscale_patience_seconds,
-        autoscale_cooldown_seconds=mesh.autoscale_cooldown_seconds,
         tls_dir=tls_dir,
         # Only the processes of this run learn a generated token (not job.json).
         registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
         netns=netns,
     )
-    code = asyncio.run(run_mesh(plan))
+    handed = hand_settings_to_services(job, output_dir)
+    try:
+        code = asyncio.run(run_mesh(plan))
+    finally:
+        for variable in handed:
+            os.environ.pop(variable, None)
     if code == 130:
         print("\ninterrupted: every process of the mesh was stopped", file=sys.stderr)
     return code
@@ -243,7 +201,7 @@ def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
 def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rlmesh.launcher import STATE_FILE, find_running_mesh
+    from rlmesh.launch.state import STATE_FILE, find_running_mesh
     from rlmesh.status import MeshAddresses, read_once, render, watch
 
     if not _call_with_tls_dir(args):
@@ -351,7 +309,8 @@ def _instance_range(text: str) -> tuple[int, int]:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from rlmesh.launcher import SCALE_FILE, STATE_FILE, find_running_mesh
+    from rlmesh.launch.scale import request_scale
+    from rlmesh.launch.state import STATE_FILE, find_running_mesh
 
     run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
     if run is None or not (run / STATE_FILE).is_file():
@@ -364,10 +323,7 @@ def _scale(args: argparse.Namespace) -> int:
         print(f"rlmesh scale: this mesh runs {bounds['min']} to {bounds['max']} rollout instances "
               f"(rlmesh up --rollout-instances MIN:MAX); {args.rollout_instances} is outside", file=sys.stderr)
         return 2
-    request = run / SCALE_FILE
-    partial = request.with_suffix(".partial")
-    partial.write_text(json.dumps({"rollout_instances": args.rollout_instances}))
-    partial.replace(request)
+    request_scale(run, args.rollout_instances)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.5)

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class TlsFiles(StrictModel):
@@ -60,7 +60,18 @@ class TlsFiles(StrictModel):
             raise ConfigError(f"TLS files of {name} in {directory}: {problems}") from exc
 
 
-class ServerConfig(StrictModel):
+class ServerSettings(StrictModel):
+    """A service's gRPC server limits and log level, which a job sets per service."""
+
+    max_message_mb: int = Field(default=64, ge=4, le=1024)
+    """Largest gRPC message accepted or sent."""
+    grace_seconds: float = Field(default=5.0, ge=0)
+    """How long in-flight calls may finish after SIGTERM."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """The least severe log lines the service writes."""
+
+
+class ServerConfig(ServerSettings):
     """Listening socket and gRPC server limits shared by every service."""
 
     host: str = "127.0.0.1"
@@ -70,11 +81,6 @@ class ServerConfig(StrictModel):
     advertise_host: str = ""
     """Host other services use to reach this one; defaults to `host`, or to this machine's hostname
     when `host` is a wildcard (0.0.0.0 or ::), as in a container."""
-    max_message_mb: int = Field(default=64, ge=4, le=1024)
-    """Largest gRPC message accepted or sent."""
-    grace_seconds: float = Field(default=5.0, ge=0)
-    """How long in-flight calls may finish after SIGTERM."""
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
     tls: TlsFiles | None = None
     """Mutual TLS for this server and for every call the process makes (None: plaintext)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)

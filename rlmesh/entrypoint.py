@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -16,6 +17,12 @@ from rlmesh.logging import configure_logging
 from rlmesh.rpc import stop_event_on_signals
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def config_file_variable(name: str) -> str:
+    """The environment variable naming a service's config file when `--config` is not given: how
+    `rlmesh up` hands each service the settings its job sets."""
+    return f"RLMESH_CONFIG_FILE_{name.upper()}"
 
 
 class Running(Protocol):
@@ -53,7 +60,8 @@ def run_service(
         description=f"Run the rlmesh {name} service. Settings come from --config (TOML), then "
         f"{env_prefix}SECTION__FIELD environment variables.",
     )
-    parser.add_argument("--config", help="TOML file with this service's settings")
+    parser.add_argument("--config", default=os.environ.get(config_file_variable(name)),
+                        help=f"TOML file with this service's settings (default: ${config_file_variable(name)})")
     args = parser.parse_args(argv)
     try:
         config = load_config(config_model, args.config, env_prefix=env_prefix)

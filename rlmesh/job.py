@@ -7,9 +7,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from rlmesh.config import METRICS_PORT_OFFSET, ConfigError, StrictModel
+from rlmesh.settings.manager import ManagerSettings, StalenessSetting
+from rlmesh.settings.rollout import RolloutSettings
+from rlmesh.settings.trainer import AlgorithmConfig, TrainerSettings
+from rlmesh.settings.weights import WeightsSettings
 from rlmesh.tasks.config import TaskConfig
 
 DEFAULT_MODELS = {
@@ -35,139 +39,9 @@ class ModelSection(StrictModel):
     model folder's (`dtype` in config.json; bf16 for Qwen2.5, fp32 for the built-in models)."""
 
 
-def check_batch_shape(prompts_per_step: int, mini_batches_per_step: int, micro_batch_groups: int) -> None:
-    """Raises ValueError unless a step's prompts split evenly into mini-batches of whole micro-batches."""
-    if prompts_per_step % mini_batches_per_step:
-        raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
-    if (prompts_per_step // mini_batches_per_step) % micro_batch_groups:
-        raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
-
-
-def check_micro_batch_range(min_micro_batch_groups: int, micro_batch_groups: int) -> None:
-    """Raises ValueError when a micro-batch would have to wait for more groups than it may hold."""
-    if min_micro_batch_groups > micro_batch_groups:
-        raise ValueError(f"min_micro_batch_groups ({min_micro_batch_groups}) must not exceed micro_batch_groups ({micro_batch_groups})")
-
-
-def check_cap_mode(loss: str, importance_cap_mode: str) -> None:
-    """Raises ValueError when the cap mode cannot apply to the loss."""
-    if loss == "tis" and importance_cap_mode == "drop":
-        raise ValueError("importance_cap_mode drop applies to the decoupled loss; tis truncates by definition "
-                         "(use loss = decoupled to drop tokens past the cap)")
-
-
-Role = Literal["train", "logp", "ref_logp"]
-"""The trainer's roles: `train` (forward and backward of the policy), `logp` (the proximal
-policy's log-probabilities: the policy as the step began) and `ref_logp` (the frozen reference's)."""
-Placement = list[list[Role]]
-REFERENCE_APART: Placement = [["train", "logp"], ["ref_logp"]]
-"""The reference in a process of its own, scoring groups as they arrive while the ranks train."""
-REFERENCE_COLOCATED: Placement = [["train", "logp", "ref_logp"]]
-"""The reference sharded over the trainer's ranks, its forward inside each training micro-batch."""
-
-
-def check_placement(placement: Placement) -> None:
-    """Raises ValueError unless `placement` puts every role in exactly one process group and
-    `train` and `logp` in the same one."""
-    roles = [role for group in placement for role in group]
-    repeated = sorted({r for r in roles if roles.count(r) > 1})
-    missing = sorted(set(Role.__args__) - set(roles))
-    if repeated or missing or not all(placement):
-        raise ValueError(f"placement must list process groups naming each of train, logp, ref_logp exactly once "
-                         f"(e.g. {REFERENCE_APART}); repeated: {repeated}, missing: {missing}")
-    if not any({"train", "logp"} <= set(group) for group in placement):
-        raise ValueError("placement puts logp apart from train: logp (the proximal policy's log-probabilities) needs "
-                         "the live policy's weights, which only train's processes hold")
-
-
-def reference_apart(placement: Placement) -> bool:
-    return ["ref_logp"] in placement
-
-
-class AlgorithmSection(StrictModel):
-    steps: int = Field(default=600, ge=1)
-    prompts_per_step: int = Field(default=16, ge=1)
-    group_size: int = Field(default=8, ge=2)
-    """Samples per prompt; group-normalised advantages need at least two."""
-    learning_rate: float = Field(default=3e-4, gt=0)
-    loss: Literal["ppo", "decoupled", "tis"] = "ppo"
-    """`ppo`: the clip against the behaviour policy that sampled (on-policy). `decoupled`: AReaL's
-    decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
-    step's start, and each token is weighted by proximal / behaviour probability, truncated at
-    importance_cap. `tis`: truncated importance sampling, for on-policy runs whose engine computes
-    probabilities differently from the trainer (the same objective, always truncated)."""
-    importance_cap: float = Field(default=2.0, ge=1)
-    importance_cap_mode: Literal["truncate", "drop"] = "truncate"
-    """What `decoupled` does with a token whose proximal / behaviour weight exceeds importance_cap:
-    `truncate` weighs it by the cap, `drop` leaves it out (AReaL's code)."""
-    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
-    clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
-    """None: clip_epsilon."""
-    clip_epsilon_high: float | None = Field(default=None, gt=0)
-    """None: clip_epsilon. DAPO's clip-higher sets it above the low one (0.28 against 0.2)."""
-    loss_aggregation: Literal["sequence-mean", "token-mean"] = "sequence-mean"
-    """`token-mean` (DAPO): every response token of a mini-batch weighs the same, so long responses
-    count in proportion to their length; `sequence-mean`: each response weighs the same."""
-    overlong_buffer_tokens: int = Field(default=0, ge=0)
-    """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
-    loses reward linearly, down to -overlong_penalty at its task's max_tokens; 0: off."""
-    overlong_penalty: float = Field(default=1.0, ge=0)
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the k3 KL penalty to the initial policy (0 loads no reference model)."""
-    placement: Placement = Field(default_factory=lambda: [list(g) for g in REFERENCE_APART])
-    """Which of the trainer's roles share processes (with kl_coef > 0): [["train", "logp"],
-    ["ref_logp"]] runs the reference in a process of its own that scores each group as it arrives,
-    off the training path; [["train", "logp", "ref_logp"]] shards it over the trainer's ranks and
-    runs its forward in each training micro-batch. train and logp always share."""
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    advantage_estimator: str = "grpo"
-    """`grpo`, `rloo`, `reinforce_pp` or `gae` (PPO with a critic); see the trainer's GrpoConfig."""
-    critic_learning_rate: float = Field(default=5e-4, gt=0)
-    critic_warmup_steps: int = Field(default=0, ge=0)
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    gae_lambda: float = Field(default=1.0, ge=0, le=1)
-    value_clip: float = Field(default=0.5, gt=0)
-    micro_batch_groups: int = Field(default=4, ge=1)
-    """Most groups per forward/backward."""
-    min_micro_batch_groups: int = Field(default=1, ge=1)
-    """Fewest groups an async micro-batch waits for: 1 trains whatever has arrived, so a step's
-    last group is all that is left when its longest response comes in. At max_staleness 0 (and
-    under the sync schedule) micro-batches are always micro_batch_groups, in prompt order."""
-    mini_batches_per_step: int = Field(default=1, ge=1)
-    max_staleness: int = Field(default=1, ge=0, le=8)
-    """η: trainer versions a rollout may lag behind (0 = synchronous on-policy). The capacity rule
-    lets a step's samples generate only while the trainer is within η versions of that step."""
-    schedule: Literal["async", "sync"] = "async"
-    """`async`: rollout for up to max_staleness steps ahead overlaps training, and a step trains on
-    its groups as they finish. `sync`: the plain loop (generate the step's whole batch, then
-    train), for reference and debugging; at max_staleness 0 both give the same numbers."""
-    validation: Literal["background", "inline"] = "background"
-    """`background`: every eval_every steps the version just published is evaluated on the held-out
-    prompts on spare rollout capacity, pinned to that version, while training goes on. `inline`:
-    on the trainer's policy, training waiting."""
-    validation_priority: Literal["low", "normal"] = "low"
-    """`low`: rollout instances decode a background validation at the lowest CPU priority while
-    nothing else shares their batch (spare capacity on a host shared with training). `normal`: as
-    training requests."""
-    dynamic_sampling: bool = False
-    """DAPO: drop a group whose rewards are all equal (it teaches nothing) and draw a new prompt
-    for the same step in its place."""
-    seed: int = 0
-    eval_every: int = Field(default=10, ge=1)
-    checkpoint_every: int = Field(default=25, ge=1)
-
-    @model_validator(mode="after")
-    def _batches_split(self) -> "AlgorithmSection":
-        check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
-        check_micro_batch_range(self.min_micro_batch_groups, self.micro_batch_groups)
-        check_cap_mode(self.loss, self.importance_cap_mode)
-        return self
-
-    @field_validator("placement")
-    @classmethod
-    def _placement_valid(cls, placement: Placement) -> Placement:
-        check_placement(placement)
-        return placement
+class AlgorithmSection(StalenessSetting, AlgorithmConfig):
+    """The trainer's algorithm (`rlmesh/settings/trainer.py`, AlgorithmConfig) and η, the manager's
+    bound on how far rollout may run ahead of it: every field of either is a field here."""
 
 
 class MeshSection(StrictModel):
@@ -220,6 +94,7 @@ class MeshSection(StrictModel):
     transfer_backend: Literal["tcp", "mooncake", "grpc"] = "tcp"
     compression: Literal["none", "zstd", "delta"] = "none"
     host: str = "127.0.0.1"
+    """The address every service listens on and is reached at."""
     base_port: int = Field(default=50151, ge=1024, le=65000)
     """The manager's port; weights +1, trainer +2, rollout instances +10..."""
     tls: bool = False
@@ -234,6 +109,11 @@ class MeshSection(StrictModel):
     """A shared secret the manager asks of rollout instances when they register, heartbeat and
     leave (`authorization: Bearer <token>`; others get UNAUTHENTICATED); "auto": a random one for
     each run; "": none. With or without tls."""
+
+    @property
+    def instance_cap(self) -> int:
+        """The most rollout instances `rlmesh scale` or the autoscaler may run."""
+        return self.max_rollout_instances or self.rollout_instances
 
     def missing_gpu(self) -> str:
         """Why this host cannot run the devices the mesh asks for ("" when it can)."""
@@ -258,7 +138,7 @@ class MeshSection(StrictModel):
             raise ValueError("rollout_device cuda runs one rank per instance: rollout_tp must be 1")
         if self.rollout_device == "cuda" and self.engine != "torch":
             raise ValueError("rollout_device applies to the torch engine; vLLM picks its device itself")
-        cap = self.max_rollout_instances or self.rollout_instances
+        cap = self.instance_cap
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
         if self.autoscale and cap == self.rollout_instances:
@@ -283,7 +163,17 @@ class Job(StrictModel):
     tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
     """One [[tasks]] table per task; several are mixed by weight within every step."""
     algorithm: AlgorithmSection = AlgorithmSection()
+    """What the trainer learns and in what steps: the loss, the step's shape, η."""
+    trainer: TrainerSettings = TrainerSettings()
+    """How the trainer process runs (`rlmesh/settings/trainer.py`)."""
+    manager: ManagerSettings = ManagerSettings()
+    """Leases, dispatch and the journal (`rlmesh/settings/manager.py`)."""
+    rollout: RolloutSettings = RolloutSettings()
+    """Every rollout instance's engine, weight receiver and deadlines (`rlmesh/settings/rollout.py`)."""
+    weights: WeightsSettings = WeightsSettings()
+    """How weight versions are pushed (`rlmesh/settings/weights.py`)."""
     mesh: MeshSection = MeshSection()
+    """The mesh's shape: processes, devices, engine, network and security."""
     output: OutputSection = OutputSection()
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ class MeshAddresses:
     @classmethod
     def of_run(cls, run: Path) -> MeshAddresses:
         """From the mesh.json `rlmesh up` keeps in its output folder."""
-        from rlmesh.launcher import STATE_FILE
+        from rlmesh.launch.state import STATE_FILE
 
         state = json.loads((run / STATE_FILE).read_text())
         services = {s["name"]: s["address"] for s in state.get("services", [])}

@@ -39,7 +39,7 @@ mods = ["grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "
         "structlog", "pydantic", "zstandard", "isal.isal_zlib", "cryptography.hazmat.primitives.poly1305",
         "transformers", "tokenizers", "safetensors", "huggingface_hub", "numpy", "torch",
         "prometheus_client", "rich", "tqdm", "matplotlib", "pyarrow", "math_verify", "datasets",
-        "rlmesh.cli", "rlmesh.launcher", "rlmesh.common.v1.common_pb2_grpc",
+        "rlmesh.cli", "rlmesh.launch.run", "rlmesh.common.v1.common_pb2_grpc",
         "rlmesh.manager.v1.manager_pb2_grpc", "rlmesh.weights.v1.weights_pb2_grpc",
         "rlmesh.rollout.v1.rollout_pb2_grpc", "rlmesh.trainer.v1.trainer_pb2_grpc",
         "rlmesh.reward.v1.reward_pb2_grpc", "services.manager.main", "services.weights.main",

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlmesh.launcher import free_base_port
+from rlmesh.launch.ports import free_base_port
 
 WINDOW = 5
 """Steps averaged at each end of the run to say whether the reward rose."""

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoConfig
 
 from bench.weights import Generation, raw_socket_gbps
-from rlmesh.launcher import Child, free_port, spawn_service, stop_children, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.payload import stream_chunks

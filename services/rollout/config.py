@@ -1,4 +1,5 @@
-"""Configuration of a rollout instance."""
+"""Configuration of a rollout instance: the settings a job sets (`rlmesh/settings/rollout.py`) and
+the wiring `rlmesh up` fills in from the mesh section."""
 
 from __future__ import annotations
 
@@ -9,20 +10,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlmesh.config import ServerConfig, StrictModel
+from rlmesh.config import ServerConfig
 from rlmesh.models.tp_layout import ModelShape
+from rlmesh.settings.rollout import EngineSettings, RolloutSettings, TransferSettings, VllmConfig
 from services.rollout.synthetic_engine import SyntheticConfig
 
-
-class VllmConfig(StrictModel):
-    kv_cache_gib: int = Field(default=1, ge=1)
-    """KV-cache memory on CPU (VLLM_CPU_KVCACHE_SPACE)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_model_len: int = Field(default=0, ge=0)
-    """0: the model's own limit."""
+__all__ = ["EngineConfig", "RolloutConfig", "TransferConfig", "VllmConfig"]
 
 
-class EngineConfig(StrictModel):
+class EngineConfig(EngineSettings):
     kind: Literal["torch", "vllm", "synthetic"] = "torch"
     """Inference backend: torch (HF models on CPU, the default), vllm (its async engine; needs the
     vLLM virtualenv) or synthetic (benchmarks only: timed tokens, no model)."""
@@ -30,9 +26,6 @@ class EngineConfig(StrictModel):
     """Local HF-format model folder (config.json, model.safetensors, tokenizer.json); optional for
     the synthetic engine, which then has no parameters to check weight pushes against."""
     max_batch_size: int = Field(default=256, ge=1)
-    seed: int = 0
-    threads: int = Field(default=1, ge=1)
-    """torch intra-op threads (per tensor-parallel rank); tiny models decode faster with one thread per process."""
     stream_interval: int = Field(default=1, ge=1)
     """Torch engine: tokens per chunk streamed back (a request's last chunk may be shorter), as
     vLLM's stream_interval. Fewer, larger messages cost the manager and this process less CPU per
@@ -54,12 +47,7 @@ class EngineConfig(StrictModel):
     the push until its commit, then on with the KV cache kept; `abort-continue`: at the switch their
     KV cache is recomputed under the new version from their tokens so far. Every token records its
     version in every mode."""
-    update_pause_limit_seconds: float = Field(default=30.0, gt=0)
-    """In pause mode, the longest a push may hold generation: a push that neither commits nor fails
-    by then (its sender died or gave up) lets generation resume on the served version; a late
-    commit holds it again while it switches."""
     synthetic: SyntheticConfig = SyntheticConfig()
-    vllm: VllmConfig = VllmConfig()
 
     @model_validator(mode="after")
     def _model_for_real_engines(self) -> "EngineConfig":
@@ -86,32 +74,16 @@ class EngineConfig(StrictModel):
         return self
 
 
-class TransferConfig(StrictModel):
+class TransferConfig(TransferSettings):
     mooncake: bool = True
     """Offer a Mooncake transfer-engine endpoint per tensor-parallel rank for weight pushes (the gRPC stream is always offered)."""
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
-    tcp: bool = True
-    """Offer a plain TCP receiver per tensor-parallel rank for weight pushes (framed buckets)."""
-    background_priority: bool = True
-    """Receive, check and copy weights on idle-class threads, which run only when generation
-    leaves a CPU free: a push slows down under load instead of slowing generation."""
-    catch_up_delay_seconds: float = Field(default=1.0, ge=0)
-    """On a delta link, how long after serving a version each rank waits before copying it into
-    its standby buffer (the next delta's base); the next version's push starts the copy at once."""
 
 
-class RolloutConfig(StrictModel):
+class RolloutConfig(RolloutSettings):
     server: ServerConfig = ServerConfig()
     instance_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     manager_address: str = "127.0.0.1:50151"
     engine: EngineConfig
     transfer: TransferConfig = TransferConfig()
-    preemptible: bool = False
-    """Runs on a spot / preemptible machine: the manager may offload work to it and expects it to vanish."""
-    drain_timeout_seconds: float = Field(default=10.0, gt=0)
-    """On SIGTERM or a preemption notice, how long to wait for running requests to be handed back."""
-    register_timeout_seconds: float = Field(default=60.0, gt=0)
-    """How long to keep trying to reach the manager at start."""
-    rpc_timeout_seconds: float = Field(default=5.0, gt=0)
     registration_token: str = ""
     """Sent with every call to the manager as `authorization: Bearer <token>`: the manager's registration_token."""

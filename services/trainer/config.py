@@ -1,112 +1,20 @@
-"""Configuration of the trainer."""
+"""Configuration of the trainer: the settings a job sets (`rlmesh/settings/trainer.py`) and the
+wiring `rlmesh up` fills in (addresses, folders, tasks, devices)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
-from rlmesh.config import ServerConfig, StrictModel
-from rlmesh.job import (
-    REFERENCE_APART, Placement, check_batch_shape, check_cap_mode, check_micro_batch_range, check_placement, reference_apart,
-)
+from rlmesh.config import ServerConfig
+from rlmesh.settings.trainer import AlgorithmConfig, GrpoConfig, TrainerSettings
 from rlmesh.tasks.config import TaskConfig
 
-LossAggregation = Literal["sequence-mean", "token-mean"]
-CapMode = Literal["truncate", "drop"]
+__all__ = ["GrpoConfig", "TrainerConfig"]
 
 
-class GrpoConfig(StrictModel):
-    learning_rate: float = Field(default=3e-4, gt=0)
-    loss: str = "ppo"
-    """The policy loss, by its name in `services/trainer/algorithms/losses.py`: `ppo` clips the ratio to the
-    behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
-    decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
-    start of the training step and pi_prox / pi_behav, bounded by importance_cap, weighs each
-    token; `tis` is truncated importance sampling for on-policy runs whose engine computes
-    probabilities differently from the trainer: the same objective, the weight always truncated."""
-    importance_cap: float = Field(default=2.0, ge=1)
-    """Bound on pi_prox / pi_behav under `decoupled` and `tis`."""
-    importance_cap_mode: CapMode = "truncate"
-    """What `decoupled` does with a token whose weight exceeds importance_cap: `truncate` weighs it
-    by the cap; `drop` leaves it out, as AReaL's code does. `tis` always truncates."""
-    clip_epsilon: float = Field(default=0.2, gt=0, lt=1)
-    """PPO clip range, both sides: the ratio is kept in [1 - clip_epsilon, 1 + clip_epsilon]
-    unless clip_epsilon_low or clip_epsilon_high says otherwise."""
-    clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
-    """Lower clip range (None: clip_epsilon): the ratio's floor is 1 - clip_epsilon_low."""
-    clip_epsilon_high: float | None = Field(default=None, gt=0)
-    """Upper clip range (None: clip_epsilon): the ratio's ceiling is 1 + clip_epsilon_high. DAPO's
-    clip-higher sets it above the lower one (0.28 against 0.2) so that unlikely tokens with a
-    positive advantage can grow, which keeps the policy's entropy from collapsing."""
-    loss_aggregation: LossAggregation = "sequence-mean"
-    """How a mini-batch's token losses become its loss: `sequence-mean` averages each sequence's
-    tokens, then the sequences; `token-mean` (DAPO) averages every token of the mini-batch, so a
-    long response counts in proportion to its length."""
-    overlong_buffer_tokens: int = Field(default=0, ge=0)
-    """DAPO's soft overlong punishment: a response longer than max_tokens - overlong_buffer_tokens
-    loses reward linearly, up to overlong_penalty at max_tokens (`algorithms/shaping.py`); 0 is off."""
-    overlong_penalty: float = Field(default=1.0, ge=0)
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
-    max_grad_norm: float = Field(default=1.0, gt=0)
-    advantage_estimator: str = "grpo"
-    """The advantage estimator, by its name in `services/trainer/algorithms/advantages.py`: `grpo`
-    normalises each group's rewards by the group's mean and standard deviation; `rloo` subtracts
-    the mean reward of the group's other samples; `reinforce_pp` (REINFORCE++ with a baseline)
-    subtracts the group's mean, then normalises over the micro-batch; `gae` trains a critic (a
-    value model) beside the policy and estimates per-token advantages from its values (PPO with
-    a critic: the settings below)."""
-    critic_learning_rate: float = Field(default=5e-4, gt=0)
-    """The critic's Adam learning rate (advantage_estimator `gae`)."""
-    critic_warmup_steps: int = Field(default=0, ge=0)
-    """Training steps at the start during which only the critic learns: the policy's optimizer
-    steps wait until its values have seen some returns."""
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """GAE's discount of later tokens' rewards."""
-    gae_lambda: float = Field(default=1.0, ge=0, le=1)
-    """GAE's λ: 1 takes the whole return less the value (no bias from the critic, more variance);
-    lower trusts the critic's values more."""
-    value_clip: float = Field(default=0.5, gt=0)
-    """The critic's loss is the larger of the squared errors of its value and of its value kept
-    within value_clip of the value at the step's start (PPO's value clipping)."""
-
-    @field_validator("loss")
-    @classmethod
-    def _loss_registered(cls, name: str) -> str:
-        from services.trainer.algorithms import POLICY_LOSSES
-
-        return POLICY_LOSSES.check(name)
-
-    @field_validator("advantage_estimator")
-    @classmethod
-    def _estimator_registered(cls, name: str) -> str:
-        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.check(name)
-
-    @model_validator(mode="after")
-    def _cap_mode_applies(self) -> "GrpoConfig":
-        check_cap_mode(self.loss, self.importance_cap_mode)
-        return self
-
-    @property
-    def critic(self) -> bool:
-        """The advantage estimator needs a value model."""
-        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-
-        return ADVANTAGE_ESTIMATORS.get(self.advantage_estimator).needs_critic
-
-    @property
-    def clip_low(self) -> float:
-        return self.clip_epsilon if self.clip_epsilon_low is None else self.clip_epsilon_low
-
-    @property
-    def clip_high(self) -> float:
-        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
-
-
-class TrainerConfig(StrictModel):
+class TrainerConfig(AlgorithmConfig, TrainerSettings):
     server: ServerConfig = ServerConfig(port=50153)
     manager_address: str = "127.0.0.1:50151"
     weights_address: str = "127.0.0.1:50152"
@@ -114,60 +22,12 @@ class TrainerConfig(StrictModel):
     """Local HF-format folder with the initial policy (version 0)."""
     output_dir: str = "runs/latest"
     """Metrics (JSONL, TensorBoard), the reward plot, the rollout ledger and checkpoints."""
-    steps: int = Field(default=600, ge=1)
-    prompts_per_step: int = Field(default=16, ge=1)
-    group_size: int = Field(default=8, ge=2)
-    """Samples per prompt; group-normalised advantages need at least two."""
-    micro_batch_groups: int = Field(default=4, ge=1)
-    """Most groups per forward/backward; micro-batches are trained on as they arrive."""
-    min_micro_batch_groups: int = Field(default=1, ge=1)
-    """Fewest groups an async micro-batch waits for (ordered ones, at max_staleness 0 or under the
-    sync schedule, are always full). 1 trains whatever has arrived, so that when a step's longest
-    response comes in only its own group is left to train."""
-    micro_batch_max_tokens: int = Field(default=0, ge=0)
-    """Token budget of a micro-batch (prompt + response of every sample; 0: none)."""
-    mini_batches_per_step: int = Field(default=1, ge=1)
-    """Optimizer steps per training step; prompts_per_step must divide evenly."""
-    schedule: Literal["async", "sync"] = "async"
-    """`async`: prompts are submitted up to max_staleness steps ahead (the manager's), every batch
-    is read and scored as its groups finish, and a step trains on its groups as they come.
-    `sync`: the plain synchronous loop, for reference: submit one step's prompts, wait for all
-    its groups, train on them in prompt order, publish. At max_staleness 0 both give the same
-    numbers bit for bit."""
-    validation: Literal["background", "inline"] = "background"
-    """Held-out evaluation every eval_every steps: `background` evaluates the version just
-    published on spare rollout capacity, every prompt pinned to that version, while training goes
-    on (filed under the step and `eval/weight_version` when it is done); `inline` generates on the
-    trainer's own policy and training waits for it."""
-    validation_priority: Literal["low", "normal"] = "low"
-    """`low`: a background validation's requests are background work: an instance decodes them at
-    the lowest CPU priority while nothing else shares its batch, so on a host shared with the
-    trainer they take only the CPU training leaves. `normal`: like training requests."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
-    and a new prompt drawn for the same step in its place, within the capacity rule."""
-    grpo: GrpoConfig = GrpoConfig()
-    placement: Placement = Field(default_factory=lambda: [list(g) for g in REFERENCE_APART])
-    """Which roles share processes (`rlmesh/job.py`, Role): with kl_coef > 0, `ref_logp` alone runs
-    the frozen reference in a process of its own started by rank 0 (`reference.py`); with `train`
-    it is sharded over the ranks and its forward runs inside each training micro-batch."""
     tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
     """What the policy is trained on: prompts, rendering, reward and sampling per task; several
     tasks are mixed by weight within every step."""
     python_path: list[str] = Field(default_factory=list)
     """Folders put first on the import path before user code (reward functions) is loaded: the
     job file's folder."""
-    eval_every: int = Field(default=10, ge=1)
-    checkpoint_every: int = Field(default=25, ge=1)
-    resume: bool = True
-    """Continue from the newest checkpoint in output_dir if there is one."""
-    seed: int = 0
-    threads: int = Field(default=1, ge=1)
-    """Intra-op torch threads of each rank."""
-    handoff: Literal["shm", "stream"] = "shm"
-    """How each rank hands its FSDP shards to the weights service: `shm` writes them into a
-    shared-memory file under /dev/shm and sends only the header (the weights service must run on
-    the same host); `stream` sends them as 1 MiB chunks after the header (another host)."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """What the policy computes in: `auto` is bf16 on CUDA and fp32 on CPU; `bf16` keeps fp32
     master weights (what the optimizer steps and checkpoints hold) and gathers bf16 copies for the
@@ -181,38 +41,3 @@ class TrainerConfig(StrictModel):
     """torch.distributed backend of the FSDP ranks: `auto` is NCCL when CUDA is available, else
     gloo. Commands from rank 0 always travel on a gloo group. Without torchrun (one rank) the
     process forms a one-rank group by itself."""
-    collective_timeout_seconds: float = Field(default=1800.0, gt=0)
-    """How long a rank waits in one collective; ranks other than 0 wait in one for rank 0's next
-    command (while it waits for rollouts), so this must exceed rollout_timeout_seconds."""
-    publish_timeout_seconds: float = Field(default=300.0, gt=0)
-    """How long a version is handed over again while the weights service is unreachable (it is
-    restarted by `rlmesh up`) before training fails."""
-    manager_outage_seconds: float = Field(default=120.0, gt=0)
-    """How long calls to the manager are retried while it is unreachable (`rlmesh up` restarts it
-    on its journal) before training fails."""
-    upload_timeout_seconds: float = Field(default=60.0, gt=0)
-    """Deadline of one rank's UploadShards call (the weights service replies once it copied the bytes)."""
-    rpc_timeout_seconds: float = Field(default=10.0, gt=0)
-    rollout_timeout_seconds: float = Field(default=300.0, gt=0)
-    """Deadline for one step's rollouts to arrive."""
-    startup_timeout_seconds: float = Field(default=120.0, gt=0)
-
-    @field_validator("placement")
-    @classmethod
-    def _placement_valid(cls, placement: Placement) -> Placement:
-        check_placement(placement)
-        return placement
-
-    @property
-    def reference_apart(self) -> bool:
-        """The reference runs in a process of its own (kl_coef > 0 and ref_logp placed alone)."""
-        return self.grpo.kl_coef > 0 and reference_apart(self.placement)
-
-    @model_validator(mode="after")
-    def _mini_batches_divide(self) -> "TrainerConfig":
-        check_batch_shape(self.prompts_per_step, self.mini_batches_per_step, self.micro_batch_groups)
-        check_micro_batch_range(self.min_micro_batch_groups, self.micro_batch_groups)
-        if self.collective_timeout_seconds <= self.rollout_timeout_seconds:
-            raise ValueError("collective_timeout_seconds must exceed rollout_timeout_seconds "
-                             "(ranks other than 0 wait in a collective while rank 0 waits for rollouts)")
-        return self

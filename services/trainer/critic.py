@@ -92,7 +92,7 @@ class ShardedCritic:
         self.rank = rank
         self.model = shard(ValueModel(load_causal_lm(config.model_dir).to(rank.device)).to(rank.device), rank, compute_dtype)
         self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.critic_learning_rate)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.critic_learning_rate)
         self.snapshot = None
         """The value model as the training step began, for the old values of micro-batches that
         arrive after the step's first optimizer step (with one mini-batch per step none does)."""
@@ -117,7 +117,7 @@ class ShardedCritic:
     def loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
              mask: torch.Tensor) -> tuple[torch.Tensor, CriticSums]:
         """The micro-batch's value loss as an unnormalised sum over its response tokens, and its sums."""
-        total = clipped_value_loss(values, old_values, returns, mask, self.config.grpo.value_clip)
+        total = clipped_value_loss(values, old_values, returns, mask, self.config.value_clip)
         with torch.no_grad():
             residuals = (returns - values) * mask
             figures = torch.stack([mask.sum(), total.detach(), (values * mask).sum(), (returns * mask).sum(),
@@ -140,4 +140,4 @@ class ShardedCritic:
     def optimizer_step(self) -> float:
         """Steps on the mini-batch's gradients, normalised by its response tokens; returns their norm."""
         count, self.pending_tokens = self.pending_tokens, 0.0
-        return mini_batch_step(self.model, self.optimizer, count, self.config.grpo.max_grad_norm)
+        return mini_batch_step(self.model, self.optimizer, count, self.config.max_grad_norm)

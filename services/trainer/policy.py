@@ -146,7 +146,7 @@ class ShardedPolicy:
         self.reference = None
         """The frozen reference sharded over the ranks (placement: ref_logp with train); with the
         reference in its own process the samples carry its log-probabilities instead."""
-        if config.grpo.kl_coef > 0 and not config.reference_apart:
+        if config.kl_coef > 0 and not config.reference_apart:
             reference = load_causal_lm(config.model_dir).to(rank.device)
             reference.requires_grad_(False)
             self.reference = shard_model(reference, rank, self.compute_dtype)
@@ -154,18 +154,19 @@ class ShardedPolicy:
         """The policy as it was at the start of the training step, for the proximal log-probabilities
         of micro-batches that arrive after the step's first optimizer step (decoupled and tis only;
         with one mini-batch per step none does)."""
-        if config.grpo.loss != "ppo" and config.mini_batches_per_step > 1:
+        if config.loss != "ppo" and config.mini_batches_per_step > 1:
             proximal = load_causal_lm(config.model_dir).to(rank.device)
             proximal.requires_grad_(False)
             proximal.train(policy.training)
             self.proximal = shard_model(proximal, rank, self.compute_dtype)
-        self.critic = ShardedCritic(config, rank, self.compute_dtype, shard_model) if config.grpo.critic else None
+        needs_critic = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator).needs_critic
+        self.critic = ShardedCritic(config, rank, self.compute_dtype, shard_model) if needs_critic else None
         """The value model of PPO with a critic (advantage_estimator `gae`)."""
         self.training_step = 0
         """The training step under way (BeginStep): the policy waits critic_warmup_steps of them."""
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.grpo.learning_rate)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate)
         self.tokenizer = load_hf_tokenizer(config.model_dir)
         self.stop_ids = stop_token_ids(self.model.config, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -196,10 +197,10 @@ class ShardedPolicy:
     def _proximal_from_snapshot(self) -> bool:
         """Whether this micro-batch's pi_prox needs the step-start snapshot (the optimizer already
         stepped in this step) rather than the current policy's own log-probabilities."""
-        if self.config.grpo.loss == "ppo":
+        if self.config.loss == "ppo":
             return False
         if not self.step_begun:
-            raise RuntimeError(f"loss {self.config.grpo.loss!r} needs the policy at the start of each training step: "
+            raise RuntimeError(f"loss {self.config.loss!r} needs the policy at the start of each training step: "
                                "the training loop must send BeginStep before a step's first micro-batch")
         if self.stepped_in_step and self.proximal is None:
             raise RuntimeError("a micro-batch arrived after an optimizer step of the same training step, but with "
@@ -209,14 +210,14 @@ class ShardedPolicy:
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
         """Forward and backward of this rank's share of the micro-batch (the critic's too, with
         one); gradients accumulate."""
-        grpo = self.config.grpo
+        config = self.config
         share = self.share(samples)
         from_snapshot = self._proximal_from_snapshot()
         critic_from_snapshot = self.critic is not None and self.stepped_in_step and self.critic.snapshot is not None
         # Decided on the whole micro-batch, so every rank runs the same reference forwards (FSDP
         # collectives): the reference's own forward only for samples that bring no log-probabilities.
         given = all(s.reference_logprobs is not None for s in samples)
-        if grpo.kl_coef > 0 and self.reference is None and not given:
+        if config.kl_coef > 0 and self.reference is None and not given:
             raise RuntimeError("kl_coef > 0 with the reference in its own process (placement): every sample "
                                "must carry its reference_logprobs")
         own_reference = self.reference is not None and not given
@@ -233,17 +234,17 @@ class ShardedPolicy:
             if own_reference:
                 with torch.no_grad():
                     reference = token_logprobs(self.reference, batch)
-            advantages, kl_coef, value_loss = batch.advantages, grpo.kl_coef, None
+            advantages, kl_coef, value_loss = batch.advantages, config.kl_coef, None
             if self.critic is not None:
                 advantages, value_loss, critic_sums = self._critic_pass(batch, reference, critic_from_snapshot)
                 # The KL penalty is in the critic's rewards, not the loss.
                 kl_coef = 0.0
             logprobs = token_logprobs(self.model, batch)
             loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, advantages, batch.response_mask,
-                                       loss=grpo.loss, proximal_logprobs=proximal, clip_low=grpo.clip_low,
-                                       clip_high=grpo.clip_high, importance_cap=grpo.importance_cap,
-                                       cap_mode=grpo.importance_cap_mode,
-                                       aggregation=grpo.loss_aggregation, reference_logprobs=reference, kl_coef=kl_coef)
+                                       loss=config.loss, proximal_logprobs=proximal, clip_low=config.clip_low,
+                                       clip_high=config.clip_high, importance_cap=config.importance_cap,
+                                       cap_mode=config.importance_cap_mode,
+                                       aggregation=config.loss_aggregation, reference_logprobs=reference, kl_coef=kl_coef)
             sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
                     totals.capped_tokens, totals.behaviour_kl]
             weight_max = totals.importance_weight_max
@@ -289,15 +290,15 @@ class ShardedPolicy:
         """The critic's values of the share, GAE's per-token advantages (whitened over the
         micro-batch) from the rewards (the KL penalty to the reference included, if any) and the
         values as the step began, and the value loss against GAE's returns."""
-        grpo = self.config.grpo
+        config = self.config
         mask = batch.response_mask
         values = self.critic.values(batch)
         old_values = self.critic.old_values(batch, values, from_snapshot)
         rewards = batch.rewards
-        if reference is not None and grpo.kl_coef > 0:
-            rewards = rewards - grpo.kl_coef * (batch.behaviour_logprobs - reference) * mask
-        estimate = ADVANTAGE_ESTIMATORS.get(grpo.advantage_estimator).compute
-        advantages, returns = estimate(rewards, old_values, mask, grpo.gamma, grpo.gae_lambda)
+        if reference is not None and config.kl_coef > 0:
+            rewards = rewards - config.kl_coef * (batch.behaviour_logprobs - reference) * mask
+        estimate = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator).compute
+        advantages, returns = estimate(rewards, old_values, mask, config.gamma, config.gae_lambda)
         advantages = whiten(advantages.float(), mask, self.rank)
         value_loss, sums = self.critic.loss(values, old_values, returns.float(), mask)
         return advantages, value_loss, sums
@@ -308,8 +309,8 @@ class ShardedPolicy:
         count, self.pending_count = self.pending_count, 0.0
         self._wait_for_readers()
         # During the critic's warm-up the policy's gradients are measured and dropped.
-        learning = self.critic is None or self.training_step >= self.config.grpo.critic_warmup_steps
-        norm = mini_batch_step(self.model, self.optimizer, count, self.config.grpo.max_grad_norm, apply=learning)
+        learning = self.critic is None or self.training_step >= self.config.critic_warmup_steps
+        norm = mini_batch_step(self.model, self.optimizer, count, self.config.max_grad_norm, apply=learning)
         if self.critic is not None:
             self.critic.optimizer_step()
         self.stepped_in_step = True

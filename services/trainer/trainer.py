@@ -513,7 +513,7 @@ class GrpoTrainer:
         """The micro-batch's samples, each with its advantage from the configured outcome estimator
         over the groups trained together (a critic estimator's come from the value model, in the ranks)."""
         samples = [sample for group in micro_batch for sample in group.samples]
-        estimator = ADVANTAGE_ESTIMATORS.get(self.config.grpo.advantage_estimator)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.config.advantage_estimator)
         if estimator.needs_critic:
             return samples
         advantages = estimator.compute([torch.tensor(group.rewards, dtype=torch.float64) for group in micro_batch])
@@ -579,7 +579,7 @@ class GrpoTrainer:
         max_tokens = self.mixture.by_name[record.task].config.max_tokens
         shaped = []
         for sample, result in zip(group.samples, results):
-            terms = shape(ShapingInput(len(sample.token_ids), max_tokens), self.config.grpo)
+            terms = shape(ShapingInput(len(sample.token_ids), max_tokens), self.config)
             if terms:
                 result = replace(result, reward=result.reward + sum(terms.values()), components={**result.components, **terms})
             shaped.append(result)

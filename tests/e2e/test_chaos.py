@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from bench.chaos import FAULT_WEIGHTS, run_chaos
-from rlmesh.launcher import mesh_tag
+from rlmesh.launch.netns import mesh_tag
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launcher import free_base_port, mesh_processes
+from rlmesh.launch.ports import free_base_port
+from rlmesh.launch.processes import mesh_processes
 
 pytestmark = pytest.mark.e2e
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launcher import free_base_port, free_port
+from rlmesh.launch.ports import free_base_port, free_port
 
 pytestmark = pytest.mark.e2e
 

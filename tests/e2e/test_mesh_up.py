@@ -19,7 +19,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlmesh.launcher import free_base_port, free_port, mesh_processes
+from rlmesh.launch.ports import free_base_port, free_port
+from rlmesh.launch.processes import mesh_processes
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc

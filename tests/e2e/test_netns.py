@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launcher import NETNS_PREFIX, NetnsLayout, NetnsLink, create_netns, netns_problem, remove_netns, sweep_netns
+from rlmesh.launch.netns import NETNS_PREFIX, NetnsLayout, NetnsLink, create_netns, netns_problem, remove_netns, sweep_netns
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rlmesh.config import ServerConfig
-from rlmesh.launcher import Child, free_port, spawn_service
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import Child, spawn_service
 from rlmesh.rpc import open_channel
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlmesh.logging import configure_logging
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.distributed import init_distributed, shutdown_distributed
 from services.trainer.policy import ShardedPolicy
 from tests.unit.test_critic import full, rewarded
@@ -26,7 +26,7 @@ def run(spec: dict) -> None:
     rank = init_distributed("gloo", 120.0)
     config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=2, group_size=4,
                            micro_batch_groups=1, mini_batches_per_step=2,
-                           grpo=GrpoConfig(learning_rate=1e-3, advantage_estimator="gae", critic_learning_rate=1e-3))
+                           learning_rate=1e-3, advantage_estimator="gae", critic_learning_rate=1e-3)
     policy = ShardedPolicy(config, rank)
     batches = rewarded(Path(spec["model_dir"]), 4)
     batches[3] = batches[3][:1]

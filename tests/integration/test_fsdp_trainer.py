@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlmesh.launcher import free_port, torchrun_args
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import fsdp_rows

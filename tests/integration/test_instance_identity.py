@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import wait_started
+from rlmesh.launch.processes import wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.trainer.mesh import MeshClient

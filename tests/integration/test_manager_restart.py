@@ -8,7 +8,8 @@ import asyncio
 import json
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import free_port, spawn_service, stop_children, wait_started
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import spawn_service, stop_children, wait_started
 from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig, response_length

@@ -23,7 +23,8 @@ import torch
 from transformers import GPT2Config
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import free_port, torchrun_args
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import copy_into, load_causal_lm
 from rlmesh.models.random_init import real_config, scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer

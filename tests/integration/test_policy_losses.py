@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from rlmesh.launcher import free_port, torchrun_args
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from services.trainer.batching import build_micro_batch, token_logprobs
 from tests.unit.test_policy_losses import micro_batches

@@ -17,7 +17,7 @@ import torch
 
 import services.trainer.policy as policy_module
 from rlmesh.logging import configure_logging
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.distributed import init_distributed, shutdown_distributed
 from services.trainer.evaluation import EvalRequest
 from services.trainer.policy import ShardedPolicy
@@ -27,7 +27,7 @@ from tests.unit.test_policy_losses import micro_batches
 def run(spec: dict) -> None:
     rank = init_distributed("gloo", 120.0)
     config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2, grpo=GrpoConfig(learning_rate=1e-2, loss="tis"))
+                           micro_batch_groups=1, mini_batches_per_step=2, learning_rate=1e-2, loss="tis")
     policy = ShardedPolicy(config, rank)
     proximal_seen = []
     real_loss = policy_module.policy_loss

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.launcher import free_port
+from rlmesh.launch.ports import free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.remote import RemoteReward, RemoteRewardError, RewardItem
 from rlmesh.rpc import check_health, open_channel

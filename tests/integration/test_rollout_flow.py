@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.launcher import free_port
+from rlmesh.launch.ports import free_port
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer

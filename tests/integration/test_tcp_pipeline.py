@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlmesh.launcher import free_port
+from rlmesh.launch.ports import free_port
 from rlmesh.payload import pack
 from rlmesh.transfer.auth import PushSession, new_secret
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, raw_frames

@@ -2,6 +2,8 @@
 computed by hand, GAE's per-token advantages and returns, the critic's clipped value loss and
 explained variance, and reward shaping through the registry."""
 
+from typing import get_args
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -10,13 +12,16 @@ from services.trainer.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REW
 from services.trainer.algorithms.advantages import gae, reinforce_pp, rloo
 from services.trainer.algorithms.losses import clipped_value_loss
 from services.trainer.algorithms.shaping import ShapingInput, shape
-from services.trainer.config import GrpoConfig
+from rlmesh.settings.trainer import AdvantageEstimatorKind, GrpoConfig, LossKind
 from services.trainer.critic import CriticSums
 
 
-def test_every_part_is_registered_by_name():
+def test_every_part_is_registered_by_name_and_settable_by_it():
     assert POLICY_LOSSES.names() == ["decoupled", "ppo", "tis"]
     assert ADVANTAGE_ESTIMATORS.names() == ["gae", "grpo", "reinforce_pp", "rloo"]
+    # The settings (which import no service) list the same names, so a job is checked when it loads.
+    assert sorted(get_args(LossKind)) == POLICY_LOSSES.names()
+    assert sorted(get_args(AdvantageEstimatorKind)) == ADVANTAGE_ESTIMATORS.names()
     assert [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic] == ["gae"]
     assert REWARD_SHAPERS.names() == ["overlong_penalty"]
 
@@ -26,9 +31,8 @@ def test_an_unknown_name_is_refused_naming_it_and_the_known_ones():
         ADVANTAGE_ESTIMATORS.get("ppo")
     with pytest.raises(UnknownName, match=r"unknown policy loss 'grpo': known are decoupled, ppo, tis"):
         POLICY_LOSSES.get("grpo")
-    with pytest.raises(ValidationError, match=r"advantage_estimator[\s\S]*unknown advantage estimator 'a2c'"):
+    with pytest.raises(ValidationError, match="advantage_estimator"):
         GrpoConfig(advantage_estimator="a2c")
-    assert GrpoConfig(advantage_estimator="gae").critic and not GrpoConfig().critic
 
 
 def test_a_name_is_registered_once():

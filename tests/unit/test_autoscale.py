@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlmesh.autoscale import Autoscaler
+from rlmesh.launch.autoscale import Autoscaler
 
 
 def test_a_lasting_recommendation_adds_one_instance_after_the_patience():

@@ -29,7 +29,7 @@ def test_a_service_with_a_bad_setting_names_the_field():
 
 
 def test_health_of_nothing_is_not_serving():
-    from rlmesh.launcher import free_port
+    from rlmesh.launch.ports import free_port
 
     result = run("health", f"127.0.0.1:{free_port()}", "--timeout", "0.5")
     assert result.returncode == 1 and "NOT SERVING" in result.stdout

@@ -15,15 +15,15 @@ from torch.distributed.tensor import DTensor
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.policy import ShardedPolicy
 from services.trainer.step_totals import StepTotals
 
 
-def critic_policy(model_dir, tmp_path, rank, **grpo) -> ShardedPolicy:
+def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
     config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=2, group_size=4,
                            micro_batch_groups=1, mini_batches_per_step=2,
-                           grpo=GrpoConfig(learning_rate=1e-2, advantage_estimator="gae", critic_learning_rate=1e-2, **grpo))
+                           learning_rate=1e-2, advantage_estimator="gae", critic_learning_rate=1e-2, **algorithm)
     return ShardedPolicy(config, rank)
 
 

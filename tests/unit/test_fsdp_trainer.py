@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from rlmesh.config import ConfigError, load_config
-from rlmesh.launcher import torchrun_args
+from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.payload import DTYPE_CODES, STREAM_CHUNK_BYTES, aligned

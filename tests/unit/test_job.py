@@ -105,7 +105,7 @@ def test_up_stops_a_bad_job_before_starting_anything(tmp_path):
 
 
 def test_the_job_model_carries_every_documented_section():
-    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "mesh", "output"}
+    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "trainer", "manager", "rollout", "weights", "mesh", "output"}
 
 
 def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
@@ -120,8 +120,10 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
     instance as the engine setting it reads at start; mesh.rollout_stream_interval,
     mesh.rollout_device and model.dtype likewise, and the trainer gets mesh.trainer_device as its
     backend and model.dtype as the dtype it publishes in."""
-    from rlmesh import cli, launcher
+    from rlmesh import cli
     from rlmesh.config import load_config
+    from rlmesh.launch import run
+    from rlmesh.launch.services import rollout_spec
     from services.rollout.config import RolloutConfig
 
     plans = []
@@ -130,7 +132,7 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
         plans.append(plan)
         return 0
 
-    monkeypatch.setattr(launcher, "run_mesh", run_mesh)
+    monkeypatch.setattr(run, "run_mesh", run_mesh)
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
@@ -139,11 +141,7 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
                      "--model-dir", str(model_dir),
                      "--output-dir", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "job.json").read_text())["mesh"]["update_mode"] == "pause"
-    mesh = launcher.Mesh(plans[0])
-    spawned = {}
-    monkeypatch.setattr(mesh, "_spawn", lambda name, module, address, settings, **kwargs: spawned.setdefault(name, settings))
-    mesh._spawn_rollout(0)
-    config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=spawned["rollout-0"])
+    config = load_config(RolloutConfig, env_prefix="RLMESH_ROLLOUT_", environ=rollout_spec(plans[0], 0).settings)
     assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
     trainer = json.loads((tmp_path / "trainer.json").read_text())

@@ -15,7 +15,7 @@ import services.trainer.policy as policy_module
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.policy import ShardedPolicy
 
 
@@ -36,9 +36,9 @@ def micro_batches(model_dir, count: int, size: int = 4) -> list[list[TrainingSam
     return batches
 
 
-def make_policy(model_dir, tmp_path, rank, **grpo) -> ShardedPolicy:
+def make_policy(model_dir, tmp_path, rank, **loss) -> ShardedPolicy:
     config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2, grpo=GrpoConfig(learning_rate=1e-2, **grpo))
+                           micro_batch_groups=1, mini_batches_per_step=2, learning_rate=1e-2, **loss)
     return ShardedPolicy(config, rank)
 
 
@@ -120,7 +120,7 @@ def test_the_optimizer_step_divides_the_accumulated_gradients_by_the_mini_batch_
 
 def test_bf16_precision_computes_in_bf16_on_float32_master_weights_and_a_float32_loss(model_dir, tmp_path, rank, monkeypatch):
     config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), precision="bf16", weights_dtype="bfloat16",
-                           grpo=GrpoConfig(learning_rate=1e-2))
+                           learning_rate=1e-2)
     policy = ShardedPolicy(config, rank)
     assert (policy.compute_dtype, policy.weights_dtype) == (torch.bfloat16, torch.bfloat16)
     computed_in = set()

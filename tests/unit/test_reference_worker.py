@@ -19,13 +19,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlmesh.cli import trainer_settings
+from rlmesh.settings.handover import trainer_settings
 from rlmesh.config import ConfigError
-from rlmesh.job import REFERENCE_APART, REFERENCE_COLOCATED, AlgorithmSection, load_job, parse_value
+from rlmesh.job import AlgorithmSection, load_job, parse_value
+from rlmesh.settings.trainer import REFERENCE_APART, REFERENCE_COLOCATED
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.config import GrpoConfig, TrainerConfig
+from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
 from services.trainer.policy import ShardedPolicy
 from services.trainer.reference import ReferenceWorker, ReferenceWorkerError, response_logprobs
@@ -141,7 +142,7 @@ def test_the_worker_dies_when_the_process_that_started_it_is_killed(model_dir):
 
 def make_policy(model_dir: Path, tmp_path: Path, rank: RankInfo, placement) -> ShardedPolicy:
     config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, placement=placement, grpo=GrpoConfig(kl_coef=0.1))
+                           micro_batch_groups=1, placement=placement, kl_coef=0.1)
     return ShardedPolicy(config, rank)
 
 
@@ -187,8 +188,8 @@ def test_the_placement_keeps_logp_with_train_and_puts_the_reference_in_or_apart(
     with pytest.raises(ValueError, match="logp apart from train"):
         TrainerConfig(model_dir="m", placement=[["train", "ref_logp"], ["logp"]])
     # Only meaningful with a KL penalty.
-    assert TrainerConfig(model_dir="m", grpo=GrpoConfig(kl_coef=0.05)).reference_apart
-    assert not TrainerConfig(model_dir="m", grpo=GrpoConfig(kl_coef=0.05), placement=REFERENCE_COLOCATED).reference_apart
+    assert TrainerConfig(model_dir="m", kl_coef=0.05).reference_apart
+    assert not TrainerConfig(model_dir="m", kl_coef=0.05, placement=REFERENCE_COLOCATED).reference_apart
     assert not TrainerConfig(model_dir="m").reference_apart
     # `rlmesh up --set algorithm.placement=...` reaches the trainer's config.
     job, base = load_job(None, {"algorithm.kl_coef": 0.05, "algorithm.placement": parse_value('[["train", "logp", "ref_logp"]]')})

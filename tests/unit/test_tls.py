@@ -11,8 +11,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from rlmesh.cli import main
 from rlmesh.config import ConfigError, TlsFiles, load_config
-from rlmesh.job import load_job
-from rlmesh.launcher import MeshPlan
+from rlmesh.job import Job, load_job
+from rlmesh.launch.plan import LaunchPlan
 from rlmesh.tls import NAMES, create_certificates
 from services.manager.config import ManagerConfig
 
@@ -91,8 +91,7 @@ def test_certs_command_and_health_with_missing_certificates(tmp_path, capsys):
 
 def test_up_hands_each_service_its_files_and_the_token_to_the_manager_and_rollouts(tmp_path):
     create_certificates(tmp_path)
-    plan = MeshPlan(output_dir=tmp_path, model_dir=tmp_path, steps=1, rollout_instances=1, host="127.0.0.1", base_port=50151,
-                    max_staleness=1, transfer_backend="tcp", tls_dir=tmp_path, registration_token="t0ken")
+    plan = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path, tls_dir=tmp_path, registration_token="t0ken")
     manager = plan.security_settings("manager")
     assert manager == {"RLMESH_MANAGER_SERVER__TLS__CA_FILE": str(tmp_path / "ca.pem"),
                        "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": str(tmp_path / "manager.pem"),
@@ -102,8 +101,7 @@ def test_up_hands_each_service_its_files_and_the_token_to_the_manager_and_rollou
     assert plan.security_settings("rollout")["RLMESH_ROLLOUT_REGISTRATION_TOKEN"] == "t0ken"
     assert "RLMESH_WEIGHTS_REGISTRATION_TOKEN" not in plan.security_settings("weights")
     assert plan.security_settings("trainer")["RLMESH_TRAINER_SERVER__TLS__KEY_FILE"] == str(tmp_path / "trainer-key.pem")
-    plain = MeshPlan(output_dir=tmp_path, model_dir=tmp_path, steps=1, rollout_instances=1, host="127.0.0.1", base_port=50151,
-                     max_staleness=1, transfer_backend="tcp")
+    plain = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path)
     assert plain.security_settings("manager") == {} and plain.tls_files("client") is None
 
 

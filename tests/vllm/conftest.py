@@ -16,7 +16,7 @@ import pytest_asyncio
 import torch
 
 from rlmesh.config import ServerConfig
-from rlmesh.launcher import free_port
+from rlmesh.launch.ports import free_port
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2_grpc

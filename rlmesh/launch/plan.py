@@ -1,0 +1,86 @@
+"""What `rlmesh up` starts: the job (its mesh section above all) with what the run adds to it (the
+output folder, the model folder, the certificates, the registration token, the network
+namespaces), and what follows from them: each service's address and security settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlmesh.config import TlsFiles
+from rlmesh.job import Job, MeshSection
+from rlmesh.launch.netns import NetnsLayout, NetnsLink
+
+ROLLOUT_PORT_OFFSET = 10
+"""Rollout instance i listens on the base port + ROLLOUT_PORT_OFFSET + i."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    job: Job
+    output_dir: Path
+    model_dir: Path
+    trainer_config: Path | None = None
+    """The trainer's config file, written from the job (tasks, algorithm, outputs)."""
+    tls_dir: Path | None = None
+    """Mutual TLS with the certificates in this folder (`rlmesh certs`); None: plaintext."""
+    registration_token: str = ""
+    """Asked by the manager of the rollout instances ("": none); the run's own when the job says "auto"."""
+    netns: NetnsLayout | None = None
+    """The first len(netns.links) rollout instances each run in their own network namespace."""
+
+    @property
+    def mesh(self) -> MeshSection:
+        return self.job.mesh
+
+    @property
+    def steps(self) -> int:
+        return self.job.algorithm.steps
+
+    @property
+    def log_dir(self) -> Path:
+        return self.output_dir / "logs"
+
+    @property
+    def manager_host(self) -> str:
+        return self.netns.manager_host if self.netns is not None else self.mesh.host
+
+    @property
+    def manager_address(self) -> str:
+        return f"{self.manager_host}:{self.mesh.base_port}"
+
+    @property
+    def weights_address(self) -> str:
+        return f"{self.mesh.host}:{self.mesh.base_port + 1}"
+
+    @property
+    def trainer_address(self) -> str:
+        return f"{self.mesh.host}:{self.mesh.base_port + 2}"
+
+    def netns_link(self, index: int) -> NetnsLink | None:
+        if self.netns is None or index >= len(self.netns.links):
+            return None
+        return self.netns.links[index]
+
+    def rollout_host(self, index: int) -> str:
+        link = self.netns_link(index)
+        return link.namespace_address if link is not None else self.mesh.host
+
+    def rollout_address(self, index: int) -> str:
+        return f"{self.rollout_host(index)}:{self.mesh.base_port + ROLLOUT_PORT_OFFSET + index}"
+
+    def tls_files(self, name: str) -> TlsFiles | None:
+        return TlsFiles.in_directory(self.tls_dir, name) if self.tls_dir is not None else None
+
+    def security_settings(self, service: str) -> dict[str, str]:
+        """The environment settings that give `service` its certificate and, for the manager and
+        the rollout instances, the registration token."""
+        prefix = f"RLMESH_{service.upper()}_"
+        settings = {}
+        files = self.tls_files(service)
+        if files is not None:
+            settings |= {f"{prefix}SERVER__TLS__CA_FILE": files.ca_file, f"{prefix}SERVER__TLS__CERT_FILE": files.cert_file,
+                         f"{prefix}SERVER__TLS__KEY_FILE": files.key_file}
+        if self.registration_token and service in ("manager", "rollout"):
+            settings[f"{prefix}REGISTRATION_TOKEN"] = self.registration_token
+        return settings

@@ -1,0 +1,82 @@
+"""What each service of a mesh is started with: its module, its address and the environment
+settings that carry the plan's values to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlmesh.launch.plan import LaunchPlan
+from rlmesh.launch.ports import free_port, metrics_setting, port_of
+from rlmesh.launch.processes import ServiceSpec, torchrun_args
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+"""The vLLM engine's own virtualenv (`make setup-vllm`)."""
+MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
+"""The manager's journal in the output folder: a restarted manager takes up its state from it."""
+
+
+def manager_spec(plan: LaunchPlan) -> ServiceSpec:
+    """On the same port and journal every time: a restarted manager takes up where the last one stopped."""
+    return ServiceSpec("manager", "services.manager", plan.manager_address, {
+        "RLMESH_MANAGER_SERVER__HOST": plan.manager_host,
+        "RLMESH_MANAGER_SERVER__PORT": port_of(plan.manager_address),
+        "RLMESH_MANAGER_MAX_STALENESS": str(plan.job.algorithm.max_staleness),
+        "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
+        **metrics_setting("RLMESH_MANAGER", plan.manager_address),
+        **plan.security_settings("manager"),
+    })
+
+
+def weights_spec(plan: LaunchPlan) -> ServiceSpec:
+    mesh = plan.mesh
+    return ServiceSpec("weights", "services.weights", plan.weights_address, {
+        "RLMESH_WEIGHTS_SERVER__HOST": mesh.host,
+        "RLMESH_WEIGHTS_SERVER__PORT": port_of(plan.weights_address),
+        "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
+        "RLMESH_WEIGHTS_BACKEND": mesh.transfer_backend,
+        "RLMESH_WEIGHTS_COMPRESSION": mesh.compression,
+        **metrics_setting("RLMESH_WEIGHTS", plan.weights_address),
+        **plan.security_settings("weights"),
+    })
+
+
+def rollout_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
+    mesh = plan.mesh
+    address = plan.rollout_address(index)
+    link = plan.netns_link(index)
+    return ServiceSpec(f"rollout-{index}", "services.rollout", address, {
+        "RLMESH_ROLLOUT_SERVER__HOST": plan.rollout_host(index),
+        "RLMESH_ROLLOUT_SERVER__PORT": port_of(address),
+        "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
+        "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
+        "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
+        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if mesh.transfer_backend == "mooncake" else "false",
+        "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(mesh.rollout_tp),
+        "RLMESH_ROLLOUT_ENGINE__DEVICE": mesh.rollout_device,
+        "RLMESH_ROLLOUT_ENGINE__DTYPE": plan.job.model.dtype,
+        "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": str(mesh.rollout_max_batch_size),
+        "RLMESH_ROLLOUT_ENGINE__STREAM_INTERVAL": str(mesh.rollout_stream_interval),
+        "RLMESH_ROLLOUT_ENGINE__KIND": mesh.engine,
+        "RLMESH_ROLLOUT_ENGINE__UPDATE_MODE": mesh.update_mode,
+        **metrics_setting("RLMESH_ROLLOUT", address),
+        **plan.security_settings("rollout"),
+    }, python=str(VLLM_PYTHON) if mesh.engine == "vllm" else None,
+        wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)
+
+
+def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
+    """One trainer process, or torchrun with `trainer_ranks` of them (rank 0 serves the port), on a
+    rendezvous port free at the time of the call."""
+    mesh = plan.mesh
+    launcher = torchrun_args(mesh.trainer_ranks, free_port(mesh.host), mesh.host) if mesh.trainer_ranks > 1 else None
+    return ServiceSpec("trainer", "services.trainer", plan.trainer_address, {
+        "RLMESH_TRAINER_SERVER__HOST": mesh.host,
+        "RLMESH_TRAINER_SERVER__PORT": port_of(plan.trainer_address),
+        "RLMESH_TRAINER_MANAGER_ADDRESS": plan.manager_address,
+        "RLMESH_TRAINER_WEIGHTS_ADDRESS": plan.weights_address,
+        "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
+        "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
+        "RLMESH_TRAINER_STEPS": str(plan.steps),
+        **metrics_setting("RLMESH_TRAINER", plan.trainer_address),
+        **plan.security_settings("trainer"),
+    }, launcher=launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)

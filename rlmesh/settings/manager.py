@@ -1,0 +1,51 @@
+"""The manager's settings a job sets (`[manager]`, and η as `algorithm.max_staleness`);
+`services/manager/config.py` adds the wiring (its socket, the journal's file, the token)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlmesh.config import ServerSettings, StrictModel
+
+
+class StalenessSetting(StrictModel):
+    """η, the bound the manager's capacity rule holds rollout to; a job sets it with the algorithm."""
+
+    max_staleness: int = Field(default=1, ge=0, le=8)
+    """η: trainer versions a rollout may lag behind (0 = synchronous on-policy). The capacity rule
+    lets a step's samples generate only while the trainer is within η versions of that step, and
+    samples for trainer version p run only on instances serving version >= p - η."""
+
+
+class ManagerSettings(StrictModel):
+    """Leases, dispatch and the journal's pace."""
+
+    server: ServerSettings = ServerSettings()
+    """The service's gRPC server limits and log level (its socket is the mesh's)."""
+    lease_seconds: float = Field(default=10.0, gt=0)
+    """An instance that sends no heartbeat for this long is dropped and its requests continue elsewhere."""
+    heartbeat_interval_seconds: float = Field(default=2.0, gt=0)
+    """How often a rollout instance is asked to heartbeat; at most half of lease_seconds."""
+    dispatch_policy: Literal["balanced", "round_robin"] = "balanced"
+    """`balanced` weighs outstanding tokens against each instance's measured throughput and moves
+    stragglers off slow instances near the end of a step; `round_robin` is the plain baseline."""
+    no_instance_timeout_seconds: float = Field(default=120.0, gt=0)
+    """With work waiting and no instance registered for this long, rollout streams fail with a
+    clear error instead of hanging."""
+    generate_timeout_seconds: float = Field(default=600.0, gt=0)
+    """Deadline of one Generate stream."""
+    rpc_timeout_seconds: float = Field(default=5.0, gt=0)
+    """Deadline of the manager's calls to rollout instances."""
+    journal_flush_seconds: float = Field(default=0.5, gt=0)
+    """How often tokens generated since the last write reach the journal (accepted batches, sent
+    groups, registrations and versions are written before their reply). A restarted manager
+    regenerates at most this long's tokens; each write rewrites the token arrays of the requests
+    that grew, so writing more often costs relay throughput."""
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> "ManagerSettings":
+        if self.heartbeat_interval_seconds * 2 > self.lease_seconds:
+            raise ValueError("heartbeat_interval_seconds must be at most half of lease_seconds")
+        return self
