@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from rlmesh.launcher import free_port, torchrun_args
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import torchrun_args
 
 WORKER = "tests.integration.test_critic_ranks_worker"
 

@@ -6,18 +6,17 @@ model and its optimizer bit for bit."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import ShardedPolicy
 from services.trainer.step_totals import StepTotals
+from tests.unit.test_policy_losses import micro_batches
 
 
 def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
@@ -27,20 +26,12 @@ def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
     return ShardedPolicy(config, rank)
 
 
-def rewarded(model_dir, count: int, size: int = 4) -> list[list[TrainingSample]]:
-    """Micro-batches of digit prompts and responses, every other response rewarded 1 on its last token."""
-    tokenizer = load_tokenizer(model_dir)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
-    rng = random.Random(7)
-    batches = []
-    for _ in range(count):
-        prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "=").ids
-        batch = []
-        for index in range(size):
-            response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))).ids + [eos]
-            batch.append(TrainingSample(prompt, response, [rng.uniform(-3.0, -0.5) for _ in response], 0.0,
-                                        reward=float(index % 2)))
-        batches.append(batch)
+def rewarded(model_dir, count: int) -> list[list[TrainingSample]]:
+    """`micro_batches` with every other response rewarded 1 (on its last token)."""
+    batches = micro_batches(model_dir, count)
+    for batch in batches:
+        for index, sample in enumerate(batch):
+            sample.reward = float(index % 2)
     return batches
 
 
