@@ -5,6 +5,7 @@ seed; held-out reward at steps 0, half-way and the end, and wall time, against G
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,11 @@ class AlgorithmFigures:
     estimator: str
     held_out: dict[int, float]
     """Held-out sampled reward by step (0, half-way, the end)."""
-    process_seconds: float
-    """`rlmesh up` from start to exit."""
+    evaluated_steps: dict[int, int]
+    """The step each figure's evaluation is of: a background validation that found its version no
+    longer served (a busy host) is retried on the next version, so half-way may be a step later."""
+    wall_seconds: float
+    """The trainer's run from start to end (the first and last held-out evaluations included)."""
     training_seconds: float
     """From the start of the first training step to the end of the last."""
     critic: dict[str, float]
@@ -38,12 +42,17 @@ class AlgorithmFigures:
 
     @classmethod
     def of(cls, estimator: str, run: TrainingRun, marks: list[int]) -> AlgorithmFigures:
-        by_step = {r["step"]: r["eval/sampled_reward"] for r in evaluations_by_step(run)}
-        missing = [step for step in marks if step not in by_step]
-        if missing:
-            raise RuntimeError(f"{estimator}: no held-out evaluation at steps {missing} (evaluated: {sorted(by_step)})")
+        evaluations = evaluations_by_step(run)
+        evaluated = {}
+        for mark in marks:
+            at_or_after = [r for r in evaluations if r["step"] >= mark]
+            if not at_or_after:
+                raise RuntimeError(f"{estimator}: no held-out evaluation at or after step {mark} "
+                                   f"(evaluated: {[r['step'] for r in evaluations]})")
+            evaluated[mark] = at_or_after[0]
         last = run.steps[-1]
-        return cls(estimator, {step: by_step[step] for step in marks}, run.process_seconds,
+        return cls(estimator, {mark: r["eval/sampled_reward"] for mark, r in evaluated.items()},
+                   {mark: r["step"] for mark, r in evaluated.items()}, run.summary["wall_seconds"],
                    last["time"] - training_started(run), {k: v for k, v in last.items() if k.startswith("critic/")})
 
     @property
@@ -57,22 +66,34 @@ def print_table(rows: list[AlgorithmFigures], baseline: AlgorithmFigures, marks:
     print(f"\n{'algorithm':<14} {header} {'rise':>6} {'wall s':>7} {'train s':>8} {'rise/GRPO':>9} {'wall/GRPO':>9}")
     for r in rows:
         values = " ".join(f"{r.held_out[step]:>9.3f}" for step in marks)
-        print(f"{ESTIMATORS[r.estimator]:<14} {values} {r.rise:>+6.3f} {r.process_seconds:>7.0f} {r.training_seconds:>8.0f} "
-              f"{r.rise / baseline.rise:>9.2f} {r.process_seconds / baseline.process_seconds:>9.2f}")
-    print("held-out sampled reward of the default task at each step; wall: the `rlmesh up` process; train: first step to last")
+        print(f"{ESTIMATORS[r.estimator]:<14} {values} {r.rise:>+6.3f} {r.wall_seconds:>7.0f} {r.training_seconds:>8.0f} "
+              f"{r.rise / baseline.rise:>9.2f} {r.wall_seconds / baseline.wall_seconds:>9.2f}")
+    print("held-out sampled reward of the default task at each step (or the first evaluation after it); "
+          "wall: the trainer's run; train: first step to last")
 
 
-def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, estimators: list[str]) -> dict:
+def finished_run(output_dir: Path) -> TrainingRun | None:
+    """A run an earlier invocation completed in `output_dir` (its summary written), or None."""
+    if not (output_dir / "summary.json").is_file():
+        return None
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return TrainingRun(output_dir, records, json.loads((output_dir / "summary.json").read_text()), float("nan"))
+
+
+def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, estimators: list[str], reuse: bool) -> dict:
     work = keep_dir or Path(tempfile.mkdtemp(prefix="rlmesh-bench-algorithms-"))
     print(f"runs in {work}", flush=True)
     marks = [0, steps // 2, steps]
     rows = []
     for estimator in estimators:
-        run = run_up(work / estimator, steps, [f"algorithm.seed={seed}", f"algorithm.advantage_estimator={estimator}", *settings])
+        run = finished_run(work / estimator) if reuse else None
+        if run is None:
+            run = run_up(work / estimator, steps, [f"algorithm.seed={seed}", f"algorithm.advantage_estimator={estimator}",
+                                                   *settings])
         rows.append(AlgorithmFigures.of(estimator, run, marks))
         row = rows[-1]
         print(f"{ESTIMATORS[estimator]}: held-out {' -> '.join(f'{row.held_out[s]:.3f}' for s in marks)} "
-              f"({row.rise:+.3f}), {row.process_seconds:.0f} s", flush=True)
+              f"({row.rise:+.3f}), {row.wall_seconds:.0f} s", flush=True)
     by_name = {r.estimator: r for r in rows}
     baseline = by_name.get("grpo", rows[0])
     print_table(rows, baseline, marks)
@@ -84,12 +105,13 @@ def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, esti
         print(f"{'met' if met else 'NOT MET'}: {name}")
     return write_result(
         "algorithms",
-        figures={r.estimator: {"held_out": {str(s): v for s, v in r.held_out.items()}, "rise": r.rise,
-                               "process_seconds": r.process_seconds, "training_seconds": r.training_seconds,
+        figures={r.estimator: {"held_out": {str(s): v for s, v in r.held_out.items()},
+                               "evaluated_steps": {str(s): v for s, v in r.evaluated_steps.items()}, "rise": r.rise,
+                               "wall_seconds": r.wall_seconds, "training_seconds": r.training_seconds,
                                **({"last_step_critic": r.critic} if r.critic else {})} for r in rows},
-        baseline={"estimator": baseline.estimator, "rise": baseline.rise, "process_seconds": baseline.process_seconds},
+        baseline={"estimator": baseline.estimator, "rise": baseline.rise, "wall_seconds": baseline.wall_seconds},
         ratios={f"{r.estimator}_rise_over_grpo": r.rise / baseline.rise for r in rows}
-               | {f"{r.estimator}_wall_over_grpo": r.process_seconds / baseline.process_seconds for r in rows},
+               | {f"{r.estimator}_wall_over_grpo": r.wall_seconds / baseline.wall_seconds for r in rows},
         targets=targets,
         settings={"steps": steps, "seed": seed, "estimators": estimators, "extra_settings": settings,
                   "job": "the default (built-in increment task, tiny-increment model, 16 prompts x 8 samples per step, "
@@ -106,5 +128,7 @@ if __name__ == "__main__":
                         help="a job field for every run alike, e.g. algorithm.gae_lambda=0.95")
     parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=list(ESTIMATORS))
     parser.add_argument("--runs-dir", type=Path, help="where the runs' outputs go (default: a new temporary folder)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="tabulate the runs an earlier invocation completed in --runs-dir instead of running them again")
     args = parser.parse_args()
-    main(args.steps, args.seed, args.set, args.runs_dir, args.estimators)
+    main(args.steps, args.seed, args.set, args.runs_dir, args.estimators, args.reuse)
