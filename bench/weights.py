@@ -361,7 +361,8 @@ def real_step_delta() -> dict[str, float]:
     from rlmesh.payload import pack
     from rlmesh.tasks.increment import make_problem, reward
     from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-    from services.trainer.grpo import group_advantages, policy_loss
+    from services.trainer.algorithms.advantages import group_advantages
+    from services.trainer.algorithms.losses import policy_loss
     from services.weights.encoding import EncodedPayload
     from services.weights.store import RankPayload
 

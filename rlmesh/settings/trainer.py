@@ -10,6 +10,9 @@ from pydantic import Field, field_validator, model_validator
 from rlmesh.config import ServerSettings, StrictModel
 
 LossKind = Literal["ppo", "decoupled", "tis"]
+"""The policy losses registered in `services/trainer/algorithms/losses.py` (a test keeps them equal)."""
+AdvantageEstimatorKind = Literal["grpo", "rloo", "reinforce_pp", "gae"]
+"""The advantage estimators registered in `services/trainer/algorithms/advantages.py` (a test keeps them equal)."""
 LossAggregation = Literal["sequence-mean", "token-mean"]
 CapMode = Literal["truncate", "drop"]
 Role = Literal["train", "logp", "ref_logp"]
@@ -46,7 +49,7 @@ class GrpoConfig(StrictModel):
     learning_rate: float = Field(default=3e-4, gt=0)
     """Adam's learning rate for the policy."""
     loss: LossKind = "ppo"
-    """The policy loss (`services/trainer/grpo.py`, `policy_loss`): `ppo` clips the ratio to the
+    """The policy loss (`services/trainer/algorithms/losses.py`): `ppo` clips the ratio to the
     behaviour policy that sampled (on-policy, engine and trainer agree); `decoupled` is AReaL's
     decoupled PPO for stale rollouts (max_staleness >= 1): the clip anchors on the policy at the
     start of the training step and pi_prox / pi_behav, bounded by importance_cap, weighs each
@@ -79,6 +82,26 @@ class GrpoConfig(StrictModel):
     """Weight of the k3 KL penalty to a frozen reference (the initial policy); 0 loads no reference."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradients are clipped to this global norm before each optimizer step."""
+    advantage_estimator: AdvantageEstimatorKind = "grpo"
+    """How each sample's advantage is estimated (`services/trainer/algorithms/advantages.py`):
+    `grpo` normalises each group's rewards by the group's mean and standard deviation; `rloo`
+    subtracts the mean reward of the group's other samples; `reinforce_pp` (REINFORCE++ with a
+    baseline) subtracts the group's mean, then normalises over the micro-batch; `gae` trains a
+    critic (a value model) beside the policy and estimates per-token advantages from its values
+    (PPO with a critic: the settings below)."""
+    critic_learning_rate: float = Field(default=5e-4, gt=0)
+    """Adam's learning rate for the critic (advantage_estimator `gae`)."""
+    critic_warmup_steps: int = Field(default=0, ge=0)
+    """Training steps at the start during which only the critic learns: the policy's optimizer
+    steps wait until its values have seen some returns."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """GAE's discount of later tokens' rewards."""
+    gae_lambda: float = Field(default=1.0, ge=0, le=1)
+    """GAE's λ: 1 takes the whole return less the value (no bias from the critic, more variance);
+    lower trusts the critic's values more."""
+    value_clip: float = Field(default=0.5, gt=0)
+    """The critic's loss is the larger of the squared errors of its value and of its value kept
+    within value_clip of the value at the step's start (PPO's value clipping)."""
 
     @model_validator(mode="after")
     def _cap_mode_applies(self) -> "GrpoConfig":

@@ -21,6 +21,8 @@ class TrainingSample:
     reference_logprobs: list[float] | None = None
     """Per response token, the frozen reference's log-probability at the sample's temperature,
     when the reference runs in its own process (`reference.py`); None: the trainer computes them."""
+    reward: float = 0.0
+    """The sample's reward (shaped): a critic's return counts it on the last response token."""
 
 
 @dataclass(slots=True)
@@ -36,6 +38,8 @@ class MicroBatch:
     """[B]"""
     reference_logprobs: torch.Tensor | None = None
     """[B, L-1]: the samples' reference log-probabilities, if every sample carries them."""
+    rewards: torch.Tensor | None = None
+    """[B, L-1]: each response token's reward: its token reward, plus the sample's reward on the last one."""
 
     def to(self, device: torch.device) -> MicroBatch:
         return MicroBatch(*(None if t is None else t.to(device) for t in (getattr(self, f.name) for f in fields(self))))
@@ -49,6 +53,7 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
     response_mask = torch.zeros((len(rows), width - 1))
     behaviour = torch.zeros((len(rows), width - 1))
     advantages = torch.zeros((len(rows), width - 1))
+    rewards = torch.zeros((len(rows), width - 1))
     given = all(s.reference_logprobs is not None for s in samples)
     reference = torch.zeros((len(rows), width - 1)) if given else None
     for i, (sample, row) in enumerate(zip(samples, rows)):
@@ -61,10 +66,12 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         advantages[i, start:end] = sample.advantage
         if sample.token_rewards is not None:
             advantages[i, start:end] += torch.tensor(sample.token_rewards)
+            rewards[i, start:end] = torch.tensor(sample.token_rewards)
+        rewards[i, end - 1] += sample.reward
         if reference is not None:
             reference[i, start:end] = torch.tensor(sample.reference_logprobs)
     temperatures = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages, temperatures, reference)
+    return MicroBatch(input_ids, attention, response_mask, behaviour, advantages, temperatures, reference, rewards)
 
 
 def token_logprobs(model: torch.nn.Module, batch: MicroBatch, temperature: float | None = None) -> torch.Tensor:

@@ -3,7 +3,8 @@ file (a checkpoint saved by N ranks loads on any number of ranks), the step and 
 and on request the whole policy as an HF folder.
 
 Layout: `checkpoints/step_NNNNNN/` holds `shards_rank<r>.pt` (rank r's rows of every tensor along
-dim 0, the FSDP2 layout, with its RNG state), `pipeline.pkl` (rank 0's steps in flight),
+dim 0, the FSDP2 layout, with its RNG state: the policy and its optimizer, and the critic's
+under `critic/` when PPO trains one), `pipeline.pkl` (rank 0's steps in flight),
 `trainer_state.pt` (written last), and with an export `config.json`, `model.safetensors` and the
 tokenizer. A save goes to `step_NNNNNN.partial/` and is renamed when complete; the newest KEEP
 checkpoints are kept.
@@ -40,6 +41,16 @@ STATE_FILE = "trainer_state.pt"
 PIPELINE_FILE = "pipeline.pkl"
 SHARD_FILE = "shards_rank{rank}.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+CRITIC = "critic/"
+"""Where the critic's tensors lie in a shard file: its keys are the policy's with this prefix."""
+
+Trained = tuple[torch.nn.Module, torch.optim.Optimizer]
+"""A model and its optimizer."""
+
+
+def _parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic: Trained | None) -> dict[str, Trained]:
+    """What a checkpoint holds, by key prefix: the policy's keys have none."""
+    return {"": (model, optimizer)} | ({CRITIC: critic} if critic is not None else {})
 
 
 @dataclass(slots=True)
@@ -97,11 +108,11 @@ def _complete(directory: Path, target: Path, partial: Path, state: TrainerState,
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _flat_entries(model_state: dict, optimizer_state: dict) -> dict[str, object]:
+def _flat_entries(model_state: dict, optimizer_state: dict, prefix: str = "") -> dict[str, object]:
     """Every value of the model and optimizer state dicts under one path-like key; param_groups apart."""
-    entries: dict[str, object] = {f"model/{name}": value for name, value in model_state.items()}
+    entries: dict[str, object] = {f"{prefix}model/{name}": value for name, value in model_state.items()}
     for name, values in optimizer_state["state"].items():
-        entries |= {f"optimizer/{name}/{key}": value for key, value in values.items()}
+        entries |= {f"{prefix}optimizer/{name}/{key}": value for key, value in values.items()}
     return entries
 
 
@@ -118,22 +129,23 @@ def _local_rows(key: str, value: torch.Tensor) -> tuple[torch.Tensor, tuple[int,
     return local, rows
 
 
-def _stage(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """A copy in host memory of this rank's rows of the policy and optimizer, its RNG state and
-    where each tensor's rows lie: what the shard file holds. Training may change the originals at
-    once (a copy from a GPU waits for the device's work on them so far)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    tensors, rows, values = {}, {}, {}
-    for key, value in _flat_entries(model_state, optimizer_state).items():
-        if not isinstance(value, torch.Tensor):
-            values[key] = value
-            continue
-        local, held = _local_rows(key, value)
-        tensors[key] = local.detach().to("cpu", copy=True)
-        if held is not None:
-            rows[key] = held
-    return {"tensors": tensors, "rows": rows, "values": values, "param_groups": optimizer_state["param_groups"],
-            "rng": torch.get_rng_state()}
+def _stage(parts: dict[str, Trained]) -> dict:
+    """A copy in host memory of this rank's rows of the policy and optimizer (and the critic's), its
+    RNG state and where each tensor's rows lie: what the shard file holds. Training may change the
+    originals at once (a copy from a GPU waits for the device's work on them so far)."""
+    staged: dict = {"tensors": {}, "rows": {}, "values": {}, "rng": torch.get_rng_state()}
+    for prefix, (model, optimizer) in parts.items():
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        for key, value in _flat_entries(model_state, optimizer_state, prefix).items():
+            if not isinstance(value, torch.Tensor):
+                staged["values"][key] = value
+                continue
+            local, held = _local_rows(key, value)
+            staged["tensors"][key] = local.detach().to("cpu", copy=True)
+            if held is not None:
+                staged["rows"][key] = held
+        staged[f"{prefix}param_groups"] = optimizer_state["param_groups"]
+    return staged
 
 
 def _write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
@@ -168,12 +180,13 @@ def gather_rows(pieces: list[tuple[tuple[int, int], torch.Tensor]], rows: tuple[
 
 def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
                     export_hf: bool = False, tokenizer_dir: Path | None = None,
-                    group: dist.ProcessGroup | None = None) -> Path:
-    """Saves every rank's shards, and returns when they are on disk; with `export_hf` rank 0 also
-    writes the whole policy as an HF folder (the only place the full model is gathered, offloaded
-    to CPU). `group` is a gloo group for barriers (None: the default group)."""
+                    group: dist.ProcessGroup | None = None, critic: Trained | None = None) -> Path:
+    """Saves every rank's shards (the critic's with them, if given), and returns when they are on
+    disk; with `export_hf` rank 0 also writes the whole policy as an HF folder (the only place the
+    full model is gathered, offloaded to CPU). `group` is a gloo group for barriers (None: the
+    default group)."""
     target, partial = _begin(directory, state.step, group)
-    _write(partial, _stage(model, optimizer), group)
+    _write(partial, _stage(_parts(model, optimizer, critic)), group)
     full = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if export_hf else None)
     if _rank() == 0:
@@ -203,11 +216,11 @@ class BackgroundCheckpoints:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-             barrier_group: dist.ProcessGroup | None = None) -> Path:
+             barrier_group: dist.ProcessGroup | None = None, critic: Trained | None = None) -> Path:
         """Starts writing a checkpoint; returns its folder (complete once `wait` returns)."""
         self.wait()
         target, partial = _begin(self.directory, state.step, barrier_group)
-        staged = _stage(model, optimizer)
+        staged = _stage(_parts(model, optimizer, critic))
         world_size, leader = _world(), _rank() == 0
 
         def write() -> None:
@@ -255,18 +268,33 @@ def latest_checkpoint(directory: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Loads the policy and optimizer into this rank's shards (resharded if the checkpoint was
-    saved by another number of ranks) and this rank's RNG state if the checkpoint has one."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    critic: Trained | None = None) -> TrainerState:
+    """Loads the policy and optimizer (and the critic, if given) into this rank's shards
+    (resharded if the checkpoint was saved by another number of ranks) and this rank's RNG state
+    if the checkpoint has one."""
     saved = torch.load(path / STATE_FILE, weights_only=True)
     saved_world = saved.get("world_size", 1)
     shards = [torch.load(_shard_file(path, rank), weights_only=True, mmap=True) for rank in range(saved_world)]
+    for prefix, (part_model, part_optimizer) in _parts(model, optimizer, critic).items():
+        _load_part(path, shards, prefix, part_model, part_optimizer)
+    if _rank() < saved_world:
+        torch.set_rng_state(shards[_rank()]["rng"])
+    if saved_world != _world():
+        log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved_world, ranks=_world())
+    return TrainerState(step=saved["step"], version=saved["version"], task_cursors=dict(saved.get("task_cursors", {})))
+
+
+def _load_part(path: Path, shards: list[dict], prefix: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One model and its optimizer from the shard files' entries under `prefix`."""
+    if f"{prefix}param_groups" not in shards[0]:
+        raise ValueError(f"checkpoint {path} holds no {prefix.rstrip('/') or 'policy'}: it was saved by a trainer without one")
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    for key, value in _flat_entries(model_state, optimizer_state).items():
+    for key, value in _flat_entries(model_state, optimizer_state, prefix).items():
         if key not in shards[0]["tensors"] and key not in shards[0]["values"]:
             raise ValueError(f"checkpoint {path} has no {key}: it was saved from another model or optimizer")
         if not isinstance(value, torch.Tensor):
-            name, field_name = key.removeprefix("optimizer/").rsplit("/", 1)
+            name, field_name = key.removeprefix(f"{prefix}optimizer/").rsplit("/", 1)
             optimizer_state["state"][name][field_name] = shards[0]["values"][key]
             continue
         local, rows = _local_rows(key, value)
@@ -276,10 +304,5 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         # A tensor a rank saved whole (an unsharded model's) covers every row.
         pieces = [(shard["rows"].get(key, (0, shard["tensors"][key].shape[0])), shard["tensors"][key]) for shard in shards]
         local.copy_(gather_rows(pieces, rows or (0, local.shape[0])))
-    optimizer_state["param_groups"] = shards[0]["param_groups"]
+    optimizer_state["param_groups"] = shards[0][f"{prefix}param_groups"]
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    if _rank() < saved_world:
-        torch.set_rng_state(shards[_rank()]["rng"])
-    if saved_world != _world():
-        log.info("resharded a checkpoint", checkpoint=str(path), saved_ranks=saved_world, ranks=_world())
-    return TrainerState(step=saved["step"], version=saved["version"], task_cursors=dict(saved.get("task_cursors", {})))

@@ -10,7 +10,7 @@ of the ranks' gradients is the micro-batch's gradient. FSDP would average the ra
 its divide factor is set to 1 with plain SUM reductions (gloo has no PREMUL_SUM), so N ranks
 compute what one rank computes.
 
-Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `grpo.policy_loss`):
+Each micro-batch's loss is an unnormalised sum (over sequences or tokens, `algorithms.losses.policy_loss`):
 the mini-batch's size is known only once its last micro-batch has streamed in, so the optimizer
 step divides the accumulated gradients by it (gradients are linear: this is exact).
 
@@ -34,12 +34,15 @@ from rlmesh.models.loading import load_causal_lm, weights_dtype
 from rlmesh.models.tokenizer import load_hf_tokenizer, stop_token_ids
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.shards import LocalShard
+from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
+from services.trainer.algorithms.losses import policy_loss
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from services.trainer.checkpoint import Trained, TrainerState, load_checkpoint, save_checkpoint
 from services.trainer.config import TrainerConfig
+from services.trainer.critic import CriticSums, ShardedCritic, whiten
 from services.trainer.distributed import RankInfo
 from services.trainer.evaluation import EvalRequest, EvalResponses, generate_responses
-from services.trainer.grpo import policy_loss
+from services.trainer.optimizing import mini_batch_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +68,8 @@ class MicroBatchStats:
     """Share of tokens whose pi_prox / pi_behav exceeded importance_cap."""
     behaviour_kl: float
     """k3 estimate of KL(pi_behav || pi_prox): how far the rollouts' sampler is from pi_prox."""
+    critic: CriticSums | None = None
+    """The critic's sums over every rank's share (advantage_estimator `gae`)."""
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -99,6 +104,19 @@ def shard_model(model: torch.nn.Module, rank: RankInfo, dtype: torch.dtype = tor
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def copy_shards(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Every rank's shards of `source` copied into `target`'s (a model of the same shape)."""
+    # After a forward without backward (an evaluation, a snapshot's forward) a root holds its
+    # gathered parameters in place of its shards: back to the shards, on both sides.
+    reshard(source)
+    reshard(target)
+    snapshot = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            destination = snapshot[name].to_local() if isinstance(snapshot[name], DTensor) else snapshot[name]
+            destination.copy_(param.to_local() if isinstance(param, DTensor) else param)
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -141,6 +159,11 @@ class ShardedPolicy:
             proximal.requires_grad_(False)
             proximal.train(policy.training)
             self.proximal = shard_model(proximal, rank, self.compute_dtype)
+        needs_critic = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator).needs_critic
+        self.critic = ShardedCritic(config, rank, self.compute_dtype, shard_model) if needs_critic else None
+        """The value model of PPO with a critic (advantage_estimator `gae`)."""
+        self.training_step = 0
+        """The training step under way (BeginStep): the policy waits critic_warmup_steps of them."""
         # The full tensors each rank loaded are freed now that it keeps only its shards.
         return_freed_memory()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate)
@@ -160,21 +183,16 @@ class ShardedPolicy:
         """This rank's samples of a micro-batch."""
         return samples[self.rank.rank :: self.rank.world_size]
 
-    def begin_step(self) -> None:
-        """A training step starts: the current policy becomes the proximal policy pi_prox of every
-        micro-batch until the next begin_step."""
+    def begin_step(self, step: int = 0) -> None:
+        """Training step `step` starts: the current policy becomes the proximal policy pi_prox of
+        every micro-batch until the next begin_step (and the critic the source of the old values)."""
         self.step_begun = True
         self.stepped_in_step = False
+        self.training_step = step
         if self.proximal is not None:
-            # After a forward without backward (an evaluation, a proximal forward) a root holds its
-            # gathered parameters in place of its shards: back to the shards, on both sides.
-            reshard(self.model)
-            reshard(self.proximal)
-            snapshot = dict(self.proximal.named_parameters())
-            with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    target = snapshot[name].to_local() if isinstance(snapshot[name], DTensor) else snapshot[name]
-                    target.copy_(param.to_local() if isinstance(param, DTensor) else param)
+            copy_shards(self.model, self.proximal)
+        if self.critic is not None:
+            self.critic.copy_to_snapshot(copy_shards)
 
     def _proximal_from_snapshot(self) -> bool:
         """Whether this micro-batch's pi_prox needs the step-start snapshot (the optimizer already
@@ -190,10 +208,12 @@ class ShardedPolicy:
         return self.stepped_in_step
 
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
-        """Forward and backward of this rank's share of the micro-batch; gradients accumulate."""
+        """Forward and backward of this rank's share of the micro-batch (the critic's too, with
+        one); gradients accumulate."""
         config = self.config
         share = self.share(samples)
         from_snapshot = self._proximal_from_snapshot()
+        critic_from_snapshot = self.critic is not None and self.stepped_in_step and self.critic.snapshot is not None
         # Decided on the whole micro-batch, so every rank runs the same reference forwards (FSDP
         # collectives): the reference's own forward only for samples that bring no log-probabilities.
         given = all(s.reference_logprobs is not None for s in samples)
@@ -201,6 +221,7 @@ class ShardedPolicy:
             raise RuntimeError("kl_coef > 0 with the reference in its own process (placement): every sample "
                                "must carry its reference_logprobs")
         own_reference = self.reference is not None and not given
+        critic_sums = CriticSums()
         if share:
             batch = build_micro_batch(share, self.pad_id).to(self.rank.device)
             proximal = None
@@ -213,12 +234,17 @@ class ShardedPolicy:
             if own_reference:
                 with torch.no_grad():
                     reference = token_logprobs(self.reference, batch)
+            advantages, kl_coef, value_loss = batch.advantages, config.kl_coef, None
+            if self.critic is not None:
+                advantages, value_loss, critic_sums = self._critic_pass(batch, reference, critic_from_snapshot)
+                # The KL penalty is in the critic's rewards, not the loss.
+                kl_coef = 0.0
             logprobs = token_logprobs(self.model, batch)
-            loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, batch.advantages, batch.response_mask,
+            loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, advantages, batch.response_mask,
                                        loss=config.loss, proximal_logprobs=proximal, clip_low=config.clip_low,
                                        clip_high=config.clip_high, importance_cap=config.importance_cap,
                                        cap_mode=config.importance_cap_mode,
-                                       aggregation=config.loss_aggregation, reference_logprobs=reference, kl_coef=config.kl_coef)
+                                       aggregation=config.loss_aggregation, reference_logprobs=reference, kl_coef=kl_coef)
             sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
                     totals.capped_tokens, totals.behaviour_kl]
             weight_max = totals.importance_weight_max
@@ -232,39 +258,63 @@ class ShardedPolicy:
                     reshard(self.proximal)
                 if own_reference:
                     self.reference(input_ids=dummy)
+            value_loss = None
+            if self.critic is not None:
+                # The critic's forwards and the whitening's all-reduce in the order the other ranks run them.
+                value_loss = self.critic.idle_loss(dummy, critic_from_snapshot)
+                whiten(torch.zeros(1, 1, device=self.rank.device), torch.zeros(1, 1, device=self.rank.device), self.rank)
             loss = self.model(input_ids=dummy).logits.sum() * 0.0
             sums, weight_max = [0.0] * 8, 0.0
+        # The critic's graph apart from the policy's, after it: every rank reduces their gradients in one order.
         loss.backward()
-        summed = torch.tensor(sums, dtype=torch.float64)
+        if value_loss is not None:
+            value_loss.backward()
+        summed = torch.tensor(sums + critic_sums.as_list(), dtype=torch.float64)
         largest = torch.tensor([weight_max], dtype=torch.float64)
         if self.rank.world_size > 1:
             dist.all_reduce(summed, group=self.rank.control)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.rank.control)
-        loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = summed.tolist()
+        loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = summed.tolist()[:8]
+        critic = CriticSums(*summed.tolist()[8:]) if self.critic is not None else None
+        if critic is not None:
+            self.critic.pending_tokens += critic.tokens
         self.pending_count += count
         per_token = max(tokens, 1.0)
         return MicroBatchStats(loss=loss_sum / max(count, 1.0), loss_count=int(count), tokens=int(tokens), kl=kl / per_token,
                                clip_fraction=clipped / per_token, importance_weight_mean=weights / per_token,
                                importance_weight_max=largest.item(), capped_fraction=capped / per_token,
-                               behaviour_kl=behaviour_kl / per_token)
+                               behaviour_kl=behaviour_kl / per_token, critic=critic)
+
+    def _critic_pass(self, batch, reference: torch.Tensor | None,
+                     from_snapshot: bool) -> tuple[torch.Tensor, torch.Tensor, CriticSums]:
+        """The critic's values of the share, GAE's per-token advantages (whitened over the
+        micro-batch) from the rewards (the KL penalty to the reference included, if any) and the
+        values as the step began, and the value loss against GAE's returns."""
+        config = self.config
+        mask = batch.response_mask
+        values = self.critic.values(batch)
+        old_values = self.critic.old_values(batch, values, from_snapshot)
+        rewards = batch.rewards
+        if reference is not None and config.kl_coef > 0:
+            rewards = rewards - config.kl_coef * (batch.behaviour_logprobs - reference) * mask
+        estimate = ADVANTAGE_ESTIMATORS.get(config.advantage_estimator).compute
+        advantages, returns = estimate(rewards, old_values, mask, config.gamma, config.gae_lambda)
+        advantages = whiten(advantages.float(), mask, self.rank)
+        value_loss, sums = self.critic.loss(values, old_values, returns.float(), mask)
+        return advantages, value_loss, sums
 
     def optimizer_step(self) -> float:
         """Normalises the accumulated gradients by the mini-batch's size (sequences or tokens),
         clips their norm (over every rank's shards), steps, clears; returns the norm before clipping."""
         count, self.pending_count = self.pending_count, 0.0
         self._wait_for_readers()
-        if count > 1:
-            with torch.no_grad():
-                for param in self.model.parameters():
-                    if param.grad is not None:
-                        param.grad.div_(count)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # During the critic's warm-up the policy's gradients are measured and dropped.
+        learning = self.critic is None or self.training_step >= self.config.critic_warmup_steps
+        norm = mini_batch_step(self.model, self.optimizer, count, self.config.max_grad_norm, apply=learning)
+        if self.critic is not None:
+            self.critic.optimizer_step()
         self.stepped_in_step = True
-        return float(norm)
+        return norm
 
     def evaluate(self, request: EvalRequest) -> EvalResponses:
         """Held-out responses; every rank runs the same generation (FSDP forwards need every rank),
@@ -299,10 +349,15 @@ class ShardedPolicy:
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
                 for name, p in self.model.named_parameters()}
 
+    @property
+    def trained_critic(self) -> Trained | None:
+        """The critic and its optimizer, checkpointed with the policy (None: no critic)."""
+        return (self.critic.model, self.critic.optimizer) if self.critic is not None else None
+
     def save(self, directory: Path, state: TrainerState, export_hf: bool) -> Path:
         return save_checkpoint(directory, self.model, self.optimizer, state, export_hf=export_hf,
-                               tokenizer_dir=Path(self.config.model_dir), group=self.rank.control)
+                               tokenizer_dir=Path(self.config.model_dir), group=self.rank.control, critic=self.trained_critic)
 
     def load(self, path: Path) -> TrainerState:
         self._wait_for_readers()
-        return load_checkpoint(path, self.model, self.optimizer)
+        return load_checkpoint(path, self.model, self.optimizer, critic=self.trained_critic)

@@ -35,6 +35,9 @@ class BeginStep:
     """A training step starts: the policy as it is now is the proximal policy of the step's
     micro-batches (the decoupled and tis losses need it). Sent before the step's first Train."""
 
+    step: int = 0
+    """The training step (the critic's warm-up counts them)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Train:
@@ -187,8 +190,8 @@ class RankGroup:
     async def execute(self, command: Command) -> Any:
         policy, thread = self.policy, self.thread
         match command:
-            case BeginStep():
-                return await thread.run(policy.begin_step)
+            case BeginStep(step):
+                return await thread.run(policy.begin_step, step)
             case Train(samples):
                 stats: MicroBatchStats = await thread.run(policy.backward, samples)
                 return stats
@@ -212,7 +215,8 @@ class RankGroup:
         if export_hf:
             self.background.wait()
             return self.policy.save(self.checkpoints, state, export_hf=True)
-        return self.background.save(self.policy.model, self.policy.optimizer, state, self.rank.control)
+        return self.background.save(self.policy.model, self.policy.optimizer, state, self.rank.control,
+                                    critic=self.policy.trained_critic)
 
     def _pack(self, version: int) -> PackedShards:
         packed = self.handoff.pack(version, self.policy.local_shards())

@@ -24,11 +24,12 @@ from rlmesh.rewards.base import RewardItem, RewardResult
 from rlmesh.tasks.base import SourceExhausted, TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
+from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
+from services.trainer.algorithms.shaping import ShapingInput, shape
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.evaluation import EvalRequest, EvalResponses
-from services.trainer.grpo import group_advantages, overlong_penalty
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
 from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
@@ -37,7 +38,8 @@ from services.trainer.policy import MicroBatchStats
 from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
                                     RankGroup, Resume, Train)
 from services.trainer.reference import ReferenceWorker
-from services.trainer.validation import SOLVED, BackgroundValidation, ValidationFigures, held_out_sets
+from services.trainer.step_totals import StepTotals
+from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
 
@@ -63,74 +65,8 @@ class TrainingStatus:
     error: str = ""
 
 
-@dataclass(slots=True)
-class TaskTotals:
-    rewards: list[float] = field(default_factory=list)
-    components: dict[str, list[float]] = field(default_factory=dict)
-    failures: int = 0
-
-    def add(self, result: RewardResult) -> None:
-        self.rewards.append(result.reward)
-        self.failures += result.failed
-        for name, value in result.components.items():
-            self.components.setdefault(name, []).append(value)
-
-    def metrics(self, prefix: str) -> dict[str, float]:
-        values = {f"{prefix}reward": sum(self.rewards) / len(self.rewards), f"{prefix}reward_failures": float(self.failures)}
-        values.update({f"{prefix}{name}": sum(v) / len(v) for name, v in self.components.items()})
-        return values
-
-
-TOKEN_FIGURES = ("kl", "clip_fraction", "importance_weight_mean", "capped_fraction", "behaviour_kl")
-"""Per-token figures of a micro-batch (MicroBatchStats), averaged over a step's response tokens."""
 EQUAL_REWARDS = 1e-9
 """A group whose rewards all lie within this of each other teaches nothing (dynamic sampling drops it)."""
-
-
-@dataclass(slots=True)
-class StepTotals:
-    rewards: list[float] = field(default_factory=list)
-    per_task: dict[str, TaskTotals] = field(default_factory=dict)
-    staleness: list[int] = field(default_factory=list)
-    response_tokens: int = 0
-    wait_seconds: float = 0.0
-    """Time spent waiting for the next micro-batch of rollouts."""
-    mini_batch_losses: list[float] = field(default_factory=list)
-    _loss_sum: float = 0.0
-    _loss_count: int = 0
-    tokens: int = 0
-    token_weighted: dict[str, float] = field(default_factory=dict)
-    """Token-weighted sums of the micro-batches' per-token figures (TOKEN_FIGURES)."""
-    importance_weight_max: float = 0.0
-    grad_norm: list[float] = field(default_factory=list)
-    dropped_groups: int = 0
-
-    def add_micro_batch(self, stats: MicroBatchStats) -> None:
-        self._loss_sum += stats.loss * stats.loss_count
-        self._loss_count += stats.loss_count
-        self.tokens += stats.tokens
-        for name in TOKEN_FIGURES:
-            self.token_weighted[name] = self.token_weighted.get(name, 0.0) + getattr(stats, name) * stats.tokens
-        self.importance_weight_max = max(self.importance_weight_max, stats.importance_weight_max)
-
-    def end_mini_batch(self) -> None:
-        self.mini_batch_losses.append(self._loss_sum / max(self._loss_count, 1))
-        self._loss_sum, self._loss_count = 0.0, 0
-
-    def figures(self) -> dict[str, float]:
-        values = {name: total / max(self.tokens, 1) for name, total in self.token_weighted.items()}
-        values["loss"] = sum(self.mini_batch_losses) / len(self.mini_batch_losses)
-        values["importance_weight_max"] = self.importance_weight_max
-        return values
-
-    def add(self, group: ScoredGroup, policy_version: int) -> None:
-        """A group being trained on at `policy_version`."""
-        task_totals = self.per_task.setdefault(group.record.task, TaskTotals())
-        for sample, result, versions in zip(group.samples, group.results, group.weight_versions):
-            task_totals.add(result)
-            self.rewards.append(result.reward)
-            self.staleness.append(policy_version - min(versions))
-            self.response_tokens += len(sample.response_ids)
 
 
 class GrpoTrainer:
@@ -304,28 +240,18 @@ class GrpoTrainer:
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
-            "reward": sum(totals.rewards) / len(totals.rewards),
-            "exact_match": sum(r >= SOLVED for r in totals.rewards) / len(totals.rewards),
-            "reward_failures": float(sum(t.failures for t in totals.per_task.values())),
-            **totals.figures(),
-            "staleness_mean": sum(totals.staleness) / len(totals.staleness),
-            "staleness_max": float(max(totals.staleness)),
-            "staleness_violations": float(sum(s > self.max_staleness for s in totals.staleness)),
-            "dropped_groups": float(totals.dropped_groups),
-            "step_seconds": step_seconds,
-            "generated_tokens_per_second": totals.response_tokens / step_seconds,
-            "response_length": totals.response_tokens / len(totals.rewards),
+            **totals.metrics(self.max_staleness, step_seconds),
             **(publish_figures(published) if published is not None else {}),
-            "grad_norm": sum(totals.grad_norm) / len(totals.grad_norm),
-            "rollout_wait_seconds": totals.wait_seconds,
             "weight_version": float(state.version),
             **balance,
         }
-        for name, task_totals in totals.per_task.items():
-            values.update(task_totals.metrics(f"task/{name}/"))
         self.metrics.write(state.step, values)
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
+        if not totals.trained_groups:
+            log.warning("the step had no group to train on (every one dropped, no prompt left to draw): "
+                        "the policy did not change", step=state.step, dropped_groups=totals.dropped_groups)
+            return
         log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
                  step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
 
@@ -558,7 +484,7 @@ class GrpoTrainer:
         fewest = config.min_micro_batch_groups
         deadline = time.monotonic() + config.rollout_timeout_seconds
         # The proximal policy of the off-policy losses is the policy as this step starts.
-        await self.group.lead(BeginStep())
+        await self.group.lead(BeginStep(plan.step))
         groups_in_mini_batch = 0
         # The synchronous schedule trains once every group of the step is in.
         sync = config.schedule == "sync"
@@ -572,10 +498,9 @@ class GrpoTrainer:
             micro_batch = plan.take_micro_batch(self.ordered, most, fewest, config.micro_batch_max_tokens)
             if not micro_batch:
                 continue
-            samples = []
             for group in micro_batch:
                 totals.add(group, plan.step + self.version_offset)
-                samples += group.samples
+            samples = self._with_advantages(micro_batch)
             totals.add_micro_batch(await self.group.lead(Train(samples)))
             groups_in_mini_batch += len(micro_batch)
             if groups_in_mini_batch >= self.mini_batch_groups:
@@ -583,6 +508,18 @@ class GrpoTrainer:
                 groups_in_mini_batch = 0
         if groups_in_mini_batch:
             await self._optimizer_step(totals)
+
+    def _with_advantages(self, micro_batch: list[ScoredGroup]) -> list[TrainingSample]:
+        """The micro-batch's samples, each with its advantage from the configured outcome estimator
+        over the groups trained together (a critic estimator's come from the value model, in the ranks)."""
+        samples = [sample for group in micro_batch for sample in group.samples]
+        estimator = ADVANTAGE_ESTIMATORS.get(self.config.advantage_estimator)
+        if estimator.needs_critic:
+            return samples
+        advantages = estimator.compute([torch.tensor(group.rewards, dtype=torch.float64) for group in micro_batch])
+        for sample, advantage in zip(samples, torch.cat(advantages).tolist()):
+            sample.advantage = advantage
+        return samples
 
     async def _optimizer_step(self, totals: StepTotals) -> None:
         self.stepped_since_publish = True
@@ -617,12 +554,13 @@ class GrpoTrainer:
         scored = await self._score_groups(keyed)
         accepted = []
         for group, (record, _), results in zip(groups, keyed, scored):
-            results = self._shape_overlong(record, group, results)
-            advantages = group_advantages(torch.tensor([r.reward for r in results], dtype=torch.float64)[None])[0].tolist()
+            results = self._shape_rewards(record, group, results)
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
-            samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), advantage,
-                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None)
-                       for sample, advantage, result in zip(group.samples, advantages, results)]
+            # The advantage is the estimator's, over the groups the sample is trained with (`_with_advantages`).
+            samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
+                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None,
+                                      reward=result.reward)
+                       for sample, result in zip(group.samples, results)]
             accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
         await self._attach_reference(accepted)
         return accepted
@@ -636,16 +574,15 @@ class GrpoTrainer:
         for sample, logprobs in zip(samples, await self.reference.logprobs(samples)):
             sample.reference_logprobs = logprobs
 
-    def _shape_overlong(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
-        """DAPO's soft overlong punishment added to each sample's reward (a component of its own)."""
-        config = self.config
-        if not config.overlong_buffer_tokens:
-            return results
+    def _shape_rewards(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
+        """Every registered reward shaper's term added to each sample's reward (a component of its own)."""
         max_tokens = self.mixture.by_name[record.task].config.max_tokens
         shaped = []
         for sample, result in zip(group.samples, results):
-            penalty = overlong_penalty(len(sample.token_ids), max_tokens, config.overlong_buffer_tokens, config.overlong_penalty)
-            shaped.append(replace(result, reward=result.reward + penalty, components={**result.components, "overlong_penalty": penalty}))
+            terms = shape(ShapingInput(len(sample.token_ids), max_tokens), self.config)
+            if terms:
+                result = replace(result, reward=result.reward + sum(terms.values()), components={**result.components, **terms})
+            shaped.append(result)
         return shaped
 
     async def _validate(self, step: int, version: int) -> None:

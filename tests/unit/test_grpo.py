@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from services.trainer.algorithms.advantages import group_advantages
+from services.trainer.algorithms.losses import k3_kl, policy_loss
+from services.trainer.algorithms.shaping import overlong_penalty
 from services.trainer.batching import TrainingSample, build_micro_batch
 from services.trainer.config import GrpoConfig
-from services.trainer.grpo import group_advantages, k3_kl, overlong_penalty, policy_loss
 
 rewards = st.lists(st.floats(0, 1), min_size=2, max_size=16)
 
