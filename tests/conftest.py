@@ -1,5 +1,5 @@
-"""Shared fixtures (a small model folder created once per session) and the suite's Hypothesis
-settings."""
+"""Shared fixtures (a small model folder created once per session), the suite's Hypothesis
+settings, and how pytest-xdist spreads the tests over its workers (`make test` runs several)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,33 @@ torch.set_num_threads(1)
 # built) is timing, not a failed property.
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+SHARED_SCOPES = ("package", "module", "class")
+"""Fixture scopes narrower than the session that several tests share: a worker builds such a
+fixture once for the tests it runs, so those tests go to one worker together."""
+FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
+"""The slowest tests first: a worker that draws a long e2e test at the end would leave the others idle."""
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    definitions = getattr(item, "_fixtureinfo", None)
+    if definitions is None:
+        return False
+    return any(d.scope in SHARED_SCOPES for defs in definitions.name2fixturedefs.values() for d in defs)
+
+
+def _directory_rank(item: pytest.Item) -> int:
+    parts = Path(str(item.path)).parts
+    return next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in parts), len(FIRST_DIRECTORIES))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A stable sort: every worker collects the same order, as pytest-xdist requires.
+    items.sort(key=_directory_rank)
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and item.get_closest_marker("xdist_group") is None and _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(name=module.__name__))
 
 
 @pytest.fixture(scope="session")

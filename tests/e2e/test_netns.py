@@ -10,7 +10,8 @@ import pytest
 
 from rlmesh.launcher import NETNS_PREFIX, NetnsLayout, NetnsLink, create_netns, netns_problem, remove_netns, sweep_netns
 
-pytestmark = pytest.mark.e2e
+# The sweep test plants a dead mesh's namespace, which the chaos test's mesh would sweep first.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
 
 ROOT = Path(__file__).resolve().parents[2]
 
