@@ -31,7 +31,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.integration.conftest import build_mesh, loopback, stop_mesh, wait_for
+from tests.support import build_mesh, loopback, stop_mesh, wait_for
 
 WORKER = "tests.integration.test_model_families_worker"
 TP = 2

@@ -35,7 +35,7 @@ from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
 from services.rollout.torch_engine import TorchEngine
-from tests.integration.conftest import loopback, wait_for
+from tests.support import loopback, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -12,7 +12,7 @@ from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
-from tests.integration.conftest import build_mesh, stop_mesh
+from tests.support import build_mesh, stop_mesh
 from tests.integration.test_model_families import TEXTS, VERSION, Pushed, assert_served_as_hf, full_tensors, greedy, run_trainer
 from tests.vllm.conftest import VLLM_START_SECONDS, _spawn_vllm_rollout, _stop_process, _wait_registered
 
