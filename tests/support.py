@@ -9,26 +9,33 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ServerConfig
-from rlmesh.launcher import Child, free_port, spawn_service
+from rlmesh.launcher import Child, free_port, spawn_service, torchrun_args
 from rlmesh.manager.v1 import manager_pb2
-from rlmesh.models.loading import load_causal_lm, trainable_tensors
+from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
+from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
 from rlmesh.payload import pack, stream_chunks
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc import open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
+from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
+from services.rollout.torch_engine import TorchEngine
 from services.trainer.batching import TrainingSample
 from services.trainer.mesh import MeshClient
 from services.weights.config import WeightsConfig
@@ -269,3 +276,257 @@ async def engine_output(engine, request) -> tuple[list[int], list[float], list[i
         versions += chunk.weight_versions
         finish = chunk.finish
     return tokens, logprobs, versions, finish
+
+
+# A rollout instance split over TP ranks --------------------------------------------------------
+
+TP = 2
+"""Ranks of the tensor-parallel instances and trainers in these tests."""
+DIGIT_PROMPTS = ["1234=", "98765432=", "50=", "7="]
+TCP = rollout_pb2.TRANSFER_BACKEND_TCP
+
+
+@dataclass
+class TpInstance:
+    model_dir: object
+    rollout: object
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    reference: TorchEngine
+    """One process, same weights: what the split instance must decode."""
+    served: dict[str, torch.Tensor]
+    """Full tensors of the version the instance serves."""
+    held: list[tuple[common_pb2.WeightManifest, torch.Tensor]] = field(default_factory=list)
+    """Each rank's payload of that version, as its buffer holds it."""
+    version: int = 0
+
+    @property
+    def engine(self):
+        return self.rollout.engine
+
+    def prompts(self) -> list[list[int]]:
+        tokenizer = load_tokenizer(self.model_dir)
+        return [tokenizer.encode(t).ids for t in DIGIT_PROMPTS]
+
+
+def perturbed_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t * (1 + 0.1 * torch.randn(t.shape, generator=generator)) for name, t in base.items()}
+
+
+def rank_payloads(weights, model_dir, version: int, bucket_bytes: int = 64 << 10):
+    """What the weights service sends each rank: only that rank's tensors, packed."""
+    shape = ModelShape.from_hf_config(load_causal_lm(model_dir).config)
+    payloads = []
+    for rank in range(TP):
+        manifest, payload = pack(shard_full_tensors(weights, shape, TP, rank), version, bucket_bytes)
+        manifest.tensor_parallel_size, manifest.tensor_parallel_rank = TP, rank
+        payloads.append((manifest, payload))
+    return payloads
+
+
+async def begin_update(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
+    request = rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link)
+    return await instance.stub.BeginWeightUpdate(request, timeout=10)
+
+
+async def send_all(sender, instance, reply, payloads, frames) -> list[bytes]:
+    """Each rank's commit proof (empty unless the sender proves commits)."""
+    assert [r.tp_rank for r in reply.ranks] == list(range(TP))
+    return await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
+                           for endpoint, (m, p) in zip(reply.ranks, payloads)))
+
+
+async def commit_version(instance, version, weights, payloads, proofs=()) -> None:
+    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
+    assert reply.weight_version == version
+    instance.version, instance.served, instance.held = version, weights, payloads
+    await asyncio.to_thread(instance.reference.stage_weights, version, weights)
+    await instance.reference.commit_staged(version)
+
+
+async def greedy_outputs(engine, prompts, tag) -> list[tuple[list[int], list[float], list[int]]]:
+    """(tokens, logprobs, weight versions) of each prompt decoded greedily, all at once, on an engine directly."""
+    outputs = await asyncio.gather(*[engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=16)))
+                                     for i, p in enumerate(prompts)])
+    return [(tokens, logprobs, versions) for tokens, logprobs, versions, _ in outputs]
+
+
+async def assert_serves_the_reference(instance, tag):
+    prompts = instance.prompts()
+    expected = await greedy_outputs(instance.reference, prompts, f"{tag}-reference")
+    for (tokens, logprobs, versions), (want, want_logprobs, _) in zip(await greedy_outputs(instance.engine, prompts, tag), expected):
+        assert tokens == want
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert set(versions) == {instance.version}
+
+
+# A version pushed to an instance, checked against HF ----------------------------------------------
+
+FAMILY_TRAINER_WORKER = "tests.integration.test_model_families_worker"
+PUSHED_VERSION = 1
+GREEDY_MAX_TOKENS = 16
+HF_LOGPROB_ATOL = 1e-4
+
+
+@dataclass
+class Pushed:
+    """What one model's instance served after the push, and the weights the trainer published."""
+
+    model_dir: Path
+    params: dict[str, torch.Tensor]
+    prompts: list[list[int]]
+    eos: int
+    responses: list[tuple[list[int], list[float], list[int]]]
+    """(tokens, logprobs, versions) per prompt, greedy, through the instance's gRPC API."""
+    rank_bytes: list[int]
+    seconds: dict[str, float]
+
+
+async def trainer_rank_results(models: list[dict], directory: Path, timeout: float) -> list[dict]:
+    """Each trainer rank's results, in rank order, from TP ranks of FAMILY_TRAINER_WORKER under torchrun
+    publishing a version of each of `models` (specs as the worker reads them)."""
+    spec_path, result = directory / "trainer-spec.json", directory / "trainer-rank{rank}.pt"
+    spec_path.write_text(json.dumps({"models": models, "result": str(result)}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = await asyncio.create_subprocess_exec(sys.executable, *torchrun_args(TP, free_port()), "-m", FAMILY_TRAINER_WORKER, str(spec_path),
+                                                   env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(process.communicate(), timeout)
+    assert process.returncode == 0, output.decode()[-6000:]
+    return [torch.load(str(result).format(rank=rank), weights_only=False) for rank in range(TP)]
+
+
+def published_tensors(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """The published parameters, put together from every rank's rows."""
+    return {name: torch.cat([rank["shards"][name] for rank in ranks]) for name in ranks[0]["shards"]}
+
+
+async def greedy_responses(address: str, prompts: list[list[int]], eos: int, timeout: float) -> list[tuple[list[int], list[float], list[int]]]:
+    """(tokens, logprobs, weight versions) of each prompt decoded greedily through a rollout instance's gRPC API."""
+    channel = open_channel(address)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+    async def one(index: int, prompt: list[int]):
+        tokens, logprobs, versions = [], [], []
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=GREEDY_MAX_TOKENS, stop_token_ids=[eos])
+        request = rollout_pb2.GenerateRequest(request_id=f"greedy-{index}", prompt_token_ids=prompt, sampling=sampling)
+        async for reply in stub.Generate(request, timeout=timeout):
+            tokens += reply.chunk.token_ids
+            logprobs += reply.chunk.logprobs
+            versions += reply.chunk.weight_versions
+        return tokens, logprobs, versions
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await channel.close()
+
+
+def assert_served_as_hf(pushed: Pushed) -> None:
+    model = load_causal_lm(pushed.model_dir)
+    # The trainer's version is not the folder's: only the push can make the instance agree with it.
+    assert all(not torch.equal(p, pushed.params[n]) for n, p in model.named_parameters())
+    copy_into(model, pushed.params)
+    for prompt, (tokens, logprobs, versions) in zip(pushed.prompts, pushed.responses, strict=True):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_MAX_TOKENS, do_sample=False, eos_token_id=pushed.eos,
+                                  pad_token_id=pushed.eos)[0, len(prompt):].tolist()
+            assert tokens == want
+            assert versions == [PUSHED_VERSION] * len(tokens)
+            reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        expected = reference.gather(1, torch.tensor(tokens)[:, None]).flatten()
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=HF_LOGPROB_ATOL), f"largest difference {(torch.tensor(logprobs) - expected).abs().max():.2e}"
+
+
+# The vLLM rollout process -------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_START_SECONDS = 150
+"""Importing vLLM and starting its engine core takes 30-40 s on two cores; more when busy."""
+VLLM_ID = "vllm-0"
+TORCH_ID = "torch-0"
+VLLM_MAX_BATCH = 16
+
+
+@dataclass
+class PairedInstances:
+    """Both instances and what they serve; tests that push a version update `version` and
+    `tensors` (None: the model folder's weights)."""
+
+    vllm: rollout_pb2_grpc.RolloutServiceStub
+    torch: rollout_pb2_grpc.RolloutServiceStub
+    model_dir: Path
+    eos: int
+    pad: int
+    log_path: Path
+    version: int = 0
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def encode(self, text: str) -> list[int]:
+        return load_tokenizer(self.model_dir).encode(text).ids
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file, for a failure message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_path: Path,
+                       max_model_len: int = 0) -> tuple[subprocess.Popen, int]:
+    """The vLLM rollout process and its port; `max_model_len` 0: the model's own limit."""
+    port = free_port()
+    config = log_path.with_suffix(".toml")
+    config.write_text(
+        f'instance_id = "{VLLM_ID}"\n'
+        f'manager_address = "{manager_address}"\n'
+        f"register_timeout_seconds = {VLLM_START_SECONDS}\n"
+        f"drain_timeout_seconds = 5\n"
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\ngrace_seconds = 0.5\n'
+        f'[engine]\nkind = "vllm"\nmodel_dir = "{model_dir}"\nmax_batch_size = {VLLM_MAX_BATCH}\nseed = 1\n'
+        f"[engine.vllm]\nmax_model_len = {max_model_len}\n"
+        f"[transfer]\nmooncake = false\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [str(python), "-m", "services.rollout", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            # Its own group: vLLM's engine core is a child of the rollout process.
+            start_new_session=True,
+        )
+    return process, port
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM (the instance drains, deregisters and stops its engine core), then SIGKILL to the
+    whole group if it hangs."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+async def wait_registered(manager, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = asyncio.get_running_loop().time() + VLLM_START_SECONDS
+    while VLLM_ID not in manager.state.instances:
+        if process.poll() is not None:
+            pytest.fail(f"the vLLM rollout process exited with code {process.returncode} while starting; "
+                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"the vLLM rollout process did not register within {VLLM_START_SECONDS}s; "
+                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+        await asyncio.sleep(0.2)

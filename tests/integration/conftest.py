@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import pytest_asyncio
 
+from rlmesh.models.loading import load_causal_lm, trainable_tensors
+from rlmesh.rollout.v1 import rollout_pb2_grpc
 from rlmesh.rpc import open_channel
-from tests.support import build_mesh, stop_mesh
+from services.manager.config import ManagerConfig
+from services.manager.main import start as start_manager
+from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
+from services.rollout.main import start as start_rollout
+from services.rollout.torch_engine import TorchEngine
+from tests.support import TP, TpInstance, build_mesh, loopback, stop_mesh
 
 
 @pytest.fixture
@@ -27,3 +35,26 @@ async def channel_to():
     yield open_
     for channel in channels:
         await channel.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def instance(model_dir):
+    """A rollout instance split over TP rank processes behind its real gRPC server, registered at a
+    manager, beside a one-process engine on the same weights; one per module, as pushes change it."""
+    manager = await start_manager(ManagerConfig(server=loopback()))
+    rollout = await start_rollout(RolloutConfig(
+        server=loopback(), instance_id="tp-0", manager_address=manager.server.address,
+        engine=EngineConfig(model_dir=str(model_dir), max_batch_size=64, tensor_parallel_size=TP),
+        transfer=TransferConfig(mooncake=True, tcp=True), register_timeout_seconds=10,
+    ))
+    reference = TorchEngine(model_dir, max_batch_size=64)
+    await reference.start()
+    channel = open_channel(rollout.server.address)
+    try:
+        yield TpInstance(model_dir, rollout, rollout_pb2_grpc.RolloutServiceStub(channel), reference,
+                         trainable_tensors(load_causal_lm(model_dir)))
+    finally:
+        await channel.close()
+        await reference.stop()
+        await rollout.stop()
+        await manager.stop()
