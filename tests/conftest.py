@@ -3,6 +3,7 @@ settings, and how pytest-xdist spreads the tests over its workers (`make test` r
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import settings
 
+from rlmesh import launcher
+from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
 
@@ -25,6 +28,23 @@ SHARED_SCOPES = ("package", "module", "class")
 fixture once for the tests it runs, so those tests go to one worker together."""
 FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
 """The slowest tests first: a worker that draws a long e2e test at the end would leave the others idle."""
+
+
+def _worker_base_ports(worker: int) -> range | None:
+    """Worker `worker`'s mesh base ports: a mesh takes its base's first 26 ports and as many
+    METRICS_PORT_OFFSET above, so worker k draws from the first thousand ports after
+    20000 + 2000 k and its metrics ports land in the thousand after; none for a seventh worker on."""
+    start = launcher.BASE_PORTS.start + 2 * METRICS_PORT_OFFSET * worker
+    if start + 2 * METRICS_PORT_OFFSET > launcher.BASE_PORTS.stop + METRICS_PORT_OFFSET:
+        return None
+    return range(start, start + METRICS_PORT_OFFSET - max(launcher.MESH_PORT_OFFSETS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    ports = _worker_base_ports(int(worker.removeprefix("gw"))) if worker else None
+    if ports is not None:
+        launcher.BASE_PORTS = ports
 
 
 def _shares_a_fixture(item: pytest.Item) -> bool:

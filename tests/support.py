@@ -288,6 +288,8 @@ TCP = rollout_pb2.TRANSFER_BACKEND_TCP
 
 @dataclass
 class TpInstance:
+    """A rollout instance split over TP ranks (the `instance` fixture), and what it must serve."""
+
     model_dir: object
     rollout: object
     stub: rollout_pb2_grpc.RolloutServiceStub
