@@ -59,6 +59,8 @@ def _directory_rank(item: pytest.Item) -> int:
     return next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in parts), len(FIRST_DIRECTORIES))
 
 
+# Before pytest-xdist's own hook, which reads the xdist_group marks into the node ids it schedules by.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: every worker collects the same order, as pytest-xdist requires.
     items.sort(key=_directory_rank)
