@@ -1,5 +1,7 @@
 """Shared fixtures (a small model folder created once per session), the suite's Hypothesis
-settings, and how pytest-xdist spreads the tests over its workers (`make test` runs several)."""
+settings, and what `make test`'s pytest-xdist workers (--dist loadfile: each file's tests on one
+worker, so a module-scoped fixture is built once) need: the slowest files first, and mesh ports
+that no other worker draws."""
 
 from __future__ import annotations
 
@@ -23,9 +25,6 @@ torch.set_num_threads(1)
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
-SHARED_SCOPES = ("package", "module", "class")
-"""Fixture scopes narrower than the session that several tests share: a worker builds such a
-fixture once for the tests it runs, so those tests go to one worker together."""
 FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
 """The slowest tests first: a worker that draws a long e2e test at the end would leave the others idle."""
 
@@ -47,27 +46,14 @@ def pytest_configure(config: pytest.Config) -> None:
         launcher.BASE_PORTS = ports
 
 
-def _shares_a_fixture(item: pytest.Item) -> bool:
-    definitions = getattr(item, "_fixtureinfo", None)
-    if definitions is None:
-        return False
-    return any(d.scope in SHARED_SCOPES for defs in definitions.name2fixturedefs.values() for d in defs)
-
-
 def _directory_rank(item: pytest.Item) -> int:
     parts = Path(str(item.path)).parts
     return next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in parts), len(FIRST_DIRECTORIES))
 
 
-# Before pytest-xdist's own hook, which reads the xdist_group marks into the node ids it schedules by.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: every worker collects the same order, as pytest-xdist requires.
     items.sort(key=_directory_rank)
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and item.get_closest_marker("xdist_group") is None and _shares_a_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(name=module.__name__))
 
 
 @pytest.fixture(scope="session")

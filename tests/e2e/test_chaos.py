@@ -10,8 +10,7 @@ import pytest
 from bench.chaos import FAULT_WEIGHTS, run_chaos
 from rlmesh.launcher import mesh_tag
 
-# Its mesh sweeps namespaces that killed meshes left: never beside test_netns, whose sweep test plants one.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
+pytestmark = pytest.mark.e2e
 
 
 def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):

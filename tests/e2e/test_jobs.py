@@ -12,9 +12,9 @@ import pytest
 
 from rlmesh.launcher import free_base_port, free_port
 
-# Jobs without a model folder: the first creates the built-in model under .rlmesh/, which two
-# workers must not write at once.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("builtin-model")]
+# The only jobs in the suite without a model folder: the first creates the built-in model under
+# .rlmesh/. Being in one file, they run on one worker (--dist loadfile), never two at once.
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "nines-complement"

@@ -10,8 +10,7 @@ import pytest
 
 from rlmesh.launcher import NETNS_PREFIX, NetnsLayout, NetnsLink, create_netns, netns_problem, remove_netns, sweep_netns
 
-# The sweep test plants a dead mesh's namespace, which the chaos test's mesh would sweep first.
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("netns")]
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 
