@@ -1,7 +1,6 @@
-"""Shared fixtures (a small model folder created once per session), the suite's Hypothesis
-settings, and what `make test`'s pytest-xdist workers (--dist loadfile: each file's tests on one
-worker, so a module-scoped fixture is built once) need: the slowest files first, and mesh ports
-that no other worker draws."""
+"""Shared fixtures (a small model folder created once per session), the suite's Hypothesis settings,
+and what `make test`'s pytest-xdist workers (--dist loadfile) need: the slowest files first, and
+mesh ports that no other worker draws."""
 
 from __future__ import annotations
 
