@@ -1,8 +1,10 @@
-"""Shared fixtures (a small model folder created once per session) and the suite's Hypothesis
-settings."""
+"""Shared fixtures (a small model folder created once per session), the suite's Hypothesis settings,
+and what `make test`'s pytest-xdist workers (--dist loadfile) need: the slowest files first, and
+mesh ports that no other worker draws."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import settings
 
+from rlmesh.launch import ports as launch_ports
+from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
 
@@ -19,6 +23,36 @@ torch.set_num_threads(1)
 # built) is timing, not a failed property.
 settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
+
+FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
+"""The slowest tests first: a worker that draws a long e2e test at the end would leave the others idle."""
+
+
+def _worker_base_ports(worker: int) -> range | None:
+    """Worker `worker`'s mesh base ports: a mesh takes its base's first 26 ports and as many
+    METRICS_PORT_OFFSET above, so worker k draws from the first thousand ports after
+    20000 + 2000 k and its metrics ports land in the thousand after; none for a seventh worker on."""
+    start = launch_ports.BASE_PORTS.start + 2 * METRICS_PORT_OFFSET * worker
+    if start + 2 * METRICS_PORT_OFFSET > launch_ports.BASE_PORTS.stop + METRICS_PORT_OFFSET:
+        return None
+    return range(start, start + METRICS_PORT_OFFSET - max(launch_ports.MESH_PORT_OFFSETS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    ports = _worker_base_ports(int(worker.removeprefix("gw"))) if worker else None
+    if ports is not None:
+        launch_ports.BASE_PORTS = ports
+
+
+def _directory_rank(item: pytest.Item) -> int:
+    parts = Path(str(item.path)).parts
+    return next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in parts), len(FIRST_DIRECTORIES))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A stable sort: every worker collects the same order, as pytest-xdist requires.
+    items.sort(key=_directory_rank)
 
 
 @pytest.fixture(scope="session")

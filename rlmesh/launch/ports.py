@@ -43,11 +43,16 @@ def _port_free(port: int, host: str) -> bool:
     return True
 
 
+BASE_PORTS = range(20000, 31000)
+"""Where `free_base_port` draws from: below the kernel's ephemeral ports, which outgoing
+connections take at random (one landing on a mesh port would stop a service from binding it).
+Processes that start meshes side by side (the test suite's workers) each narrow it to a slice of
+their own: a port free when drawn is not yet bound, and another process could draw it too."""
+
+
 def free_base_port(host: str = "127.0.0.1") -> int:
-    """A base port for a mesh on `host` (tests, benchmarks) whose every port is free now, below
-    the kernel's ephemeral ports: outgoing connections take those at random, and one landing on a
-    mesh port would stop a service from binding it."""
+    """A base port for a mesh on `host` (tests, benchmarks) whose every port is free now."""
     while True:
-        base = random.randrange(20000, 31000)
+        base = random.choice(BASE_PORTS)
         if all(_port_free(base + offset + extra, host) for offset in MESH_PORT_OFFSETS for extra in (0, METRICS_PORT_OFFSET)):
             return base

@@ -15,7 +15,7 @@ import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.lifecycle import return_freed_memory

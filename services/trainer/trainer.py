@@ -34,7 +34,6 @@ from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
 from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
                                        untrained_plans)
-from services.trainer.policy import MicroBatchStats
 from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
                                     RankGroup, Resume, Train)
 from services.trainer.reference import ReferenceWorker

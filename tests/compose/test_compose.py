@@ -20,6 +20,7 @@ import pytest
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(5400)]
 """Building the images takes about 2 minutes here on overlay2, 10 on vfs."""
@@ -109,13 +110,6 @@ def training_step() -> int:
         return -1
 
 
-def wait_for(what: str, condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
-        time.sleep(1.0)
-
-
 def test_the_four_images_share_their_layers_and_load_the_transfer_engine(mesh, compose_env):
     layers = {service: inspect(compose_env, f"rlmesh-{service}:cpu")["RootFS"]["Layers"] for service in SERVICES}
     # The targets differ only in their settings: every filesystem layer is shared.
@@ -127,7 +121,7 @@ def test_the_four_images_share_their_layers_and_load_the_transfer_engine(mesh, c
 
 def test_the_mesh_trains_and_its_reward_rises(mesh):
     mesh("up", "-d", timeout=900)
-    wait_for("100 training steps", lambda: training_step() >= 100, 600)
+    wait_until(lambda: training_step() >= 100, 600, "100 training steps", interval=1.0)
     lines = mesh("exec", "-T", "trainer", "cat", "/runs/compose/metrics.jsonl").stdout.splitlines()
     rewards = [record["reward"] for record in map(json.loads, lines) if "reward" in record]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -140,10 +134,11 @@ def test_a_killed_rollout_container_is_restarted_and_training_goes_on(mesh, comp
     before = inspect(compose_env, container)
     # SIGKILL from outside, as an OOM kill or a crash: the restart policy, not a manual stop.
     os.kill(before["State"]["Pid"], signal.SIGKILL)
-    wait_for("the rollout container restarted", lambda: inspect(compose_env, container)["RestartCount"] > before["RestartCount"]
-             and inspect(compose_env, container)["State"]["Health"]["Status"] == "healthy", 300)
+    wait_until(lambda: inspect(compose_env, container)["RestartCount"] > before["RestartCount"]
+               and inspect(compose_env, container)["State"]["Health"]["Status"] == "healthy", 300, "the rollout container restarted",
+               interval=1.0)
     step = training_step()
-    wait_for("10 more training steps after the restart", lambda: training_step() >= step + 10, 300)
+    wait_until(lambda: training_step() >= step + 10, 300, "10 more training steps after the restart", interval=1.0)
     instances = asyncio.run(_manager_status()).instances
     assert [i.instance_id.split("-")[0] for i in instances] == [before["Config"]["Hostname"]]
 
@@ -158,7 +153,7 @@ def test_three_scaled_instances_have_their_own_ids_and_all_get_work(mesh, compos
         return (len(instances) == 3 and {i.instance_id.split("-")[0] for i in instances} == hostnames
                 and all(i.generated_tokens > 0 for i in instances))
 
-    wait_for("3 instances, named after their hostnames, each generating", every_instance_generated, 300)
+    wait_until(every_instance_generated, 300, "3 instances, named after their hostnames, each generating", interval=1.0)
 
 
 def test_down_leaves_nothing(mesh, compose_env):

@@ -8,34 +8,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from rlmesh.launch.ports import free_base_port
-from rlmesh.launch.processes import mesh_processes
+from rlmesh.launch.ports import free_base_port, mesh_processes
+from tests.support import last_trained_step, wait_until
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def trained_steps(output_dir: Path) -> int:
-    path = output_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if '"reward"' in line), default=0)
 
 
 def mesh_state(output_dir: Path) -> dict | None:
@@ -69,7 +51,7 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
                                 "--set", "algorithm.eval_every=100000", "--set", "tasks.0.eval.prompts=8"],
                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_until(lambda: trained_steps(output_dir) >= 2, 180, "training to start")
+        wait_until(lambda: last_trained_step(output_dir) >= 2, 180, "training to start")
 
         result = scale(output_dir, 2)
         assert result.returncode == 0, result.stderr
@@ -80,18 +62,18 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
         killed = running(output_dir)["rollout-1"]
         os.kill(killed, signal.SIGKILL)
         wait_until(lambda: running(output_dir).get("rollout-1") not in (None, killed), 60, "rollout-1 to be restarted")
-        steps = trained_steps(output_dir)
-        wait_until(lambda: trained_steps(output_dir) >= steps + 3, 120, "training to go on after the instance restarted")
+        steps = last_trained_step(output_dir)
+        wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the instance restarted")
 
         os.kill(service_pid(output_dir, "services.weights"), signal.SIGKILL)
-        steps = trained_steps(output_dir)
-        wait_until(lambda: trained_steps(output_dir) >= steps + 3, 120, "training to go on after the weights service restarted")
+        steps = last_trained_step(output_dir)
+        wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the weights service restarted")
 
         result = scale(output_dir, 1)
         assert result.returncode == 0, result.stderr
         assert "rollout instances: 1 (rollout-0)" in result.stdout
-        steps = trained_steps(output_dir)
-        wait_until(lambda: trained_steps(output_dir) >= steps + 2, 120, "training to go on with one instance")
+        steps = last_trained_step(output_dir)
+        wait_until(lambda: last_trained_step(output_dir) >= steps + 2, 120, "training to go on with one instance")
     finally:
         process.send_signal(signal.SIGINT)
         code = process.wait(120)
@@ -127,8 +109,8 @@ def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_d
                                    stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
             wait_until(lambda: len(running(output_dir)) == 2, 180, "the autoscaler to add an instance")
-            steps = trained_steps(output_dir)
-            wait_until(lambda: trained_steps(output_dir) >= steps + 2, 120, "training to go on with two instances")
+            steps = last_trained_step(output_dir)
+            wait_until(lambda: last_trained_step(output_dir) >= steps + 2, 120, "training to go on with two instances")
         finally:
             process.send_signal(signal.SIGINT)
             code = process.wait(120)

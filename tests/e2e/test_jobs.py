@@ -12,6 +12,8 @@ import pytest
 
 from rlmesh.launch.ports import free_base_port, free_port
 
+# The only jobs in the suite without a model folder: the first creates the built-in model under
+# .rlmesh/. Being in one file, they run on one worker (--dist loadfile), never two at once.
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]

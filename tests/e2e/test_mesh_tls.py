@@ -12,10 +12,10 @@ import pytest
 
 from rlmesh.config import TlsFiles
 from rlmesh.launch.ports import free_base_port
+from rlmesh.launch.processes import mesh_processes
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import call_options, check_health, open_channel, use_tls
-from tests.e2e.test_mesh_up import mesh_processes, up_command
-from tests.integration.test_contracts_on_the_wire import GRPCURL
+from tests.support import GRPCURL, up_command
 
 pytestmark = pytest.mark.e2e
 

@@ -25,19 +25,11 @@ from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.integration.test_contracts_on_the_wire import grpcurl
+from tests.support import grpcurl_output, up_command
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
-    """A short run: held-out evaluation of 16 prompts every 2 steps."""
-    return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
-            "--model-dir", str(model_dir), "--output-dir", str(output_dir),
-            "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=16"]
-
 
 
 def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
@@ -116,7 +108,7 @@ def test_grpcurl_sees_every_service(live_mesh):
     base = live_mesh.base_port
     services = {base: "ManagerService", base + 1: "WeightsService", base + 2: "TrainerService", base + 10: "RolloutService"}
     for port, service in services.items():
-        listed = asyncio.run(grpcurl(f"127.0.0.1:{port}", "list"))
+        listed = asyncio.run(grpcurl_output(f"127.0.0.1:{port}", "list"))
         assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
     assert len(mesh_processes(live_mesh.output_dir)) == 4
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from tests.e2e.test_mesh_up import up_command
+from tests.support import up_command
 
 pytestmark = pytest.mark.e2e
 

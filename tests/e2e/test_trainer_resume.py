@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from tests.e2e.test_mesh_up import up_command
+from tests.support import step_records_written, up_command, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,21 +28,6 @@ def trainer_pid(output_dir: Path) -> int | None:
         return json.loads((output_dir / "mesh.json").read_text())["trainer"]["pid"]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
         return None
-
-
-def trained_steps(output_dir: Path) -> int:
-    path = output_dir / "metrics.jsonl"
-    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
-
-
-def wait_until(condition, timeout: float, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"waited {timeout} s")
 
 
 def surviving_training(ledger: list[dict]) -> list[dict]:
@@ -70,13 +55,13 @@ def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(
     kills = []
     try:
         for kill in range(KILLS):
-            pid = wait_until(lambda: trainer_pid(output_dir) not in (None, *[k[0] for k in kills]) and trainer_pid(output_dir), 120)
-            progress = trained_steps(output_dir)
+            pid = wait_until(lambda: trainer_pid(output_dir) not in (None, *[k[0] for k in kills]) and trainer_pid(output_dir), 120, "a new trainer")
+            progress = step_records_written(output_dir)
             # Killed only once it trained a step since it started: the run must get somewhere.
-            wait_until(lambda: trained_steps(output_dir) > progress, 120, 0.01)
+            wait_until(lambda: step_records_written(output_dir) > progress, 120, "a step trained since it started", interval=0.01)
             if kill == 2:
                 # In the middle of a checkpoint's background write: its .partial folder is there.
-                partial = wait_until(lambda: next((output_dir / "checkpoints").glob("*.partial"), None), 120, 0.002)
+                partial = wait_until(lambda: next((output_dir / "checkpoints").glob("*.partial"), None), 120, "a checkpoint being written", interval=0.002)
                 os.kill(pid, signal.SIGKILL)
                 kills.append((pid, "during a checkpoint write", partial.exists()))
             else:

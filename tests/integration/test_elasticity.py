@@ -16,17 +16,9 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import build_mesh, spawn_rollout, stop_mesh, wait_for
-from tests.integration.test_rollout_flow import gather_batch, prompt_batch
+from tests.support import NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh, wait_for
 
-NO_STOP = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
 PROMPTS = 32
-
-
-def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
-    assert sorted(g.prompt_id for g in groups) == sorted(f"p{i}" for i in range(prompts))
-    assert all(len(g.samples) == group_size for g in groups)
-    return [s for g in groups for s in g.samples]
 
 
 async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manager_pb2.GetStatusResponse, int]:

@@ -20,7 +20,7 @@ from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import loopback, wait_for
+from tests.support import loopback, wait_for
 
 PROMPTS = 10
 GROUP_SIZE = 2

@@ -26,7 +26,7 @@ from rlmesh.payload import ALIGNMENT
 from rlmesh.shards import SHM_DIR, shard_views
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.integration.conftest import build_mesh, stop_mesh
+from tests.support import build_mesh, stop_mesh
 
 WORKER = "tests.integration.test_fsdp_trainer_worker"
 RUN_TIMEOUT = 120

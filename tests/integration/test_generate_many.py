@@ -11,8 +11,7 @@ import pytest
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import build_mesh, stop_mesh
-from tests.integration.test_rollout_flow import gather_batch, prompt_batch, sampling
+from tests.support import build_mesh, gather_batch, prompt_batch, sampling, stop_mesh
 
 
 async def read_until_ended(call, endings: dict[str, int]) -> tuple[dict[str, list[common_pb2.TokenChunk]], dict[str, rollout_pb2.GenerateRefusal]]:

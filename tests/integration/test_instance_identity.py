@@ -16,9 +16,9 @@ from rlmesh.launch.processes import wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import build_mesh, spawn_rollout, stop_mesh, wait_for
-from tests.integration.test_elasticity import NO_STOP, PROMPTS, assert_exactly_once
-from tests.integration.test_rollout_flow import gather_batch, prompt_batch
+from tests.support import NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh, wait_for
+
+PROMPTS = 32
 
 BUSY = 2 * PROMPTS
 """Prompts of the batch during which the process is killed: more than both instances' slots hold."""

@@ -14,7 +14,7 @@ from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import loopback, wait_for
+from tests.support import loopback, wait_for
 
 PROMPTS, GROUP_SIZE = 16, 2
 SYNTHETIC = SyntheticConfig(length="fixed", mean_tokens=60, min_step_seconds=0.02, stream_interval=4)

@@ -9,89 +9,26 @@ another architecture stops at start, naming the supported ones."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import GPT2Config
 
-from rlmesh.common.v1 import common_pb2
-from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import torchrun_args
-from rlmesh.models.loading import copy_into, load_causal_lm
 from rlmesh.models.random_init import real_config, scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
-from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import open_channel
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.integration.conftest import build_mesh, loopback, stop_mesh, wait_for
+from tests.support import (
+    DIGIT_PROMPTS, PUSHED_VERSION, TP, Pushed, assert_served_as_hf, build_mesh, greedy_responses, loopback, published_tensors,
+    stop_mesh, trainer_rank_results, wait_for,
+)
 
-WORKER = "tests.integration.test_model_families_worker"
-TP = 2
-VERSION = 1
-TEXTS = ["1234=", "98765432=", "50=", "7="]
-MAX_TOKENS = 16
-ATOL = 1e-4
 FAMILIES = {"llama": {"tie_word_embeddings": False}, "qwen3": {"tie_word_embeddings": True}}
-
-
-@dataclass
-class Pushed:
-    """What one model's instance served after the push, and the weights the trainer published."""
-
-    model_dir: Path
-    params: dict[str, torch.Tensor]
-    prompts: list[list[int]]
-    eos: int
-    responses: list[tuple[list[int], list[float], list[int]]]
-    """(tokens, logprobs, versions) per prompt, greedy, through the instance's gRPC API."""
-    rank_bytes: list[int]
-    seconds: dict[str, float]
-
-
-async def run_trainer(models: list[dict], directory: Path, timeout: float) -> list[dict]:
-    """Each trainer rank's results, in rank order."""
-    spec_path, result = directory / "trainer-spec.json", directory / "trainer-rank{rank}.pt"
-    spec_path.write_text(json.dumps({"models": models, "result": str(result)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = await asyncio.create_subprocess_exec(sys.executable, *torchrun_args(TP, free_port()), "-m", WORKER, str(spec_path),
-                                                   env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    output, _ = await asyncio.wait_for(process.communicate(), timeout)
-    assert process.returncode == 0, output.decode()[-6000:]
-    return [torch.load(str(result).format(rank=rank), weights_only=False) for rank in range(TP)]
-
-
-def full_tensors(ranks: list[dict]) -> dict[str, torch.Tensor]:
-    """The published parameters, put together from every rank's rows."""
-    return {name: torch.cat([rank["shards"][name] for rank in ranks]) for name in ranks[0]["shards"]}
-
-
-async def greedy(address: str, prompts: list[list[int]], eos: int, timeout: float) -> list[tuple[list[int], list[float], list[int]]]:
-    channel = open_channel(address)
-    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-
-    async def one(index: int, prompt: list[int]):
-        tokens, logprobs, versions = [], [], []
-        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[eos])
-        request = rollout_pb2.GenerateRequest(request_id=f"greedy-{index}", prompt_token_ids=prompt, sampling=sampling)
-        async for reply in stub.Generate(request, timeout=timeout):
-            tokens += reply.chunk.token_ids
-            logprobs += reply.chunk.logprobs
-            versions += reply.chunk.weight_versions
-        return tokens, logprobs, versions
-
-    try:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    finally:
-        await channel.close()
 
 
 async def push_and_generate(models: dict[str, Path], directory: Path, timeout: float) -> dict[str, Pushed]:
@@ -108,46 +45,30 @@ async def push_and_generate(models: dict[str, Path], directory: Path, timeout: f
             ))
             seconds[f"{name} instance start"] = time.monotonic() - started
         specs = [{"name": name, "model_dir": str(model_dir), "output_dir": str(directory / f"trainer-{name}"),
-                  "weights_address": meshes[name].weights_address, "version": VERSION, "seed": 17} for name, model_dir in models.items()]
+                  "weights_address": meshes[name].weights_address, "version": PUSHED_VERSION, "seed": 17} for name, model_dir in models.items()]
         started = time.monotonic()
-        published = await run_trainer(specs, directory, timeout)
+        published = await trainer_rank_results(specs, directory, timeout)
         seconds["trainer (start, publish)"] = time.monotonic() - started
         out = {}
         for name, model_dir in models.items():
-            await wait_for(lambda engine=rollouts[name].engine: engine.weight_version == VERSION, timeout=timeout)
+            await wait_for(lambda engine=rollouts[name].engine: engine.weight_version == PUSHED_VERSION, timeout=timeout)
             push = meshes[name].weights.pusher.instances[f"{name}-tp"]
             seconds[f"{name} push"] = push.last_push_ms / 1000
             seconds[f"{name} version stored to served"] = push.last_version_latency_ms / 1000
             tokenizer = load_tokenizer(model_dir)
-            prompts = [tokenizer.encode(text).ids for text in TEXTS]
+            prompts = [tokenizer.encode(text).ids for text in DIGIT_PROMPTS]
             eos = tokenizer.token_to_id(EOS_TOKEN)
             started = time.monotonic()
-            responses = await greedy(rollouts[name].server.address, prompts, eos, timeout)
+            responses = await greedy_responses(rollouts[name].server.address, prompts, eos, timeout)
             seconds[f"{name} generate"] = time.monotonic() - started
             ranks = [result[name] for result in published]
-            out[name] = Pushed(model_dir, full_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, seconds)
+            out[name] = Pushed(model_dir, published_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, seconds)
         return out
     finally:
         for rollout in rollouts.values():
             await rollout.stop()
         for mesh in meshes.values():
             await stop_mesh(mesh)
-
-
-def assert_served_as_hf(pushed: Pushed) -> None:
-    model = load_causal_lm(pushed.model_dir)
-    # The trainer's version is not the folder's: only the push can make the instance agree with it.
-    assert all(not torch.equal(p, pushed.params[n]) for n, p in model.named_parameters())
-    copy_into(model, pushed.params)
-    for prompt, (tokens, logprobs, versions) in zip(pushed.prompts, pushed.responses, strict=True):
-        with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=pushed.eos,
-                                  pad_token_id=pushed.eos)[0, len(prompt):].tolist()
-            assert tokens == want
-            assert versions == [VERSION] * len(tokens)
-            reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-        expected = reference.gather(1, torch.tensor(tokens)[:, None]).flatten()
-        assert torch.allclose(torch.tensor(logprobs), expected, atol=ATOL), f"largest difference {(torch.tensor(logprobs) - expected).abs().max():.2e}"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.integration.conftest import wait_for
+from tests.support import wait_for
 
 TOKEN = "s3cret-registration-token"
 

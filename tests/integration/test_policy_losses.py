@@ -18,7 +18,7 @@ from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from services.trainer.batching import build_micro_batch, token_logprobs
-from tests.unit.test_policy_losses import micro_batches
+from tests.support import micro_batches
 
 WORKER = "tests.integration.test_policy_losses_worker"
 

@@ -21,7 +21,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.distributed import init_distributed, shutdown_distributed
 from services.trainer.evaluation import EvalRequest
 from services.trainer.policy import ShardedPolicy
-from tests.unit.test_policy_losses import micro_batches
+from tests.support import micro_batches
 
 
 def run(spec: dict) -> None:

@@ -11,54 +11,17 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
-from rlmesh.manager.v1 import manager_pb2
-from rlmesh.models.loading import load_causal_lm, trainable_tensors
-from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
-from rlmesh.payload import pack, stream_chunks
+from rlmesh.payload import pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
-from tests.integration.conftest import build_mesh, rollout_config, stop_mesh, wait_for
-
-
-def prompt_batch(model_dir, count: int) -> list[tuple[str, list[int]]]:
-    tokenizer = load_tokenizer(model_dir)
-    return [(f"p{i}", tokenizer.encode(f"{1000 + 37 * i}=").ids) for i in range(count)]
-
-
-def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
-    eos = load_tokenizer(model_dir).token_to_id(EOS_TOKEN)
-    return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
-
-
-async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    """A version as whole tensors from one process (UploadWeights), as tools publish a model
-    without a trainer; every engine then receives full tensors."""
-    manifest, payload = pack(tensors, version)
-
-    async def parts():
-        yield weights_pb2.UploadWeightsRequest(manifest=manifest)
-        for offset, data in stream_chunks(payload, manifest.total_bytes):
-            yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-
-    await weights.UploadWeights(parts(), timeout=60)
-
-
-async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:
-    groups = []
-    async for micro_batch in client.rollouts(batch_id, micro, 0, 0, timeout=60):
-        assert len(micro_batch) <= micro
-        groups += micro_batch
-    return groups
-
-
-def scaled_weights(model_dir, factor: float):
-    return {name: tensor * factor for name, tensor in trainable_tensors(load_causal_lm(model_dir)).items()}
+from tests.support import (
+    build_mesh, gather_batch, prompt_batch, rollout_config, sampling, scaled_weights, stop_mesh, upload_full_tensors, wait_for,
+)
 
 
 async def test_every_prompt_comes_back_once_with_all_its_samples(grpc_mesh, model_dir):

@@ -13,7 +13,7 @@ from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.payload import stream_chunks
 from rlmesh.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.integration.conftest import build_mesh, stop_mesh, wait_for
+from tests.support import build_mesh, stop_mesh, wait_for
 
 SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
                    num_layers=2, tie_word_embeddings=True, attention_bias=True)

@@ -4,7 +4,6 @@ the sender is still sending the next ones (receiving, checking and sending overl
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from rlmesh.transfer.base import ReceiveBuffer, TransferError, raw_frames
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener, send_frames
 from services.weights.store import RankPayload
+from tests.support import wait_until
 
 BUCKET_BYTES = 64 << 10
 BUCKETS = 8
@@ -39,13 +39,6 @@ def armed_rank(rank: RankPayload) -> tuple[RankReceiver, TcpListener, ReceiveBuf
     return receiver, listener, buffer
 
 
-def wait_until(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent() -> None:
     rank = payload(3)
     receiver, listener, buffer = armed_rank(rank)
@@ -62,7 +55,7 @@ def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent()
     sending = threading.Thread(target=lambda: landed.append(send_frames(listener.address, PushSession(SECRET, version, 0), first_bucket_then_the_rest(), WAIT_SECONDS)))
     sending.start()
     try:
-        wait_until(lambda: receiver.progress() == (1, BUCKETS), "the first bucket was not checked while the others were held")
+        wait_until(lambda: receiver.progress() == (1, BUCKETS), WAIT_SECONDS, "the first bucket checked while the others are held", interval=0.01)
     finally:
         release.set()
         sending.join()

@@ -8,22 +8,18 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import pytest_asyncio
 import torch
 from transformers import DynamicCache
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition
-from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
+from rlmesh.models.loading import copy_into, load_causal_lm
 from rlmesh.models.tokenizer import load_tokenizer
-from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
 from rlmesh.payload import bucket_ranges, pack
-from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import open_channel
+from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.codecs import BucketCodec
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
@@ -34,73 +30,12 @@ from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
-from services.rollout.torch_engine import TorchEngine
-from tests.integration.conftest import loopback, wait_for
+from tests.support import (
+    TCP, TP, assert_serves_the_reference, begin_update, commit_version, engine_output, greedy_outputs, loopback, perturbed_weights,
+    rank_payloads, send_all, wait_for,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-TP = 2
-TEXTS = ["1234=", "98765432=", "50=", "7="]
-TCP = rollout_pb2.TRANSFER_BACKEND_TCP
-
-
-@dataclass
-class Instance:
-    model_dir: object
-    rollout: object
-    stub: rollout_pb2_grpc.RolloutServiceStub
-    reference: TorchEngine
-    """One process, same weights: what the split instance must decode."""
-    served: dict[str, torch.Tensor]
-    """Full tensors of the version the instance serves."""
-    held: list[tuple[common_pb2.WeightManifest, torch.Tensor]] = field(default_factory=list)
-    """Each rank's payload of that version, as its buffer holds it."""
-    version: int = 0
-
-    @property
-    def engine(self):
-        return self.rollout.engine
-
-    def prompts(self) -> list[list[int]]:
-        tokenizer = load_tokenizer(self.model_dir)
-        return [tokenizer.encode(t).ids for t in TEXTS]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def instance(model_dir):
-    manager = await start_manager(ManagerConfig(server=loopback()))
-    rollout = await start_rollout(RolloutConfig(
-        server=loopback(), instance_id="tp-0", manager_address=manager.server.address,
-        engine=EngineConfig(model_dir=str(model_dir), max_batch_size=64, tensor_parallel_size=TP),
-        transfer=TransferConfig(mooncake=True, tcp=True), register_timeout_seconds=10,
-    ))
-    reference = TorchEngine(model_dir, max_batch_size=64)
-    await reference.start()
-    channel = open_channel(rollout.server.address)
-    try:
-        yield Instance(model_dir, rollout, rollout_pb2_grpc.RolloutServiceStub(channel), reference,
-                       trainable_tensors(load_causal_lm(model_dir)))
-    finally:
-        await channel.close()
-        await reference.stop()
-        await rollout.stop()
-        await manager.stop()
-
-
-def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: t * (1 + 0.1 * torch.randn(t.shape, generator=generator)) for name, t in base.items()}
-
-
-def rank_payloads(weights, model_dir, version: int, bucket_bytes: int = 64 << 10):
-    """What the weights service sends each rank: only that rank's tensors, packed."""
-    shape = ModelShape.from_hf_config(load_causal_lm(model_dir).config)
-    payloads = []
-    for rank in range(TP):
-        manifest, payload = pack(shard_full_tensors(weights, shape, TP, rank), version, bucket_bytes)
-        manifest.tensor_parallel_size, manifest.tensor_parallel_rank = TP, rank
-        payloads.append((manifest, payload))
-    return payloads
 
 
 def slow_frames(manifest, payload, pause: float):
@@ -116,49 +51,6 @@ def delta_frames(manifest, payload, base_manifest, base_payload):
         yield start, end - start, common_pb2.COMPRESSION_DELTA, base_manifest.version, codec.encode(new[start:end], old[start:end]).data
 
 
-async def begin(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
-    request = rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link)
-    return await instance.stub.BeginWeightUpdate(request, timeout=10)
-
-
-async def send_all(sender, instance, reply, payloads, frames) -> list[bytes]:
-    """Each rank's commit proof (empty unless the sender proves commits)."""
-    assert [r.tp_rank for r in reply.ranks] == list(range(TP))
-    return await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
-                           for endpoint, (m, p) in zip(reply.ranks, payloads)))
-
-
-async def commit(instance, version, weights, payloads, proofs=()) -> None:
-    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
-    assert reply.weight_version == version
-    instance.version, instance.served, instance.held = version, weights, payloads
-    await asyncio.to_thread(instance.reference.stage_weights, version, weights)
-    await instance.reference.commit_staged(version)
-
-
-async def collect(engine, request):
-    tokens, logprobs, versions = [], [], []
-    async for chunk in engine.generate(request):
-        tokens += chunk.token_ids
-        logprobs += chunk.logprobs
-        versions += chunk.weight_versions
-    return tokens, logprobs, versions
-
-
-async def greedy(engine, prompts, tag):
-    return await asyncio.gather(*[collect(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=16)))
-                                  for i, p in enumerate(prompts)])
-
-
-async def assert_serves_the_reference(instance, tag):
-    prompts = instance.prompts()
-    expected = await greedy(instance.reference, prompts, f"{tag}-reference")
-    for (tokens, logprobs, versions), (want, want_logprobs, _) in zip(await greedy(instance.engine, prompts, tag), expected):
-        assert tokens == want
-        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
-        assert set(versions) == {instance.version}
-
-
 async def test_the_instance_reports_its_layout_and_decodes_like_one_process(instance):
     info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
     assert info.tensor_parallel_size == TP
@@ -169,64 +61,64 @@ async def test_the_instance_reports_its_layout_and_decodes_like_one_process(inst
     request = rollout_pb2.GenerateRequest(request_id="grpc", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=16))
     async for reply in instance.stub.Generate(request, timeout=30):
         tokens += reply.chunk.token_ids
-    expected, _, _ = await collect(instance.reference, EngineRequest("grpc-reference", prompt, Sampling(temperature=0, max_tokens=16)))
+    expected, _, _, _ = await engine_output(instance.reference, EngineRequest("grpc-reference", prompt, Sampling(temperature=0, max_tokens=16)))
     assert tokens == expected
 
 
 async def test_a_push_over_tcp_then_a_delta_over_grpc_against_the_version_each_rank_holds(instance):
     version = instance.version + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
-    reply = await begin(instance, payloads, TCP)
+    reply = await begin_update(instance, payloads, TCP)
     assert all(r.data_address for r in reply.ranks)
     assert len({r.data_address for r in reply.ranks}) == TP
     await send_all(TcpSender(), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads)
+    await commit_version(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "tcp")
 
     # The first version of a delta link goes in full; a raw link kept no copy to apply it to.
     version += 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
-    reply = await begin(instance, payloads, TCP, link=common_pb2.COMPRESSION_DELTA)
+    reply = await begin_update(instance, payloads, TCP, link=common_pb2.COMPRESSION_DELTA)
     assert [r.held_version for r in reply.ranks] == [-1] * TP
     await send_all(TcpSender(), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads)
+    await commit_version(instance, version, weights, payloads)
 
     version += 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
-    reply = await begin(instance, payloads, rollout_pb2.TRANSFER_BACKEND_GRPC, link=common_pb2.COMPRESSION_DELTA)
+    reply = await begin_update(instance, payloads, rollout_pb2.TRANSFER_BACKEND_GRPC, link=common_pb2.COMPRESSION_DELTA)
     assert [r.held_version for r in reply.ranks] == [version - 1] * TP
     held = instance.held
     await send_all(GrpcStreamSender(), instance, reply, payloads,
                    lambda m, p: delta_frames(m, p, *held[m.tensor_parallel_rank]))
-    await commit(instance, version, weights, payloads)
+    await commit_version(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "delta")
 
 
 async def test_a_push_over_mooncake_writes_each_rank_buffer(instance):
     version = instance.version + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
-    reply = await begin(instance, payloads, rollout_pb2.TRANSFER_BACKEND_MOONCAKE)
+    reply = await begin_update(instance, payloads, rollout_pb2.TRANSFER_BACKEND_MOONCAKE)
     sessions = {r.transfer_session for r in reply.ranks}
     assert len(sessions) == TP and all(r.buffer_bytes >= m.total_bytes for r, (m, _) in zip(reply.ranks, payloads))
     assert reply.transfer_session == reply.ranks[0].transfer_session
     proofs = await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads, proofs)
+    await commit_version(instance, version, weights, payloads, proofs)
     await assert_serves_the_reference(instance, "mooncake")
 
 
 async def test_a_corrupted_bucket_on_one_rank_leaves_the_old_version_served(instance):
     prompts = instance.prompts()
-    before = await greedy(instance.engine, prompts, "before")
+    before = await greedy_outputs(instance.engine, prompts, "before")
     version = instance.version + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version)
     corrupted = payloads[1][1].clone()
     corrupted[70_000] ^= 0xFF
-    reply = await begin(instance, payloads, TCP)
+    reply = await begin_update(instance, payloads, TCP)
     await send_all(TcpSender(), instance, reply, [payloads[0], (payloads[1][0], corrupted)], raw_frames)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), timeout=30)
@@ -234,11 +126,11 @@ async def test_a_corrupted_bucket_on_one_rank_leaves_the_old_version_served(inst
     assert "rank 1 buckets [1]" in caught.value.details() and "crc32" in caught.value.details()
     info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
     assert info.weight_version == instance.version
-    assert await greedy(instance.engine, prompts, "after") == before
+    assert await greedy_outputs(instance.engine, prompts, "after") == before
     # The same version, sent again intact, is accepted.
-    reply = await begin(instance, payloads, TCP)
+    reply = await begin_update(instance, payloads, TCP)
     await send_all(TcpSender(), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads)
+    await commit_version(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "retried")
 
 
@@ -262,13 +154,13 @@ async def test_payloads_that_do_not_fit_the_ranks_are_refused(instance):
 async def test_full_tensors_from_an_older_sender_reach_every_rank(instance):
     """The full layout still works: rank 0 receives the whole version and hands each rank its cut."""
     version = instance.version + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     manifest, payload = pack(weights, version)
     reply = await instance.stub.BeginWeightUpdate(
         rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=10)
     assert [r.tp_rank for r in reply.ranks] == [0]
     await GrpcStreamSender().send_rank(instance.stub, reply.ranks[0], manifest, payload, raw_frames(manifest, payload), 30, lambda: False)
-    await commit(instance, version, weights, [])
+    await commit_version(instance, version, weights, [])
     await assert_serves_the_reference(instance, "full")
 
 
@@ -294,7 +186,7 @@ def switched_greedy(model_dir, weights_by_version, prompt, versions):
 async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_at_once(instance):
     engine, old, old_weights = instance.engine, instance.version, instance.served
     version = old + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     payloads = rank_payloads(weights, instance.model_dir, version, bucket_bytes=32 << 10)
     stop = asyncio.Event()
     background: list[list[int]] = []
@@ -302,12 +194,12 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
     async def keep_busy(index: int) -> None:
         prompt = instance.prompts()[index]
         while not stop.is_set():
-            _, _, versions = await collect(engine, EngineRequest(f"busy-{index}-{len(background)}", prompt, Sampling(temperature=1.0, max_tokens=40)))
+            _, _, versions, _ = await engine_output(engine, EngineRequest(f"busy-{index}-{len(background)}", prompt, Sampling(temperature=1.0, max_tokens=40)))
             background.append(versions)
 
     busy = [asyncio.create_task(keep_busy(i)) for i in range(3)]
     await wait_for(lambda: engine.generated_tokens > 0)
-    reply = await begin(instance, payloads, TCP)
+    reply = await begin_update(instance, payloads, TCP)
     before = engine.generated_tokens
     # About 25 buckets per rank, 10 ms apart: the version arrives over a quarter of a second.
     await send_all(TcpSender(), instance, reply, payloads, lambda m, p: slow_frames(m, p, pause=0.01))
@@ -340,7 +232,7 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
         logprobs += chunk.logprobs
         versions += chunk.weight_versions
         if committing is None and len(tokens) >= 2:
-            committing = asyncio.create_task(commit(instance, version, weights, payloads))
+            committing = asyncio.create_task(commit_version(instance, version, weights, payloads))
     await committing
     stop.set()
     await asyncio.gather(*busy)
@@ -367,15 +259,15 @@ async def test_a_dead_rank_takes_the_instance_out_of_the_pool(model_dir):
     try:
         engine = rollout.engine
         prompt = load_tokenizer(model_dir).encode("31415=").ids
-        running = asyncio.create_task(collect(engine, EngineRequest("victim", prompt, Sampling(temperature=1.0, max_tokens=55))))
+        running = asyncio.create_task(engine_output(engine, EngineRequest("victim", prompt, Sampling(temperature=1.0, max_tokens=55))))
         await wait_for(lambda: engine.generated_tokens >= 3)
         os.kill(engine._group.workers[0].process.pid, signal.SIGKILL)
-        tokens, _, _ = await asyncio.wait_for(running, 30)
+        tokens, _, _, _ = await asyncio.wait_for(running, 30)
         assert 3 <= len(tokens) < 55
         await wait_for(lambda: "doomed" not in manager.state.instances, timeout=30)
         assert rollout.stop_requested.is_set()
         with pytest.raises(FailedPrecondition, match="engine failed: tensor-parallel"):
-            await collect(engine, EngineRequest("after", prompt, Sampling(max_tokens=2)))
+            await engine_output(engine, EngineRequest("after", prompt, Sampling(max_tokens=2)))
     finally:
         await rollout.stop()
         await manager.stop()

@@ -18,8 +18,8 @@ from rlmesh.transfer.base import TransferError, raw_frames
 from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import HEADER, MAGIC, TcpListener, TcpSender
-from tests.integration.test_tp_rollout import (  # noqa: F401 (instance: the module's fixture)
-    TCP, assert_serves_the_reference, begin, commit, greedy, instance, perturbed, rank_payloads, send_all,
+from tests.support import (
+    TCP, assert_serves_the_reference, begin_update, commit_version, greedy_outputs, perturbed_weights, rank_payloads, send_all,
 )
 
 on_the_instance_loop = pytest.mark.asyncio(loop_scope="module")
@@ -50,16 +50,16 @@ def closed_by_the_rank(sock: socket.socket) -> bool:
 
 async def next_version(instance, tag: str):
     """What the instance decodes now, and the next version: its number, weights and rank payloads."""
-    before = await greedy(instance.engine, instance.prompts(), f"before-{tag}")
+    before = await greedy_outputs(instance.engine, instance.prompts(), f"before-{tag}")
     version = instance.version + 1
-    weights = perturbed(instance.served, version)
+    weights = perturbed_weights(instance.served, version)
     return before, version, weights, rank_payloads(weights, instance.model_dir, version)
 
 
 async def assert_still_serves(instance, before, tag: str) -> None:
     info = await instance.stub.GetInfo(rollout_pb2.GetInfoRequest(), timeout=5)
     assert info.weight_version == instance.version
-    assert await greedy(instance.engine, instance.prompts(), f"after-{tag}") == before
+    assert await greedy_outputs(instance.engine, instance.prompts(), f"after-{tag}") == before
 
 
 def forged_bucket(data: np.ndarray) -> np.ndarray:
@@ -114,7 +114,7 @@ def test_a_connection_silent_past_the_deadline_is_closed_and_logged():
 @on_the_instance_loop
 async def test_tcp_connections_without_the_session_answer_are_refused_and_the_push_still_commits(instance):
     before, version, weights, payloads = await next_version(instance, "tcp")
-    reply = await begin(instance, payloads, TCP)
+    reply = await begin_update(instance, payloads, TCP)
     rank0, rank1 = reply.ranks
     assert len(rank0.session_secret) == len(rank1.session_secret) == 32 and rank0.session_secret != rank1.session_secret
     bucket = bytes(payloads[0][0].bucket_bytes)
@@ -152,7 +152,7 @@ async def test_tcp_connections_without_the_session_answer_are_refused_and_the_pu
     silent, _ = await asyncio.to_thread(challenged, rank0.data_address)
     with silent:
         await send_all(TcpSender(), instance, reply, payloads, raw_frames)
-        await commit(instance, version, weights, payloads)
+        await commit_version(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "tcp-after-attack")
 
 
@@ -160,7 +160,7 @@ async def test_tcp_connections_without_the_session_answer_are_refused_and_the_pu
 async def test_bytes_injected_through_the_transfer_engine_make_the_commit_refused(instance):
     before, version, weights, payloads = await next_version(instance, "mooncake")
     bucket_bytes = payloads[1][0].bucket_bytes
-    reply = await begin(instance, payloads, MOONCAKE)
+    reply = await begin_update(instance, payloads, MOONCAKE)
     proofs = await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
     # An attacker with its own transfer engine overwrites bucket 1 of rank 1 (a worker process)
     # with bytes whose crc32 is the manifest's, after the push and before its commit.
@@ -185,15 +185,15 @@ async def test_bytes_injected_through_the_transfer_engine_make_the_commit_refuse
         await asyncio.to_thread(inject)
 
     # A commit without proofs proves nothing.
-    reply = await begin(instance, payloads, MOONCAKE)
+    reply = await begin_update(instance, payloads, MOONCAKE)
     await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), timeout=30)
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED and "carries no proof" in caught.value.details()
 
-    reply = await begin(instance, payloads, MOONCAKE)
+    reply = await begin_update(instance, payloads, MOONCAKE)
     proofs = await send_all(MooncakeSender(MooncakeEndpoint()), instance, reply, payloads, raw_frames)
-    await commit(instance, version, weights, payloads, proofs)
+    await commit_version(instance, version, weights, payloads, proofs)
     await assert_serves_the_reference(instance, "mooncake-after-attack")
     # The buffer just switched to is served, and no transfer engine may write it.
     target = reply.ranks[1]

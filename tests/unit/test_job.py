@@ -88,19 +88,21 @@ def up(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_up_stops_a_bad_job_before_starting_anything(tmp_path):
+def test_up_stops_a_bad_job_before_starting_anything(tmp_path, model_dir):
     missing_file = dataset_job(tmp_path)
     (tmp_path / "data.jsonl").unlink()
-    result = up("--job", str(missing_file))
+    # A model folder given: without one, a fresh clone's first `up` spends half a minute creating
+    # the built-in model before it reads the job's tasks.
+    result = up("--job", str(missing_file), "--model-dir", str(model_dir))
     assert result.returncode == 2 and "dataset" in result.stderr and "data.jsonl does not exist" in result.stderr
 
     other = tmp_path / "other"
     other.mkdir()
-    result = up("--job", str(dataset_job(other, fields='{ answer = "solutoin" }')))
+    result = up("--job", str(dataset_job(other, fields='{ answer = "solutoin" }')), "--model-dir", str(model_dir))
     assert result.returncode == 2
     assert "task 'mine'" in result.stderr and "row 0 has no field 'solutoin'" in result.stderr
 
-    result = up("--job", str(dataset_job(other)), "--set", "tasks.0.reward.function=my_reward:nope")
+    result = up("--job", str(dataset_job(other)), "--model-dir", str(model_dir), "--set", "tasks.0.reward.function=my_reward:nope")
     assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
 
     result = up("--job", str(tmp_path / "absent.toml"))

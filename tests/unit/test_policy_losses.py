@@ -5,7 +5,6 @@ accumulated gradients are divided by the mini-batch's size at the optimizer step
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -13,27 +12,10 @@ from torch.distributed.tensor import DTensor
 
 import services.trainer.policy as policy_module
 from rlmesh.models.loading import load_causal_lm
-from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
-from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
+from services.trainer.batching import build_micro_batch, token_logprobs
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import ShardedPolicy
-
-
-def micro_batches(model_dir, count: int, size: int = 4) -> list[list[TrainingSample]]:
-    """Groups of digit prompts and responses with behaviour log-probabilities near the model's own."""
-    tokenizer = load_tokenizer(model_dir)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
-    rng = random.Random(5)
-    batches = []
-    for _ in range(count):
-        prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "=").ids
-        samples = []
-        for _ in range(size):
-            response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))).ids + [eos]
-            behaviour = [rng.uniform(-3.0, -0.5) for _ in response]
-            samples.append(TrainingSample(prompt, response, behaviour, rng.uniform(-1.5, 1.5)))
-        batches.append(samples)
-    return batches
+from tests.support import micro_batches
 
 
 def make_policy(model_dir, tmp_path, rank, **loss) -> ShardedPolicy:

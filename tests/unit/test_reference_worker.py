@@ -1,17 +1,9 @@
-"""The frozen reference in a process of its own: its log-probabilities are the trainer's
-`token_logprobs`, a micro-batch carrying them trains as the colocated reference does, it dies with
-the process that started it, a crash is reported by name, and the placement setting is checked."""
+"""The frozen reference apart from the trainer's ranks, in this process: a micro-batch carrying
+its log-probabilities trains as the colocated reference does, and the placement setting is
+checked. The reference's own process: tests/integration/test_reference_worker.py."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import random
-import signal
-import subprocess
-import sys
-import textwrap
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,120 +16,11 @@ from rlmesh.config import ConfigError
 from rlmesh.job import AlgorithmSection, load_job, parse_value
 from rlmesh.settings.trainer import REFERENCE_APART, REFERENCE_COLOCATED
 from rlmesh.models.loading import load_causal_lm
-from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
-from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
 from services.trainer.policy import ShardedPolicy
-from services.trainer.reference import ReferenceWorker, ReferenceWorkerError, response_logprobs
-
-TEMPERATURES = (0.6, 1.0, 1.3)
-
-
-def digit_samples(model_dir: Path, count: int, seed: int = 3) -> list[TrainingSample]:
-    """Prompts of 2 to 9 tokens, responses of 1 to 7, each drawn at one of TEMPERATURES."""
-    tokenizer = load_tokenizer(model_dir)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
-    rng = random.Random(seed)
-    samples = []
-    for index in range(count):
-        prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 8))) + "=").ids
-        response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(0, 6)))).ids + [eos]
-        samples.append(TrainingSample(prompt, response, [rng.uniform(-3.0, -0.5) for _ in response], rng.uniform(-1.5, 1.5),
-                                      TEMPERATURES[index % len(TEMPERATURES)]))
-    return samples
-
-
-def expected_logprobs(model_dir: Path, samples: list[TrainingSample], pad_id: int) -> list[list[float]]:
-    """`token_logprobs` of the folder's model on the samples' micro-batch, at each response token."""
-    batch = build_micro_batch(samples, pad_id)
-    with torch.no_grad():
-        logprobs = token_logprobs(load_causal_lm(model_dir), batch)
-    return [row[batch.response_mask[i].bool()].tolist() for i, row in enumerate(logprobs)]
-
-
-def assert_close(actual: list[list[float]], expected: list[list[float]]) -> None:
-    assert [len(row) for row in actual] == [len(row) for row in expected]
-    for got, want in zip(actual, expected):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
-
-
-async def test_the_worker_computes_the_trainers_token_logprobs_of_the_frozen_model(model_dir):
-    pad_id = load_tokenizer(model_dir).token_to_id(PAD_TOKEN)
-    samples = digit_samples(model_dir, 12)
-    expected = expected_logprobs(model_dir, samples, pad_id)
-    assert len({len(s.prompt_ids) for s in samples}) > 3 and len({s.temperature for s in samples}) == 3
-    # In chunks of a few samples (other padding widths) in this process, then in the worker.
-    assert_close(response_logprobs(load_causal_lm(model_dir), samples, pad_id, forward_samples=5), expected)
-    worker = await ReferenceWorker.start(str(model_dir), pad_id)
-    try:
-        # Several requests in flight at once are answered each with its own samples.
-        first, second, empty = await asyncio.gather(worker.logprobs(samples[:7]), worker.logprobs(samples[7:]), worker.logprobs([]))
-        assert_close(first + second, expected)
-        assert empty == []
-        # At another temperature the answer changes accordingly.
-        hotter = [replace(s, temperature=2.0) for s in samples[:3]]
-        assert_close(await worker.logprobs(hotter), expected_logprobs(model_dir, hotter, pad_id))
-    finally:
-        await worker.close()
-    assert worker.process.returncode == 0
-    with pytest.raises(ReferenceWorkerError, match="was closed"):
-        await worker.logprobs(samples)
-
-
-async def test_a_failed_request_and_a_crash_are_reported_naming_the_reference_worker(model_dir):
-    pad_id = load_tokenizer(model_dir).token_to_id(PAD_TOKEN)
-    samples = digit_samples(model_dir, 2)
-    worker = await ReferenceWorker.start(str(model_dir), pad_id)
-    try:
-        beyond_vocabulary = TrainingSample([1, 10**6], [2], [0.0], 0.0)
-        with pytest.raises(ReferenceWorkerError, match=rf"reference worker \(pid {worker.pid}\) failed: IndexError"):
-            await worker.logprobs([beyond_vocabulary])
-        assert len(await worker.logprobs(samples)) == 2, "a failed request leaves the worker serving"
-        os.kill(worker.pid, signal.SIGKILL)
-        with pytest.raises(ReferenceWorkerError, match=rf"reference worker \(pid {worker.pid}\) was killed by SIGKILL"):
-            await worker.logprobs(samples)
-    finally:
-        await worker.close()
-    with pytest.raises(ReferenceWorkerError, match="does-not-exist holds no config.json|exited with code 1"):
-        await ReferenceWorker.start(str(model_dir / "does-not-exist"), pad_id)
-
-
-PARENT = textwrap.dedent("""
-    import asyncio, sys
-    from services.trainer.reference import ReferenceWorker
-
-    async def main():
-        worker = await ReferenceWorker.start(sys.argv[1], 0)
-        print("worker", worker.pid, flush=True)
-        await asyncio.sleep(600)
-
-    asyncio.run(main())
-""")
-
-
-def gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie its new parent has not reaped yet."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def test_the_worker_dies_when_the_process_that_started_it_is_killed(model_dir):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(model_dir)], stdout=subprocess.PIPE, text=True)
-    try:
-        worker_pid = int(next(line for line in parent.stdout if line.startswith("worker ")).split()[1])
-        assert not gone(worker_pid)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 5.0
-        while not gone(worker_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(worker_pid), "the reference worker outlived the trainer that started it"
-    finally:
-        parent.kill()
-        parent.wait()
+from services.trainer.reference import response_logprobs
+from tests.support import digit_samples
 
 
 def make_policy(model_dir: Path, tmp_path: Path, rank: RankInfo, placement) -> ShardedPolicy:

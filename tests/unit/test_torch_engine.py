@@ -22,16 +22,7 @@ from services.rollout.engine import EngineRequest, Finish, Sampling
 from services.rollout.torch_engine import TorchEngine
 from services.rollout.weight_update import WeightUpdater
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-
-
-async def collect(engine, request):
-    tokens, logprobs, versions, finish = [], [], [], None
-    async for chunk in engine.generate(request):
-        tokens += chunk.token_ids
-        logprobs += chunk.logprobs
-        versions += chunk.weight_versions
-        finish = chunk.finish
-    return tokens, logprobs, versions, finish
+from tests.support import engine_output, wait_for
 
 
 @pytest.fixture
@@ -64,7 +55,7 @@ def hold_decoding(engine, after_tokens: int, acted: threading.Event) -> None:
 async def test_greedy_batch_matches_hf_generate(engine, model_dir):
     ids, eos = prompts(model_dir, ["1234=", "98765432=", "50="])
     results = await asyncio.gather(*[
-        collect(engine, EngineRequest(f"r{i}", p, Sampling(temperature=0, max_tokens=10, stop_token_ids=frozenset({eos}))))
+        engine_output(engine, EngineRequest(f"r{i}", p, Sampling(temperature=0, max_tokens=10, stop_token_ids=frozenset({eos}))))
         for i, p in enumerate(ids)
     ])
     model = load_causal_lm(model_dir)
@@ -78,7 +69,7 @@ async def test_greedy_batch_matches_hf_generate(engine, model_dir):
 async def test_sampling_logprobs_match_the_trainer(engine, model_dir):
     ids, eos = prompts(model_dir, ["31415=", "2718="])
     results = await asyncio.gather(*[
-        collect(engine, EngineRequest(f"s{i}", p, Sampling(temperature=0.7, max_tokens=8, stop_token_ids=frozenset({eos}))))
+        engine_output(engine, EngineRequest(f"s{i}", p, Sampling(temperature=0.7, max_tokens=8, stop_token_ids=frozenset({eos}))))
         for i, p in enumerate(ids)
     ])
     samples = [TrainingSample(p, r[0], r[1], 0.0) for p, r in zip(ids, results)]
@@ -91,7 +82,7 @@ async def test_sampling_logprobs_match_the_trainer(engine, model_dir):
 
 async def test_length_limit_and_abort(engine, model_dir):
     ids, _ = prompts(model_dir, ["1111="])
-    tokens, logprobs, versions, finish = await collect(engine, EngineRequest("len", ids[0], Sampling(temperature=1.0, max_tokens=3)))
+    tokens, logprobs, versions, finish = await engine_output(engine, EngineRequest("len", ids[0], Sampling(temperature=1.0, max_tokens=3)))
     assert len(tokens) == len(logprobs) == len(versions) == 3 and finish is Finish.LENGTH
 
     async def abort_soon():
@@ -104,17 +95,17 @@ async def test_length_limit_and_abort(engine, model_dir):
     aborted = threading.Event()
     hold_decoding(engine, engine.generated_tokens + 1, aborted)
     long_request = EngineRequest("long", ids[0], Sampling(temperature=1.0, max_tokens=50))
-    (tokens, _, _, finish), _ = await asyncio.gather(collect(engine, long_request), abort_soon())
+    (tokens, _, _, finish), _ = await asyncio.gather(engine_output(engine, long_request), abort_soon())
     assert finish is Finish.ABORT and len(tokens) < 50
 
 
 async def test_bad_requests_are_refused(engine, model_dir):
     with pytest.raises(InvalidArgument, match="empty"):
-        await collect(engine, EngineRequest("x", [], Sampling()))
+        await engine_output(engine, EngineRequest("x", [], Sampling()))
     with pytest.raises(InvalidArgument, match="vocabulary"):
-        await collect(engine, EngineRequest("x", [10_000], Sampling()))
+        await engine_output(engine, EngineRequest("x", [10_000], Sampling()))
     with pytest.raises(InvalidArgument, match="positions"):
-        await collect(engine, EngineRequest("x", [1], Sampling(max_tokens=10_000)))
+        await engine_output(engine, EngineRequest("x", [1], Sampling(max_tokens=10_000)))
 
 
 async def test_weights_switch_between_decode_steps(engine, model_dir):
@@ -126,7 +117,7 @@ async def test_weights_switch_between_decode_steps(engine, model_dir):
     assert engine.weight_version == 0
     await engine.commit_staged(1)
     assert engine.weight_version == 1
-    tokens, logprobs, versions, _ = await collect(engine, EngineRequest("after", ids[0], Sampling(temperature=0, max_tokens=4)))
+    tokens, logprobs, versions, _ = await engine_output(engine, EngineRequest("after", ids[0], Sampling(temperature=0, max_tokens=4)))
     assert versions == [1, 1, 1, 1]
     # All-zero weights give uniform logits: every token has probability 1/vocab.
     assert logprobs[0] == pytest.approx(-torch.log(torch.tensor(float(len(new_weights["model.embed_tokens.weight"])))).item(), abs=1e-5)
@@ -159,7 +150,7 @@ async def test_a_short_request_joining_late_finishes_before_the_long_one(engine,
     order: list[str] = []
 
     async def run(request_id, prompt, max_tokens):
-        tokens, _, _, finish = await collect(engine, EngineRequest(request_id, prompt, Sampling(temperature=1.0, max_tokens=max_tokens)))
+        tokens, _, _, finish = await engine_output(engine, EngineRequest(request_id, prompt, Sampling(temperature=1.0, max_tokens=max_tokens)))
         order.append(request_id)
         return tokens, finish
 
@@ -177,16 +168,16 @@ async def test_a_short_request_joining_late_finishes_before_the_long_one(engine,
 
 async def test_greedy_tokens_do_not_depend_on_batch_mates(engine, model_dir):
     ids, _ = prompts(model_dir, ["2468=", "13579135=", "7="])
-    alone = await collect(engine, EngineRequest("alone", ids[0], Sampling(temperature=0, max_tokens=12)))
+    alone = await engine_output(engine, EngineRequest("alone", ids[0], Sampling(temperature=0, max_tokens=12)))
 
     async def joins_later():
         await asyncio.sleep(0.01)
-        return await collect(engine, EngineRequest("late", ids[0], Sampling(temperature=0, max_tokens=12)))
+        return await engine_output(engine, EngineRequest("late", ids[0], Sampling(temperature=0, max_tokens=12)))
 
     results = await asyncio.gather(
-        collect(engine, EngineRequest("mate1", ids[1], Sampling(temperature=1.0, max_tokens=50))),
+        engine_output(engine, EngineRequest("mate1", ids[1], Sampling(temperature=1.0, max_tokens=50))),
         joins_later(),
-        collect(engine, EngineRequest("mate2", ids[2], Sampling(temperature=1.0, max_tokens=30))),
+        engine_output(engine, EngineRequest("mate2", ids[2], Sampling(temperature=1.0, max_tokens=30))),
     )
     late = results[1]
     assert late[0] == alone[0]
@@ -195,24 +186,24 @@ async def test_greedy_tokens_do_not_depend_on_batch_mates(engine, model_dir):
 
 async def test_continuation_picks_up_where_the_first_attempt_stopped(engine, model_dir):
     ids, _ = prompts(model_dir, ["86420="])
-    whole, whole_logprobs, _, finish = await collect(engine, EngineRequest("whole", ids[0], Sampling(temperature=0, max_tokens=10)))
+    whole, whole_logprobs, _, finish = await engine_output(engine, EngineRequest("whole", ids[0], Sampling(temperature=0, max_tokens=10)))
     assert finish is Finish.LENGTH
-    rest, rest_logprobs, _, finish = await collect(
+    rest, rest_logprobs, _, finish = await engine_output(
         engine, EngineRequest("rest", ids[0], Sampling(temperature=0, max_tokens=10), continued_token_ids=whole[:4])
     )
     assert finish is Finish.LENGTH
     assert rest == whole[4:]
     assert rest_logprobs == pytest.approx(whole_logprobs[4:], abs=1e-4)
     with pytest.raises(InvalidArgument, match="nothing to generate"):
-        await collect(engine, EngineRequest("none", ids[0], Sampling(max_tokens=4), continued_token_ids=whole[:4]))
+        await engine_output(engine, EngineRequest("none", ids[0], Sampling(max_tokens=4), continued_token_ids=whole[:4]))
 
 
 async def test_abort_one_leaves_the_others_running(engine, model_dir):
     ids, _ = prompts(model_dir, ["111=", "222="])
-    victim = asyncio.create_task(collect(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    victim = asyncio.create_task(engine_output(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55))))
     aborted = threading.Event()
     hold_decoding(engine, 10, aborted)
-    survivor = asyncio.create_task(collect(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50))))
+    survivor = asyncio.create_task(engine_output(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50))))
     while engine.generated_tokens < 10:
         await asyncio.sleep(0.001)
     assert engine.abort(["victim", "unknown"]) == 1
@@ -258,7 +249,7 @@ async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks_and_an_ab
 async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_dir):
     ids, _ = prompts(model_dir, ["31=", "4159=", "26="])
     tasks = [
-        asyncio.create_task(collect(engine, EngineRequest(f"p{i}", p, Sampling(temperature=1.0, max_tokens=50))))
+        asyncio.create_task(engine_output(engine, EngineRequest(f"p{i}", p, Sampling(temperature=1.0, max_tokens=50))))
         for i, p in enumerate(ids)
     ]
     while engine.generated_tokens < 6:
@@ -266,7 +257,7 @@ async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_
     await engine.pause()
     assert engine.paused
     frozen = engine.generated_tokens
-    late = asyncio.create_task(collect(engine, EngineRequest("late", ids[0], Sampling(temperature=1.0, max_tokens=5))))
+    late = asyncio.create_task(engine_output(engine, EngineRequest("late", ids[0], Sampling(temperature=1.0, max_tokens=5))))
     await asyncio.sleep(0.3)
     assert engine.generated_tokens == frozen and not any(t.done() for t in tasks + [late])
     await engine.resume()
@@ -277,7 +268,7 @@ async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_
 
 async def test_abort_all_while_paused_returns_partial_tokens(engine, model_dir):
     ids, _ = prompts(model_dir, ["9="])
-    task = asyncio.create_task(collect(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    task = asyncio.create_task(engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=55))))
     while engine.generated_tokens < 5:
         await asyncio.sleep(0.001)
     await engine.pause()
@@ -349,7 +340,7 @@ async def test_continue_mode_decodes_through_the_push_and_keeps_the_kv_cache(mod
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555="])
-    task = asyncio.create_task(collect(engine, EngineRequest("spanning", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    task = asyncio.create_task(engine_output(engine, EngineRequest("spanning", ids[0], Sampling(temperature=1.0, max_tokens=50))))
     await wait_for_tokens(engine, 3)
     await begin_push(updater, 1, new_weights)
     await wait_for_tokens(engine, engine.generated_tokens + 2)
@@ -366,12 +357,12 @@ async def test_pause_mode_holds_every_step_from_the_push_begin_to_its_commit(mod
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555=", "77="])
-    held = asyncio.create_task(collect(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    held = asyncio.create_task(engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=50))))
     await wait_for_tokens(engine, 3)
     manifest, payload = pack(new_weights, 1)
     await updater.begin(manifest, [], "grpc")
     before = engine.generated_tokens
-    late = asyncio.create_task(collect(engine, EngineRequest("late", ids[1], Sampling(temperature=1.0, max_tokens=5))))
+    late = asyncio.create_task(engine_output(engine, EngineRequest("late", ids[1], Sampling(temperature=1.0, max_tokens=5))))
     for offset, data in stream_chunks(payload, manifest.total_bytes):
         await updater.receive(0, 1, offset, data, common_pb2.COMPRESSION_NONE, 0, -1)
     await asyncio.sleep(0.2)
@@ -395,7 +386,7 @@ async def test_a_failed_or_abandoned_push_in_pause_mode_resumes_on_the_old_versi
     engine, updater = mode_engine
     record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["9="])
-    task = asyncio.create_task(collect(engine, EngineRequest("survivor", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    task = asyncio.create_task(engine_output(engine, EngineRequest("survivor", ids[0], Sampling(temperature=1.0, max_tokens=50))))
     await wait_for_tokens(engine, 3)
     await begin_push(updater, 1, new_weights, corrupt=True)
     assert engine.held_for_update
@@ -438,7 +429,7 @@ async def test_abort_continue_recomputes_a_running_request_on_the_new_weights(mo
     assert "clear" in [op for op, _ in steps]
     assert recomputed_contexts(steps) == [ids[0] + tokens[:switch]]
     # Seeded, it drew what a fresh request continued from those tokens on the new weights draws.
-    fresh, fresh_logprobs, fresh_versions, _ = await collect(
+    fresh, fresh_logprobs, fresh_versions, _ = await engine_output(
         engine, EngineRequest("fresh", ids[0], sampling, continued_token_ids=tokens[:switch])
     )
     assert fresh == tokens[switch:] and fresh_versions == [1] * len(fresh)
@@ -448,27 +439,20 @@ async def test_abort_continue_recomputes_a_running_request_on_the_new_weights(mo
 # Pinned requests: every token from exactly one version. --------------------------------------------
 
 
-async def wait_until(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
-
-
 @pytest.mark.parametrize("mode_engine", ["continue", "pause", "abort-continue"], indirect=True)
 async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_switch_follows_at_once(mode_engine, model_dir, new_weights):
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555=", "77="])
-    pinned = asyncio.create_task(collect(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=40), pinned_version=0)))
+    pinned = asyncio.create_task(engine_output(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=40), pinned_version=0)))
     await wait_for_tokens(engine, 3)
-    mate = asyncio.create_task(collect(engine, EngineRequest("mate", ids[1], Sampling(temperature=1.0, max_tokens=60))))
+    mate = asyncio.create_task(engine_output(engine, EngineRequest("mate", ids[1], Sampling(temperature=1.0, max_tokens=60))))
     await begin_push(updater, 1, new_weights)
     commit = asyncio.create_task(updater.commit(1))
-    await wait_until(lambda: engine._swap is not None)
+    await wait_for(lambda: engine._swap is not None, 10, "the switch to be held back", interval=0.001)
     # While pinned requests hold the switch back, another of their version joins the hold: a
     # validation's requests all run on its version.
-    _, _, late_versions, _ = await collect(engine, EngineRequest("late", ids[1], Sampling(max_tokens=4), pinned_version=0))
+    _, _, late_versions, _ = await engine_output(engine, EngineRequest("late", ids[1], Sampling(max_tokens=4), pinned_version=0))
     assert late_versions == [0] * 4
     before = engine.generated_tokens
     await wait_for_tokens(engine, before + 4)
@@ -491,18 +475,18 @@ async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_sw
 async def test_a_pinned_request_for_a_version_not_served_is_refused(engine, model_dir, new_weights):
     ids, _ = prompts(model_dir, ["123="])
     with pytest.raises(Aborted, match="pinned to weight version 1; this instance serves version 0"):
-        await collect(engine, EngineRequest("future", ids[0], Sampling(max_tokens=4), pinned_version=1))
+        await engine_output(engine, EngineRequest("future", ids[0], Sampling(max_tokens=4), pinned_version=1))
     with pytest.raises(InvalidArgument, match="pinned_version must be >= 0"):
-        await collect(engine, EngineRequest("negative", ids[0], Sampling(max_tokens=4), pinned_version=-1))
-    _, _, versions, _ = await collect(engine, EngineRequest("served", ids[0], Sampling(max_tokens=4), pinned_version=0))
+        await engine_output(engine, EngineRequest("negative", ids[0], Sampling(max_tokens=4), pinned_version=-1))
+    _, _, versions, _ = await engine_output(engine, EngineRequest("served", ids[0], Sampling(max_tokens=4), pinned_version=0))
     assert versions == [0] * 4
     await asyncio.to_thread(engine.stage_weights, 1, new_weights)
     # A newer version is staged: admitting the request would hold its switch back.
     with pytest.raises(Aborted, match="switching"):
-        await collect(engine, EngineRequest("staged", ids[0], Sampling(max_tokens=4), pinned_version=0))
+        await engine_output(engine, EngineRequest("staged", ids[0], Sampling(max_tokens=4), pinned_version=0))
     await engine.commit_staged(1)
     with pytest.raises(Aborted, match="serves version 1"):
-        await collect(engine, EngineRequest("past", ids[0], Sampling(max_tokens=4), pinned_version=0))
+        await engine_output(engine, EngineRequest("past", ids[0], Sampling(max_tokens=4), pinned_version=0))
     assert engine.running_requests == 0
 
 
@@ -510,11 +494,11 @@ async def test_a_commit_given_up_while_a_pinned_request_holds_it_back_is_withdra
     """Its caller's deadline ran out: the version stays staged, and nothing switches behind the next push."""
     ids, _ = prompts(model_dir, ["9="])
     record_steps(engine, decode_seconds=0.01)
-    pinned = asyncio.create_task(collect(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=30), pinned_version=0)))
+    pinned = asyncio.create_task(engine_output(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=30), pinned_version=0)))
     await wait_for_tokens(engine, 3)
     await asyncio.to_thread(engine.stage_weights, 1, new_weights)
     commit = asyncio.create_task(engine.commit_staged(1))
-    await wait_until(lambda: engine._swap is not None)
+    await wait_for(lambda: engine._swap is not None, 10, "the switch to be held back", interval=0.001)
     commit.cancel()
     with pytest.raises(asyncio.CancelledError):
         await commit
@@ -546,11 +530,11 @@ async def test_background_requests_decode_at_the_lowest_priority_only_while_alon
 
     engine._group.run = recording
     ids, _ = prompts(model_dir, ["111=", "222="])
-    background = asyncio.create_task(collect(engine, EngineRequest("validation", ids[0], Sampling(temperature=1.0, max_tokens=50),
+    background = asyncio.create_task(engine_output(engine, EngineRequest("validation", ids[0], Sampling(temperature=1.0, max_tokens=50),
                                                                    background=True)))
     while engine.generated_tokens < 5:
         await asyncio.sleep(0.001)
-    training = await collect(engine, EngineRequest("training", ids[1], Sampling(temperature=1.0, max_tokens=10)))
+    training = await engine_output(engine, EngineRequest("training", ids[1], Sampling(temperature=1.0, max_tokens=10)))
     await background
     assert training[3] is Finish.LENGTH
     alone = {nice for running, nice in priority_at_decode if running == {"validation"}}

@@ -12,9 +12,10 @@ from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
-from tests.integration.conftest import build_mesh, stop_mesh
-from tests.integration.test_model_families import TEXTS, VERSION, Pushed, assert_served_as_hf, full_tensors, greedy, run_trainer
-from tests.vllm.conftest import VLLM_START_SECONDS, _spawn_vllm_rollout, _stop_process, _wait_registered
+from tests.support import (
+    VLLM_START_SECONDS, DIGIT_PROMPTS, PUSHED_VERSION, Pushed, assert_served_as_hf, build_mesh, greedy_responses, published_tensors, stop_mesh,
+    spawn_vllm_rollout, stop_process_group, trainer_rank_results, wait_registered,
+)
 
 MAX_MODEL_LEN = 512
 """Far below Llama's 131,072 positions: vLLM would otherwise size its start-up runs for that."""
@@ -36,23 +37,23 @@ async def wait_served(address: str, version: int, timeout: float) -> None:
 async def push_to_vllm(python: Path, model_dir: Path, directory: Path) -> Pushed:
     mesh = await build_mesh(model_dir, "tcp", instances=0)
     log_path = directory / "vllm-rollout.log"
-    process, port = _spawn_vllm_rollout(python, model_dir, mesh.manager_address, log_path, max_model_len=MAX_MODEL_LEN)
+    process, port = spawn_vllm_rollout(python, model_dir, mesh.manager_address, log_path, max_model_len=MAX_MODEL_LEN)
     try:
         # The trainer starts while vLLM does; an instance that registers later still gets the latest version.
         spec = {"name": "llama", "model_dir": str(model_dir), "output_dir": str(directory / "trainer"),
-                "weights_address": mesh.weights_address, "version": VERSION, "seed": 23}
-        trainer = asyncio.create_task(run_trainer([spec], directory, timeout=VLLM_START_SECONDS))
-        await _wait_registered(mesh.manager, process, log_path)
+                "weights_address": mesh.weights_address, "version": PUSHED_VERSION, "seed": 23}
+        trainer = asyncio.create_task(trainer_rank_results([spec], directory, timeout=VLLM_START_SECONDS))
+        await wait_registered(mesh.manager, process, log_path)
         ranks = [result["llama"] for result in await trainer]
         address = f"127.0.0.1:{port}"
-        await wait_served(address, VERSION, timeout=60)
+        await wait_served(address, PUSHED_VERSION, timeout=60)
         tokenizer = load_tokenizer(model_dir)
-        prompts = [tokenizer.encode(text).ids for text in TEXTS]
+        prompts = [tokenizer.encode(text).ids for text in DIGIT_PROMPTS]
         eos = tokenizer.token_to_id(EOS_TOKEN)
-        responses = await greedy(address, prompts, eos, timeout=60)
-        return Pushed(model_dir, full_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, {})
+        responses = await greedy_responses(address, prompts, eos, timeout=60)
+        return Pushed(model_dir, published_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, {})
     finally:
-        await asyncio.to_thread(_stop_process, process)
+        await asyncio.to_thread(stop_process_group, process)
         await stop_mesh(mesh)
 
 

@@ -20,7 +20,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from tests.vllm.conftest import Instances
+from tests.support import PairedInstances
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -109,7 +109,7 @@ def assert_well_formed(response: Response, request_id: str) -> None:
     assert all(lp <= 0 for lp in response.logprobs)
 
 
-async def greedy_on_both(instances: Instances, texts: list[str], tag: str, max_tokens: int = 12) -> list[tuple[Response, Response]]:
+async def greedy_on_both(instances: PairedInstances, texts: list[str], tag: str, max_tokens: int = 12) -> list[tuple[Response, Response]]:
     sampling = params(0.0, max_tokens, stop=[instances.eos])
     prompts = [instances.encode(t) for t in texts]
     vllm = [generate(instances.vllm, f"{tag}-{i}", p, sampling) for i, p in enumerate(prompts)]

@@ -17,7 +17,7 @@ from rlmesh.models.tokenizer import load_tokenizer
 from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.torch_engine import TorchEngine
-from tests.unit.test_torch_engine import collect
+from tests.support import engine_output
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,11 +30,11 @@ async def greedy_batch(engine, prompts, tag, max_tokens=20):
     async def late(prompt):
         while engine.generated_tokens == start:
             await asyncio.sleep(0.001)
-        return await collect(engine, EngineRequest(f"{tag}-late", prompt, Sampling(temperature=0, max_tokens=max_tokens)))
+        return await engine_output(engine, EngineRequest(f"{tag}-late", prompt, Sampling(temperature=0, max_tokens=max_tokens)))
 
     start = engine.generated_tokens
     return await asyncio.gather(
-        *[collect(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=max_tokens))) for i, p in enumerate(prompts[:-1])],
+        *[engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=max_tokens))) for i, p in enumerate(prompts[:-1])],
         late(prompts[-1]),
     )
 
@@ -67,7 +67,7 @@ async def test_two_ranks_decode_the_same_greedy_tokens_as_one(engines, model_dir
     single, split = engines
     assert (single.tensor_parallel_size, split.tensor_parallel_size) == (1, 2)
     prompts = prompt_ids(model_dir)
-    expected = [await collect(single, EngineRequest(f"alone-{i}", p, Sampling(temperature=0, max_tokens=20))) for i, p in enumerate(prompts)]
+    expected = [await engine_output(single, EngineRequest(f"alone-{i}", p, Sampling(temperature=0, max_tokens=20))) for i, p in enumerate(prompts)]
     assert_same(await greedy_batch(split, prompts, "split"), expected)
     # Each rank received only its own tensors: half the heads, half the MLP, half the padded vocabulary.
     shapes = {spec.name: spec.shape for spec in split.rank_parameter_specs()}
@@ -103,7 +103,7 @@ async def test_ranks_beyond_the_kv_heads_replicate_them(one_kv_head_model):
     await split.start()
     try:
         prompts = prompt_ids(one_kv_head_model)
-        expected = [await collect(single, EngineRequest(f"a{i}", p, Sampling(temperature=0, max_tokens=12))) for i, p in enumerate(prompts)]
+        expected = [await engine_output(single, EngineRequest(f"a{i}", p, Sampling(temperature=0, max_tokens=12))) for i, p in enumerate(prompts)]
         assert_same(await greedy_batch(split, prompts, "kv1", max_tokens=12), expected)
     finally:
         await split.stop()

