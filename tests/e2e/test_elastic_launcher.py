@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launch.ports import free_base_port, mesh_processes
+from rlmesh.launch.ports import free_base_port
+from rlmesh.launch.processes import mesh_processes
 from tests.support import last_trained_step, wait_until
 
 pytestmark = pytest.mark.e2e
