@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -19,13 +19,11 @@ import structlog
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.manager.v1 import manager_pb2
-from rlmesh.rewards.base import RewardItem, RewardResult
+from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import SourceExhausted, TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-from services.trainer.algorithms.shaping import ShapingInput, shape
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
@@ -34,18 +32,14 @@ from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
 from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
                                        untrained_plans)
-from services.trainer.ranks import (BeginStep, Checkpoint, CollectiveFailure, Evaluate, OptimizerStep, Publish, PublishResult,
-                                    RankGroup, Resume, Train)
+from services.trainer.publishing import VersionPublisher, publish_figures
+from services.trainer.ranks import BeginStep, Checkpoint, Evaluate, OptimizerStep, RankGroup, Resume, Train
 from services.trainer.reference import ReferenceWorker
+from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals
 from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
-
-WEIGHTS_CHECK_SECONDS = 2.0
-"""While waiting for rollouts, how often the weights service is asked whether it still holds the
-latest version (a restarted one holds none, and no instance could then catch up)."""
-
 
 class RolloutsUnavailable(RuntimeError):
     """The manager says a step's rollouts cannot come (no rollout instance left for too long)."""
@@ -97,17 +91,10 @@ class GrpoTrainer:
         self.total_steps = config.steps
         self.version_offset = 0
         self.max_staleness = 0
-        self.published_version = -1
-        self.stepped_since_publish = False
-        """The optimizer stepped after the last publish: the policy is no longer that version."""
-        self.publishing: asyncio.Task[PublishResult] | None = None
-        """The last version's delivery and announcement, while it may still run in the background."""
-        self._publish_lock = asyncio.Lock()
-        """One publish at a time: the training loop's and the weights watcher's."""
-        self.reference: ReferenceWorker | None = None
-        """The frozen reference's own process (placement: ref_logp apart), started by `run`."""
-        self.validation = (BackgroundValidation(self.mixture, mesh, self._completion, self.stop_ids, config.seed, self.run_tag,
-                                                config.rollout_timeout_seconds, self._file_evaluation,
+        self.publisher = VersionPublisher(group, mesh, self._file_metrics)
+        self.scorer = GroupScorer(config, self.mixture, self.tokenizer, self.stop_ids)
+        self.validation = (BackgroundValidation(self.mixture, mesh, self.scorer.completion, self.stop_ids, config.seed, self.run_tag,
+                                                config.rollout_timeout_seconds, self._file_metrics,
                                                 low_priority=config.validation_priority == "low")
                            if config.validation == "background" else None)
         self.evaluations: dict[int, dict[str, float]] = {}
@@ -133,7 +120,7 @@ class GrpoTrainer:
     async def run(self) -> dict:
         started = time.perf_counter()
         if self.config.reference_apart:
-            self.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
+            self.scorer.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
                                                          self.config.startup_timeout_seconds)
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
@@ -154,7 +141,7 @@ class GrpoTrainer:
         self.version_offset = state.version - state.step
         first_step = state.step
         await self._validate(state.step, state.version)
-        await self._publish(state.version)
+        await self.publisher.publish(state.version)
         await self._cancel_batches_of_earlier_runs(state.step)
         # What this run trains from `step` on replaces what an earlier run of this folder trained.
         self._ledger({"event": "started", "step": state.step, "checkpoint": checkpoint.name if checkpoint else None,
@@ -162,7 +149,7 @@ class GrpoTrainer:
                       "prompts_in_flight": sum(len(p.outstanding) for p in restored)})
         for plan in restored:
             # Groups a run with the reference in the ranks accepted carry no reference log-probabilities.
-            await self._attach_reference(plan.waiting)
+            await self.scorer.attach_reference(plan.waiting)
             self.plans[plan.step] = plan
             if plan.outstanding:
                 await self._submit(plan, list(plan.outstanding.values()), "-resumed")
@@ -183,16 +170,15 @@ class GrpoTrainer:
                                                                   dump_pipeline(pipeline)), export_hf=last_step))
                     # What training waited for: the copy to memory; the write goes on in the background.
                     self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
-            await self._published()
+            await self.publisher.published()
             evaluations = await self.validation.finish() if self.validation else self.evaluations
         finally:
-            if self.publishing is not None:
-                self.publishing.cancel()
+            self.publisher.cancel()
             if self.validation:
                 await self.validation.cancel()
             await self._stop_collectors()
-            if self.reference is not None:
-                await self.reference.close()
+            if self.scorer.reference is not None:
+                await self.scorer.reference.close()
             await self.mixture.close()
             self._ledger_file.close()
         first_eval = evaluations.get(first_step, {})
@@ -235,7 +221,7 @@ class GrpoTrainer:
             await self._validate(state.step, state.version)
         # Ordered runs wait for the version: the next step's rollouts must come from it. Others go
         # on training while it is uploaded; its figures are filed under this step once it is served.
-        published = await self._publish(state.version, wait=self.ordered, step=state.step)
+        published = await self.publisher.publish(state.version, wait=self.ordered, step=state.step)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {
@@ -253,49 +239,6 @@ class GrpoTrainer:
             return
         log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
                  step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
-
-    async def _publish(self, version: int, wait: bool = True, step: int | None = None) -> PublishResult | None:
-        """Every rank packs its shards of the version (the policy as it is now), then hands them to
-        the weights service, and the manager learns the version. With `wait` False this returns once
-        the shards are packed and the rest goes on in the background (`publishing`); its figures
-        are filed under `step`. While the weights service is unreachable (restarting) the same bytes
-        are uploaded again, with backoff, for up to publish_timeout_seconds (`RankGroup`)."""
-        async with self._publish_lock:
-            return await self._publish_now(version, wait, step)
-
-    async def _republish(self, version: int) -> None:
-        """Hands `version` over again, unless the policy moved on from it in the meantime or a newer
-        version is still on its way (or failed: the training loop learns of that at its next publish)."""
-        async with self._publish_lock:
-            publishing = self.publishing
-            if publishing is not None and (not publishing.done() or publishing.cancelled() or publishing.exception() is not None):
-                return
-            if not self.stepped_since_publish and version == self.published_version:
-                await self._publish_now(version, wait=True, step=None)
-
-    async def _publish_now(self, version: int, wait: bool, step: int | None) -> PublishResult | None:
-        await self._published()
-        self.stepped_since_publish = False
-        delivery = await self.group.lead(Publish(version, wait=False))
-        self.publishing = asyncio.create_task(self._announce(version, delivery, None if wait else step))
-        return await self._published() if wait else None
-
-    async def _announce(self, version: int, delivery: asyncio.Task[PublishResult], file_under: int | None) -> PublishResult:
-        published = await delivery
-        announcing = time.perf_counter()
-        await self.mesh.announce(version)
-        self.published_version = version
-        published = replace(published, seconds=published.seconds + time.perf_counter() - announcing)
-        if file_under is not None:
-            figures = publish_figures(published)
-            self.metrics.write(file_under, figures)
-            self.status.metrics.update(figures)
-        return published
-
-    async def _published(self) -> PublishResult | None:
-        """Waits for the last version's delivery and announcement; raises if it failed."""
-        publishing, self.publishing = self.publishing, None
-        return await publishing if publishing is not None else None
 
     async def _report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> dict[str, float]:
         """Tells the manager how training and rollout compared; returns its balance estimate as metrics."""
@@ -402,7 +345,7 @@ class GrpoTrainer:
         config = self.config
         try:
             async for groups in self.mesh.rollouts(batch_id, config.micro_batch_groups, 1, 0, config.rollout_timeout_seconds):
-                for scored in await self._score(batch_id, plan, groups):
+                for scored in await self.scorer.score(batch_id, plan, groups):
                     rewards = scored.rewards
                     record = scored.record
                     entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
@@ -427,7 +370,7 @@ class GrpoTrainer:
     async def _train_step(self, step: int) -> StepTotals:
         totals = StepTotals()
         done_waiting = asyncio.Event()
-        watcher = asyncio.create_task(self._watch_weights(done_waiting))
+        watcher = asyncio.create_task(self.publisher.watch_weights(done_waiting))
         try:
             await self._train_plan(self.plans[step], totals)
         finally:
@@ -440,30 +383,6 @@ class GrpoTrainer:
         self._ledger({"event": "trained", "step": step,
                       "prompts": [[g.batch_id, g.record.prompt_id, g.record.task, g.record.prompt.uid] for g in plan.accepted]})
         return totals
-
-    async def _watch_weights(self, done: asyncio.Event) -> None:
-        """Hands the latest version over again if the weights service lost it (it was restarted)
-        while the policy is still that version; otherwise no instance could reach the version
-        the staleness gate asks for, and the step's rollouts would never come."""
-        while not done.is_set():
-            try:
-                await asyncio.wait_for(done.wait(), WEIGHTS_CHECK_SECONDS)
-                return
-            except TimeoutError:
-                pass
-            if self.stepped_since_publish or self.published_version < 0:
-                continue
-            try:
-                stored = await self.mesh.stored_version()
-            except grpc.aio.AioRpcError:
-                continue
-            if stored < self.published_version:
-                log.warning("the weights service lost the latest version (restarted?); handing it over again",
-                            weight_version=self.published_version, stored_version=stored)
-                try:
-                    await self._republish(self.published_version)
-                except (CollectiveFailure, grpc.aio.AioRpcError) as exc:
-                    log.warning("could not hand the latest version over again", weight_version=self.published_version, error=str(exc))
 
     async def _wait_for_groups(self, plan: StepPlan, ready: Callable[[], bool], deadline: float) -> None:
         """Until `ready()` (the step has a micro-batch to train on) or a collector failed."""
@@ -521,68 +440,9 @@ class GrpoTrainer:
         return samples
 
     async def _optimizer_step(self, totals: StepTotals) -> None:
-        self.stepped_since_publish = True
+        self.publisher.stepped_since_publish = True
         totals.grad_norm.append(await self.group.lead(OptimizerStep()))
         totals.end_mini_batch()
-
-    def _completion(self, token_ids) -> str:
-        """A response's text: its tokens without the final stop token, special tokens removed."""
-        ids = list(token_ids)
-        if ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    async def _score_groups(self, keyed: list[tuple[PromptRecord, list[RewardItem]]]) -> list[list[RewardResult]]:
-        """Each task scores its own items, all tasks at once; results come back per group."""
-        by_task: dict[str, list[RewardItem]] = {}
-        for record, items in keyed:
-            by_task.setdefault(record.task, []).extend(items)
-        names = list(by_task)
-        scored = await asyncio.gather(*(self.mixture.by_name[n].reward.score(by_task[n]) for n in names))
-        results = {n: iter(r) for n, r in zip(names, scored)}
-        return [[next(results[record.task]) for _ in items] for record, items in keyed]
-
-    async def _score(self, batch_id: str, plan: StepPlan, groups: list[manager_pb2.Group]) -> list[ScoredGroup]:
-        keyed = []
-        for group in groups:
-            record = plan.outstanding[group.prompt_id]
-            items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self._completion(sample.token_ids),
-                                record.prompt.metadata, list(sample.token_ids))
-                     for index, sample in enumerate(group.samples)]
-            keyed.append((record, items))
-        scored = await self._score_groups(keyed)
-        accepted = []
-        for group, (record, _), results in zip(groups, keyed, scored):
-            results = self._shape_rewards(record, group, results)
-            temperature = self.mixture.by_name[record.task].config.sampling.temperature
-            # The advantage is the estimator's, over the groups the sample is trained with (`_with_advantages`).
-            samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
-                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None,
-                                      reward=result.reward)
-                       for sample, result in zip(group.samples, results)]
-            accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
-        await self._attach_reference(accepted)
-        return accepted
-
-    async def _attach_reference(self, groups: list[ScoredGroup]) -> None:
-        """The reference worker's log-probabilities for the groups' samples that have none (placement:
-        ref_logp apart), computed while the ranks train on other groups."""
-        if self.reference is None:
-            return
-        samples = [s for g in groups for s in g.samples if s.reference_logprobs is None]
-        for sample, logprobs in zip(samples, await self.reference.logprobs(samples)):
-            sample.reference_logprobs = logprobs
-
-    def _shape_rewards(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
-        """Every registered reward shaper's term added to each sample's reward (a component of its own)."""
-        max_tokens = self.mixture.by_name[record.task].config.max_tokens
-        shaped = []
-        for sample, result in zip(group.samples, results):
-            terms = shape(ShapingInput(len(sample.token_ids), max_tokens), self.config)
-            if terms:
-                result = replace(result, reward=result.reward + sum(terms.values()), components={**result.components, **terms})
-            shaped.append(result)
-        return shaped
 
     async def _validate(self, step: int, version: int) -> None:
         """Held-out evaluation of the policy after `step` steps, before its version is published: in
@@ -600,7 +460,7 @@ class GrpoTrainer:
                                   sampling.top_p, self.config.seed + step)
             responses: EvalResponses = await self.group.lead(Evaluate(request))
             results = await task.reward.score([
-                RewardItem(f"eval-{step}-{index}", text, self._completion(ids), prompt.metadata, ids)
+                RewardItem(f"eval-{step}-{index}", text, self.scorer.completion(ids), prompt.metadata, ids)
                 for index, (prompt, text, ids) in enumerate(zip(held_out.prompts * task.config.eval.samples + held_out.prompts,
                                                                 held_out.texts * task.config.eval.samples + held_out.texts,
                                                                 responses.sampled + responses.greedy))])
@@ -609,15 +469,9 @@ class GrpoTrainer:
             figures.greedy[task.name] = rewards[len(responses.sampled):]
         values = {**figures.values(), "eval/weight_version": float(version)}
         self.evaluations[step] = values
-        self._file_evaluation(step, values)
+        self._file_metrics(step, values)
         log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
 
-    def _file_evaluation(self, step: int, values: dict[str, float]) -> None:
+    def _file_metrics(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write(step, values)
         self.status.metrics.update(values)
-
-
-def publish_figures(published: PublishResult) -> dict[str, float]:
-    """A version's publish figures, as filed in the metrics of the step that made it."""
-    return {"publish_seconds": published.seconds, "publish_upload_seconds": published.upload_seconds,
-            "publish_pack_seconds": published.pack_seconds, "publish_rank_bytes": float(max(published.rank_bytes))}
