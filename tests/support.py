@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ServerConfig
@@ -533,3 +534,17 @@ async def wait_registered(manager, process: subprocess.Popen, log_path: Path) ->
             pytest.fail(f"the vLLM rollout process did not register within {VLLM_START_SECONDS}s; "
                         f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
         await asyncio.sleep(0.2)
+
+
+def rewarded_micro_batches(model_dir, count: int) -> list[list[TrainingSample]]:
+    """`micro_batches` with every other response rewarded 1 (on its last token)."""
+    batches = micro_batches(model_dir, count)
+    for batch in batches:
+        for index, sample in enumerate(batch):
+            sample.reward = float(index % 2)
+    return batches
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of `model` as a whole tensor (DTensor shards gathered), detached and copied."""
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()}

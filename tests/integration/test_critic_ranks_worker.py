@@ -19,7 +19,7 @@ from rlmesh.logging import configure_logging
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import init_distributed, shutdown_distributed
 from services.trainer.policy import ShardedPolicy
-from tests.unit.test_critic import full, rewarded
+from tests.support import full_parameters, rewarded_micro_batches
 
 
 def run(spec: dict) -> None:
@@ -28,7 +28,7 @@ def run(spec: dict) -> None:
                            micro_batch_groups=1, mini_batches_per_step=2,
                            learning_rate=1e-3, advantage_estimator="gae", critic_learning_rate=1e-3)
     policy = ShardedPolicy(config, rank)
-    batches = rewarded(Path(spec["model_dir"]), 4)
+    batches = rewarded_micro_batches(Path(spec["model_dir"]), 4)
     batches[3] = batches[3][:1]
     stats = []
     for step, step_batches in enumerate((batches[:2], batches[2:])):
@@ -36,7 +36,7 @@ def run(spec: dict) -> None:
         for batch in step_batches:
             stats.append(policy.backward(batch))
             policy.optimizer_step()
-    torch.save({"stats": stats, "critic": full(policy.critic.model)}, spec["result"].format(rank=rank.rank))
+    torch.save({"stats": stats, "critic": full_parameters(policy.critic.model)}, spec["result"].format(rank=rank.rank))
     shutdown_distributed()
 
 

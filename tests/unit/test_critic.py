@@ -9,14 +9,12 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
-from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.policy import ShardedPolicy
 from services.trainer.step_totals import StepTotals
-from tests.unit.test_policy_losses import micro_batches
+from tests.support import full_parameters, rewarded_micro_batches
 
 
 def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
@@ -26,23 +24,10 @@ def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
     return ShardedPolicy(config, rank)
 
 
-def rewarded(model_dir, count: int) -> list[list[TrainingSample]]:
-    """`micro_batches` with every other response rewarded 1 (on its last token)."""
-    batches = micro_batches(model_dir, count)
-    for batch in batches:
-        for index, sample in enumerate(batch):
-            sample.reward = float(index % 2)
-    return batches
-
-
-def full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()}
-
-
 def test_the_critic_trains_beside_the_policy_and_reports_its_figures(model_dir, tmp_path, rank):
     policy = critic_policy(model_dir, tmp_path, rank)
-    batches = rewarded(model_dir, 2)
-    critic_before, policy_before = full(policy.critic.model), full(policy.model)
+    batches = rewarded_micro_batches(model_dir, 2)
+    critic_before, policy_before = full_parameters(policy.critic.model), full_parameters(policy.model)
     policy.begin_step(0)
     totals = StepTotals()
     for batch in batches:
@@ -55,30 +40,30 @@ def test_the_critic_trains_beside_the_policy_and_reports_its_figures(model_dir, 
     assert all(math.isfinite(figures[name]) for name in figures)
     # The value head starts at 0: the first micro-batch's values are 0 and its loss half the mean squared reward.
     assert figures["critic/value_loss"] > 0
-    assert any(not torch.equal(critic_before[n], p) for n, p in full(policy.critic.model).items())
-    assert any(not torch.equal(policy_before[n], p) for n, p in full(policy.model).items())
+    assert any(not torch.equal(critic_before[n], p) for n, p in full_parameters(policy.critic.model).items())
+    assert any(not torch.equal(policy_before[n], p) for n, p in full_parameters(policy.model).items())
 
 
 def test_the_policy_waits_for_the_critics_warm_up(model_dir, tmp_path, rank):
     policy = critic_policy(model_dir, tmp_path, rank, critic_warmup_steps=1)
-    batch = rewarded(model_dir, 1)[0]
-    policy_before, critic_before = full(policy.model), full(policy.critic.model)
+    batch = rewarded_micro_batches(model_dir, 1)[0]
+    policy_before, critic_before = full_parameters(policy.model), full_parameters(policy.critic.model)
     policy.begin_step(0)
     policy.backward(batch)
     policy.optimizer_step()
-    assert all(torch.equal(policy_before[n], p) for n, p in full(policy.model).items()), "the policy stepped in warm-up"
-    assert any(not torch.equal(critic_before[n], p) for n, p in full(policy.critic.model).items())
+    assert all(torch.equal(policy_before[n], p) for n, p in full_parameters(policy.model).items()), "the policy stepped in warm-up"
+    assert any(not torch.equal(critic_before[n], p) for n, p in full_parameters(policy.critic.model).items())
     policy.begin_step(1)
     policy.backward(batch)
     policy.optimizer_step()
-    assert any(not torch.equal(policy_before[n], p) for n, p in full(policy.model).items())
+    assert any(not torch.equal(policy_before[n], p) for n, p in full_parameters(policy.model).items())
 
 
 @pytest.mark.parametrize("writer", ["background", "final"])
 def test_a_checkpoint_restores_the_value_model_and_its_optimizer_bit_for_bit(model_dir, tmp_path, rank, writer):
     """`background`: the periodic checkpoints a killed trainer resumes from; `final`: the run's last, with its export."""
     trained = critic_policy(model_dir, tmp_path / "a", rank)
-    batches = rewarded(model_dir, 3)
+    batches = rewarded_micro_batches(model_dir, 3)
     trained.begin_step(0)
     for batch in batches[:2]:
         trained.backward(batch)
@@ -92,17 +77,17 @@ def test_a_checkpoint_restores_the_value_model_and_its_optimizer_bit_for_bit(mod
         trained.save(tmp_path / "checkpoints", state, export_hf=True)
     resumed = critic_policy(model_dir, tmp_path / "b", rank)
     assert any(not torch.equal(resumed_p, trained_p) for resumed_p, trained_p
-               in zip(full(resumed.critic.model).values(), full(trained.critic.model).values())), "nothing to restore"
+               in zip(full_parameters(resumed.critic.model).values(), full_parameters(trained.critic.model).values())), "nothing to restore"
     state = resumed.load(latest_checkpoint(tmp_path / "checkpoints"))
     assert state.step == 1
-    for (name, saved), restored in zip(full(trained.critic.model).items(), full(resumed.critic.model).values()):
+    for (name, saved), restored in zip(full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()):
         assert torch.equal(saved, restored), name
     # The optimizer's moments came back too: the same next step lands on the same weights.
     for policy in (trained, resumed):
         policy.begin_step(1)
         policy.backward(batches[2])
         policy.optimizer_step()
-    for (name, one), other in zip(full(trained.critic.model).items(), full(resumed.critic.model).values()):
+    for (name, one), other in zip(full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()):
         assert torch.equal(one, other), name
-    for (name, one), other in zip(full(trained.model).items(), full(resumed.model).values()):
+    for (name, one), other in zip(full_parameters(trained.model).items(), full_parameters(resumed.model).values()):
         assert torch.equal(one, other), name
