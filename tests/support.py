@@ -1,6 +1,6 @@
 """Helpers that several test modules use: waiting for a condition, real in-process meshes and
-their rollout traffic, `rlmesh up` command lines and what a run wrote, grpcurl, and sample data.
-Fixtures live in the conftest files; test modules import from here, never from each other."""
+their rollout traffic, `rlmesh up` command lines, job files and what a run wrote, grpcurl, and
+sample data. Fixtures live in the conftest files; test modules import from here, never from each other."""
 
 from __future__ import annotations
 
@@ -201,6 +201,27 @@ def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) ->
     return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
             "--model-dir", str(model_dir), "--output-dir", str(output_dir),
             "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=16"]
+
+
+def dataset_job(folder: Path, extra: str = "", fields: str = '{ answer = "solution" }') -> Path:
+    """job.toml in `folder` with one dataset task: data.jsonl of 20 rows, a reward in my_reward.py
+    beside it, `fields` mapping the rows' fields, 4 rows held out, and `extra` TOML appended."""
+    (folder / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}=", "solution": str(i)}) + "\n" for i in range(20)))
+    (folder / "my_reward.py").write_text("def score(completion, answer):\n    return float(completion == answer)\n")
+    job = folder / "job.toml"
+    job.write_text(f"""
+[[tasks]]
+name = "mine"
+prompt.template = "{{question}}"
+reward.function = "my_reward:score"
+[tasks.dataset]
+path = "data.jsonl"
+fields = {fields}
+[tasks.eval]
+holdout = 4
+{extra}
+""")
+    return job
 
 
 def step_records_written(output_dir: Path) -> int:

@@ -1,9 +1,7 @@
-"""The job file: defaults, overrides, paths relative to the file, and a bad job stopped at start
-with a message naming what is wrong (unknown key, missing file, missing dataset field)."""
+"""The job file: defaults, overrides, paths relative to the file, and a bad job refused with a
+message naming what is wrong (unknown key, conflicting settings, invalid TOML)."""
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -11,30 +9,12 @@ import pytest
 
 from rlmesh.config import ConfigError
 from rlmesh.job import Job, load_job, parse_value
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import dataset_job
 
 
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
-
-
-def dataset_job(tmp_path: Path, extra: str = "", fields: str = '{ answer = "solution" }') -> Path:
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}=", "solution": str(i)}) + "\n" for i in range(20)))
-    (tmp_path / "my_reward.py").write_text("def score(completion, answer):\n    return float(completion == answer)\n")
-    return write(tmp_path / "job.toml", f"""
-[[tasks]]
-name = "mine"
-prompt.template = "{{question}}"
-reward.function = "my_reward:score"
-[tasks.dataset]
-path = "data.jsonl"
-fields = {fields}
-[tasks.eval]
-holdout = 4
-{extra}
-""")
 
 
 def test_the_default_job_trains_the_increment_task():
@@ -84,43 +64,8 @@ def test_values_given_on_the_command_line_read_as_toml():
     assert parse_value("plain") == "plain"
 
 
-def up(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
-
-
-def test_up_stops_a_bad_job_before_starting_anything(tmp_path, model_dir):
-    missing_file = dataset_job(tmp_path)
-    (tmp_path / "data.jsonl").unlink()
-    # A model folder given: without one, a fresh clone's first `up` spends half a minute creating
-    # the built-in model before it reads the job's tasks.
-    result = up("--job", str(missing_file), "--model-dir", str(model_dir))
-    assert result.returncode == 2 and "dataset" in result.stderr and "data.jsonl does not exist" in result.stderr
-
-    other = tmp_path / "other"
-    other.mkdir()
-    result = up("--job", str(dataset_job(other, fields='{ answer = "solutoin" }')), "--model-dir", str(model_dir))
-    assert result.returncode == 2
-    assert "task 'mine'" in result.stderr and "row 0 has no field 'solutoin'" in result.stderr
-
-    result = up("--job", str(dataset_job(other)), "--model-dir", str(model_dir), "--set", "tasks.0.reward.function=my_reward:nope")
-    assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
-
-    result = up("--job", str(tmp_path / "absent.toml"))
-    assert result.returncode == 2 and "job file not found" in result.stderr
-
-    result = up("--set", "algorithm.learning_rate")
-    assert result.returncode == 2 and "FIELD=VALUE" in result.stderr
-
-
 def test_the_job_model_carries_every_documented_section():
     assert set(Job.model_fields) == {"model", "tasks", "algorithm", "trainer", "manager", "rollout", "weights", "mesh", "output"}
-
-
-def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    result = up("--model-dir", str(tmp_path))
-    assert result.returncode == 2
-    assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
 
 
 def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
