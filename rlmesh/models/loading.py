@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlmesh.payload import name_mismatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def load_causal_lm(directory: str | Path) -> PreTrainedModel:
@@ -16,6 +19,10 @@ def load_causal_lm(directory: str | Path) -> PreTrainedModel:
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} holds no config.json: not a HF-format model folder")
+    # Imported here: transformers' modeling code costs seconds to import, and processes that
+    # read only configs and weights (a synthetic rollout engine) never build a model.
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.eval()
     return model

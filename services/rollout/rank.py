@@ -9,13 +9,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.lifecycle import return_freed_memory
@@ -27,6 +26,9 @@ from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
 from services.rollout.tp_model import Collectives, RankLayout, build_rank_model
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 log = structlog.get_logger()
 
@@ -74,6 +76,10 @@ class KvBatch:
         self.clear()
 
     def clear(self) -> None:
+        # Imported here: transformers' modeling code costs seconds to import, and an instance whose
+        # engine builds no model (synthetic) need not pay for it.
+        from transformers import DynamicCache
+
         self.cache = DynamicCache()
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)

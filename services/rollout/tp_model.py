@@ -6,15 +6,17 @@ from __future__ import annotations
 import copy
 import datetime
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
 
 from rlmesh.models.loading import weights_dtype
 from rlmesh.models.tp_layout import ModelShape, tp_parameter_shapes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 """How long a rank waits for the others at rendezvous and in one collective before failing."""
@@ -111,6 +113,11 @@ class RowParallelLinear(torch.nn.Linear):
 def build_rank_model(config: PretrainedConfig, collectives: Collectives) -> PreTrainedModel:
     """The HF model of rank `collectives.rank` (weights left uninitialised; see `RankLayout.load`). HF's own
     attention, RoPE, q/k norms and KV cache run on the rank's heads."""
+    # Imported here: transformers' modeling code costs seconds to import, and an instance whose
+    # engine builds no model (synthetic) need not pay for it.
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
     tp, rank = collectives.size, collectives.rank
     shape = ModelShape.from_hf_config(config)
     shape.check_tp(tp)

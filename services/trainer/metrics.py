@@ -6,15 +6,13 @@ import json
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from torch.utils.tensorboard import SummaryWriter  # noqa: E402
-
 
 class MetricsWriter:
     def __init__(self, output_dir: Path) -> None:
+        # Imported here, not with the module: only the leader rank writes metrics, and the other
+        # ranks' start-up need not pay for TensorBoard's import.
+        from torch.utils.tensorboard import SummaryWriter
+
         self.jsonl_path = output_dir / "metrics.jsonl"
         self.plot_path = output_dir / "reward.png"
         self.tensorboard_dir = output_dir / "tensorboard"
@@ -33,10 +31,15 @@ class MetricsWriter:
         self._tensorboard.flush()
 
     def plot(self) -> Path:
+        # matplotlib's import costs about a CPU-second: paid once, at the end of a run, by the
+        # process that draws. The Figure API needs no pyplot and no global backend.
+        from matplotlib.figure import Figure
+
         train = [r for r in self.history if "reward" in r]
         # Background validations are filed when they finish, not always in step order.
         held_out = sorted((r for r in self.history if "eval/sampled_reward" in r), key=lambda r: r["step"])
-        figure, axis = plt.subplots(figsize=(7, 4))
+        figure = Figure(figsize=(7, 4))
+        axis = figure.subplots()
         if train:
             axis.plot([r["step"] for r in train], [r["reward"] for r in train], label="training reward (sampled)", alpha=0.7)
         if held_out:
@@ -55,7 +58,6 @@ class MetricsWriter:
         axis.legend(loc="lower right")
         figure.tight_layout()
         figure.savefig(self.plot_path, dpi=110)
-        plt.close(figure)
         return self.plot_path
 
     def close(self) -> None:
