@@ -84,6 +84,8 @@ def test_a_killed_critic_trainer_resumes_with_the_value_model_restored_bit_for_b
     assert differing(shards(uninterrupted, 2)[0]["tensors"], expected[0]["tensors"], critic_keys)
     for expected_shard, resumed_shard in zip(expected, resumed):
         assert expected_shard["tensors"].keys() == resumed_shard["tensors"].keys()
-        assert not differing(expected_shard["tensors"], resumed_shard["tensors"], critic_keys), "the value model or its optimizer differ"
-        assert not differing(expected_shard["tensors"], resumed_shard["tensors"], list(expected_shard["tensors"])), "the policy or its optimizer differ"
+        critic_differs = differing(expected_shard["tensors"], resumed_shard["tensors"], critic_keys)
+        assert not critic_differs, f"the value model or its optimizer differ: {len(critic_differs)} tensors"
+        policy_differs = differing(expected_shard["tensors"], resumed_shard["tensors"], list(expected_shard["tensors"]))
+        assert not policy_differs, f"the policy or its optimizer differ: {len(policy_differs)} tensors"
         assert torch.equal(expected_shard["rng"], resumed_shard["rng"])
