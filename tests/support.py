@@ -569,3 +569,11 @@ def rewarded_micro_batches(model_dir, count: int) -> list[list[TrainingSample]]:
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of `model` as a whole tensor (DTensor shards gathered), detached and copied."""
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()}
+
+
+def trainer_pid(output_dir: Path) -> int | None:
+    """The pid of the trainer `rlmesh up` runs for `output_dir` (its mesh.json), once there is one."""
+    try:
+        return json.loads((output_dir / "mesh.json").read_text())["trainer"]["pid"]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        return None

@@ -13,19 +13,12 @@ import torch
 
 from rlmesh.launch.ports import free_base_port
 from services.trainer.checkpoint import CRITIC
-from tests.support import step_records_written, up_command, wait_until
+from tests.support import step_records_written, trainer_pid, up_command, wait_until
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 4
 KILLED_AFTER = 3
-
-
-def trainer_pid(output_dir: Path) -> int | None:
-    try:
-        return json.loads((output_dir / "mesh.json").read_text())["trainer"]["pid"]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        return None
 
 
 def start(model_dir: Path, output_dir: Path) -> subprocess.Popen:

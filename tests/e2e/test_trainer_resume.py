@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from tests.support import step_records_written, up_command, wait_until
+from tests.support import step_records_written, trainer_pid, up_command, wait_until
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 48
 PROMPTS = 8
 KILLS = 6
-
-
-def trainer_pid(output_dir: Path) -> int | None:
-    try:
-        return json.loads((output_dir / "mesh.json").read_text())["trainer"]["pid"]
-    except (FileNotFoundError, KeyError, json.JSONDecodeError):
-        return None
 
 
 def surviving_training(ledger: list[dict]) -> list[dict]:
