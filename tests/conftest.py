@@ -50,9 +50,17 @@ def _directory_rank(item: pytest.Item) -> int:
     return next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in parts), len(FIRST_DIRECTORIES))
 
 
+E2E_TIMEOUT_SECONDS = 600
+"""The hang guard of an e2e test: it shares two cores with the other workers' tests, and runs two
+to three times as long as alone (the chaos test: 104 s alone, 242 s beside two others)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: every worker collects the same order, as pytest-xdist requires.
     items.sort(key=_directory_rank)
+    for item in items:
+        if "e2e" in Path(str(item.path)).parts and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_SECONDS))
 
 
 @pytest.fixture(scope="session")
