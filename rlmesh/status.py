@@ -26,6 +26,10 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 RPC_TIMEOUT_SECONDS = 2.0
+"""Deadline of each status call of the live view, which asks again at its next refresh."""
+ONCE_RPC_TIMEOUT_SECONDS = 10.0
+"""Deadline of each status call of `--once`: there is no next refresh, the calls include connecting,
+and the weights service, at background CPU priority, answers late on a busy host."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,9 @@ class Snapshot:
 class MeshReader:
     """The services' status RPCs, over channels opened once and kept while the view runs."""
 
-    def __init__(self, addresses: MeshAddresses) -> None:
+    def __init__(self, addresses: MeshAddresses, rpc_timeout: float = RPC_TIMEOUT_SECONDS) -> None:
         self.addresses = addresses
+        self.rpc_timeout = rpc_timeout
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> MeshReader:
@@ -81,7 +86,7 @@ class MeshReader:
             if channel is None:
                 return None
             try:
-                return await getattr(stub_class(channel), method)(request, **call_options(RPC_TIMEOUT_SECONDS))
+                return await getattr(stub_class(channel), method)(request, **call_options(self.rpc_timeout))
             except grpc.aio.AioRpcError as exc:
                 errors[name] = f"{getattr(self.addresses, name)}: {exc.code().name} {exc.details() or ''}".strip()
                 return None
@@ -95,7 +100,7 @@ class MeshReader:
 
 
 async def read_once(addresses: MeshAddresses) -> Snapshot:
-    async with MeshReader(addresses) as reader:
+    async with MeshReader(addresses, ONCE_RPC_TIMEOUT_SECONDS) as reader:
         return await reader.read()
 
 

@@ -26,8 +26,9 @@ FRAME_HEADER = struct.Struct("<Q")
 """Every message is a pickle preceded by its length."""
 FORWARD_SAMPLES = 32
 """Most samples in one forward of the reference."""
-CLOSE_SECONDS = 5.0
-"""How long a closing worker may take to exit after its stdin closed before it is killed."""
+CLOSE_SECONDS = 30.0
+"""How long a closing worker may take to exit after its stdin closed before it is killed (torch's
+teardown takes seconds of CPU, and a busy host gives it a fraction of a core)."""
 
 
 class ReferenceWorkerError(RuntimeError):
