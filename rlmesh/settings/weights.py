@@ -8,7 +8,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlmesh.config import ServerSettings, StrictModel
-from rlmesh.transfer.codecs import CompressionMode
+
+CompressionMode = Literal["none", "zstd", "delta", "int8", "fp8"]
+"""How a link's weight payload buckets are encoded (`rlmesh/transfer/codecs.py`)."""
 
 
 class WeightsSettings(StrictModel):

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 import zstandard
 
-CompressionMode = Literal["none", "zstd", "delta", "int8", "fp8"]
+from rlmesh.settings.weights import CompressionMode
+
 COMPRESSION_MODES: tuple[CompressionMode, ...] = get_args(CompressionMode)
 
 HEADER = struct.Struct("<BBHQ")

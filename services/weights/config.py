@@ -4,8 +4,7 @@ and the wiring `rlmesh up` fills in (its socket, the manager's address)."""
 from __future__ import annotations
 
 from rlmesh.config import ServerConfig
-from rlmesh.settings.weights import WeightsSettings
-from rlmesh.transfer.codecs import CompressionMode
+from rlmesh.settings.weights import CompressionMode, WeightsSettings
 
 
 class WeightsConfig(WeightsSettings):

@@ -32,7 +32,10 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 def test_the_example_task_from_its_own_files_trains(tmp_path):
-    result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20")
+    # Validations at normal priority: at low priority they take only the CPU training leaves, and
+    # the suite's other workers leave none, so the step-20 one could be superseded until the end.
+    result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20",
+                "--set", "algorithm.validation_priority=normal")
     assert result.returncode == 0, result.stderr[-3000:]
     # Background validations are filed when they finish; one whose version a newer push superseded
     # is replaced by the next version's.

@@ -19,7 +19,7 @@ from tests.support import GRPCURL, up_command
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 40
+STEPS = 16
 
 
 def grpcurl(*args: str, max_time: float = 10.0) -> subprocess.CompletedProcess:
@@ -39,8 +39,10 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
     output_dir = tmp_path / "run"
     base = free_base_port()
     manager = f"127.0.0.1:{base}"
-    # Long enough for the checks below to finish while the mesh still trains.
-    command = up_command(model_dir, output_dir, base, steps=STEPS) + ["--tls", "--registration-token", "auto"]
+    # Long enough for the checks below to finish while the mesh still trains; held-out validation
+    # only at the start and the end.
+    command = up_command(model_dir, output_dir, base, steps=STEPS) + ["--tls", "--registration-token", "auto",
+                                                                      "--set", f"algorithm.eval_every={STEPS}"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # mesh.json appears once the manager, weights and rollout instances are up, before the
