@@ -1,5 +1,6 @@
 # Two commands: `make run` (set up, then train on the whole mesh) and `make test` (set up, then test).
 PYTHON ?= python3.11
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
@@ -22,10 +23,11 @@ $(VENV)/.system:
 		else sudo apt-get update -qq && sudo apt-get install -y -qq libibverbs1; fi; fi
 	@touch $@
 
-# uv installs both virtualenvs: it resolves, unpacks and compiles in parallel (pip took 160 s for
-# .venv here), from the sources pip is configured with (scripts/uv_sources.py). The bytecode is
-# compiled at install because a machine may set PYTHONDONTWRITEBYTECODE: every process would then
-# compile torch anew (twice the CPU of its import).
+# uv installs both virtualenvs: it resolves and unpacks in parallel (pip took 160 s for .venv here,
+# uv 15 s), from the sources pip is configured with (scripts/uv_sources.py). It compiles no
+# bytecode: each module is compiled the first time a process imports it, and written to
+# __pycache__, which a machine setting PYTHONDONTWRITEBYTECODE would forbid (every process would
+# then compile torch anew, twice the CPU of its import): this Makefile's commands write it.
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv
 UV_SOURCES = $(shell $(PYTHON) scripts/uv_sources.py)
@@ -36,7 +38,7 @@ $(VENV)/.uv: $(VENV)/.system
 	@touch $@
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)/.uv
-	$(UV) pip install -q --compile-bytecode --python $(PY) $(UV_SOURCES) -r requirements.txt -r requirements-dev.txt
+	$(UV) pip install -q --python $(PY) $(UV_SOURCES) -r requirements.txt -r requirements-dev.txt
 	$(UV) pip install -q --python $(PY) --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, grpc, mooncake.engine; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $@
@@ -48,7 +50,7 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml $(VENV)/.uv
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(UV) pip install -q --compile-bytecode --python $(VLLM_PY) $(UV_SOURCES) -r requirements-vllm.txt
+	$(UV) pip install -q --python $(VLLM_PY) $(UV_SOURCES) -r requirements-vllm.txt
 	$(UV) pip uninstall -q --python $(VLLM_PY) torchvision torchaudio torchcodec triton
 	$(UV) pip install -q --python $(VLLM_PY) --no-deps --no-build-isolation -e .
 	$(VLLM_PY) -c "import vllm, grpc, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
@@ -58,7 +60,6 @@ protos: $(GEN)/.stamp
 
 $(GEN)/.stamp: $(PROTO_SRC) $(VENV)/.installed
 	$(PY) -m rlmesh.protogen
-	$(PY) -m compileall -q rlmesh services $(GEN)
 	@touch $@
 
 # The example verifier in Node: its packages from the npm registry, then its gRPC stubs generated
