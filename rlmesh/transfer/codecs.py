@@ -22,7 +22,7 @@ import math
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import get_args
 
 import numpy as np
 import torch

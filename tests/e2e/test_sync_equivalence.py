@@ -25,13 +25,14 @@ def run(model_dir: Path, output_dir: Path, schedule: str) -> list[dict]:
         # One sequence at a time: a response's logprobs then do not depend on its batch-mates. Two
         # instances: groups finish in an order that differs from run to run.
         "--set", "rollout.engine.max_batch_size=1", "--rollout-instances", "2",
+        # Held-out validation on the trainer's policy: a background one is skipped when a newer
+        # version supersedes its own before its requests are dispatched, which is timing too.
+        "--set", "algorithm.validation=inline",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     records = [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("balance/")} for r in records]
-    # A background validation's record is written when it ends, before or after a later step's:
-    # where it lands in the file is timing too.
     return sorted((r for r in records if len(r) > 1), key=lambda r: (r["step"], "eval/sampled_reward" in r))
 
 
