@@ -221,7 +221,9 @@ class GrpoTrainer:
             await self._validate(state.step, state.version)
         # Ordered runs wait for the version: the next step's rollouts must come from it. Others go
         # on training while it is uploaded; its figures are filed under this step once it is served.
-        published = await self.publisher.publish(state.version, wait=self.ordered, step=state.step)
+        # A retried validation waits too: pushes carry the newest version, so on a host where they
+        # take longer than a step the next version would supersede this one as well, every time.
+        published = await self.publisher.publish(state.version, wait=self.ordered or retry, step=state.step)
         step_seconds = time.perf_counter() - step_started
         balance = await self._report_step(self._batch_id(state.step - 1), step_seconds, totals.wait_seconds)
         values = {

@@ -32,8 +32,8 @@ def metrics(output_dir: Path) -> list[dict]:
 
 
 def test_the_example_task_from_its_own_files_trains(tmp_path):
-    # Validations at normal priority: at low priority they take only the CPU training leaves, and
-    # the suite's other workers leave none, so the step-20 one could be superseded until the end.
+    # Validations at normal priority: at low priority, on the one instance that training keeps
+    # busy, their requests wait for a gap in training work, which the suite's load may not leave.
     result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20",
                 "--set", "algorithm.validation_priority=normal")
     assert result.returncode == 0, result.stderr[-3000:]
