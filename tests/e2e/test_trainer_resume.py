@@ -5,7 +5,6 @@ exactly once in the run that stands, none lost, none twice."""
 import collections
 import json
 import os
-import pickle
 import random
 import signal
 import subprocess
@@ -15,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from services.trainer.checkpoint import PIPELINE_FILE, latest_checkpoint
+from services.trainer.checkpoint import latest_checkpoint
+from services.trainer.pipeline import load_pipeline
 from tests.support import step_records_written, trainer_pid, up_command, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -41,9 +41,9 @@ def carries_accepted_and_in_flight(checkpoints: Path) -> bool:
     """Whether the newest complete checkpoint holds groups accepted for later steps and prompts
     still in flight."""
     checkpoint = latest_checkpoint(checkpoints)
-    if checkpoint is None or not (checkpoint / PIPELINE_FILE).is_file():
+    if checkpoint is None:
         return False
-    plans = pickle.loads((checkpoint / PIPELINE_FILE).read_bytes())
+    plans = load_pipeline(checkpoint, {"increment": None})
     return any(p.waiting for p in plans) and any(p.outstanding for p in plans)
 
 
