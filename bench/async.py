@@ -31,7 +31,8 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.job import DEFAULT_MODELS
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import spawn_service, wait_started
-from rlmesh.models.qwen2_tiny import create_default_model, is_model_dir
+from rlmesh.models.families import is_model_dir
+from rlmesh.models.qwen2_tiny import create_default_model
 
 ROOT = Path(__file__).resolve().parent.parent
 STALENESS = (0, 1, 2, 4)

@@ -198,7 +198,7 @@ class Injector:
             step = trained_steps(self.output_dir)
             if step < self._manager_killed_at_step + MANAGER_RECOVERY_STEPS:
                 return None
-            pids = mesh_processes(self.output_dir, "services.manager")
+            pids = mesh_processes(self.output_dir, "manager")
             if not pids or not self._manager_serves():
                 return None
             os.kill(pids[0], signal.SIGKILL)
@@ -209,7 +209,7 @@ class Injector:
             mid_push = False
             while time.monotonic() < deadline and not (mid_push := self._pushing()):
                 time.sleep(0.005)
-            pids = mesh_processes(self.output_dir, "services.weights")
+            pids = mesh_processes(self.output_dir, "weights")
             if not pids:
                 return None
             os.kill(pids[0], signal.SIGKILL)

@@ -38,13 +38,15 @@ FLAG_FIELDS = {
 
 def _ensure_builtin_model(name: str) -> Path:
     from rlmesh.job import DEFAULT_MODELS
+    from rlmesh.models.families import is_model_dir
 
     model_dir = DEFAULT_MODELS[name].resolve()
-    if name == "tiny-chat":
-        from rlmesh.models.chat_tiny import create_chat_model as create, is_model_dir
-    else:
-        from rlmesh.models.qwen2_tiny import create_default_model as create, is_model_dir
     if not is_model_dir(model_dir):
+        # Imported only here: the builders import torch and transformers (seconds of CPU).
+        if name == "tiny-chat":
+            from rlmesh.models.chat_tiny import create_chat_model as create
+        else:
+            from rlmesh.models.qwen2_tiny import create_default_model as create
         print(f"creating the built-in model {name} in {model_dir} (random init + supervised warm-up)...", flush=True)
         started = time.perf_counter()
         create(model_dir)
@@ -97,8 +99,9 @@ def prepare_job(args: argparse.Namespace):
 
 
 def _up(args: argparse.Namespace) -> int:
-    # Every process this one starts is a fork followed at once by an exec: gRPC's fork handlers
-    # have nothing to protect, and they log a line per restarted service when they skip.
+    # Every process this one starts is a fork followed at once by an exec, or a fork of the fork
+    # server, which imports gRPC but never uses it: gRPC's fork handlers have nothing to protect,
+    # and they log a line per restarted service when they skip.
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     from rlmesh.config import ConfigError
     from rlmesh.launch.netns import plan_netns

@@ -13,6 +13,7 @@ from typing import Protocol, TypeVar
 from pydantic import BaseModel
 
 from rlmesh.config import ConfigError, load_config
+from rlmesh.lifecycle import name_process
 from rlmesh.logging import configure_logging
 from rlmesh.rpc import stop_event_on_signals
 
@@ -23,6 +24,11 @@ def config_file_variable(name: str) -> str:
     """The environment variable naming a service's config file when `--config` is not given: how
     `rlmesh up` hands each service the settings its job sets."""
     return f"RLMESH_CONFIG_FILE_{name.upper()}"
+
+
+def service_process_name(name: str) -> str:
+    """What /proc/<pid>/comm says of a service's process: how the launcher's tools find it."""
+    return f"rlmesh-{name}"
 
 
 class Running(Protocol):
@@ -54,6 +60,7 @@ def run_service(
     serve: Callable[[ConfigT], Awaitable[None]],
     argv: list[str] | None = None,
 ) -> int:
+    name_process(service_process_name(name))
     env_prefix = f"RLMESH_{name.upper()}_"
     parser = argparse.ArgumentParser(
         prog=f"rlmesh {name}",

@@ -81,6 +81,11 @@ class MeshSection(StrictModel):
     """The first N rollout instances each run in their own network namespace, linked to the host
     by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the
     chaos suite cut an instance's network. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)."""
+    fork_server: bool = True
+    """Start and restart the services forked from one process that has imported torch,
+    transformers and gRPC once (each service would spend 1 to 6 CPU-seconds importing them).
+    Services run by another interpreter (vLLM), by torchrun or in a network namespace are started
+    by exec either way."""
     host: str = "127.0.0.1"
     """The address every service listens on and is reached at."""
     base_port: int = Field(default=50151, ge=1024, le=65000)

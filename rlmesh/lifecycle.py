@@ -14,6 +14,7 @@ import structlog
 log = structlog.get_logger()
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)
 """glibc's malloc_trim, looked up once among the symbols the process already has; None elsewhere."""
 
@@ -22,6 +23,12 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Asks the kernel to send `sig` to this process when its parent (strictly: the thread that
     forked it) ends, so no child outlives the process that started it, even after a SIGKILL."""
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def name_process(name: str) -> None:
+    """Sets this process's name as /proc/<pid>/comm shows it (at most 15 bytes): how the mesh's
+    processes are told apart, whether started by exec or forked from the fork server."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def effective_capabilities() -> int:

@@ -1,5 +1,6 @@
-"""Spawning the mesh's processes: each service as its own process group with its log file, waiting
-until they serve, stopping them, and finding a mesh's processes by the marker each one carries."""
+"""Spawning the mesh's processes: each service as its own process group with its log file (forked
+by the fork server where it can be), waiting until they serve, stopping them, and finding a mesh's
+processes by the marker each one carries."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from rlmesh.entrypoint import service_process_name
+from rlmesh.launch.forkserver import ForkServer
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.rpc import wait_healthy
 
@@ -59,11 +62,21 @@ class ServiceSpec:
     wrapper: list[str] | None = None
     """A command that execs the rest (`ip netns exec NS`), so the pid is the service's."""
 
+    @property
+    def forkable(self) -> bool:
+        """Whether the fork server can start it: this interpreter, no launcher, no wrapper."""
+        return self.python is None and self.launcher is None and self.wrapper is None
+
 
 def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[str]:
     """`python -m torch.distributed.run ...` arguments that run a module on `ranks` local processes."""
     return ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
             "--master-addr", master_addr, "--master-port", str(master_port)]
+
+
+def service_environment(settings: dict[str, str], mesh_id: str) -> dict[str, str]:
+    """A service's environment: this process's, its settings, the mesh's marker, one OpenMP thread."""
+    return {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
@@ -74,7 +87,7 @@ def spawn_service(name: str, module: str, address: str, settings: dict[str, str]
     ServiceSpec."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    env = {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = service_environment(settings, mesh_id)
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
             [*(wrapper or []), python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
@@ -89,7 +102,13 @@ def spawn_service(name: str, module: str, address: str, settings: dict[str, str]
     return Child(name, address, process, log_path)
 
 
-def spawn(spec: ServiceSpec, log_dir: Path, mesh_id: str) -> Child:
+def spawn(spec: ServiceSpec, log_dir: Path, mesh_id: str, forks: ForkServer | None = None) -> Child:
+    """Forked by `forks` when given and the spec allows it, else started by exec."""
+    if forks is not None and spec.forkable:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{spec.name}.log"
+        process = forks.spawn(spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path)
+        return Child(spec.name, spec.address, process, log_path)
     return spawn_service(spec.name, spec.module, spec.address, spec.settings, log_dir, mesh_id, python=spec.python,
                          launcher=spec.launcher, args=spec.args, wrapper=spec.wrapper)
 
@@ -125,9 +144,17 @@ def describe_exit(code: int | None) -> str:
     return f"exited (killed by signal {-code})" if code is not None and code < 0 else f"exited (exit code {code})"
 
 
-def mesh_processes(output_dir: Path, module: str | None = None) -> list[int]:
-    """Pids of live processes started for the mesh writing to `output_dir` (only those running
-    `python -m module` when given), found by the MESH_ID_ENV each one carries."""
+def process_name(pid: int) -> str | None:
+    """/proc/<pid>/comm; None once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+    except OSError:
+        return None
+
+
+def mesh_processes(output_dir: Path, service: str | None = None) -> list[int]:
+    """Pids of live processes started for the mesh writing to `output_dir` (only the `service`'s
+    when given: "manager", "rollout", ...), found by the MESH_ID_ENV each one carries."""
     marker = f"{MESH_ID_ENV}={output_dir}".encode()
     found = []
     for entry in Path("/proc").iterdir():
@@ -136,7 +163,7 @@ def mesh_processes(output_dir: Path, module: str | None = None) -> list[int]:
         try:
             if marker not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if module is not None and f"-m\0{module}\0".encode() not in (entry / "cmdline").read_bytes():
+            if service is not None and process_name(int(entry.name)) != service_process_name(service):
                 continue
             if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                 found.append(int(entry.name))

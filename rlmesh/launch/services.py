@@ -71,3 +71,9 @@ def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
         **metrics_setting("RLMESH_TRAINER", plan.trainer_address),
         **plan.security_settings("trainer"),
     }, launcher=launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
+
+
+def forked_modules(plan: LaunchPlan) -> list[str]:
+    """What the fork server imports: the entry modules of the services it can start for this plan."""
+    specs = (manager_spec(plan), weights_spec(plan), rollout_spec(plan, 0), trainer_spec(plan))
+    return [f"{spec.module}.__main__" for spec in specs if spec.forkable]

@@ -73,9 +73,3 @@ def _supervised_warmup(model, tokenizer, spec: ChatModelSpec, eos_id: int, pad_i
             log.info("chat warm-up", iteration=iteration, loss=round(loss, 4),
                      seconds=round(time.monotonic() - started, 1))
     model.eval()
-
-
-def is_model_dir(directory: str | Path) -> bool:
-    directory = Path(directory)
-    return all((directory / name).is_file()
-               for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))

@@ -78,6 +78,13 @@ def supported_family(config: Any, source: str = "model") -> Family:
     return family
 
 
+def is_model_dir(directory: str | Path) -> bool:
+    """Whether `directory` holds a whole HF-format model: its config, weights and tokenizer."""
+    directory = Path(directory)
+    return all((directory / name).is_file()
+               for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))
+
+
 def check_model_dir(directory: str | Path) -> Family:
     """The family of a HF model folder, read from its config.json alone (before any weight is loaded)."""
     path = Path(directory) / "config.json"

@@ -95,8 +95,3 @@ def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_i
         if iteration % 20 == 0 or iteration == spec.warmup_iterations - 1:
             log.info("warm-up", iteration=iteration, loss=round(loss, 4))
     model.eval()
-
-
-def is_model_dir(directory: str | Path) -> bool:
-    directory = Path(directory)
-    return all((directory / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))

@@ -33,9 +33,9 @@ def running(output_dir: Path) -> dict[str, int]:
     return {r["name"]: r["pid"] for r in state["rollout_instances"]["running"]} if state else {}
 
 
-def service_pid(output_dir: Path, module: str) -> int:
-    pids = mesh_processes(output_dir, module)
-    assert pids, f"no {module} process"
+def service_pid(output_dir: Path, service: str) -> int:
+    pids = mesh_processes(output_dir, service)
+    assert pids, f"no {service} process"
     return pids[0]
 
 
@@ -66,7 +66,7 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
         steps = last_trained_step(output_dir)
         wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the instance restarted")
 
-        os.kill(service_pid(output_dir, "services.weights"), signal.SIGKILL)
+        os.kill(service_pid(output_dir, "weights"), signal.SIGKILL)
         steps = last_trained_step(output_dir)
         wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the weights service restarted")
 

@@ -17,7 +17,8 @@ from math_verify import parse
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model, is_model_dir
+from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
+from rlmesh.models.families import is_model_dir
 from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, build_text_tokenizer
 from rlmesh.rewards.base import RewardItem
 from rlmesh.rewards.guard import GuardedReward

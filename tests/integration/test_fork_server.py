@@ -1,0 +1,106 @@
+"""The fork server as a real process: services forked from it run `python -m module` with their own
+arguments, environment, log and session; their exits, signals and crashes read as subprocess.Popen's
+would; it refuses to fork after imports that started threads; its end takes its services with it."""
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rlmesh.launch.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
+from rlmesh.launch.processes import process_name
+from tests.support import wait_until
+
+REPORTING_MODULE = '''
+import json, os, sys, time
+print("to stdout", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+report = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ("ASKED", "DROPPED")},
+          "session_leader": os.getsid(0) == os.getpid(), "name": __name__, "preloaded": "forkmod_preload" in sys.modules}
+open(os.environ["REPORT"], "w").write(json.dumps(report))
+if sys.argv[1:] == ["sleep"]:
+    time.sleep(60)
+if sys.argv[1:] == ["crash"]:
+    raise KeyError("crashed on purpose")
+sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
+'''
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / "forkmod.py").write_text(REPORTING_MODULE)
+    (tmp_path / "forkmod_preload.py").write_text("PRELOADED = True\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}", "DROPPED": "at start"}
+    forks = ForkServer(["forkmod_preload"], env, tmp_path / "forkserver.log")
+    forks.wait_ready(60)
+    yield forks
+    forks.close()
+
+
+def spawn(server: ForkServer, tmp_path: Path, *args: str) -> tuple:
+    report = tmp_path / f"report-{'-'.join(args) or 'none'}.json"
+    env = {k: v for k, v in os.environ.items() if k != "DROPPED"} | {"ASKED": "yes", "REPORT": str(report),
+                                                                    "PYTHONPATH": str(tmp_path)}
+    process = server.spawn("forkmod", list(args), env, tmp_path / "service.log")
+    return process, report
+
+
+def test_a_forked_module_runs_as_main_with_its_arguments_environment_log_and_session(server, tmp_path):
+    process, report = spawn(server, tmp_path, "3", "more")
+    assert process.wait(30) == 3 and process.poll() == 3 and process.returncode == 3
+    seen = json.loads(report.read_text())
+    assert seen["argv"] == ["3", "more"] and seen["name"] == "__main__" and seen["preloaded"]
+    # What the launcher asked for is set; what it no longer has is gone.
+    assert seen["env"] == {"ASKED": "yes", "DROPPED": None}
+    assert seen["session_leader"]
+    assert (tmp_path / "service.log").read_text().splitlines() == ["to stdout", "to stderr"]
+
+
+def test_signals_and_crashes_read_as_popen_codes(server, tmp_path):
+    sleeping, report = spawn(server, tmp_path, "sleep")
+    wait_until(report.exists, 30, "the sleeping service to start")
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeping.wait(0.2)
+    assert sleeping.poll() is None
+    sleeping.send_signal(signal.SIGTERM)
+    assert sleeping.wait(30) == -signal.SIGTERM
+    sleeping.kill()
+
+    crashing, _ = spawn(server, tmp_path, "crash")
+    assert crashing.wait(30) == 1
+    assert "KeyError: 'crashed on purpose'" in (tmp_path / "service.log").read_text()
+
+
+def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path):
+    (tmp_path / "threaded.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}"}
+    forks = ForkServer(["threaded"], env, tmp_path / "forkserver.log")
+    try:
+        with pytest.raises(ForkServerError, match="started 1 threads; forking is unsafe"):
+            forks.wait_ready(60)
+        with pytest.raises(ForkServerError):
+            forks.spawn("threaded", [], env, tmp_path / "service.log")
+    finally:
+        forks.close()
+
+
+def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server, tmp_path):
+    process, report = spawn(server, tmp_path, "sleep")
+    wait_until(report.exists, 30, "the service to start")
+    server_pid = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                      if process_name(pid) == FORK_SERVER_NAME and _parent(pid) == os.getpid())
+    os.kill(server_pid, signal.SIGKILL)
+    assert process.wait(30) == -signal.SIGTERM
+    with pytest.raises(ForkServerError, match="stopped|cannot fork"):
+        spawn(server, tmp_path, "0")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
