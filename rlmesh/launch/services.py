@@ -8,6 +8,7 @@ from pathlib import Path
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.ports import free_port, metrics_setting, port_of
 from rlmesh.launch.processes import ServiceSpec, torchrun_args
+from rlmesh.models.families import check_model_dir
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
@@ -74,6 +75,11 @@ def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
 
 
 def forked_modules(plan: LaunchPlan) -> list[str]:
-    """What the fork server imports: the entry modules of the services it can start for this plan."""
+    """What the fork server imports: the entry modules of the services it can start for this plan,
+    and, for the trainer or the rollout, what building the model imports (transformers imports a
+    family's classes on first use: seconds in every process)."""
     specs = (manager_spec(plan), weights_spec(plan), rollout_spec(plan, 0), trainer_spec(plan))
-    return [f"{spec.module}.__main__" for spec in specs if spec.forkable]
+    modules = [f"{spec.module}.__main__" for spec in specs if spec.forkable]
+    if any(module.startswith(("services.trainer", "services.rollout")) for module in modules):
+        modules += ["transformers.initialization", check_model_dir(plan.model_dir).modeling_module]
+    return modules

@@ -34,6 +34,11 @@ class Family:
     def label(self) -> str:
         return f"{self.name} ({self.architecture})"
 
+    @property
+    def modeling_module(self) -> str:
+        """The transformers module that defines the family's model classes."""
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
 
 FAMILIES: dict[str, Family] = {
     family.name: family
