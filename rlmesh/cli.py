@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,14 +75,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def prepare_job(args: argparse.Namespace):
     """The job of `--job` (or the default job) with the flags applied, its network namespaces
-    possible, its model folder ready, and every task checked against the model's tokenizer.
-    Raises ConfigError or TaskError."""
+    possible and its model folder ready (its tasks are checked against the model's tokenizer
+    once the fork server can do it: `rlmesh.tasks.check`). Raises ConfigError."""
     from rlmesh.config import ConfigError
     from rlmesh.job import load_job
     from rlmesh.launch.netns import netns_problem
     from rlmesh.models.families import check_model_dir
-    from rlmesh.models.tokenizer import load_hf_tokenizer
-    from rlmesh.tasks.build import build_task
 
     job, base = load_job(args.job, _overrides(args))
     if job.mesh.rollout_netns and (problem := netns_problem()):
@@ -91,10 +90,6 @@ def prepare_job(args: argparse.Namespace):
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} is not a HF-format model folder (no config.json)")
     check_model_dir(model_dir)
-    tokenizer = load_hf_tokenizer(model_dir)
-    for task in job.tasks:
-        # A remote verifier is not called here: its channel opens on the first score.
-        asyncio.run(build_task(task, tokenizer, job.algorithm.seed, [str(base)]).reward.close())
     return job, base, model_dir
 
 
@@ -109,7 +104,7 @@ def _up(args: argparse.Namespace) -> int:
     from rlmesh.launch.run import run_mesh
     from rlmesh.logging import configure_logging
     from rlmesh.settings.handover import hand_settings_to_services, trainer_settings
-    from rlmesh.tasks.build import TaskError
+    from rlmesh.tasks.check import CHECK_FAILED
 
     configure_logging("warning")
     try:
@@ -124,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
             raise ConfigError(missing)
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+        created = not output_dir.exists()
         output_dir.mkdir(parents=True, exist_ok=True)
         if mesh.rollout_netns:
             try:
@@ -136,7 +132,7 @@ def _up(args: argparse.Namespace) -> int:
 
             tls_dir = Path(mesh.tls_dir).resolve() if mesh.tls_dir else output_dir / "tls"
             create_certificates(tls_dir, [mesh.host, *(netns.hosts if netns is not None else [])])
-    except (ConfigError, TaskError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
     (output_dir / "job.json").write_text(json.dumps(job.model_dump(mode="json"), indent=2))
@@ -151,6 +147,7 @@ def _up(args: argparse.Namespace) -> int:
         # Only the processes of this run learn a generated token (not job.json).
         registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
         netns=netns,
+        job_dir=base,
     )
     handed = hand_settings_to_services(job, output_dir)
     try:
@@ -160,6 +157,9 @@ def _up(args: argparse.Namespace) -> int:
             os.environ.pop(variable, None)
     if code == 130:
         print("\ninterrupted: every process of the mesh was stopped", file=sys.stderr)
+    if code == CHECK_FAILED and created:
+        # A job refused before any service started leaves no run folder behind.
+        shutil.rmtree(output_dir, ignore_errors=True)
     return code
 
 

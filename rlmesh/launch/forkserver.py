@@ -128,12 +128,17 @@ class _Server:
 
 
 def serve(modules: list[str]) -> None:
-    """Imports `modules`, says whether forking is safe (no thread started), then serves."""
+    """Imports `modules` (a package's `__main__` for what it imports), says whether forking is
+    safe (no thread started), then serves."""
     control = os.dup(1)
     os.dup2(2, 1)
     name_process(FORK_SERVER_NAME)
     for module in modules:
         importlib.import_module(module)
+        if module.endswith(".__main__"):
+            # Imported for what it imports; a service's start runs it afresh as __main__ (runpy
+            # warns of one found already imported).
+            del sys.modules[module]
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         os.write(control, (json.dumps({"refused": f"the imports started {threads - 1} threads; forking is unsafe"}) + "\n").encode())

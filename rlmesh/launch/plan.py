@@ -28,6 +28,8 @@ class LaunchPlan:
     """Asked by the manager of the rollout instances ("": none); the run's own when the job says "auto"."""
     netns: NetnsLayout | None = None
     """The first len(netns.links) rollout instances each run in their own network namespace."""
+    job_dir: Path | None = None
+    """The job file's folder, where its reward modules are found (None: the working directory)."""
 
     @property
     def mesh(self) -> MeshSection:

@@ -12,22 +12,21 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 
 from rlmesh.launch.autoscale import autoscale
-from rlmesh.launch.forkserver import ForkServer, ForkServerError
 from rlmesh.launch.console import INTERRUPTED, describe_mesh, follow_training, print_failure, print_summary, read_training_status
 from rlmesh.launch.netns import create_netns, remove_netns, sweep_netns
 from rlmesh.launch.plan import LaunchPlan
-from rlmesh.launch.processes import Child, ServiceSpec, service_environment, spawn
-from rlmesh.launch.services import forked_modules
+from rlmesh.launch.starter import JobRefused, ServiceStarter
 from rlmesh.launch.supervisor import Supervisor
 from rlmesh.rpc import open_channel, use_tls
+from rlmesh.tasks.check import CHECK_FAILED
 from rlmesh.trainer.v1 import trainer_pb2_grpc
 
 
-async def _start_services(supervisor: Supervisor, stop: asyncio.Event, ready: Callable[[], Awaitable[None]]) -> bool:
-    """False when interrupted before every service served; `ready` is awaited first."""
+async def _start_services(supervisor: Supervisor, stop: asyncio.Event, prepare: Callable[[], Awaitable[None]]) -> bool:
+    """False when interrupted before every service served; `prepare` is awaited first."""
 
     async def start() -> None:
-        await ready()
+        await prepare()
         await supervisor.start_services()
 
     starting = asyncio.create_task(start())
@@ -39,35 +38,6 @@ async def _start_services(supervisor: Supervisor, stop: asyncio.Event, ready: Ca
         return False
     starting.result()
     return True
-
-
-class _Spawner:
-    """Starts the services: forked by the fork server once it has imported their modules, by exec
-    when the job turned it off or it cannot fork (it then says why)."""
-
-    def __init__(self, plan: LaunchPlan) -> None:
-        self._plan = plan
-        self._mesh_id = str(plan.output_dir)
-        modules = forked_modules(plan) if plan.mesh.fork_server else []
-        # Started before anything else, so its imports overlap the namespaces' set-up.
-        self.forks = ForkServer(modules, service_environment({}, self._mesh_id), plan.log_dir / "forkserver.log") if modules else None
-
-    async def ready(self) -> None:
-        if self.forks is None:
-            return
-        try:
-            await asyncio.to_thread(self.forks.wait_ready)
-        except ForkServerError as exc:
-            print(f"rlmesh up: {exc}; the services start by exec", file=sys.stderr)
-            self.close()
-
-    def __call__(self, spec: ServiceSpec) -> Child:
-        return spawn(spec, self._plan.log_dir, self._mesh_id, self.forks)
-
-    def close(self) -> None:
-        if self.forks is not None:
-            self.forks.close()
-            self.forks = None
 
 
 async def _train(plan: LaunchPlan, supervisor: Supervisor, stop: asyncio.Event) -> int:
@@ -103,8 +73,8 @@ async def run_mesh(plan: LaunchPlan) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    spawner = _Spawner(plan)
-    supervisor = Supervisor(plan, spawn_service=spawner)
+    starter = ServiceStarter(plan)
+    supervisor = Supervisor(plan, spawn_service=starter)
     started = time.perf_counter()
     try:
         if plan.netns is not None:
@@ -112,7 +82,7 @@ async def run_mesh(plan: LaunchPlan) -> int:
             if swept:
                 print(f"removed what killed meshes left: {', '.join(swept)}", file=sys.stderr)
             create_netns(plan.netns)
-        if not await _start_services(supervisor, stop, spawner.ready):
+        if not await _start_services(supervisor, stop, starter.prepare):
             return INTERRUPTED
         print(describe_mesh(plan))
         code = await _train(plan, supervisor, stop)
@@ -121,11 +91,14 @@ async def run_mesh(plan: LaunchPlan) -> int:
         elif code != INTERRUPTED:
             print_failure(plan, code, supervisor.trainer.child.log_path)
         return code
+    except JobRefused as exc:
+        print(str(exc), file=sys.stderr)
+        return CHECK_FAILED
     except (RuntimeError, TimeoutError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 1
     finally:
         await asyncio.to_thread(supervisor.stop)
-        spawner.close()
+        starter.close()
         if plan.netns is not None:
             remove_netns(plan.netns)

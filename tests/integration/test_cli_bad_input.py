@@ -59,8 +59,14 @@ def test_up_stops_a_bad_job_before_starting_anything(tmp_path, model_dir):
     assert result.returncode == 2
     assert "task 'mine'" in result.stderr and "row 0 has no field 'solutoin'" in result.stderr
 
-    result = up("--job", str(dataset_job(other)), "--model-dir", str(model_dir), "--set", "tasks.0.reward.function=my_reward:nope")
-    assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
+    # Checked by a process forked from the fork server, and, with the fork server off, in `up`'s own.
+    for fork_server in ("true", "false"):
+        refused = tmp_path / f"refused-{fork_server}"
+        result = up("--job", str(dataset_job(other)), "--model-dir", str(model_dir), "--output-dir", str(refused),
+                    "--set", "tasks.0.reward.function=my_reward:nope", "--set", f"mesh.fork_server={fork_server}")
+        assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
+        # A job refused before any service started leaves no run folder behind.
+        assert not refused.exists()
 
     result = up("--job", str(tmp_path / "absent.toml"))
     assert result.returncode == 2 and "job file not found" in result.stderr

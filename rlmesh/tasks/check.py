@@ -1,0 +1,51 @@
+"""The start-up check of a job's tasks against its model's tokenizer: each task is built (its data
+read, its reward loaded, prompts rendered), so a bad task stops `rlmesh up` before any service
+starts. `rlmesh up` forks it from the fork server, which has imported transformers already."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlmesh.config import ConfigError
+from rlmesh.lifecycle import name_process
+from rlmesh.tasks.config import TaskConfig
+
+CHECK_FAILED = 2
+"""The exit code of a check that refused the job; its message is on stderr."""
+
+
+def check_tasks(tasks: Sequence[TaskConfig], job_seed: int, model_dir: Path, search_path: Sequence[str]) -> None:
+    """Raises ConfigError, TaskError (a ValueError) or FileNotFoundError naming what is wrong."""
+    from rlmesh.models.tokenizer import load_hf_tokenizer
+    from rlmesh.tasks.build import build_task
+
+    tokenizer = load_hf_tokenizer(model_dir)
+    for task in tasks:
+        # A remote verifier is not called here: its channel opens on the first score.
+        asyncio.run(build_task(task, tokenizer, job_seed, search_path).reward.close())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlmesh.tasks.check", description=__doc__)
+    parser.add_argument("--job", type=Path, required=True, help="the job as `rlmesh up` wrote it (job.json)")
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--search-path", action="append", default=[], help="where reward modules are found (the job file's folder)")
+    args = parser.parse_args(argv)
+    name_process("rlmesh-jobcheck")
+    job = json.loads(args.job.read_text())
+    try:
+        check_tasks([TaskConfig.model_validate(task) for task in job["tasks"]], job["algorithm"]["seed"], args.model_dir,
+                    args.search_path)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"rlmesh up: {exc}", file=sys.stderr)
+        return CHECK_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
