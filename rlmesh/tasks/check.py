@@ -36,7 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--search-path", action="append", default=[], help="where reward modules are found (the job file's folder)")
     args = parser.parse_args(argv)
-    name_process("rlmesh-jobcheck")
     job = json.loads(args.job.read_text())
     try:
         check_tasks([TaskConfig.model_validate(task) for task in job["tasks"]], job["algorithm"]["seed"], args.model_dir,
@@ -48,4 +47,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    name_process("rlmesh-jobcheck")
     sys.exit(main())

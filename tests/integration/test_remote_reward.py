@@ -155,7 +155,8 @@ async def test_a_hung_verifier_times_out_on_every_attempt(scripted):
         await reward.score([item("1", "42", "42")])
     assert address in str(caught.value) and "'arithmetic'" in str(caught.value)
     assert servicer.batch_sizes == [1, 1, 1]
-    assert asyncio.get_running_loop().time() - started < 2
+    # Each attempt ended at its 0.2 s deadline: one that waited for the 30 s hang would take longer.
+    assert asyncio.get_running_loop().time() - started < 10
     await reward.close()
 
 

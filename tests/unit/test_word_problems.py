@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from math_verify import parse
 from tokenizers import Tokenizer
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from rlmesh.models.families import is_model_dir
-from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, build_text_tokenizer
+from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, UNK_TOKEN, build_text_tokenizer
 from rlmesh.rewards.base import RewardItem
 from rlmesh.rewards.guard import GuardedReward
 from rlmesh.rewards.math import MathReward, check
@@ -138,9 +138,19 @@ def test_math_reward_works_off_the_main_thread():
 @given(st.text(alphabet=TEXT_ALPHABET, max_size=80))
 def test_text_tokenizer_round_trips_one_token_per_character(text):
     tokenizer = build_text_tokenizer()
+    specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    # A special token's own text is that token, as in every HF tokenizer; any other text is one
+    # token per character.
+    assume(not any(special in text for special in specials))
     ids = tokenizer.encode(text).ids
     assert len(ids) == len(text)
     assert tokenizer.decode(ids) == text
+
+
+def test_a_special_tokens_text_is_the_special_token():
+    tokenizer = build_text_tokenizer()
+    for token, token_id in ((UNK_TOKEN, tokenizer.token_to_id(UNK_TOKEN)), (IM_END_TOKEN, tokenizer.token_to_id(IM_END_TOKEN))):
+        assert tokenizer.encode(f"1{token}2").ids == [tokenizer.token_to_id("1"), token_id, tokenizer.token_to_id("2")]
 
 
 @pytest.fixture(scope="module")
