@@ -42,7 +42,7 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self._wake_write)
 
-    def _send(self, message: dict) -> None:
+    def send(self, message: dict) -> None:
         os.write(self._control, (json.dumps(message) + "\n").encode())
 
     def _reap(self) -> None:
@@ -51,14 +51,14 @@ class _Server:
             if done:
                 self._children.discard(pid)
                 # As subprocess.Popen.returncode: the exit code, or minus the signal that killed it.
-                self._send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                self.send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def _spawn(self, request: dict) -> None:
         pid = os.fork()
         if pid == 0:
             self._become_service(request)
         self._children.add(pid)
-        self._send({"pid": pid})
+        self.send({"pid": pid})
 
     def _signal(self, request: dict) -> None:
         # Only a child not yet reaped: its pid cannot have been reused by another process.
@@ -66,7 +66,7 @@ class _Server:
         alive = pid in self._children
         if alive:
             os.kill(pid, request["signal"])
-        self._send({"sent": alive})
+        self.send({"sent": alive})
 
     def _become_service(self, request: dict) -> None:
         """In the child: its own session, the service's environment and log, then `python -m module`."""
@@ -144,7 +144,7 @@ def serve(modules: list[str]) -> None:
         os.write(control, (json.dumps({"refused": f"the imports started {threads - 1} threads; forking is unsafe"}) + "\n").encode())
         return
     server = _Server(control)
-    server._send({"ready": True})
+    server.send({"ready": True})
     server.serve()
     # Its services are stopped by now; tearing down what it imported would take seconds.
     os._exit(0)
@@ -190,9 +190,9 @@ class ForkServer:
                     self._replies.append(message)
                 self._changed.notify_all()
         with self._changed:
-            if self._ready is None:
+            # Once the server has ended, `_ready` says why it can fork no more.
+            if not isinstance(self._ready, str):
                 self._ready = f"it exited with code {self._process.wait()}; see {self.log_path}"
-            self._ready = self._ready if self._ready is not True else "it exited"
             self._changed.notify_all()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
