@@ -572,6 +572,14 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()}
 
 
+def parent_pid(pid: int) -> int | None:
+    """The pid of `pid`'s parent, from /proc; None once it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def trainer_pid(output_dir: Path) -> int | None:
     """The pid of the trainer `rlmesh up` runs for `output_dir` (its mesh.json), once there is one."""
     try:

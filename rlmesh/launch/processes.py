@@ -79,14 +79,18 @@ def service_environment(settings: dict[str, str], mesh_id: str) -> dict[str, str
     return {**os.environ, **settings, MESH_ID_ENV: mesh_id, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+def _log_path(log_dir: Path, name: str) -> Path:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir / f"{name}.log"
+
+
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
                   python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None,
                   wrapper: list[str] | None = None) -> Child:
     """Starts `python -m module args...` as its own process group with `settings` in its
     environment and its output in `log_dir/name.log`; `python`, `launcher` and `wrapper` as in
     ServiceSpec."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
+    log_path = _log_path(log_dir, name)
     env = service_environment(settings, mesh_id)
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
@@ -105,8 +109,7 @@ def spawn_service(name: str, module: str, address: str, settings: dict[str, str]
 def spawn(spec: ServiceSpec, log_dir: Path, mesh_id: str, forks: ForkServer | None = None) -> Child:
     """Forked by `forks` when given and the spec allows it, else started by exec."""
     if forks is not None and spec.forkable:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = log_dir / f"{spec.name}.log"
+        log_path = _log_path(log_dir, spec.name)
         process = forks.spawn(spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path)
         return Child(spec.name, spec.address, process, log_path)
     return spawn_service(spec.name, spec.module, spec.address, spec.settings, log_dir, mesh_id, python=spec.python,

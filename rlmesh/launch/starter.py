@@ -11,7 +11,7 @@ from rlmesh.launch.forkserver import ForkServer, ForkServerError
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import Child, ServiceSpec, service_environment, spawn
 from rlmesh.launch.services import forked_modules
-from rlmesh.tasks.check import check_tasks
+from rlmesh.tasks.check import refusal
 
 CHECK_MODULE = "rlmesh.tasks.check"
 CHECK_IMPORTS = ("rlmesh.tasks.build", "rlmesh.models.tokenizer", "transformers.models.auto.tokenization_auto")
@@ -45,10 +45,9 @@ class ServiceStarter:
         plan = self._plan
         search_path = [str(plan.job_dir)] if plan.job_dir is not None else []
         if self.forks is None:
-            try:
-                await asyncio.to_thread(check_tasks, plan.job.tasks, plan.job.algorithm.seed, plan.model_dir, search_path)
-            except (ValueError, FileNotFoundError) as exc:
-                raise JobRefused(f"rlmesh up: {exc}") from exc
+            message = await asyncio.to_thread(refusal, plan.job.tasks, plan.job.algorithm.seed, plan.model_dir, search_path)
+            if message is not None:
+                raise JobRefused(message)
             return
         log_path = plan.log_dir / "job-check.log"
         args = ["--job", str(plan.output_dir / "job.json"), "--model-dir", str(plan.model_dir)]

@@ -11,7 +11,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlmesh.config import ConfigError
 from rlmesh.lifecycle import name_process
 from rlmesh.tasks.config import TaskConfig
 
@@ -19,15 +18,19 @@ CHECK_FAILED = 2
 """The exit code of a check that refused the job; its message is on stderr."""
 
 
-def check_tasks(tasks: Sequence[TaskConfig], job_seed: int, model_dir: Path, search_path: Sequence[str]) -> None:
-    """Raises ConfigError, TaskError (a ValueError) or FileNotFoundError naming what is wrong."""
+def refusal(tasks: Sequence[TaskConfig], job_seed: int, model_dir: Path, search_path: Sequence[str]) -> str | None:
+    """None when every task can run; else `rlmesh up`'s message naming the task and what is wrong."""
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.tasks.build import build_task
 
-    tokenizer = load_hf_tokenizer(model_dir)
-    for task in tasks:
-        # A remote verifier is not called here: its channel opens on the first score.
-        asyncio.run(build_task(task, tokenizer, job_seed, search_path).reward.close())
+    try:
+        tokenizer = load_hf_tokenizer(model_dir)
+        for task in tasks:
+            # A remote verifier is not called here: its channel opens on the first score.
+            asyncio.run(build_task(task, tokenizer, job_seed, search_path).reward.close())
+    except (ValueError, FileNotFoundError) as exc:  # ConfigError and TaskError are ValueErrors
+        return f"rlmesh up: {exc}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,11 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search-path", action="append", default=[], help="where reward modules are found (the job file's folder)")
     args = parser.parse_args(argv)
     job = json.loads(args.job.read_text())
-    try:
-        check_tasks([TaskConfig.model_validate(task) for task in job["tasks"]], job["algorithm"]["seed"], args.model_dir,
-                    args.search_path)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"rlmesh up: {exc}", file=sys.stderr)
+    message = refusal([TaskConfig.model_validate(task) for task in job["tasks"]], job["algorithm"]["seed"], args.model_dir,
+                      args.search_path)
+    if message is not None:
+        print(message, file=sys.stderr)
         return CHECK_FAILED
     return 0
 

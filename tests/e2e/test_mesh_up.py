@@ -18,21 +18,18 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlmesh.launch.forkserver import FORK_SERVER_NAME
 from rlmesh.launch.ports import free_base_port, free_port
 from rlmesh.launch.processes import mesh_processes, process_name
 from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.support import grpcurl_output, up_command
+from tests.support import grpcurl_output, parent_pid, up_command
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def parent_pid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
@@ -115,8 +112,8 @@ def test_grpcurl_sees_every_service(live_mesh):
         assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
     # Each service in its own process, forked by the fork server, which is the fifth.
     names = sorted(process_name(pid) for pid in mesh_processes(live_mesh.output_dir))
-    assert names == sorted(["rlmesh-forksrv", "rlmesh-manager", "rlmesh-weights", "rlmesh-rollout", "rlmesh-trainer"])
-    fork_server = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == "rlmesh-forksrv")
+    assert names == sorted([FORK_SERVER_NAME, "rlmesh-manager", "rlmesh-weights", "rlmesh-rollout", "rlmesh-trainer"])
+    fork_server = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == FORK_SERVER_NAME)
     assert all(parent_pid(pid) == fork_server for pid in mesh_processes(live_mesh.output_dir) if pid != fork_server)
 
 

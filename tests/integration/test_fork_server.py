@@ -12,7 +12,7 @@ import pytest
 
 from rlmesh.launch.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
 from rlmesh.launch.processes import process_name
-from tests.support import wait_until
+from tests.support import parent_pid, wait_until
 
 REPORTING_MODULE = '''
 import json, os, sys, time
@@ -91,16 +91,8 @@ def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server,
     process, report = spawn(server, tmp_path, "sleep")
     wait_until(report.exists, 30, "the service to start")
     server_pid = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                      if process_name(pid) == FORK_SERVER_NAME and _parent(pid) == os.getpid())
+                      if process_name(pid) == FORK_SERVER_NAME and parent_pid(pid) == os.getpid())
     os.kill(server_pid, signal.SIGKILL)
     assert process.wait(30) == -signal.SIGTERM
     with pytest.raises(ForkServerError, match="stopped|cannot fork"):
         spawn(server, tmp_path, "0")
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
-
