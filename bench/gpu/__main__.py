@@ -1,6 +1,6 @@
 """`python -m bench.gpu --device cuda|cpu`: every section of the GPU check in one go, a table at the
 end, figures in a JSON file and a log beside it. Exit 1 when parity fails, the short job's reward
-does not rise, or a section fails."""
+does not rise, the critic job's critic logs no finite figures, or a section fails."""
 
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ from bench.gpu.weight_path import measure
 
 log = logging.getLogger("gpu-check")
 
-SECTIONS = ("parity", "engine_steps", "train_step", "weight_path", "short_job")
+SECTIONS = ("parity", "engine_steps", "train_step", "weight_path", "short_job", "critic_job")
+CRITIC_JOB = ("algorithm.advantage_estimator=gae",)
+"""The critic job's settings: the default job trained by PPO with a critic."""
 
 SIZES = {
     # samples, tokens per sample, samples per micro-batch, parity prompts and tokens, decode batches
     "cuda": {"samples": 64, "tokens": 512, "micro_batch_samples": 8, "parity_prompts": 6, "parity_tokens": 32,
-             "decode_batches": [1, 16, 64], "pushes": 3, "step_batches": [1, 64], "step_tokens": 64},
+             "decode_batches": [1, 16, 64], "pushes": 3, "step_batches": [1, 64], "step_tokens": 64, "critic_job_steps": 30},
     "cpu": {"samples": 8, "tokens": 64, "micro_batch_samples": 4, "parity_prompts": 3, "parity_tokens": 12,
-            "decode_batches": [1, 4, 8], "pushes": 2, "step_batches": [1, 8], "step_tokens": 16},
+            "decode_batches": [1, 4, 8], "pushes": 2, "step_batches": [1, 8], "step_tokens": 16, "critic_job_steps": 8},
 }
 
 
@@ -72,6 +74,10 @@ def failures(results: dict) -> list[str]:
     job = results.get("short_job", {"error": ""})
     if "error" not in job and not (job["completed"] and job["rises"]):
         failed.append("short_job")
+    critic = results.get("critic_job", {"error": ""})
+    if "error" not in critic and not (critic["completed"] and critic.get("critic_finite")
+                                      and critic.get("critic_steps") == critic["steps"]):
+        failed.append("critic_job")
     return failed
 
 
@@ -103,6 +109,12 @@ def table(results: dict) -> str:
     if "reward_first" in job:
         rows.append(f"short job: {job['steps']} steps, reward {job['reward_first']:.3f} -> {job['reward_last']:.3f}, "
                     f"median step {job['median_step_seconds']:.3f} s, rises {job['rises']}")
+    critic = results.get("critic_job", {})
+    if "critic" in critic:
+        rows.append(f"critic job (PPO + critic): {critic['steps']} steps, reward {critic['reward_first']:.3f} -> "
+                    f"{critic['reward_last']:.3f}, median step {critic['median_step_seconds']:.3f} s; last step's value loss "
+                    f"{critic['critic']['critic/value_loss']:.4f}, explained variance "
+                    f"{critic['critic']['critic/explained_variance']:.3f}, finite {critic['critic_finite']}")
     rows.append(f"total {results['total_seconds']:.0f} s; failed: {results['failed'] or 'none'}")
     return "\n".join(rows)
 
@@ -157,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"parity": parity,
             "engine_steps": lambda: measure_engine_steps(folders[first], args.device, sizes["step_batches"], sizes["step_tokens"]),
             "train_step": train_steps, "weight_path": weight_paths,
-            "short_job": lambda: run_short_job(args.device, args.job_steps, work / "short-job")}
+            "short_job": lambda: run_short_job(args.device, args.job_steps, work / "short-job"),
+            "critic_job": lambda: run_short_job(args.device, sizes["critic_job_steps"], work / "critic-job", CRITIC_JOB)}
     for name in SECTIONS:
         if name in chosen:
             section(results, name, runs[name])

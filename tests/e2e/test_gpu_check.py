@@ -1,6 +1,6 @@
 """The GPU check (`python -m bench.gpu`) run on the CPU at small shapes, so the script that a GPU
 machine runs now and then cannot rot between those runs: every section completes, parity holds,
-and the short job's reward rises."""
+the short job's reward rises, and the critic job logs its critic's figures every step."""
 
 import json
 import subprocess
@@ -18,7 +18,7 @@ def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["failed"] == []
-    assert out.with_suffix(".log").read_text().count("section ") >= 12
+    assert out.with_suffix(".log").read_text().count("section ") >= 14
 
     parity = figures["parity"]
     assert parity["holds"]
@@ -45,3 +45,7 @@ def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     job = figures["short_job"]
     assert job["completed"] and job["steps"] == 30
     assert job["reward_last"] > job["reward_first"]
+
+    critic = figures["critic_job"]
+    assert critic["completed"] and critic["steps"] == critic["critic_steps"] == figures["sizes"]["critic_job_steps"]
+    assert critic["critic_finite"] and critic["critic"]["critic/value_loss"] >= 0
