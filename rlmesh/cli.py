@@ -39,20 +39,17 @@ FLAG_FIELDS = {
 
 def _ensure_builtin_model(name: str) -> Path:
     from rlmesh.job import DEFAULT_MODELS
-    from rlmesh.models.families import is_model_dir
+    from rlmesh.models.builtin import ensure_model
 
-    model_dir = DEFAULT_MODELS[name].resolve()
-    if not is_model_dir(model_dir):
+    def create(folder: Path) -> None:
         # Imported only here: the builders import torch and transformers (seconds of CPU).
         if name == "tiny-chat":
-            from rlmesh.models.chat_tiny import create_chat_model as create
+            from rlmesh.models.chat_tiny import create_chat_model as builder
         else:
-            from rlmesh.models.qwen2_tiny import create_default_model as create
-        print(f"creating the built-in model {name} in {model_dir} (random init + supervised warm-up)...", flush=True)
-        started = time.perf_counter()
-        create(model_dir)
-        print(f"model ready in {time.perf_counter() - started:.0f} s", flush=True)
-    return model_dir
+            from rlmesh.models.qwen2_tiny import create_default_model as builder
+        builder(folder)
+
+    return ensure_model(DEFAULT_MODELS[name].resolve(), create, name)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:

@@ -84,8 +84,8 @@ class MeshSection(StrictModel):
     fork_server: bool = True
     """Start and restart the services forked from one process that has imported torch,
     transformers and gRPC once (each service would spend 1 to 6 CPU-seconds importing them).
-    Services run by another interpreter (vLLM), by torchrun or in a network namespace are started
-    by exec either way."""
+    Services run by another interpreter (vLLM) or by torchrun are started by exec either way; a
+    rollout instance in a network namespace enters it once forked."""
     host: str = "127.0.0.1"
     """The address every service listens on and is reached at."""
     base_port: int = Field(default=50151, ge=1024, le=65000)

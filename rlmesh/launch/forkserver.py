@@ -17,6 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
+from rlmesh.launch.netns import enter_netns
 from rlmesh.lifecycle import die_with_parent, name_process
 
 FORK_SERVER_NAME = "rlmesh-forksrv"
@@ -69,7 +70,7 @@ class _Server:
         self.send({"sent": alive})
 
     def _become_service(self, request: dict) -> None:
-        """In the child: its own session, the service's environment and log, then `python -m module`."""
+        """In the child: its own session, network namespace, environment and log, then `python -m module`."""
         code = 1
         try:
             os.setsid()
@@ -85,6 +86,8 @@ class _Server:
             os.dup2(log, 2)
             os.close(log)
             os.close(devnull)
+            if request.get("netns"):
+                enter_netns(request["netns"])
             env = request["env"]
             # What the launcher removed from its environment since the server started is removed;
             # what an import set (a library's defaults) stays, as it would in a fresh process.
@@ -214,9 +217,12 @@ class ForkServer:
                     raise ForkServerError(f"the fork server stopped: {self._ready}")
                 return self._replies.pop(0)
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess:
-        """Forks `python -m module args...` with `env` as its environment and its output in `log_path`."""
-        reply = self._request({"op": "spawn", "module": module, "args": args, "env": env, "log": str(log_path)})
+    def spawn(self, module: str, args: list[str], env: dict[str, str], log_path: Path,
+              netns: str | None = None) -> ForkedProcess:
+        """Forks `python -m module args...` with `env` as its environment and its output in `log_path`,
+        in the network namespace `netns` when given."""
+        reply = self._request({"op": "spawn", "module": module, "args": args, "env": env, "log": str(log_path),
+                               "netns": netns})
         return ForkedProcess(self, reply["pid"])
 
     def exit_code(self, pid: int, timeout: float | None = 0) -> int | None:

@@ -1,8 +1,9 @@
 """Network namespaces for rollout instances: their names and addresses, creating and removing
-them with their veth pairs, and sweeping away what a killed `rlmesh up` left."""
+them with their veth pairs, entering one, and sweeping away what a killed `rlmesh up` left."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import ipaddress
 import os
@@ -16,6 +17,9 @@ from rlmesh.lifecycle import CAP_NET_ADMIN, CAP_SYS_ADMIN, effective_capabilitie
 
 NETNS_PREFIX = "rlmesh-"
 """Network namespaces of rollout instances are named rlmesh-<mesh tag>-<launcher pid>-<index>."""
+NETNS_DIR = Path("/var/run/netns")
+"""Where `ip netns add` pins each named namespace (a file to open and enter)."""
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,19 @@ def netns_problem() -> str:
     except RuntimeError as exc:
         return str(exc)
     return ""
+
+
+def enter_netns(namespace: str) -> None:
+    """Moves this process into the named network namespace, as `ip netns exec` does for the command
+    it runs: sockets it opens afterwards live there. The process must have one thread (setns(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    descriptor = os.open(NETNS_DIR / namespace, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(descriptor, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot enter network namespace {namespace}: {os.strerror(error)}")
+    finally:
+        os.close(descriptor)
 
 
 def mesh_tag(output_dir: Path) -> str:

@@ -59,13 +59,13 @@ class ServiceSpec:
     launcher: list[str] | None = None
     """Runs the module through another module (`torchrun_args`)."""
     args: list[str] | None = None
-    wrapper: list[str] | None = None
-    """A command that execs the rest (`ip netns exec NS`), so the pid is the service's."""
+    netns: str | None = None
+    """The network namespace it runs in (a rollout instance of `mesh.rollout_netns`)."""
 
     @property
     def forkable(self) -> bool:
-        """Whether the fork server can start it: this interpreter, no launcher, no wrapper."""
-        return self.python is None and self.launcher is None and self.wrapper is None
+        """Whether the fork server can start it: this interpreter, no launcher."""
+        return self.python is None and self.launcher is None
 
 
 def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[str]:
@@ -86,15 +86,17 @@ def _log_path(log_dir: Path, name: str) -> Path:
 
 def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
                   python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None,
-                  wrapper: list[str] | None = None) -> Child:
+                  netns: str | None = None) -> Child:
     """Starts `python -m module args...` as its own process group with `settings` in its
-    environment and its output in `log_dir/name.log`; `python`, `launcher` and `wrapper` as in
+    environment and its output in `log_dir/name.log`; `python`, `launcher` and `netns` as in
     ServiceSpec."""
     log_path = _log_path(log_dir, name)
     env = service_environment(settings, mesh_id)
+    # `ip netns exec` execs the rest, so the pid is the service's.
+    wrapper = ["ip", "netns", "exec", netns] if netns else []
     with log_path.open("ab") as log_file:
         process = subprocess.Popen(
-            [*(wrapper or []), python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
+            [*wrapper, python or sys.executable, *(launcher or []), "-m", module, *(args or [])],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
@@ -110,10 +112,11 @@ def spawn(spec: ServiceSpec, log_dir: Path, mesh_id: str, forks: ForkServer | No
     """Forked by `forks` when given and the spec allows it, else started by exec."""
     if forks is not None and spec.forkable:
         log_path = _log_path(log_dir, spec.name)
-        process = forks.spawn(spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path)
+        process = forks.spawn(spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path,
+                              spec.netns)
         return Child(spec.name, spec.address, process, log_path)
     return spawn_service(spec.name, spec.module, spec.address, spec.settings, log_dir, mesh_id, python=spec.python,
-                         launcher=spec.launcher, args=spec.args, wrapper=spec.wrapper)
+                         launcher=spec.launcher, args=spec.args, netns=spec.netns)
 
 
 async def wait_started(children: list[Child], timeout: float = 120.0) -> None:

@@ -53,7 +53,7 @@ def rollout_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
         **metrics_setting("RLMESH_ROLLOUT", address),
         **plan.security_settings("rollout"),
     }, python=str(VLLM_PYTHON) if plan.job.rollout.engine.kind == "vllm" else None,
-        wrapper=["ip", "netns", "exec", link.namespace] if link is not None else None)
+        netns=link.namespace if link is not None else None)
 
 
 def trainer_spec(plan: LaunchPlan) -> ServiceSpec:

@@ -12,8 +12,8 @@ import pytest
 
 from rlmesh.launch.ports import free_base_port, free_port
 
-# The only jobs in the suite without a model folder: the first creates the built-in model under
-# .rlmesh/. Being in one file, they run on one worker (--dist loadfile), never two at once.
+# Jobs without a model folder: the first run creates the built-in model under .rlmesh/, and a run
+# that starts meanwhile (the GPU check's short job) waits for it.
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]

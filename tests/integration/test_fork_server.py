@@ -1,6 +1,7 @@
 """The fork server as a real process: services forked from it run `python -m module` with their own
-arguments, environment, log and session; their exits, signals and crashes read as subprocess.Popen's
-would; it refuses to fork after imports that started threads; its end takes its services with it."""
+arguments, environment, log, session and network namespace; their exits, signals and crashes read as
+subprocess.Popen's would; it refuses to fork after imports that started threads; its end takes its
+services with it."""
 
 import json
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
+from rlmesh.launch.netns import NETNS_DIR, netns_problem
 from rlmesh.launch.processes import process_name
 from tests.support import parent_pid, wait_until
 
@@ -19,7 +21,8 @@ import json, os, sys, time
 print("to stdout", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 report = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ("ASKED", "DROPPED")},
-          "session_leader": os.getsid(0) == os.getpid(), "name": __name__, "preloaded": "forkmod_preload" in sys.modules}
+          "session_leader": os.getsid(0) == os.getpid(), "name": __name__, "preloaded": "forkmod_preload" in sys.modules,
+          "netns_inode": os.stat("/proc/self/ns/net").st_ino}
 open(os.environ["REPORT"], "w").write(json.dumps(report))
 if sys.argv[1:] == ["sleep"]:
     time.sleep(60)
@@ -40,11 +43,11 @@ def server(tmp_path):
     forks.close()
 
 
-def spawn(server: ForkServer, tmp_path: Path, *args: str) -> tuple:
+def spawn(server: ForkServer, tmp_path: Path, *args: str, netns: str | None = None) -> tuple:
     report = tmp_path / f"report-{'-'.join(args) or 'none'}.json"
     env = {k: v for k, v in os.environ.items() if k != "DROPPED"} | {"ASKED": "yes", "REPORT": str(report),
                                                                     "PYTHONPATH": str(tmp_path)}
-    process = server.spawn("forkmod", list(args), env, tmp_path / "service.log")
+    process = server.spawn("forkmod", list(args), env, tmp_path / "service.log", netns)
     return process, report
 
 
@@ -56,7 +59,26 @@ def test_a_forked_module_runs_as_main_with_its_arguments_environment_log_and_ses
     # What the launcher asked for is set; what it no longer has is gone.
     assert seen["env"] == {"ASKED": "yes", "DROPPED": None}
     assert seen["session_leader"]
+    assert seen["netns_inode"] == os.stat("/proc/self/ns/net").st_ino
     assert (tmp_path / "service.log").read_text().splitlines() == ["to stdout", "to stderr"]
+
+
+@pytest.mark.skipif(bool(netns_problem()), reason=netns_problem() or "network namespaces available")
+def test_a_service_forked_into_a_network_namespace_lives_there(server, tmp_path):
+    # Not named like a mesh's namespaces, which a concurrent test's sweep may remove.
+    namespace = f"forktest-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    try:
+        process, report = spawn(server, tmp_path, "0", netns=namespace)
+        assert process.wait(30) == 0
+        assert json.loads(report.read_text())["netns_inode"] == os.stat(NETNS_DIR / namespace).st_ino
+        assert os.stat(NETNS_DIR / namespace).st_ino != os.stat("/proc/self/ns/net").st_ino
+    finally:
+        subprocess.run(["ip", "netns", "delete", namespace], check=True)
+
+    missing, _ = spawn(server, tmp_path, "0", netns=namespace)
+    assert missing.wait(30) == 1
+    assert f"No such file or directory: '{NETNS_DIR / namespace}'" in (tmp_path / "service.log").read_text()
 
 
 def test_signals_and_crashes_read_as_popen_codes(server, tmp_path):
