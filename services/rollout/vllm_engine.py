@@ -83,6 +83,10 @@ class VllmEngine(Engine):
         # (tiny models decode much faster so).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # On CPU vLLM otherwise runs its model worker in a third process (the API's, the engine
+        # core's, the worker's), each importing vLLM: some 15 CPU-seconds apiece. With one thread
+        # the worker needs no OpenMP set-up of its own, so the engine core hosts it.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.model_dir = str(model_dir)
         self.config = config
         self._seed = seed
