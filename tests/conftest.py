@@ -16,6 +16,7 @@ from rlmesh.launch import ports as launch_ports
 from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
+from tests.support import RankRunner
 
 torch.set_num_threads(1)
 
@@ -81,6 +82,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's architecture with a short warm-up: enough for real forward passes."""
     return create_default_model(tmp_path_factory.mktemp("model"), TinyModelSpec(warmup_iterations=30))
+
+
+@pytest.fixture(scope="session")
+def rank_runner(tmp_path_factory: pytest.TempPathFactory):
+    """Runs worker modules on trainer ranks forked from one server per test worker (tests.support.RankRunner)."""
+    runner = RankRunner(tmp_path_factory.mktemp("ranks"))
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="module")

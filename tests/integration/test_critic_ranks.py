@@ -1,4 +1,4 @@
-"""PPO's critic on two FSDP ranks (torchrun, gloo) computes what one rank computes: the values,
+"""PPO's critic on two FSDP ranks (a gloo process group) computes what one rank computes: the values,
 GAE's advantages whitened over the whole micro-batch, the value loss and the critic's update,
 including for a micro-batch of one sample, which leaves the second rank idle (its forwards and
 all-reduces must still match the first's). The ranks run tests/integration/test_critic_ranks_worker.py."""
@@ -6,32 +6,24 @@ all-reduces must still match the first's). The ranks run tests/integration/test_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import torchrun_args
-
 WORKER = "tests.integration.test_critic_ranks_worker"
 
 
-def train(model_dir, folder, ranks: int) -> list[dict]:
+def train(rank_runner, model_dir, folder, ranks: int) -> list[dict]:
     folder.mkdir()
     spec = {"model_dir": str(model_dir), "output_dir": str(folder), "result": str(folder / "result-{rank}.pt")}
     (folder / "spec.json").write_text(json.dumps(spec))
-    process = subprocess.run([sys.executable, *torchrun_args(ranks, free_port()), "-m", WORKER, str(folder / "spec.json")],
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180, check=False)
-    assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
+    rank_runner.run(WORKER, [str(folder / "spec.json")], ranks, folder, timeout=180)
     return [torch.load(spec["result"].format(rank=r), weights_only=False) for r in range(ranks)]
 
 
-def test_two_ranks_train_the_critic_as_one_rank_does(model_dir, tmp_path):
-    one = train(model_dir, tmp_path / "one", 1)[0]
-    two = train(model_dir, tmp_path / "two", 2)
+def test_two_ranks_train_the_critic_as_one_rank_does(rank_runner, model_dir, tmp_path):
+    one = train(rank_runner, model_dir, tmp_path / "one", 1)[0]
+    two = train(rank_runner, model_dir, tmp_path / "two", 2)
     assert two[0]["stats"] == two[1]["stats"], "the figures are merged over the ranks"
     # Float32 sums over the ranks' shares come in another order than one rank's: equal to rounding.
     for index, (alone, shared) in enumerate(zip(one["stats"], two[0]["stats"])):

@@ -1,4 +1,4 @@
-"""The FSDP2 trainer as real rank processes (torchrun with gloo, or one rank alone) against a real
+"""The FSDP2 trainer as real rank processes (a gloo process group, or one rank alone) against a real
 weights service: two ranks train exactly like one, each hands over only its own rows (never a
 full tensor), and a sharded checkpoint resumes on two ranks (and on one) to the state saved.
 
@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import fsdp_rows
@@ -58,17 +54,12 @@ def make_samples(model_dir: Path) -> list[list[TrainingSample]]:
     return micro_batches
 
 
-async def run_ranks(ranks: int, spec: dict, directory: Path) -> dict:
-    """Runs the worker on `ranks` processes (torchrun when more than one) and returns rank 0's result."""
+async def run_ranks(rank_runner, ranks: int, spec: dict, directory: Path) -> dict:
+    """Runs the worker on `ranks` processes (a process group when more than one) and returns rank 0's result."""
     spec_path = directory / f"spec-{spec['scenario']}-{ranks}.json"
     spec["result"] = str(directory / f"result-{spec['scenario']}-{ranks}.pt")
     spec_path.write_text(json.dumps(spec))
-    launcher = torchrun_args(ranks, free_port()) if ranks > 1 else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = await asyncio.create_subprocess_exec(sys.executable, *launcher, "-m", WORKER, str(spec_path), env=env,
-                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    output, _ = await asyncio.wait_for(process.communicate(), RUN_TIMEOUT)
-    assert process.returncode == 0, output.decode()[-6000:]
+    await asyncio.to_thread(rank_runner.run, WORKER, [str(spec_path)], ranks, directory, RUN_TIMEOUT, distributed=ranks > 1)
     return torch.load(spec["result"], weights_only=False)
 
 
@@ -81,7 +72,7 @@ def stored_shards(store) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, tmp_path_factory):
+def runs(rank_runner, model_dir, tmp_path_factory):
     """train on 1 rank, train on 2 ranks (shared memory), resume on 2 ranks (stream) and on 1."""
     directory = tmp_path_factory.mktemp("fsdp")
     samples_path = directory / "samples.pt"
@@ -93,14 +84,14 @@ def runs(model_dir, tmp_path_factory):
             base = {"model_dir": str(model_dir), "weights_address": mesh.weights_address, "samples": str(samples_path)}
             out = {}
             one = {**base, "output_dir": str(directory / "one"), "handoff": "shm", "scenario": "train", "versions": [1, 2]}
-            out["train1"] = await run_ranks(1, one, directory)
+            out["train1"] = await run_ranks(rank_runner, 1, one, directory)
             out["stored1"] = stored_shards(mesh.weights.store)
             two = {**base, "output_dir": str(directory / "two"), "handoff": "shm", "scenario": "train", "versions": [3, 4]}
-            out["train2"] = await run_ranks(2, two, directory)
+            out["train2"] = await run_ranks(rank_runner, 2, two, directory)
             out["stored2"] = stored_shards(mesh.weights.store)
-            out["resume2"] = await run_ranks(2, {**two, "handoff": "stream", "scenario": "resume", "versions": [5]}, directory)
+            out["resume2"] = await run_ranks(rank_runner, 2, {**two, "handoff": "stream", "scenario": "resume", "versions": [5]}, directory)
             out["stored_stream"] = stored_shards(mesh.weights.store)
-            out["resume1"] = await run_ranks(1, {**two, "scenario": "resume", "versions": [6]}, directory)
+            out["resume1"] = await run_ranks(rank_runner, 1, {**two, "scenario": "resume", "versions": [6]}, directory)
             out["output_two"] = directory / "two"
             return out
         finally:

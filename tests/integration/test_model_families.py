@@ -31,7 +31,7 @@ from tests.support import (
 FAMILIES = {"llama": {"tie_word_embeddings": False}, "qwen3": {"tie_word_embeddings": True}}
 
 
-async def push_and_generate(models: dict[str, Path], directory: Path, timeout: float) -> dict[str, Pushed]:
+async def push_and_generate(rank_runner, models: dict[str, Path], directory: Path, timeout: float) -> dict[str, Pushed]:
     """One mesh (manager, weights service, a TP-2 instance) per model, one trainer for all of them."""
     meshes, rollouts, seconds = {}, {}, {}
     try:
@@ -47,7 +47,7 @@ async def push_and_generate(models: dict[str, Path], directory: Path, timeout: f
         specs = [{"name": name, "model_dir": str(model_dir), "output_dir": str(directory / f"trainer-{name}"),
                   "weights_address": meshes[name].weights_address, "version": PUSHED_VERSION, "seed": 17} for name, model_dir in models.items()]
         started = time.monotonic()
-        published = await trainer_rank_results(specs, directory, timeout)
+        published = await trainer_rank_results(rank_runner, specs, directory, timeout)
         seconds["trainer (start, publish)"] = time.monotonic() - started
         out = {}
         for name, model_dir in models.items():
@@ -72,10 +72,10 @@ async def push_and_generate(models: dict[str, Path], directory: Path, timeout: f
 
 
 @pytest.fixture(scope="module")
-def pushed_small(tmp_path_factory) -> dict[str, Pushed]:
+def pushed_small(rank_runner, tmp_path_factory) -> dict[str, Pushed]:
     directory = tmp_path_factory.mktemp("families")
     models = {name: write_random_model(directory / name, scaled_config(name, **settings), seed=11) for name, settings in FAMILIES.items()}
-    return asyncio.run(push_and_generate(models, directory, timeout=120))
+    return asyncio.run(push_and_generate(rank_runner, models, directory, timeout=120))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -90,13 +90,13 @@ def test_a_pushed_version_serves_hf_greedy_tokens_and_logprobs(pushed_small, fam
 
 @pytest.mark.large
 @pytest.mark.timeout(900)
-def test_qwen25_half_billion_at_its_real_shape(tmp_path):
+def test_qwen25_half_billion_at_its_real_shape(rank_runner, tmp_path):
     """Qwen2.5-0.5B's shape (494 M parameters, tied, fp32, random init): one push, one generate."""
     started = time.monotonic()
     try:
         model_dir = write_random_model(tmp_path / "qwen2.5-0.5b", real_config("qwen2"), seed=5)
         written = time.monotonic() - started
-        pushed = asyncio.run(push_and_generate({"qwen2.5-0.5b": model_dir}, tmp_path, timeout=600))["qwen2.5-0.5b"]
+        pushed = asyncio.run(push_and_generate(rank_runner, {"qwen2.5-0.5b": model_dir}, tmp_path, timeout=600))["qwen2.5-0.5b"]
         assert sum(p.numel() for p in pushed.params.values()) == 494_032_768
         assert_served_as_hf(pushed)
     finally:

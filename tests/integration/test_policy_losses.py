@@ -1,4 +1,4 @@
-"""The proximal policy on two FSDP ranks (torchrun, gloo): micro-batches trained after an
+"""The proximal policy on two FSDP ranks (a gloo process group): micro-batches trained after an
 optimizer step of a training step are scored with the parameters of the step's start, gathered
 afresh from every rank's shards, including on a rank whose share of a micro-batch is empty.
 
@@ -7,15 +7,10 @@ The ranks run tests/integration/test_policy_losses_worker.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import torchrun_args
 from rlmesh.models.loading import load_causal_lm
 from services.trainer.batching import build_micro_batch, token_logprobs
 from tests.support import micro_batches
@@ -23,13 +18,11 @@ from tests.support import micro_batches
 WORKER = "tests.integration.test_policy_losses_worker"
 
 
-def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(model_dir, tmp_path):
+def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(rank_runner, model_dir, tmp_path):
     spec = {"model_dir": str(model_dir), "output_dir": str(tmp_path), "result": str(tmp_path / "result-{rank}.pt")}
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    process = subprocess.run([sys.executable, *torchrun_args(2, free_port()), "-m", WORKER, str(spec_path)],
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120, check=False)
-    assert process.returncode == 0, (process.stdout + process.stderr)[-6000:]
+    rank_runner.run(WORKER, [str(spec_path)], 2, tmp_path, timeout=120)
     results = [torch.load(spec["result"].format(rank=r), weights_only=False) for r in (0, 1)]
     batches = micro_batches(model_dir, 5)
     batches[4] = batches[4][:1]

@@ -34,7 +34,7 @@ async def wait_served(address: str, version: int, timeout: float) -> None:
         await channel.close()
 
 
-async def push_to_vllm(python: Path, model_dir: Path, directory: Path) -> Pushed:
+async def push_to_vllm(rank_runner, python: Path, model_dir: Path, directory: Path) -> Pushed:
     mesh = await build_mesh(model_dir, "tcp", instances=0)
     log_path = directory / "vllm-rollout.log"
     process, port = spawn_vllm_rollout(python, model_dir, mesh.manager_address, log_path, max_model_len=MAX_MODEL_LEN)
@@ -42,7 +42,7 @@ async def push_to_vllm(python: Path, model_dir: Path, directory: Path) -> Pushed
         # The trainer starts while vLLM does; an instance that registers later still gets the latest version.
         spec = {"name": "llama", "model_dir": str(model_dir), "output_dir": str(directory / "trainer"),
                 "weights_address": mesh.weights_address, "version": PUSHED_VERSION, "seed": 23}
-        trainer = asyncio.create_task(trainer_rank_results([spec], directory, timeout=VLLM_START_SECONDS))
+        trainer = asyncio.create_task(trainer_rank_results(rank_runner, [spec], directory, timeout=VLLM_START_SECONDS))
         await wait_registered(mesh.manager, process, log_path)
         ranks = [result["llama"] for result in await trainer]
         address = f"127.0.0.1:{port}"
@@ -57,8 +57,8 @@ async def push_to_vllm(python: Path, model_dir: Path, directory: Path) -> Pushed
         await stop_mesh(mesh)
 
 
-def test_a_llama_version_pushed_to_vllm_serves_hf_greedy_tokens_and_logprobs(vllm_python, tmp_path):
+def test_a_llama_version_pushed_to_vllm_serves_hf_greedy_tokens_and_logprobs(rank_runner, vllm_python, tmp_path):
     model_dir = write_random_model(tmp_path / "llama", scaled_config("llama"), seed=13)
-    pushed = asyncio.run(push_to_vllm(vllm_python, model_dir, tmp_path))
+    pushed = asyncio.run(push_to_vllm(rank_runner, vllm_python, model_dir, tmp_path))
     assert_served_as_hf(pushed)
     assert any(len(set(tokens)) > 3 for tokens, _, _ in pushed.responses), "greedy decoding only repeated a few tokens"
