@@ -7,6 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# As in `rlmesh up` (rlmesh/cli.py): a worker starts processes (fork, then exec) while its in-process
+# servers' gRPC threads run. gRPC's fork handlers would restart its pollers in the child before the
+# exec, where closing the inherited descriptors makes a poller abort the child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import pytest
 import torch
 import torch.distributed as dist

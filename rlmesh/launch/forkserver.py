@@ -198,6 +198,11 @@ class ForkServer:
                 self._ready = f"it exited with code {self._process.wait()}; see {self.log_path}"
             self._changed.notify_all()
 
+    @property
+    def pid(self) -> int:
+        """The server process's."""
+        return self._process.pid
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         with self._changed:
             if not self._changed.wait_for(lambda: self._ready is not None, timeout):

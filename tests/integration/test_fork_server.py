@@ -112,9 +112,8 @@ def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path):
 def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server, tmp_path):
     process, report = spawn(server, tmp_path, "sleep")
     wait_until(report.exists, 30, "the service to start")
-    server_pid = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
-                      if process_name(pid) == FORK_SERVER_NAME and parent_pid(pid) == os.getpid())
-    os.kill(server_pid, signal.SIGKILL)
+    assert process_name(server.pid) == FORK_SERVER_NAME and parent_pid(server.pid) == os.getpid()
+    os.kill(server.pid, signal.SIGKILL)
     assert process.wait(30) == -signal.SIGTERM
     with pytest.raises(ForkServerError, match="stopped|cannot fork"):
         spawn(server, tmp_path, "0")
