@@ -116,16 +116,17 @@ test-compose: setup wheels
 # worker fills the time the others wait on processes and sockets.
 TEST_WORKERS ?= 3
 test:
-	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose bytecode
+	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # What the test files and the services import, compiled to bytecode by one process (while the vLLM
-# virtualenv installs): the test workers and their first services start at the same moment, and
-# each would otherwise compile the same modules (transformers', torch.distributed's, the tests').
-.PHONY: bytecode
-bytecode: $(VENV)/.installed $(GEN)/.stamp
+# virtualenv installs), once per virtualenv: the test workers and their first services start at the
+# same moment, and each would otherwise compile the same modules (transformers', torch.distributed's,
+# the tests'). Python recompiles what changes later by itself.
+$(VENV)/.bytecode: $(VENV)/.installed $(GEN)/.stamp
 	$(PY) -m pytest tests --collect-only -q -p no:cacheprovider > /dev/null
 	$(PY) -c "import services.manager.main, services.weights.main, services.rollout.main, services.trainer.main, rlmesh.launch.run, torch.distributed.run"
+	@touch $@
 
 # The vLLM rollout tests alone: the main environment's pytest starts the vLLM rollout service as
 # a process of .venv-vllm.
