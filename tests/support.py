@@ -617,9 +617,9 @@ class RankRunner:
             processes.append((self._forks.spawn(module, args, env, log_path), log_path))
         deadline = time.monotonic() + timeout
         try:
-            while any(process.poll() is None for process, _ in processes):
-                failed = any(process.poll() not in (None, 0) for process, _ in processes)
-                if failed or time.monotonic() > deadline:
+            while time.monotonic() < deadline:
+                codes = [process.poll() for process, _ in processes]
+                if None not in codes or any(code not in (None, 0) for code in codes):
                     break
                 time.sleep(0.05)
         finally:

@@ -28,7 +28,7 @@ def ensure_model(model_dir: Path, create: Callable[[Path], object], name: str,
             fcntl.flock(lock, fcntl.LOCK_EX)
         if is_model_dir(model_dir):
             return model_dir
-        # What a creation killed before the staging folders existed left at the path.
+        # A half-written folder at the path itself (creations before staging folders wrote there).
         shutil.rmtree(model_dir, ignore_errors=True)
         announce(f"creating the built-in model {name} in {model_dir} (random init + supervised warm-up)...")
         started = time.perf_counter()
