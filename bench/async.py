@@ -249,10 +249,14 @@ async def torch_engine_knee(model_dir: Path, max_tokens: int = 48) -> dict[str, 
 
 
 def synthetic_instance(model_dir: Path, sigma: float, throughput: float, min_step_seconds: float) -> InstanceSpec:
+    """The instance declares its knee as its saturation batch, as a deployment sets the torch
+    engine's (`engine.saturation_batch_size`): a decode step of more sequences gains no throughput."""
+    saturation = min(MAX_BATCH, math.ceil(throughput * min_step_seconds))
     return InstanceSpec("synthetic-0", 1.0, {
         # The instance checks every weight push against the model's parameters, as a real one would.
         "ENGINE__MODEL_DIR": str(model_dir),
         "ENGINE__MAX_BATCH_SIZE": str(MAX_BATCH),
+        "ENGINE__SATURATION_BATCH_SIZE": str(saturation),
         "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": f"{throughput:.6g}",
         "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": f"{min_step_seconds:.6g}",
         "ENGINE__SYNTHETIC__LENGTH": "lognormal",
@@ -465,7 +469,8 @@ async def main(window: Window) -> dict:
             "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "micro_batch_groups": MICRO_BATCH_GROUPS,
             "warmup_steps": window.warmup_steps, "measured_steps": window.measured_steps,
             "lengths": f"lognormal, mean {MEAN_TOKENS} tokens, capped at {MAX_TOKENS}; sigma = ln(p99/p50) / {Z99}",
-            "rollout": f"1 synthetic instance, max batch {MAX_BATCH}, {STREAM_INTERVAL}-token chunks",
+            "rollout": f"1 synthetic instance, max batch {MAX_BATCH}, saturation batch its knee (rounded up), "
+                       f"{STREAM_INTERVAL}-token chunks",
             "trainer": "services.trainer, 1 rank, 1 thread, the built-in tiny-increment model, default schedule; loss ppo at "
                        "η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before and after "
                        "the measured window",

@@ -32,6 +32,13 @@ class EngineSettings(StrictModel):
     """Sequences the instance decodes at once. 1 makes every response's tokens and logprobs
     independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
     cost in throughput."""
+    saturation_batch_size: int = Field(default=0, ge=0)
+    """Running sequences beyond which a decode step gains no throughput, only latency: the
+    engine's knee (`bench.async` prints the torch engine's; at most max_batch_size). While the
+    instance runs this many, the manager starts on it no sample of a later step than the oldest it
+    runs: the stragglers the trainer waits for keep decoding at full speed, and work for later
+    steps fills only what the knee leaves free. 0: not known, the instance takes work up to
+    max_batch_size regardless of step."""
     stream_interval: int = Field(default=1, ge=1)
     """Torch engine: tokens per chunk streamed back (a response's last chunk may be shorter), as
     vLLM's stream_interval. One message per token costs the instance and the manager CPU that
@@ -64,6 +71,9 @@ class EngineSettings(StrictModel):
 
     @model_validator(mode="after")
     def _device_and_split_fit_the_kind(self) -> "EngineSettings":
+        if self.saturation_batch_size > self.max_batch_size:
+            raise ValueError(f"engine.saturation_batch_size ({self.saturation_batch_size}) must not exceed "
+                             f"engine.max_batch_size ({self.max_batch_size})")
         if self.device == "cuda" and self.kind != "torch":
             raise ValueError(f"engine.device cuda applies to the torch engine, not {self.kind} (vLLM picks its device itself)")
         if self.device == "cuda" and self.tensor_parallel_size > 1:

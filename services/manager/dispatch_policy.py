@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from services.manager.records import Assignment, Instance, SampleRequest
 
 if TYPE_CHECKING:
-    from services.manager.scheduling import Scheduler
+    from services.manager.scheduling import RunningWork, Scheduler
 
 PolicyName = Literal["balanced", "round_robin"]
 MIGRATION_SPEEDUP = 1.5
@@ -32,7 +32,8 @@ class Balanced:
     its slots: the others never hold its version, and keep taking new versions for training. A
     training request goes to no instance running background work (a validation) while another
     instance may run it, waiting for that one's slots instead: background work then decodes
-    alone, at the lowest CPU priority."""
+    alone, at the lowest CPU priority. An instance running its saturation batch takes no training
+    request of a later step than the oldest it runs (see `beyond_saturation`)."""
 
     migrates = True
 
@@ -56,7 +57,7 @@ class Balanced:
         )
         mean_length = ledger.mean_length
         queued_tokens = sum(r.expected_remaining(mean_length) for r in ledger.queue if not r.exact_version) if slow_present else 0.0
-        holders, background = scheduler.running_work()
+        work = scheduler.running_work()
         # Whether an instance may run a request depends only on the request's version and kind: a
         # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
         may_run: dict[tuple[int, bool], list[Instance]] = {}
@@ -78,10 +79,11 @@ class Balanced:
             ]
             if not request.exact_version:
                 queued_tokens -= expected
-            elif request.policy_version in holders:
-                candidates = [c for c in candidates if c.instance_id in holders[request.policy_version]]
-            if not request.background and background and any(i.instance_id not in background for i in may_run[kind]):
-                candidates = [c for c in candidates if c.instance_id not in background]
+                candidates = [c for c in candidates if not beyond_saturation(c, request, work)]
+            elif request.policy_version in work.holders:
+                candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
+            if not request.background and work.background and any(i.instance_id not in work.background for i in may_run[kind]):
+                candidates = [c for c in candidates if c.instance_id not in work.background]
             if not candidates:
                 waiting.append(request)
                 continue
@@ -90,14 +92,23 @@ class Balanced:
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
             )
             assignments.append(ledger.start(request, instance))
-            if request.exact_version:
-                holders.setdefault(request.policy_version, set()).add(instance.instance_id)
-            if request.background:
-                background.add(instance.instance_id)
+            work.started(request, instance.instance_id)
             free -= 1
         waiting.extend(ledger.queue)
         ledger.queue = waiting
         return assignments
+
+
+def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningWork) -> bool:
+    """Whether starting this training request would slow the stragglers of an earlier step: the
+    instance already runs its saturation batch (a larger batch gains no throughput, every sequence
+    just decodes slower) and the request is for a later step than the oldest it runs. The trainer
+    waits for that oldest step; a later one is needed only after it, so it fills just what the
+    knee leaves free. With no earlier step running, the instance fills up to its max batch."""
+    saturation = instance.saturation_batch_size
+    if not saturation or len(instance.running) < saturation:
+        return False
+    return request.policy_version > work.oldest_version.get(instance.instance_id, request.policy_version)
 
 
 def too_slow_for_the_tail(instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float) -> bool:

@@ -15,7 +15,7 @@ from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST
 from services.manager.records import Batch, Instance, SampleRequest
 from services.manager.state import ManagerState
 
-FORMAT = 4
+FORMAT = 5
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""
 
 _MIGRATIONS = {
@@ -24,6 +24,8 @@ _MIGRATIONS = {
         "ALTER TABLE batches ADD COLUMN version_gone INTEGER NOT NULL DEFAULT 0"],
     # 4: background batches (decoded at the lowest CPU priority).
     3: ["ALTER TABLE batches ADD COLUMN background INTEGER NOT NULL DEFAULT 0"],
+    # 5: an instance's saturation batch (the dispatch hold for later steps).
+    4: ["ALTER TABLE instances ADD COLUMN saturation_batch_size INTEGER NOT NULL DEFAULT 0"],
 }
 """Per format, the statements that turn it into the next."""
 
@@ -42,7 +44,7 @@ CREATE INDEX IF NOT EXISTS requests_of_batch ON requests (batch_id);
 CREATE TABLE IF NOT EXISTS instances (
     instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
     min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
-    draining INTEGER NOT NULL);
+    draining INTEGER NOT NULL, saturation_batch_size INTEGER NOT NULL DEFAULT 0);
 """
 
 
@@ -136,9 +138,10 @@ class Journal:
         """Loads the journal into an empty state; returns (batches, instances) restored."""
         instances = [
             Instance(instance_id=row[0], address=row[1], weight_version=row[2], max_batch_size=row[3], lease_expires=now,
-                     min_version=row[4], incarnation=row[5], token=row[6], preemptible=bool(row[7]), draining=bool(row[8]))
+                     min_version=row[4], incarnation=row[5], token=row[6], preemptible=bool(row[7]), draining=bool(row[8]),
+                     saturation_batch_size=row[9])
             for row in self._db.execute("SELECT instance_id, address, weight_version, max_batch_size, min_version, incarnation, "
-                                        "token, preemptible, draining FROM instances ORDER BY instance_id")
+                                        "token, preemptible, draining, saturation_batch_size FROM instances ORDER BY instance_id")
         ]
         batches = []
         for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background in self._db.execute(
@@ -214,10 +217,10 @@ class Journal:
             for instance_id in changed.removed[INSTANCE] - state.instances.keys():
                 db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
             db.executemany(
-                "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (i.instance_id, i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
-                     int(i.preemptible), int(i.draining))
+                     int(i.preemptible), int(i.draining), i.saturation_batch_size)
                     for i in (state.instances[n] for n in changed.written[INSTANCE] if n in state.instances)
                 ],
             )

@@ -16,7 +16,8 @@ FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 @dataclass(slots=True)
 class Instance(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"address", "weight_version", "max_batch_size", "min_version", "incarnation", "token", "preemptible", "draining"})
+        {"address", "weight_version", "max_batch_size", "saturation_batch_size", "min_version", "incarnation", "token", "preemptible",
+         "draining"})
     KIND: ClassVar[str] = INSTANCE
 
     instance_id: str
@@ -33,6 +34,9 @@ class Instance(Journaled):
     """Secret of this incarnation: its heartbeats and deregistration present it."""
     preemptible: bool = False
     draining: bool = False
+    saturation_batch_size: int = 0
+    """Running sequences beyond which its decode steps gain no throughput (0: not known): while it
+    runs this many it starts no sample of a later step than the oldest it runs."""
     reported_version: int = 0
     """The version of its last registration or heartbeat: a report never goes below it."""
     refused_version: int = -1

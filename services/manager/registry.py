@@ -47,7 +47,7 @@ class InstanceRegistry(Journaled):
         self.empty_since = None if self.instances else now
 
     def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float,
-                 preemptible: bool, token: str, min_version: int) -> tuple[Instance, Instance | None]:
+                 preemptible: bool, token: str, min_version: int, saturation_batch_size: int = 0) -> tuple[Instance, Instance | None]:
         """Admits an instance as a new incarnation when its id is free or its lease expired, and
         returns it with the expired incarnation it replaces, if one was not yet swept. While the
         lease is live, only the registered process (same address, its token) may register again,
@@ -59,6 +59,8 @@ class InstanceRegistry(Journaled):
             raise InvalidArgument(f"address {address!r} is not host:port")
         if max_batch_size < 1:
             raise InvalidArgument("max_batch_size must be at least 1")
+        if saturation_batch_size > max_batch_size:
+            raise InvalidArgument(f"saturation_batch_size ({saturation_batch_size}) must not exceed max_batch_size ({max_batch_size})")
         current = self.instances.get(instance_id)
         if current is not None and current.lease_expires >= now:
             if address != current.address or not same_token(token, current.token):
@@ -68,7 +70,7 @@ class InstanceRegistry(Journaled):
                     f"expire or come from that address with its incarnation token"
                 )
             self._renew(current, weight_version, now)
-            current.max_batch_size, current.preemptible = max_batch_size, preemptible
+            current.max_batch_size, current.saturation_batch_size, current.preemptible = max_batch_size, saturation_batch_size, preemptible
             return current, None
         replaced = self.drop(instance_id, now) if current is not None else None
         self.registrations += 1
@@ -77,6 +79,7 @@ class InstanceRegistry(Journaled):
             address=address,
             weight_version=weight_version,
             max_batch_size=max_batch_size,
+            saturation_batch_size=saturation_batch_size,
             lease_expires=now + self.lease_seconds,
             min_version=min_version,
             incarnation=self.registrations,

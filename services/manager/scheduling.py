@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from services.manager.admission import Admission
 from services.manager.dispatch_policy import MIGRATION_SPEEDUP, DispatchPolicy
@@ -15,6 +16,27 @@ MIGRATION_MIN_SECONDS = 0.25
 """A straggler moves only when it is expected to run at least this long where it is."""
 MAX_MIGRATIONS = 2
 """Per sample, so that no request bounces between instances."""
+
+
+@dataclass(slots=True)
+class RunningWork:
+    """What the instances run, as the dispatch policy weighs it."""
+
+    holders: dict[int, set[str]] = field(default_factory=dict)
+    """The instances running exact-version requests, by version."""
+    background: set[str] = field(default_factory=set)
+    """The instances running background work."""
+    oldest_version: dict[str, int] = field(default_factory=dict)
+    """By instance, the lowest policy version among the training requests it runs: the step whose
+    stragglers it decodes."""
+
+    def started(self, request: SampleRequest, instance_id: str) -> None:
+        if request.exact_version:
+            self.holders.setdefault(request.policy_version, set()).add(instance_id)
+        else:
+            self.oldest_version[instance_id] = min(self.oldest_version.get(instance_id, request.policy_version), request.policy_version)
+        if request.background:
+            self.background.add(instance_id)
 
 
 class Scheduler:
@@ -43,19 +65,13 @@ class Scheduler:
     def eligible(self, request: SampleRequest) -> list[Instance]:
         return [i for i in self.instances.values() if self.admission.may_run(i, request) and i.free_slots > 0]
 
-    def running_work(self) -> tuple[dict[int, set[str]], set[str]]:
-        """In one pass over the running requests: the instances running exact-version requests, by
-        version, and those running background work."""
-        holders: dict[int, set[str]] = {}
-        background: set[str] = set()
+    def running_work(self) -> RunningWork:
+        """In one pass over the running requests."""
+        work = RunningWork()
         for instance in self.instances.values():
             for request_id in instance.running:
-                request = self.ledger.requests[request_id]
-                if request.exact_version:
-                    holders.setdefault(request.policy_version, set()).add(instance.instance_id)
-                if request.background:
-                    background.add(instance.instance_id)
-        return holders, background
+                work.started(self.ledger.requests[request_id], instance.instance_id)
+        return work
 
     def rates(self) -> dict[str, float]:
         """Measured throughput per instance; one never measured counts as the pool's mean."""

@@ -39,6 +39,7 @@ def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatu
         incarnation=instance.incarnation,
         preemptible=instance.preemptible,
         draining=instance.draining,
+        saturation_batch_size=instance.saturation_batch_size,
     )
 
 
@@ -97,7 +98,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     async def RegisterInstance(self, request, context):
         instance, requeued = self.state.register(
             request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic(),
-            request.preemptible, request.incarnation_token,
+            request.preemptible, request.incarnation_token, request.saturation_batch_size,
         )
         self.dispatcher.cancel(requeued)
         self.dispatcher.close_streams(instance.instance_id, keep_incarnation=instance.incarnation)

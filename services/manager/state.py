@@ -80,11 +80,11 @@ class ManagerState:
     # Instances ---------------------------------------------------------------------------
 
     def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float,
-                 preemptible: bool = False, token: str = "") -> tuple[Instance, list[SampleRequest]]:
+                 preemptible: bool = False, token: str = "", saturation_batch_size: int = 0) -> tuple[Instance, list[SampleRequest]]:
         """See InstanceRegistry.register; returns the instance with the requests of the expired
         incarnation it replaces, requeued."""
         instance, replaced = self.registry.register(instance_id, address, weight_version, max_batch_size, now, preemptible, token,
-                                                    self.published_version)
+                                                    self.published_version, saturation_batch_size)
         return instance, self.ledger.requeue_running(replaced) if replaced else []
 
     def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str) -> None:

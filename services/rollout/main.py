@@ -124,7 +124,8 @@ async def start(config: RolloutConfig) -> RunningRollout:
         # A tensor-parallel engine's worker processes must not outlive a failed start.
         await engine.stop()
         raise
-    membership = Membership(config.manager_address, config.instance_id, server.address, engine, config.rpc_timeout_seconds, config.preemptible)
+    membership = Membership(config.manager_address, config.instance_id, server.address, engine, config.rpc_timeout_seconds,
+                            config.preemptible, config.engine.saturation_batch_size)
     servicer.membership = membership
     await server.set_serving(True)
     running = RunningRollout(server, engine, servicer, membership, config.drain_timeout_seconds, asyncio.get_running_loop())

@@ -22,9 +22,11 @@ RETRY_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)
 
 
 class Membership:
-    def __init__(self, manager_address: str, instance_id: str, address: str, engine: Engine, rpc_timeout: float, preemptible: bool = False) -> None:
+    def __init__(self, manager_address: str, instance_id: str, address: str, engine: Engine, rpc_timeout: float, preemptible: bool = False,
+                 saturation_batch_size: int = 0) -> None:
         self.instance_id = instance_id
         self.preemptible = preemptible
+        self.saturation_batch_size = saturation_batch_size
         self.draining = False
         self.address = address
         self.engine = engine
@@ -73,6 +75,7 @@ class Membership:
                     address=self.address,
                     weight_version=self.engine.weight_version,
                     max_batch_size=self.engine.max_batch_size,
+                    saturation_batch_size=self.saturation_batch_size,
                     preemptible=self.preemptible,
                     incarnation_token=self.token,
                 ),

@@ -69,6 +69,9 @@ async def test_manager_refuses_bad_requests(grpc_mesh, channel_to):
     await expect_status(stub.Heartbeat(manager_pb2.HeartbeatRequest(instance_id="ghost"), timeout=5), grpc.StatusCode.NOT_FOUND, "ghost")
     await expect_status(stub.RegisterInstance(manager_pb2.RegisterInstanceRequest(instance_id="x", address="nowhere", max_batch_size=1), timeout=5),
                         grpc.StatusCode.INVALID_ARGUMENT, "host:port")
+    knee_past_batch = manager_pb2.RegisterInstanceRequest(instance_id="x", address="127.0.0.1:9", max_batch_size=4, saturation_batch_size=5)
+    await expect_status(stub.RegisterInstance(knee_past_batch, timeout=5), grpc.StatusCode.INVALID_ARGUMENT,
+                        "saturation_batch_size (5) must not exceed max_batch_size (4)")
     stream = stub.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id="missing", micro_batch_groups=1), timeout=5)
     await expect_status(stream.read(), grpc.StatusCode.NOT_FOUND, "missing")
     await stub.PublishVersion(manager_pb2.PublishVersionRequest(version=3), timeout=5)

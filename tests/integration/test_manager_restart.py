@@ -41,7 +41,7 @@ async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothi
         for i in range(2):
             instances.append(await start_rollout(RolloutConfig(
                 server=loopback(), instance_id=f"r{i}", manager_address=address, register_timeout_seconds=30,
-                engine=EngineConfig(kind="synthetic", max_batch_size=4, synthetic=SYNTHETIC),
+                engine=EngineConfig(kind="synthetic", max_batch_size=4, saturation_batch_size=2, synthetic=SYNTHETIC),
             )))
         await wait_for(lambda: _instance_ids(client), timeout=30)
         before = {i.instance_id: i.incarnation for i in (await client.manager_status()).instances}
@@ -70,6 +70,7 @@ async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothi
         after = {i.instance_id: i.incarnation for i in status.instances}
         # The instances carried on with the restarted manager under the incarnations it journaled.
         assert after == before
+        assert [i.saturation_batch_size for i in status.instances] == [2, 2]
         assert status.published_version == 0
         (restored,) = [json.loads(line) for line in (tmp_path / "manager.log").read_text().splitlines()
                        if "restored from the journal" in line]

@@ -38,6 +38,8 @@ def test_cross_field_rule_is_explained():
         load_config(TrainerConfig, overrides={"model_dir": "m", "prompts_per_step": 16, "micro_batch_groups": 3})
     with pytest.raises(ConfigError, match="half of lease_seconds"):
         load_config(ManagerConfig, overrides={"lease_seconds": 2, "heartbeat_interval_seconds": 1.5})
+    with pytest.raises(ConfigError, match=r"saturation_batch_size \(9\) must not exceed engine.max_batch_size \(8\)"):
+        load_config(RolloutConfig, overrides={"engine": {"kind": "synthetic", "max_batch_size": 8, "saturation_batch_size": 9}})
 
 
 def test_missing_file_and_bad_toml(tmp_path):

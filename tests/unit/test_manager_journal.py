@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from rlmesh.errors import DomainError, OutOfRange
-from services.manager.journal import Journal
+from services.manager.journal import FORMAT, Journal
 from services.manager.state import ManagerState
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -30,7 +30,7 @@ def snapshot(state: ManagerState) -> dict:
         "published": state.published_version,
         "registrations": state.registrations,
         "instances": {i.instance_id: (i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
-                                      i.preemptible, i.draining) for i in state.instances.values()},
+                                      i.preemptible, i.draining, i.saturation_batch_size) for i in state.instances.values()},
         "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error, b.exact_version, b.version_gone, b.background)
                     for b in state.batches.values()},
         "requests": {r.request_id: (r.prompt_token_ids, r.sampling.SerializeToString(deterministic=True), r.token_ids, r.logprobs,
@@ -52,7 +52,7 @@ def test_a_restarted_manager_goes_on_from_the_journal(tmp_path):
     journal = Journal(path)
     state = ManagerState(lease_seconds=10, max_staleness=1)
     state.publish(3)
-    a, _ = state.register("a", "127.0.0.1:1", 3, 4, now=0)
+    a, _ = state.register("a", "127.0.0.1:1", 3, 4, now=0, saturation_batch_size=3)
     state.submit("b1", 3, [("p0", [5, 6], 2), ("p1", [7], 2, sampling(seed=9))], sampling())
     journal.flush(state)
     assignments = state.assign()
@@ -179,6 +179,10 @@ def test_exact_version_batches_survive_a_restart_exact_or_failed_and_background(
 FORMAT_2_BATCHES = """CREATE TABLE batches (
     batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
     sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL)"""
+FORMAT_2_INSTANCES = """CREATE TABLE instances (
+    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
+    min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
+    draining INTEGER NOT NULL)"""
 
 
 def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
@@ -188,12 +192,16 @@ def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
         db.execute("INSERT INTO counters VALUES ('format', 2), ('published_version', 4)")
         db.execute(FORMAT_2_BATCHES)
         db.execute("""INSERT INTO batches VALUES ('b1', 4, '["p"]', '[]', '', 1)""")
+        db.execute(FORMAT_2_INSTANCES)
+        db.execute("INSERT INTO instances VALUES ('a', '127.0.0.1:1', 4, 8, 4, 1, 'secret', 0, 0)")
     db.close()
     state = restarted(path)
     batch = state.batches["b1"]
     assert state.published_version == 4 and batch.policy_version == 4 and not batch.exact_version and not batch.version_gone
     assert not batch.background
-    assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (4,)
+    instance = state.instances["a"]
+    assert (instance.max_batch_size, instance.saturation_batch_size, instance.token) == (8, 0, "secret")
+    assert sqlite3.connect(path).execute("SELECT value FROM counters WHERE name = 'format'").fetchone() == (FORMAT,)
 
 
 def test_a_batch_submitted_again_under_its_id_is_journaled_from_its_new_requests(tmp_path):
