@@ -485,5 +485,15 @@ if __name__ == "__main__":
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measured-steps", type=int, default=24)
     parser.add_argument("--quick", action="store_true", help="8 measured steps instead of --measured-steps")
+    parser.add_argument("--knee-only", metavar="MODEL_DIR", nargs="?", const="builtin",
+                        help="only measure the torch engine's knee (a value for rollout.engine.saturation_batch_size), "
+                             "on MODEL_DIR or the built-in model, and print it")
     args = parser.parse_args()
-    asyncio.run(main(Window(args.warmup_steps, 8 if args.quick else args.measured_steps)))
+    if args.knee_only:
+        model_dir = builtin_model() if args.knee_only == "builtin" else Path(args.knee_only)
+        knee = asyncio.run(torch_engine_knee(model_dir))
+        print(f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} "
+              f"tok/s at {MAX_BATCH} / {knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
+              f"--set rollout.engine.saturation_batch_size={math.ceil(knee['knee_batch'])}")
+    else:
+        asyncio.run(main(Window(args.warmup_steps, 8 if args.quick else args.measured_steps)))

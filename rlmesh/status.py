@@ -142,7 +142,10 @@ def render(snapshot: Snapshot) -> Group:
         state = "draining" if instance.draining else ("ready" if instance.schedulable else "loading")
         if instance.preemptible:
             state += ", spot"
-        table.add_row(instance.instance_id, str(instance.weight_version), str(instance.running_requests),
+        running = str(instance.running_requests)
+        if instance.saturation_batch_size:
+            running += f" (knee {instance.saturation_batch_size})"
+        table.add_row(instance.instance_id, str(instance.weight_version), running,
                       f"{instance.tokens_per_second:.0f}", str(instance.generated_tokens), state,
                       f"{push.last_push_ms:.1f}" if push else "-", f"{push.last_push_gbps:.2f}" if push else "-",
                       f"{push.last_version_latency_ms:.1f}" if push else "-")

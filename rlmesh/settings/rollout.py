@@ -34,11 +34,11 @@ class EngineSettings(StrictModel):
     cost in throughput."""
     saturation_batch_size: int = Field(default=0, ge=0)
     """Running sequences beyond which a decode step gains no throughput, only latency: the
-    engine's knee (`bench.async` prints the torch engine's; at most max_batch_size). While the
-    instance runs this many, the manager starts on it no sample of a later step than the oldest it
-    runs: the stragglers the trainer waits for keep decoding at full speed, and work for later
-    steps fills only what the knee leaves free. 0: not known, the instance takes work up to
-    max_batch_size regardless of step."""
+    engine's knee (`python -m bench.async --knee-only` measures the torch engine's; at most
+    max_batch_size). While the instance runs this many, the manager starts on it no sample of a
+    later step than the oldest it runs: the stragglers the trainer waits for keep decoding at full
+    speed, and work for later steps fills only what the knee leaves free. 0: not known, the
+    instance takes work up to max_batch_size regardless of step."""
     stream_interval: int = Field(default=1, ge=1)
     """Torch engine: tokens per chunk streamed back (a response's last chunk may be shorter), as
     vLLM's stream_interval. One message per token costs the instance and the manager CPU that

@@ -1,0 +1,21 @@
+"""`rlmesh status`'s view of the mesh: what it shows of each rollout instance."""
+
+from rich.console import Console
+
+from rlmesh.manager.v1 import manager_pb2
+from rlmesh.status import Snapshot, render
+
+
+def shown(*instances: manager_pb2.InstanceStatus) -> str:
+    console = Console(width=200, record=True)
+    console.print(render(Snapshot(manager_pb2.GetStatusResponse(instances=instances), None, None, {})))
+    return console.export_text()
+
+
+def test_an_instance_with_a_saturation_batch_shows_it_beside_what_it_runs():
+    text = shown(manager_pb2.InstanceStatus(instance_id="r0", running_requests=40, saturation_batch_size=36, schedulable=True),
+                 manager_pb2.InstanceStatus(instance_id="r1", running_requests=7, schedulable=True))
+    (r0,) = [line for line in text.splitlines() if "r0" in line]
+    (r1,) = [line for line in text.splitlines() if "r1" in line]
+    assert "40 (knee 36)" in r0 and "ready" in r0
+    assert "knee" not in r1 and " 7 " in r1
