@@ -65,6 +65,13 @@ QUIET_CORES = 0.25
 """Before each run the bench waits until other processes use less CPU than this, QUIET_WAIT_SECONDS
 at most over the whole bench (each run reports what they used during it)."""
 QUIET_WAIT_SECONDS = 300
+KNEE_ROUNDS = 5
+"""One measurement of a full batch's rate varied by a third from the next on this kind of machine;
+the knee sets the tail's cost, so it is the median of several, each rate measured in turn."""
+DRIFT_TOLERANCE = 0.1
+"""The main tail's calibration is repeated after its runs: a trainer step or a knee that moved by
+more than this fraction means the machine's speed changed under the runs (a shared host), and
+their ratios are flagged as not comparable."""
 
 
 def sigma_for(p99_over_p50: float) -> float:
@@ -221,8 +228,9 @@ def builtin_model() -> Path:
 
 async def torch_engine_knee(model_dir: Path, max_tokens: int = 48) -> dict[str, float]:
     """The torch engine on the tiny model, one thread (the rollout default): a lone sequence's
-    rate and a full batch's. Their ratio is the batch beyond which a decode step costs more than a
-    lone sequence's; the synthetic instance is given the same knee."""
+    rate and a full batch's, each the median of KNEE_ROUNDS measured in turn. Their ratio is the
+    batch beyond which a decode step costs more than a lone sequence's; the synthetic instance is
+    given the same knee."""
     from services.rollout.engine import EngineRequest, Sampling
     from services.rollout.torch_engine import TorchEngine
 
@@ -241,8 +249,11 @@ async def torch_engine_knee(model_dir: Path, max_tokens: int = 48) -> dict[str, 
             return tokens / (time.perf_counter() - started)
 
         await tokens_per_second(16, "warmup")
-        lone = statistics.median([await tokens_per_second(1, f"lone{i}") for i in range(3)])
-        full = await tokens_per_second(MAX_BATCH, "full")
+        lone_rates, full_rates = [], []
+        for i in range(KNEE_ROUNDS):
+            lone_rates.append(await tokens_per_second(1, f"lone{i}"))
+            full_rates.append(await tokens_per_second(MAX_BATCH, f"full{i}"))
+        lone, full = statistics.median(lone_rates), statistics.median(full_rates)
     finally:
         await engine.stop()
     return {"lone_tokens_per_second": lone, "full_batch_tokens_per_second": full, "knee_batch": full / lone}
@@ -331,9 +342,9 @@ class AsyncBench:
         self.quiet = QuietMachine()
         self.knee: dict[str, float] = {}
 
-    async def measure_knee(self) -> None:
+    async def measure_knee(self) -> dict[str, float]:
         await self.quiet.wait()
-        self.knee = await torch_engine_knee(self.model_dir)
+        return await torch_engine_knee(self.model_dir)
 
     async def train(self, max_staleness: int, instance: InstanceSpec, probe: bool = False) -> TrainingRun:
         """Once the machine is quiet, a fresh mesh (manager, weights service, the synthetic instance,
@@ -352,7 +363,7 @@ class AsyncBench:
         shutil.rmtree(mesh.log_dir, ignore_errors=True)
         return TrainingRun(records, engine, others.cores, lengths)
 
-    async def calibrate(self, p99_over_p50: float) -> Calibration:
+    async def calibrate(self, p99_over_p50: float, knee: dict[str, float] | None = None) -> Calibration:
         sigma = sigma_for(p99_over_p50)
         run = await self.train(1, synthetic_instance(self.model_dir, sigma, FAST_THROUGHPUT, FAST_MIN_STEP_SECONDS), probe=True)
         start, end, measured = run.window(self.window)
@@ -361,13 +372,13 @@ class AsyncBench:
             sigma=sigma,
             trainer_seconds_per_step=(end - start) / self.window.measured_steps,
             response_tokens_per_step=statistics.mean(r["response_length"] for r in measured) * PROMPTS_PER_STEP * GROUP_SIZE,
-            knee_batch=self.knee["knee_batch"],
+            knee_batch=(knee or self.knee)["knee_batch"],
             probe_p50=percentile(run.probe_lengths, 0.5),
             probe_p99=percentile(run.probe_lengths, 0.99),
             probe_max=max(run.probe_lengths),
             other_processes_cores=run.other_processes_cores,
         )
-        print_calibration(self.knee, calibration)
+        print_calibration(knee or self.knee, calibration)
         return calibration
 
     async def measure(self, calibration: Calibration, max_staleness: int) -> RunFigures:
@@ -380,6 +391,20 @@ class AsyncBench:
               f"(below the knee {figures.below_knee_fraction:.0%} of the time); other processes "
               f"{figures.other_processes_cores:.2f} cores", flush=True)
         return figures
+
+
+async def measure_drift(bench: AsyncBench, before: Calibration) -> dict[str, float]:
+    """The knee and the trainer's step measured again after the main tail's runs: their relative
+    change since the calibration the runs used."""
+    knee = await bench.measure_knee()
+    after = await bench.calibrate(before.p99_over_p50, knee)
+    drift = {
+        "trainer_seconds_per_step": after.trainer_seconds_per_step / before.trainer_seconds_per_step - 1,
+        "knee_batch": after.knee_batch / before.knee_batch - 1,
+    }
+    print(f"  again after the runs: the trainer alone {after.trainer_seconds_per_step:.3f} s/step "
+          f"({drift['trainer_seconds_per_step']:+.1%}), knee {after.knee_batch:.1f} ({drift['knee_batch']:+.1%})", flush=True)
+    return drift
 
 
 def print_calibration(knee: dict[str, float], calibration: Calibration) -> None:
@@ -405,7 +430,7 @@ def git_state() -> dict[str, object]:
 async def main(window: Window) -> dict:
     started = time.perf_counter()
     bench = AsyncBench(builtin_model(), window)
-    await bench.measure_knee()
+    bench.knee = await bench.measure_knee()
     calibrations: dict[float, Calibration] = {}
     runs: dict[float, dict[int, RunFigures]] = {}
 
@@ -414,6 +439,7 @@ async def main(window: Window) -> dict:
     runs[main_tail] = {eta: await bench.measure(calibrations[main_tail], eta) for eta in STALENESS}
     baseline = runs[main_tail][0].steps_per_hour
     ratios = {eta: runs[main_tail][eta].steps_per_hour / baseline for eta in STALENESS}
+    drift = await measure_drift(bench, calibrations[main_tail])
     best = max((eta for eta in STALENESS if eta > 0), key=lambda eta: ratios[eta])
     for tail in TAILS[1:]:
         calibrations[tail] = await bench.calibrate(tail)
@@ -423,6 +449,7 @@ async def main(window: Window) -> dict:
     contended = [f"calibration p99/p50 {tail:g}" for tail, c in calibrations.items() if c.other_processes_cores >= QUIET_CORES]
     contended += [f"p99/p50 {tail:g} η = {eta}" for tail, by_eta in runs.items() for eta, f in by_eta.items()
                   if f.other_processes_cores >= QUIET_CORES]
+    drifted = [name for name, change in drift.items() if abs(change) > DRIFT_TOLERANCE]
 
     print(f"\nsteps per hour by η, p99/p50 {main_tail:g} ({window.measured_steps} steps after {window.warmup_steps} warm-up steps, "
           f"same run; the trainer alone: {3600 / calibrations[main_tail].trainer_seconds_per_step:.0f} steps/h):")
@@ -440,6 +467,9 @@ async def main(window: Window) -> dict:
           f"{time.perf_counter() - started:.0f} s")
     if contended:
         print(f"measured while other processes used {QUIET_CORES} cores or more (not comparable): {', '.join(contended)}")
+    if drifted:
+        print(f"the machine's speed changed under the p99/p50 {main_tail:g} runs (more than {DRIFT_TOLERANCE:.0%}; their ratios "
+              f"are not comparable): {', '.join(f'{name} {drift[name]:+.0%}' for name in drifted)}")
 
     return write_result(
         "async",
@@ -447,6 +477,7 @@ async def main(window: Window) -> dict:
             **{f"steps_per_hour_eta{eta}": runs[main_tail][eta].steps_per_hour for eta in STALENESS if eta},
             **{f"tail{tail:g}_steps_per_hour_eta{best}": runs[tail][best].steps_per_hour for tail in sorted(TAILS)},
             "runs": {f"p99/p50 {tail:g}": {f"eta{eta}": asdict(f) for eta, f in by_eta.items()} for tail, by_eta in runs.items()},
+            "drift_after_main_runs": drift,
             "calibration": {"torch_engine": bench.knee, **{
                 f"p99/p50 {tail:g}": {**asdict(c), "throughput_tokens_per_second": c.throughput_tokens_per_second,
                                       "min_step_seconds": c.min_step_seconds}
@@ -464,6 +495,7 @@ async def main(window: Window) -> dict:
         settings={
             **git_state(),
             "measured_while_other_processes_ran": contended,
+            "machine_speed_drifted": drifted,
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             "wall_seconds": time.perf_counter() - started,
             "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "micro_batch_groups": MICRO_BATCH_GROUPS,
@@ -475,7 +507,9 @@ async def main(window: Window) -> dict:
                        "η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before and after "
                        "the measured window",
             "calibration": "throughput = a step's response tokens / the trainer's step period with rollouts ready at once "
-                           "(fast engine, η = 1); min_step_seconds = the torch engine's knee / throughput",
+                           "(fast engine, η = 1); min_step_seconds = the torch engine's knee (median of "
+                           f"{KNEE_ROUNDS} rounds) / throughput; the main tail's calibration and the knee measured again "
+                           "after its runs (drift_after_main_runs)",
         },
     )
 
