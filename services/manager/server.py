@@ -103,7 +103,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.dispatcher.cancel(requeued)
         self.dispatcher.close_streams(instance.instance_id, keep_incarnation=instance.incarnation)
         log.info("instance registered", instance_id=request.instance_id, address=request.address, incarnation=instance.incarnation,
-                 weight_version=request.weight_version, preemptible=request.preemptible)
+                 weight_version=request.weight_version, preemptible=request.preemptible,
+                 saturation_batch_size=request.saturation_batch_size)
         self._durable()
         self._changed()
         return manager_pb2.RegisterInstanceResponse(
