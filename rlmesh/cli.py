@@ -108,10 +108,16 @@ def _up(args: argparse.Namespace) -> int:
         job, base, model_dir = prepare_job(args)
         mesh = job.mesh
         if job.rollout.engine.kind == "vllm":
+            import torch
+
             from rlmesh.launch.services import VLLM_PYTHON
+            from rlmesh.models.engine_fit import vllm_cpu_refusal
 
             if not VLLM_PYTHON.exists():
                 raise ConfigError(f"rollout.engine.kind = vllm needs {VLLM_PYTHON}: run `make setup-vllm` first")
+            # vLLM runs on a GPU where one is visible; on CPU its attention takes some head sizes only.
+            if not torch.cuda.is_available() and (refusal := vllm_cpu_refusal(model_dir)):
+                raise ConfigError(f"rollout.engine.kind = vllm: {refusal}")
         if missing := job.missing_gpu():
             raise ConfigError(missing)
         netns = None

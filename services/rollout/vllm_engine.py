@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from rlmesh.config import ConfigError
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.models.engine_fit import VLLM_CPU_HEAD_SIZES, vllm_cpu_refusal
 from rlmesh.models.families import check_model_dir
 from services.rollout.engine import (
     Chunk, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, check_pin, model_parameter_specs, validate_request,
@@ -79,6 +81,10 @@ class VllmEngine(Engine):
                  update_mode: UpdateMode = "continue") -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         check_model_dir(model_dir)
+        # Refused before the instance registers (and before vLLM is imported): its engine core
+        # would die on the first batch and every request sent to the instance fail.
+        if not torch.cuda.is_available() and (refusal := vllm_cpu_refusal(model_dir)):
+            raise ConfigError(refusal)
         # vLLM reads these at import and engine start: CPU KV cache, one thread per engine core
         # (tiny models decode much faster so).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
@@ -113,7 +119,15 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        # The list the refusal (here and in `rlmesh up`) checks against must be this vLLM's.
+        supported = tuple(CPUAttentionBackend.get_supported_head_sizes())
+        if current_platform.is_cpu() and supported != VLLM_CPU_HEAD_SIZES:
+            raise ConfigError(f"this vLLM's CPU attention takes head sizes {supported}, rlmesh.models.engine_fit lists "
+                              f"{VLLM_CPU_HEAD_SIZES}: update VLLM_CPU_HEAD_SIZES")
 
         args = AsyncEngineArgs(
             model=self.model_dir,

@@ -80,3 +80,11 @@ def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
     result = up("--model-dir", str(tmp_path))
     assert result.returncode == 2
     assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
+
+
+def test_up_refuses_vllm_on_cpu_for_a_head_size_its_attention_lacks(tmp_path, model_dir):
+    run_dir = tmp_path / "run"
+    result = up("--model-dir", str(model_dir), "--engine", "vllm", "--steps", "40", "--output-dir", str(run_dir))
+    assert result.returncode == 2
+    assert f"rollout.engine.kind = vllm: the vllm engine cannot serve {model_dir} on CPU: its attention head size is 16" in result.stderr
+    assert not run_dir.exists()
