@@ -139,7 +139,10 @@ def render(snapshot: Snapshot) -> Group:
                   title="rollout instances", title_justify="left")
     for instance in manager.instances if manager is not None else ():
         push = pushes.get(instance.instance_id)
-        state = "draining" if instance.draining else ("ready" if instance.schedulable else "loading")
+        if instance.quarantine_remaining_seconds:
+            state = f"quarantined {instance.quarantine_remaining_seconds:.0f} s ({instance.quarantines}x)"
+        else:
+            state = "draining" if instance.draining else ("ready" if instance.schedulable else "loading")
         if instance.preemptible:
             state += ", spot"
         running = str(instance.running_requests)

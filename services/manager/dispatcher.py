@@ -42,6 +42,10 @@ class Changes:
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS})
+"""Codes of an instance that is up but cannot serve the request (a dead engine answers INTERNAL to
+everything): they count towards its quarantine. A deadline (the stream's rotation), a cancel, a
+lost connection, a drain or an instance predating GenerateMany (UNIMPLEMENTED) do not."""
 
 
 class Dispatcher:
@@ -159,7 +163,7 @@ class Dispatcher:
             if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED and assignment.instance.address not in self._single_request_addresses:
                 log.info("instance predates GenerateMany; one Generate stream per request", instance_id=assignment.instance.instance_id)
                 self._single_request_addresses.add(assignment.instance.address)
-            self._refused(assignment, error.code() if error else grpc.StatusCode.INTERNAL,
+            self._refused(assignment, error.code() if error else grpc.StatusCode.CANCELLED,
                           error.details() if error else "the stream ended before the request finished")
         self.dispatch()
         self.changes.notify()
@@ -190,6 +194,9 @@ class Dispatcher:
             if self.state.reject(request.request_id, attempt, details):
                 log.warning("instance refused a request; its batch fails", request=request.request_id, error=details)
             return
+        if code in _FAULTS:
+            self._failed(assignment, code, details)
+            return
         if self.state.stream_lost(request.request_id, attempt):
             log.warning("stream failed; request continues elsewhere", request=request.request_id,
                         instance_id=instance.instance_id, code=code.name, tokens_kept=len(request.token_ids))
@@ -197,6 +204,22 @@ class Dispatcher:
             self._drop_gone(instance, "instance unreachable; dropped")
         elif code == grpc.StatusCode.PERMISSION_DENIED:
             self._drop_gone(instance, "another process answers at the instance's address; dropped")
+
+    def _failed(self, assignment: Assignment, code: grpc.StatusCode, details: str) -> None:
+        """The instance failed the request (it is up, but something in it is broken)."""
+        request, instance = assignment.request, assignment.instance
+        failure = self.state.request_failed(request.request_id, assignment.attempt, f"{code.name}: {details}")
+        if failure is None:
+            return
+        if failure.batch_failed:
+            log.error("a sample failed on attempt after attempt; its batch fails", request=request.request_id,
+                      instance_id=instance.instance_id, code=code.name, error=details)
+        else:
+            log.warning("request failed; it continues elsewhere", request=request.request_id, instance_id=instance.instance_id,
+                        code=code.name, error=details, tokens_kept=len(request.token_ids))
+        if failure.quarantine_seconds:
+            log.error("instance quarantined: its requests fail one after another", instance_id=instance.instance_id,
+                      seconds=failure.quarantine_seconds, quarantines=instance.quarantines, code=code.name, error=details)
 
     def cancel(self, requests: list[SampleRequest]) -> None:
         """Stops the requests that were taken away from their instance."""

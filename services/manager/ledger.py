@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument
+from services.manager import breaker
+from services.manager.breaker import Failure
 from services.manager.journaled import REQUEST, ChangeTracker, Records
 from services.manager.records import FINISHED, Assignment, Batch, Instance, SampleRequest
 from services.manager.registry import RATE_SMOOTHING
@@ -102,8 +104,11 @@ class RequestLedger:
                 return False
         self.discarded_tokens += len(token_ids) - accepted
         self._record_tokens(request, instance, token_ids[:accepted], logprobs, weight_versions)
+        if accepted:
+            breaker.tokens_arrived(instance, request)
         if finish_reason in FINISHED or request.remaining_tokens <= 0:
             reason = finish_reason if finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
+            breaker.request_finished(instance)
             self.detach(request)
             self._complete(request, reason)
         elif finish_reason == common_pb2.FINISH_REASON_ABORT:
@@ -153,11 +158,30 @@ class RequestLedger:
         request = self.current(request_id, attempt)
         if request is None:
             return False
+        self._fail_batch(request, f"prompt {request.prompt_id!r} was refused by an instance: {reason}")
+        return True
+
+    def failed(self, request_id: str, attempt: int, reason: str) -> Failure | None:
+        """The current attempt failed on its instance (an error, not a refusal or a lost
+        connection): it counts against both (breaker.py), and the request continues elsewhere
+        from its tokens, or ends its batch once it has failed too often in a row."""
+        request = self.current(request_id, attempt)
+        if request is None:
+            return None
+        instance = self.instances.get(request.instance_id or "")
+        quarantine = breaker.request_failed(instance, self.clock()) if instance else 0.0
+        if breaker.sample_failed(request, reason):
+            self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row, the last on "
+                                      f"instance {request.instance_id}: {reason}")
+            return breaker.Failure(quarantine, batch_failed=True)
+        self.requeue(request)
+        return breaker.Failure(quarantine, batch_failed=False)
+
+    def _fail_batch(self, request: SampleRequest, message: str) -> None:
         self.detach(request)
         batch = self.batches[request.batch_id]
-        batch.error = batch.error or f"prompt {request.prompt_id!r} was refused by an instance: {reason}"
+        batch.error = batch.error or message
         self.unqueue({batch.batch_id})
-        return True
 
     def unqueue(self, batch_ids: set[str]) -> None:
         self.queue = deque(r for r in self.queue if r.batch_id not in batch_ids)

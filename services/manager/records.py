@@ -50,6 +50,12 @@ class Instance(Journaled):
     """Measured while busy (smoothed): what the instance delivers in total."""
     sequence_tokens_per_second: float = 0.0
     """Measured while busy (smoothed): what one of its sequences gets."""
+    failures_in_a_row: int = 0
+    """Requests that failed here one after another, no token in between (see breaker.py)."""
+    quarantined_until: float = 0.0
+    """While set, the instance gets no work (0: not quarantined)."""
+    quarantines: int = 0
+    """Quarantines since a request last finished here: each next one lasts twice as long."""
     rate_tokens: int = 0
     rate_time: float = 0.0
     busy_samples: float = 0.0
@@ -61,7 +67,7 @@ class Instance(Journaled):
 
     @property
     def schedulable(self) -> bool:
-        return self.weight_version >= self.min_version and not self.draining
+        return self.weight_version >= self.min_version and not self.draining and not self.quarantined_until
 
     @property
     def free_slots(self) -> int:
@@ -96,6 +102,9 @@ class SampleRequest(Journaled):
     migrate_to: str | None = None
     """Set while it is being moved off a slow instance: where it continues."""
     migrations: int = 0
+    failures_in_a_row: int = 0
+    """Attempts that failed one after another, no token in between (see breaker.py)."""
+    last_failure: str = ""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property

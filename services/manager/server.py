@@ -40,6 +40,8 @@ def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatu
         preemptible=instance.preemptible,
         draining=instance.draining,
         saturation_batch_size=instance.saturation_batch_size,
+        quarantine_remaining_seconds=max(0.0, instance.quarantined_until - now) if instance.quarantined_until else 0.0,
+        quarantines=instance.quarantines,
     )
 
 
@@ -268,6 +270,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             families.gauge("instance_running_requests", "Requests running on the instance.", instance.running_requests, **labels)
             families.gauge("instance_tokens_per_second", "The instance's measured generation rate.", instance.tokens_per_second, **labels)
             families.counter("instance_generated_tokens", "Tokens the instance generated.", instance.generated_tokens, **labels)
+            families.gauge("instance_quarantined", "1 while the instance gets no work: its requests failed one after another.",
+                           float(instance.quarantine_remaining_seconds > 0), **labels)
 
 
 async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.25) -> None:
@@ -279,6 +283,9 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
         try:
             state.measure(now)
             dispatcher.migrate()
+            for instance in state.release_quarantines(now):
+                log.info("quarantine over; the instance gets work again", instance_id=instance.instance_id)
+                dispatcher.dispatch()
             if state.starved_seconds(now):
                 changes.notify()
             for instance, requeued in state.expire(now):

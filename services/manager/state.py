@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument, NotFound
+from services.manager import breaker
 from services.manager.admission import Admission, Prompt
+from services.manager.breaker import Failure
 from services.manager.delivery import Delivery, Taken
 from services.manager.dispatch_policy import PolicyName, dispatch_policy
 from services.manager.journaled import BATCH, ChangeTracker, Changed, Records
@@ -150,6 +152,12 @@ class ManagerState:
 
     def reject(self, request_id: str, attempt: int, reason: str) -> bool:
         return self.ledger.reject(request_id, attempt, reason)
+
+    def request_failed(self, request_id: str, attempt: int, reason: str) -> Failure | None:
+        return self.ledger.failed(request_id, attempt, reason)
+
+    def release_quarantines(self, now: float) -> list[Instance]:
+        return breaker.release_due(self.instances.values(), now)
 
     # Delivery ----------------------------------------------------------------------------
 

@@ -44,6 +44,9 @@ class SyntheticConfig(StrictModel):
     vocab_size: int = Field(default=32_000, ge=2)
     tick_seconds: float = Field(default=0.002, gt=0)
     """How often the engine advances its sequences; below it, steps are accumulated."""
+    fail_after_requests: int = Field(default=0, ge=0)
+    """Fault injection: every request after the first this many fails at once (INTERNAL), as on an
+    instance whose engine core died while its server stayed up; 0: none fails."""
 
 
 def response_length(config: SyntheticConfig, seed: int, max_tokens: int) -> int:
@@ -115,6 +118,7 @@ class SyntheticEngine(Engine):
         self._pinned_ended = asyncio.Event()
         """Set whenever a request ends: a commit waiting for pinned ones looks again."""
         self._task: asyncio.Task[None] | None = None
+        self._requests_seen = 0
 
     @property
     def running_requests(self) -> int:
@@ -133,6 +137,9 @@ class SyntheticEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self.config.vocab_size, 2**31)
+        self._requests_seen += 1
+        if self.config.fail_after_requests and self._requests_seen > self.config.fail_after_requests:
+            raise RuntimeError(f"synthetic fault: requests after the first {self.config.fail_after_requests} fail")
         request_id = request.request_id
         if request_id in self._running or any(s.request.request_id == request_id for s in self._waiting):
             raise InvalidArgument(f"request {request_id} is already running")

@@ -19,3 +19,9 @@ def test_an_instance_with_a_saturation_batch_shows_it_beside_what_it_runs():
     (r1,) = [line for line in text.splitlines() if "r1" in line]
     assert "40 (knee 36)" in r0 and "ready" in r0
     assert "knee" not in r1 and " 7 " in r1
+
+
+def test_a_quarantined_instance_shows_how_long_it_has_left():
+    text = shown(manager_pb2.InstanceStatus(instance_id="r0", quarantine_remaining_seconds=3.6, quarantines=2))
+    (r0,) = [line for line in text.splitlines() if "r0" in line]
+    assert "quarantined 4 s (2x)" in r0
