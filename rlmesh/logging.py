@@ -46,7 +46,10 @@ class RepeatLimiter:
             event["repeats_dropped"] = dropped
         self._seen[key] = (started, written + 1, 0)
         if len(self._seen) > MAX_TRACKED_EVENTS:
-            self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window or v[2]}
+            # Only events being held back need remembering: one forgotten starts a window afresh.
+            self._seen = {k: v for k, v in self._seen.items() if v[1] >= self.limit or v[2]}
+            if len(self._seen) > MAX_TRACKED_EVENTS // 2:
+                self._seen.clear()
         return event
 
 

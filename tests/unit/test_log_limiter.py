@@ -3,7 +3,7 @@
 import pytest
 import structlog
 
-from rlmesh.logging import RepeatLimiter
+from rlmesh.logging import MAX_TRACKED_EVENTS, RepeatLimiter
 
 
 class Clock:
@@ -37,3 +37,14 @@ def test_events_that_differ_in_more_than_the_request_are_each_written(other):
     limiter = RepeatLimiter(window=10, limit=1, clock=Clock())
     assert written(limiter, {"event": "request failed", "instance_id": "r0", "code": "INTERNAL"}) is not None
     assert written(limiter, {"event": "request failed", "instance_id": "r0", "code": "INTERNAL", **other}) is not None
+
+
+def test_an_event_held_back_stays_held_back_while_thousands_of_distinct_ones_pass():
+    clock = Clock()
+    limiter = RepeatLimiter(window=10, limit=2, clock=clock)
+    failure = {"event": "request failed", "instance_id": "r0"}
+    assert [written(limiter, failure) is not None for _ in range(3)] == [True, True, False]
+    assert all(written(limiter, {"event": "step", "step": step}) is not None for step in range(MAX_TRACKED_EVENTS * 2))
+    assert written(limiter, failure) is None
+    clock.now = 10
+    assert written(limiter, failure)["repeats_dropped"] == 2
