@@ -9,7 +9,7 @@ from pathlib import Path
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """The attention head sizes vLLM's CPU attention takes (`CPUAttentionBackend.get_supported_head_sizes`
-of the vLLM `make setup-vllm` installs; tests/vllm checks the two agree)."""
+of the vLLM `make setup-vllm` installs; the vLLM engine refuses to start when the two differ)."""
 
 
 def head_size(config: dict) -> int:

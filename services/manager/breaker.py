@@ -38,10 +38,9 @@ def request_failed(instance: Instance, now: float) -> float:
     return seconds
 
 
-def sample_failed(request: SampleRequest, reason: str) -> bool:
+def sample_failed(request: SampleRequest) -> bool:
     """Counts a failed attempt against the sample; True once it has failed too often in a row."""
     request.failures_in_a_row += 1
-    request.last_failure = reason
     return request.failures_in_a_row >= SAMPLE_FAILURES
 
 

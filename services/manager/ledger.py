@@ -170,12 +170,12 @@ class RequestLedger:
             return None
         instance = self.instances.get(request.instance_id or "")
         quarantine = breaker.request_failed(instance, self.clock()) if instance else 0.0
-        if breaker.sample_failed(request, reason):
+        if breaker.sample_failed(request):
             self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row, the last on "
                                       f"instance {request.instance_id}: {reason}")
-            return breaker.Failure(quarantine, batch_failed=True)
+            return Failure(quarantine, batch_failed=True)
         self.requeue(request)
-        return breaker.Failure(quarantine, batch_failed=False)
+        return Failure(quarantine, batch_failed=False)
 
     def _fail_batch(self, request: SampleRequest, message: str) -> None:
         self.detach(request)

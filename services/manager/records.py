@@ -104,7 +104,6 @@ class SampleRequest(Journaled):
     migrations: int = 0
     failures_in_a_row: int = 0
     """Attempts that failed one after another, no token in between (see breaker.py)."""
-    last_failure: str = ""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property
