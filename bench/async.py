@@ -519,12 +519,14 @@ if __name__ == "__main__":
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measured-steps", type=int, default=24)
     parser.add_argument("--quick", action="store_true", help="8 measured steps instead of --measured-steps")
-    parser.add_argument("--knee-only", metavar="MODEL_DIR", nargs="?", const="builtin",
+    parser.add_argument("--knee-only", metavar="MODEL_DIR", nargs="?", const="",
                         help="only measure the torch engine's knee (a value for rollout.engine.saturation_batch_size), "
                              "on MODEL_DIR or the built-in model, and print it")
     args = parser.parse_args()
-    if args.knee_only:
-        model_dir = builtin_model() if args.knee_only == "builtin" else Path(args.knee_only)
+    if args.knee_only is not None:
+        model_dir = Path(args.knee_only) if args.knee_only else builtin_model()
+        if not is_model_dir(model_dir):
+            parser.error(f"--knee-only: {model_dir} is not a HF-format model folder (no config.json)")
         knee = asyncio.run(torch_engine_knee(model_dir))
         print(f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} "
               f"tok/s at {MAX_BATCH} / {knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
