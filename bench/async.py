@@ -307,6 +307,7 @@ async def run_trainer(mesh: BenchMesh, model_dir: Path, steps: int,
         "RLMESH_WEIGHTS_SERVER__PORT": weights_address.rsplit(":", 1)[1],
         "RLMESH_WEIGHTS_MANAGER_ADDRESS": mesh.manager_address,
         "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "warning",
+        **mesh.auth.settings("RLMESH_WEIGHTS_", "weights"),
     }, mesh.log_dir, str(mesh.log_dir))
     mesh.children.append(weights)
     await wait_started([weights])
@@ -319,6 +320,7 @@ async def run_trainer(mesh: BenchMesh, model_dir: Path, steps: int,
         "RLMESH_TRAINER_SERVER__PORT": trainer_address.rsplit(":", 1)[1],
         "RLMESH_TRAINER_MANAGER_ADDRESS": mesh.manager_address,
         "RLMESH_TRAINER_WEIGHTS_ADDRESS": weights_address,
+        **mesh.auth.settings("RLMESH_TRAINER_", "trainer"),
     }, mesh.log_dir, str(mesh.log_dir), args=["--config", str(config_path)])
     mesh.children.append(trainer)
     deadline = time.monotonic() + TRAINER_TIMEOUT_SECONDS

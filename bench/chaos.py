@@ -24,12 +24,13 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
+from rlmesh.credentials import read_secret, secret_path
 from rlmesh.launch.netns import netns_problem
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import mesh_processes
 from rlmesh.launch.state import STATE_FILE
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import channel_options
+from rlmesh.rpc import AUTHORIZATION_KEY, channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,6 +111,7 @@ class Injector:
         # Plain (blocking) channels: the injector runs on the suite's own threads, not an event loop.
         self.weights = weights_pb2_grpc.WeightsServiceStub(grpc.insecure_channel(weights_address, options=channel_options()))
         self._manager: manager_pb2_grpc.ManagerServiceStub | None = None
+        self._metadata: tuple[tuple[str, str], ...] | None = None
         self.stop_seconds = stop_seconds
         self.rng = rng
         self.stopped: dict[int, threading.Timer] = {}
@@ -129,9 +131,18 @@ class Injector:
             self._manager = manager_pb2_grpc.ManagerServiceStub(grpc.insecure_channel(address, options=channel_options()))
         return self._manager
 
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The run's observer secret, which every call here (status only) carries: `rlmesh up` writes
+        it before any service serves, so it is read when first needed."""
+        if self._metadata is None:
+            secret = read_secret(secret_path(self.output_dir / "secrets", "observer"))
+            self._metadata = ((AUTHORIZATION_KEY, f"Bearer {secret}"),)
+        return self._metadata
+
     def _pushing(self) -> bool:
         try:
-            status = self.weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=1.0)
+            status = self.weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=1.0, metadata=self.metadata)
         except grpc.RpcError:
             return False
         return any(i.pushing_version > 0 for i in status.instances)
@@ -145,14 +156,14 @@ class Injector:
 
     def _manager_serves(self) -> bool:
         try:
-            self.manager.GetStatus(manager_pb2.GetStatusRequest(), timeout=1.0)
+            self.manager.GetStatus(manager_pb2.GetStatusRequest(), timeout=1.0, metadata=self.metadata)
         except grpc.RpcError:
             return False
         return True
 
     def _in_pool(self, name: str) -> bool:
         try:
-            reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0)
+            reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0, metadata=self.metadata)
         except grpc.RpcError:
             return False
         return any(i.instance_id == name and not i.draining for i in reply.instances)

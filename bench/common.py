@@ -11,13 +11,38 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlmesh.authz import Role
 from rlmesh.common.v1 import common_pb2
+from rlmesh.credentials import create_secrets, peer_secrets, service_auth_settings
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc import call_options, open_channel, use_secret
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchAuth:
+    """Authorization of a benchmark's services: a bearer secret per role made in `folder`, as
+    `rlmesh up` does, or none when `insecure` (to measure what authorization costs)."""
+
+    folder: Path
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.insecure:
+            create_secrets(self.folder)
+
+    def settings(self, prefix: str, role: Role) -> dict[str, str]:
+        """A service's environment settings (prefix RLMESH_NAME_) to serve and call as `role`."""
+        if self.insecure:
+            return {f"{prefix}SERVER__AUTH__INSECURE": "true"}
+        return service_auth_settings(prefix, self.folder, role)
+
+    def use(self) -> None:
+        """This process calls every service as the peer that calls it would."""
+        use_secret("" if self.insecure else peer_secrets(self.folder))
 
 
 @dataclass
@@ -45,10 +70,11 @@ class StepResult:
 class BenchMesh:
     """A manager process and synthetic rollout processes; logs go to a temporary folder."""
 
-    def __init__(self, instances: list[InstanceSpec], manager_settings: dict[str, str] | None = None) -> None:
+    def __init__(self, instances: list[InstanceSpec], manager_settings: dict[str, str] | None = None, insecure: bool = False) -> None:
         self.instances = instances
         self.manager_settings = manager_settings or {}
         self.log_dir = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
+        self.auth = BenchAuth(self.log_dir / "secrets", insecure)
         self.children: list[Child] = []
         self.manager_address = f"127.0.0.1:{free_port()}"
         self.instance_addresses: dict[str, str] = {}
@@ -66,6 +92,7 @@ class BenchMesh:
             "RLMESH_ROLLOUT_ENGINE__KIND": "synthetic",
             "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__SPEED": str(spec.speed),
             "RLMESH_ROLLOUT_SERVER__LOG_LEVEL": "warning",
+            **self.auth.settings("RLMESH_ROLLOUT_", "instance"),
             **{f"RLMESH_ROLLOUT_{k}": v for k, v in spec.settings.items()},
         }
         child = spawn_service(spec.instance_id, "services.rollout", f"127.0.0.1:{port}", settings, self.log_dir, str(self.log_dir))
@@ -78,9 +105,11 @@ class BenchMesh:
             "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
             "RLMESH_MANAGER_SERVER__PORT": self.manager_address.rsplit(":", 1)[1],
             "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+            **self.auth.settings("RLMESH_MANAGER_", "manager"),
             **{f"RLMESH_MANAGER_{k}": v for k, v in self.manager_settings.items()},
         }, self.log_dir, str(self.log_dir))
         self.children.append(manager)
+        self.auth.use()
         await wait_started([manager])
         await wait_started([self.spawn_instance(spec) for spec in self.instances])
         self._channel = open_channel(self.manager_address)

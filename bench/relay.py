@@ -1,6 +1,7 @@
 """Relay capacity: tokens/s that reach the trainer through the manager from synthetic engines,
 against the same engines called directly, against the torch engine's generation rate on this
-machine, and with the manager's journal on against off, all measured in the same run."""
+machine, with the manager's journal on against off, and with authorization on (every call
+carrying its role's bearer secret, the default) against off, all measured in the same run."""
 
 from __future__ import annotations
 
@@ -78,12 +79,13 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
             await engine.stop()
 
 
-async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None) -> list[float]:
+async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None,
+                       insecure: bool = False) -> list[float]:
     """Tokens/s through the manager per round; with `direct_rates`, the engines called directly
-    after each round go there."""
+    after each round go there; `insecure`: every service with authorization off."""
     specs = [InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)]
     rates = []
-    async with BenchMesh(specs, manager_settings) as mesh:
+    async with BenchMesh(specs, manager_settings, insecure=insecure) as mesh:
         sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
         await mesh.run_step("warmup", PROMPTS // 4, GROUP_SIZE, sampling)
         for round_ in range(rounds):
@@ -102,20 +104,24 @@ async def main(rounds: int) -> dict:
     relay_rates = await relay_rounds(rounds, {}, direct_rates)
     with tempfile.TemporaryDirectory() as folder:
         journaled_rates = await relay_rounds(rounds, {"JOURNAL_PATH": f"{folder}/manager-journal.sqlite"})
+    insecure_rates = await relay_rounds(rounds, {}, insecure=True)
     torch_tokens_per_second = await torch_rate()
     relay = statistics.median(relay_rates)
     journaled = statistics.median(journaled_rates)
+    insecure = statistics.median(insecure_rates)
     direct = statistics.median(direct_rates)
     return write_result(
         "relay",
         figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates,
                  "journaled_relay_tokens_per_second_median": journaled, "journaled_relay_rounds": journaled_rates},
         baseline={"direct_tokens_per_second_median": direct, "direct_rounds": direct_rates,
-                  "torch_engine_tokens_per_second": torch_tokens_per_second},
+                  "torch_engine_tokens_per_second": torch_tokens_per_second,
+                  "insecure_relay_tokens_per_second_median": insecure, "insecure_relay_rounds": insecure_rates},
         ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second,
-                "journaled_over_in_memory_relay": journaled / relay},
+                "journaled_over_in_memory_relay": journaled / relay, "authorized_over_insecure_relay": relay / insecure},
         targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10,
-                 "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8},
+                 "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8,
+                 "authorized_over_insecure_relay >= 0.95": relay / insecure >= 0.95},
         settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,
                   "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
                   "journal": f"SQLite WAL, synchronous=NORMAL, flushed every {ManagerConfig().journal_flush_seconds} s "

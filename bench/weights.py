@@ -21,14 +21,15 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_result
+from bench.common import BenchAuth, write_result
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.common.v1 import common_pb2
+from rlmesh.credentials import read_secret, secret_path
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc import call_options, open_channel, use_secret
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 TRAINER_RANKS = 2
@@ -121,15 +122,16 @@ class RankRows:
 
 class TrainerRanks:
     """FSDP trainer ranks as processes: each prepares its shards of a version, then, when told,
-    hands them to the weights service through its shared-memory slot."""
+    hands them to the weights service through its shared-memory slot, with the trainer's secret
+    from `secrets`."""
 
-    def __init__(self, shape: ModelShape, world: int, changed_fraction: float) -> None:
+    def __init__(self, shape: ModelShape, world: int, changed_fraction: float, secrets: Path) -> None:
         context = multiprocessing.get_context("spawn")
         self.pipes = []
         self.processes = []
         for rank in range(world):
             parent, child = context.Pipe()
-            process = context.Process(target=_rank_main, args=(child, shape, rank, world, changed_fraction), daemon=True)
+            process = context.Process(target=_rank_main, args=(child, shape, rank, world, changed_fraction, secrets), daemon=True)
             process.start()
             self.pipes.append(parent)
             self.processes.append(process)
@@ -157,10 +159,11 @@ class TrainerRanks:
             process.join(timeout=30)
 
 
-def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction: float) -> None:
+def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction: float, secrets: Path) -> None:
     from rlmesh.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 
     torch.set_num_threads(1)
+    use_secret(read_secret(secret_path(secrets, "trainer")))
     full_shapes = hf_parameter_shapes(shape)
     rows = RankRows(shape, rank, world, changed_fraction)
     slot = None
@@ -234,6 +237,7 @@ def ensure_bench_model(directory: Path, shape: ModelShape) -> Path:
 @dataclass
 class Services:
     log_dir: Path
+    auth: BenchAuth
     manager: Child
     instances: list[Child]
     weights: Child | None = None
@@ -243,10 +247,11 @@ class Services:
         return [self.manager, *self.instances, *([self.weights] if self.weights else [])]
 
 
-async def start_instances(model_dir: Path, log_dir: Path) -> Services:
+async def start_instances(model_dir: Path, log_dir: Path, auth: BenchAuth) -> Services:
     manager_address = f"127.0.0.1:{free_port()}"
     manager = spawn_service("manager", "services.manager", manager_address, {
         "RLMESH_MANAGER_SERVER__PORT": manager_address.rsplit(":", 1)[1], "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+        **auth.settings("RLMESH_MANAGER_", "manager"),
     }, log_dir, str(log_dir))
     await wait_started([manager])
     instances = []
@@ -263,9 +268,10 @@ async def start_instances(model_dir: Path, log_dir: Path) -> Services:
             "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true",
             "RLMESH_ROLLOUT_TRANSFER__TCP": "true",
             "RLMESH_ROLLOUT_TRANSFER__CATCH_UP_DELAY_SECONDS": str(CATCH_UP_DELAY_SECONDS),
+            **auth.settings("RLMESH_ROLLOUT_", "instance"),
         }, log_dir, str(log_dir)))
     await wait_started(instances, timeout=600)
-    return Services(log_dir, manager, instances)
+    return Services(log_dir, auth, manager, instances)
 
 
 async def start_weights(services: Services, backend: str, compression: str) -> str:
@@ -277,6 +283,7 @@ async def start_weights(services: Services, backend: str, compression: str) -> s
         "RLMESH_WEIGHTS_BACKEND": backend,
         "RLMESH_WEIGHTS_COMPRESSION": compression,
         "RLMESH_WEIGHTS_POLL_INTERVAL_SECONDS": "0.05",
+        **services.auth.settings("RLMESH_WEIGHTS_", "weights"),
     }, services.log_dir, str(services.log_dir))
     await wait_started([services.weights])
     return address
@@ -463,8 +470,10 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
     nbytes = delivered_bytes(shape)
     log_dir = Path(tempfile.mkdtemp(prefix="rlmesh-bench-weights-"))
     print(f"{nbytes / 2**30:.2f} GiB delivered per push; logs in {log_dir}", flush=True)
-    services = await start_instances(model_dir, log_dir)
-    ranks = TrainerRanks(shape, TRAINER_RANKS, CHANGED_FRACTION)
+    auth = BenchAuth(log_dir / "secrets")
+    auth.use()
+    services = await start_instances(model_dir, log_dir, auth)
+    ranks = TrainerRanks(shape, TRAINER_RANKS, CHANGED_FRACTION, auth.folder)
     version = 0
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}

@@ -8,11 +8,12 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from rlmesh.authz import ROLES
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
 FLAG_FIELDS = {
@@ -30,7 +31,8 @@ FLAG_FIELDS = {
     "base_port": "mesh.base_port",
     "tls": "mesh.tls",
     "tls_dir": "mesh.tls_dir",
-    "registration_token": "mesh.registration_token",
+    "insecure": "mesh.insecure",
+    "secrets_dir": "mesh.secrets_dir",
     "model_dir": "model.path",
     "output_dir": "output.dir",
 }
@@ -135,6 +137,11 @@ def _up(args: argparse.Namespace) -> int:
 
             tls_dir = Path(mesh.tls_dir).resolve() if mesh.tls_dir else output_dir / "tls"
             create_certificates(tls_dir, [mesh.host, *(netns.hosts if netns is not None else [])])
+        secrets_dir = None
+        if not mesh.insecure:
+            from rlmesh.credentials import create_secrets
+
+            secrets_dir = create_secrets(Path(mesh.secrets_dir).resolve() if mesh.secrets_dir else output_dir / "secrets")
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
@@ -147,8 +154,7 @@ def _up(args: argparse.Namespace) -> int:
         model_dir=model_dir,
         trainer_config=trainer_config,
         tls_dir=tls_dir,
-        # Only the processes of this run learn a generated token (not job.json).
-        registration_token=secrets.token_urlsafe(24) if mesh.registration_token == "auto" else mesh.registration_token,
+        secrets_dir=secrets_dir,
         netns=netns,
         job_dir=base,
     )
@@ -183,25 +189,39 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _call_with_tls_dir(args: argparse.Namespace) -> bool:
-    """Makes this process's calls use mutual TLS when --tls-dir is given; False (after saying why)
-    when its files are unusable."""
-    from rlmesh.config import ConfigError, TlsFiles
-    from rlmesh.rpc import use_tls
+SECRET_FILE_VARIABLE = "RLMESH_SECRET_FILE"
 
-    if args.tls_dir:
-        try:
+
+def _call_with_credentials(args: argparse.Namespace, run: Path | None = None) -> bool:
+    """Makes this process's calls present the client certificate of --tls-dir and the bearer
+    secret of --secret-file, else of $RLMESH_SECRET_FILE, else the operator's secret of the
+    `rlmesh up` run `run`; False (after saying why) when a file is unusable."""
+    from rlmesh.config import ConfigError, TlsFiles
+    from rlmesh.credentials import read_secret, secret_path
+    from rlmesh.rpc import use_secret, use_tls
+
+    secret_file = getattr(args, "secret_file", None) or os.environ.get(SECRET_FILE_VARIABLE)
+    if not secret_file and run is not None and secret_path(run / "secrets", "operator").is_file():
+        secret_file = str(secret_path(run / "secrets", "operator"))
+    try:
+        if args.tls_dir:
             use_tls(TlsFiles.in_directory(args.tls_dir, args.tls_name))
-        except ConfigError as exc:
-            print(f"rlmesh {args.command}: {exc}", file=sys.stderr)
-            return False
+        if secret_file:
+            use_secret(read_secret(secret_file))
+    except ConfigError as exc:
+        print(f"rlmesh {args.command}: {exc}", file=sys.stderr)
+        return False
     return True
 
 
-def _add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_credential_arguments(parser: argparse.ArgumentParser, secret: bool = True) -> None:
     parser.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
     parser.add_argument("--tls-name", default="client", metavar="NAME",
-                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client)")
+                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client, the operator's)")
+    if secret:
+        parser.add_argument("--secret-file", metavar="FILE",
+                            help=f"present the bearer secret in FILE (default ${SECRET_FILE_VARIABLE}, else the operator's "
+                                 "secret of the `rlmesh up` run: <run>/secrets/operator.secret)")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -210,20 +230,21 @@ def _status(args: argparse.Namespace) -> int:
     from rlmesh.launch.state import STATE_FILE, find_running_mesh
     from rlmesh.status import MeshAddresses, read_once, render, watch
 
-    if not _call_with_tls_dir(args):
-        return 2
     if args.interval <= 0:
         print("rlmesh status: --interval must be above 0", file=sys.stderr)
         return 2
+    run = Path(args.run) if args.run else None
     if args.manager:
         addresses = MeshAddresses(args.manager, args.weights, args.trainer)
     else:
-        run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
+        run = run or find_running_mesh(Path("runs"))
         if run is None or not (run / STATE_FILE).is_file():
             print(f"rlmesh status: no running mesh found in {args.run or 'runs/'} (rlmesh up writes {STATE_FILE} in its "
                   "output folder); or name the services with --manager, --weights and --trainer", file=sys.stderr)
             return 2
         addresses = MeshAddresses.of_run(run)
+    if not _call_with_credentials(args, run):
+        return 2
     # Piped output is not cut to 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 160)
     if args.once:
@@ -244,7 +265,7 @@ def _status(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from rlmesh.rpc import check_health
 
-    if not _call_with_tls_dir(args):
+    if not _call_with_credentials(args):
         return 2
     healthy = asyncio.run(check_health(args.address, timeout=args.timeout))
     print("SERVING" if healthy else "NOT SERVING")
@@ -264,7 +285,9 @@ async def _drain_instance(address: str, reason: str, timeout: float) -> int:
 def _drain(args: argparse.Namespace) -> int:
     import grpc
 
-    if not _call_with_tls_dir(args):
+    from rlmesh.launch.state import find_running_mesh
+
+    if not _call_with_credentials(args, Path(args.run) if args.run else find_running_mesh(Path("runs"))):
         return 2
     try:
         handed_back = asyncio.run(_drain_instance(args.address, args.reason, args.timeout))
@@ -293,6 +316,29 @@ def _certs(args: argparse.Namespace) -> int:
     print(f"a service NAME takes its files from RLMESH_NAME_SERVER__TLS__CA_FILE, __CERT_FILE and __KEY_FILE;\n"
           f"rlmesh health HOST:PORT --tls-dir {directory}; grpcurl -cacert {directory / 'ca.pem'} "
           f"-cert {files['client'].cert_file} -key {files['client'].key_file} HOST:PORT list")
+    return 0
+
+
+def _secrets(args: argparse.Namespace) -> int:
+    from rlmesh.config import ConfigError
+    from rlmesh.credentials import VERIFIERS_FILE, create_secrets, rotate_secret, secret_path
+
+    directory = Path(args.dir)
+    try:
+        if args.rotate:
+            print(f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; servers refuse the old one within "
+                  "a second: restart the processes of that role with the new one")
+            return 0
+        create_secrets(directory)
+    except (ConfigError, OSError) as exc:
+        print(f"rlmesh secrets: {exc}", file=sys.stderr)
+        return 2
+    print(f"verifiers (digests only, for every service): {directory / VERIFIERS_FILE}")
+    for role in ROLES:
+        print(f"{role}: {secret_path(directory, role)}")
+    print(f"a service NAME takes them from RLMESH_NAME_SERVER__AUTH__VERIFIERS_FILE and __SECRET_FILE (its role's);\n"
+          f"rlmesh status --secret-file {secret_path(directory, 'operator')}; grpcurl -plaintext "
+          f"-H \"authorization: Bearer $(cat {secret_path(directory, 'operator')})\" HOST:PORT rlmesh.manager.v1.ManagerService/GetStatus")
     return 0
 
 
@@ -392,9 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "created in <output-dir>/tls (or --tls-dir)")
     up.add_argument("--tls-dir", metavar="DIR",
                     help="mesh.tls_dir: use (and complete) the certificates in DIR, as `rlmesh certs` writes them; implies --tls")
-    up.add_argument("--registration-token", metavar="TOKEN",
-                    help="mesh.registration_token: a secret rollout instances must present to the manager; "
-                         "`auto` makes a random one for this run")
+    up.add_argument("--secrets-dir", metavar="DIR",
+                    help="mesh.secrets_dir: use (and complete) the role secrets in DIR, as `rlmesh secrets` writes them "
+                         "(default: new ones in <output-dir>/secrets)")
+    up.add_argument("--insecure", action="store_true", default=None,
+                    help="mesh.insecure: turn authorization off, so that anyone who reaches a port may call every RPC "
+                         "(a mesh on one trusted machine only)")
     up.set_defaults(handler=_up)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
     init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
@@ -418,12 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--trainer", metavar="HOST:PORT", help="the trainer (compose: localhost:50153)")
     status.add_argument("--once", action="store_true", help="print the view once and exit (1 if no service answered)")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    _add_tls_arguments(status)
+    _add_credential_arguments(status)
     status.set_defaults(handler=_status)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)
-    _add_tls_arguments(health)
+    _add_credential_arguments(health, secret=False)
     health.set_defaults(handler=_health)
     drain = commands.add_parser("drain", help="take a rollout instance out of the pool: it hands its requests back "
                                               "to the manager with their tokens, deregisters and exits",
@@ -434,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--reason", default="drain requested", help="logged by the instance (default: drain requested)")
     drain.add_argument("--timeout", type=float, default=30.0,
                        help="seconds to wait for the drain; longer than the instance's drain_timeout_seconds (default 30)")
-    _add_tls_arguments(drain)
+    drain.add_argument("--run", help="the `rlmesh up` output folder whose operator secret to present (default: the newest "
+                                     "running one under runs/)")
+    _add_credential_arguments(drain)
     drain.set_defaults(handler=_drain)
     certs = commands.add_parser("certs", help="create a local CA and a mutual-TLS certificate for each service",
                                 description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer and "
@@ -444,6 +495,13 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--host", action="append", metavar="H",
                        help="another host name or IP address the services are reached at (repeatable)")
     certs.set_defaults(handler=_certs)
+    secrets = commands.add_parser("secrets", help="create a bearer secret for each role, or rotate one",
+                                  description="Write ROLE.secret (mode 0600) for each role that has none yet, and "
+                                              "verifiers.json with their SHA-256 digests, which servers check callers "
+                                              "against. Roles: " + ", ".join(ROLES) + ".")
+    secrets.add_argument("--dir", required=True, help="where to write them")
+    secrets.add_argument("--rotate", choices=ROLES, metavar="ROLE", help="replace ROLE's secret (and its digest)")
+    secrets.set_defaults(handler=_secrets)
     for service in SERVICES:
         sub = commands.add_parser(service, help=f"run the {service} service", add_help=False)
         sub.set_defaults(handler=None, service=service)

@@ -60,6 +60,21 @@ class TlsFiles(StrictModel):
             raise ConfigError(f"TLS files of {name} in {directory}: {problems}") from exc
 
 
+class AuthSettings(StrictModel):
+    """How callers prove their role (see docs/security.md). Authorization is on unless `insecure`."""
+
+    insecure: bool = False
+    """Serve every RPC to anyone who reaches the port, with no credential: a mesh on one trusted
+    machine only. Reported at start and in GetStatus."""
+    verifiers_file: str = ""
+    """The SHA-256 digests of each role's bearer secret (`rlmesh secrets` writes verifiers.json);
+    a caller presenting one of them in `authorization: Bearer <secret>` has that role. Not needed
+    under mutual TLS, where the client certificate names the role."""
+    secret_file: str = ""
+    """This process's own bearer secret, sent with every call it makes (`rlmesh secrets` writes
+    ROLE.secret)."""
+
+
 class ServerSettings(StrictModel):
     """A service's gRPC server limits and log level, which a job sets per service."""
 
@@ -83,6 +98,7 @@ class ServerConfig(ServerSettings):
     when `host` is a wildcard (0.0.0.0 or ::), as in a container."""
     tls: TlsFiles | None = None
     """Mutual TLS for this server and for every call the process makes (None: plaintext)."""
+    auth: AuthSettings = AuthSettings()
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Port of the Prometheus `/metrics` endpoint, on `host` (0 picks a free one; None: none)."""
 

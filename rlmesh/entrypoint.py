@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from rlmesh.config import ConfigError, load_config
 from rlmesh.lifecycle import name_process
 from rlmesh.logging import configure_logging
-from rlmesh.rpc import stop_event_on_signals
+from rlmesh.rpc import stop_event_on_signals, use_server_identity
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
@@ -72,6 +72,8 @@ def run_service(
     args = parser.parse_args(argv)
     try:
         config = load_config(config_model, args.config, env_prefix=env_prefix)
+        # Every call this process makes carries the service's own certificate and bearer secret.
+        use_server_identity(config.server)  # type: ignore[attr-defined]
     except ConfigError as exc:
         print(f"rlmesh {name}: {exc}", file=sys.stderr)
         return 2

@@ -51,3 +51,7 @@ class Aborted(DomainError):
 class OutOfRange(DomainError):
     """The request names something outside what the system can still provide (a weight version
     no instance serves any more)."""
+
+
+class Unavailable(DomainError):
+    """Something the request depends on cannot be reached now; the same call may succeed later."""

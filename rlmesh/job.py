@@ -98,10 +98,13 @@ class MeshSection(StrictModel):
     """The certificates to use (ca.pem, NAME.pem and NAME-key.pem for manager, weights, rollout,
     trainer and client, as `rlmesh certs` writes them; what is missing or expired is issued from
     ca-key.pem). Relative to the working directory, like output.dir. Needs tls = true."""
-    registration_token: str = ""
-    """A shared secret the manager asks of rollout instances when they register, heartbeat and
-    leave (`authorization: Bearer <token>`; others get UNAUTHENTICATED); "auto": a random one for
-    each run; "": none. With or without tls."""
+    insecure: bool = False
+    """Turn authorization off: every service answers every RPC to anyone who reaches its port, with
+    no credential. For a mesh on one trusted machine only; the console and GetStatus say so."""
+    secrets_dir: str | None = None
+    """The bearer secret of each role and their verifiers, as `rlmesh secrets` writes them (what is
+    missing is made); None: made for each run in <output>/secrets (mode 0600). Relative to the
+    working directory, like output.dir."""
 
     @property
     def instance_cap(self) -> int:
@@ -113,12 +116,17 @@ class MeshSection(StrictModel):
     def _no_moved_keys(cls, data: Any) -> Any:
         if isinstance(data, dict) and (moved := [f"mesh.{key} moved to {new}" for key, new in MOVED_MESH_KEYS.items() if key in data]):
             raise ValueError("; ".join(moved))
+        if isinstance(data, dict) and "registration_token" in data:
+            raise ValueError("mesh.registration_token was replaced by a bearer secret per role, on by default "
+                             "(mesh.secrets_dir; see docs/security.md)")
         return data
 
     @model_validator(mode="after")
     def _compatible(self) -> "MeshSection":
         if self.tls_dir is not None and not self.tls:
             raise ValueError("tls_dir needs tls = true")
+        if self.secrets_dir is not None and self.insecure:
+            raise ValueError("secrets_dir and insecure = true contradict each other: insecure checks no secret")
         cap = self.instance_cap
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")

@@ -1,14 +1,13 @@
 """gRPC plumbing shared by every service: server lifecycle, channel options, deadlines, request ids,
-and the process's mutual TLS and registration token."""
+authorization by role, and the process's own mutual TLS and bearer secret."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import signal
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rlmesh import errors
+from rlmesh.authz import OPEN_SERVICES, Role, allowed_roles, service_of
 from rlmesh.config import ConfigError, ServerConfig, TlsFiles
+from rlmesh.credentials import Verifiers, read_secret
+from rlmesh.tls import role_of_certificate
 
 if TYPE_CHECKING:
     from rlmesh.prometheus import Collect, MetricsEndpoint
@@ -37,6 +39,7 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -112,7 +115,8 @@ class _Identity:
     channels are opened in many places (clients, pushers, health checks)."""
 
     channel_credentials: grpc.ChannelCredentials | None = None
-    token: str = ""
+    secret_of: Callable[[str], str] | None = None
+    """The bearer secret to present on a call of a method (full name); None: present none."""
 
 
 _identity = _Identity()
@@ -123,26 +127,128 @@ def use_tls(files: TlsFiles | None) -> None:
     _identity.channel_credentials = TlsCredentials.load(files).channel() if files is not None else None
 
 
-def use_token(token: str) -> None:
-    """Every call this process makes from now on carries `authorization: Bearer <token>` ("" : none)."""
-    _identity.token = token
+def use_secret(secret: str | Callable[[str], str]) -> None:
+    """Every call this process makes from now on carries `authorization: Bearer <secret>` ("": none).
+    A function of the method's full name picks a secret per call: a test that plays every role."""
+    if callable(secret):
+        _identity.secret_of = secret
+    else:
+        _identity.secret_of = (lambda method: secret) if secret else None
+
+
+def use_server_identity(config: ServerConfig) -> None:
+    """This service's calls carry its own certificate and bearer secret, as its config names them."""
+    use_tls(config.tls)
+    use_secret(read_secret(config.auth.secret_file) if config.auth.secret_file else "")
+
+
+class _CallWithSecret:
+    """A stub's multicallable whose calls also carry the process's bearer secret for the method."""
+
+    __slots__ = ("_call", "_method")
+
+    def __init__(self, call: Any, method: str) -> None:
+        self._call = call
+        self._method = method
+
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        if _identity.secret_of is not None and (secret := _identity.secret_of(self._method)):
+            metadata = (*(metadata or ()), (AUTHORIZATION_KEY, f"Bearer {secret}"))
+        return self._call(*args, metadata=metadata, **kwargs)
+
+
+class _ChannelWithSecret:
+    """A grpc.aio channel whose stubs' calls carry the bearer secret: wrapping the multicallables
+    a stub makes once costs a call a tuple, where a client interceptor would wrap every message."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
+        return _CallWithSecret(self._channel.unary_unary(method, *args, **kwargs), method)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
+        return _CallWithSecret(self._channel.unary_stream(method, *args, **kwargs), method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
+        return _CallWithSecret(self._channel.stream_unary(method, *args, **kwargs), method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
+        return _CallWithSecret(self._channel.stream_stream(method, *args, **kwargs), method)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
+
+    async def __aenter__(self) -> _ChannelWithSecret:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._channel.close()
 
 
 def open_channel(address: str, max_message_mb: int = 64, keepalive: Keepalive = KEEPALIVE) -> grpc.aio.Channel:
     options = channel_options(max_message_mb, keepalive)
     if _identity.channel_credentials is not None:
-        return grpc.aio.secure_channel(address, _identity.channel_credentials, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+        channel = grpc.aio.secure_channel(address, _identity.channel_credentials, options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    return _ChannelWithSecret(channel)  # type: ignore[return-value]
 
 
 def call_options(timeout: float) -> dict[str, Any]:
-    """Keyword arguments for a stub call: its deadline, the caller's request id and, when the
-    process has one, its registration token."""
+    """Keyword arguments for a stub call: its deadline and the caller's request id."""
     request_id = structlog.contextvars.get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
-    metadata: tuple[tuple[str, str], ...] = ((REQUEST_ID_KEY, request_id),)
-    if _identity.token:
-        metadata += ((AUTHORIZATION_KEY, f"Bearer {_identity.token}"),)
-    return {"timeout": timeout, "metadata": metadata}
+    return {"timeout": timeout, "metadata": ((REQUEST_ID_KEY, request_id),)}
+
+
+class Authorizer:
+    """Whether a caller may call a method: its role, from the client certificate under mutual TLS
+    or else from its bearer secret, must be one the authorization table allows."""
+
+    def __init__(self, verifiers: Verifiers | None, certificates: bool) -> None:
+        self.verifiers = verifiers
+        self.certificates = certificates
+
+    @classmethod
+    def from_config(cls, config: ServerConfig) -> Authorizer | None:
+        """None when the config turns authorization off; ConfigError when it is on with nothing
+        to learn a caller's role from."""
+        if config.auth.insecure:
+            return None
+        if config.tls is None and not config.auth.verifiers_file:
+            raise ConfigError("server.auth: every call is authorized by its caller's role, and this service has neither mutual "
+                              "TLS (server.tls) nor a verifiers file (server.auth.verifiers_file) to learn it from: make the "
+                              "secrets with `rlmesh secrets DIR` and set server.auth.verifiers_file = DIR/verifiers.json, or "
+                              "turn authorization off with server.auth.insecure = true")
+        return cls(Verifiers(config.auth.verifiers_file) if config.auth.verifiers_file else None, config.tls is not None)
+
+    def role_of(self, metadata: dict[str, Any], context: grpc.aio.ServicerContext) -> tuple[Role | None, str]:
+        """The caller's role, or None with why not."""
+        if self.certificates:
+            pem = context.auth_context().get("x509_pem_cert")
+            if pem and (role := role_of_certificate(pem[0])) is not None:
+                return role, ""
+        presented = metadata.get(AUTHORIZATION_KEY, "")
+        if not isinstance(presented, str) or not presented:
+            return None, "it presented no credential"
+        if self.verifiers is None or not presented.startswith("Bearer "):
+            return None, "its credential is not a bearer secret this service knows"
+        role = self.verifiers.role_of(presented[len("Bearer "):])
+        return role, "" if role is not None else "the bearer secret it presented is no role's"
+
+    def refusal(self, method: str, metadata: dict[str, Any], context: grpc.aio.ServicerContext
+                ) -> tuple[grpc.StatusCode, str, Role | None] | None:
+        """The status a call must be refused with and why, or None when it may go on."""
+        name = method.rsplit("/", 1)[-1]
+        role, why = self.role_of(metadata, context)
+        if role is None:
+            return (grpc.StatusCode.UNAUTHENTICATED, f"{name} needs a credential: a client certificate naming a role, or "
+                    f"`authorization: Bearer <secret>` with a role's secret ({why}; see docs/security.md)", None)
+        allowed = allowed_roles(method)
+        if role not in allowed:
+            return (grpc.StatusCode.PERMISSION_DENIED,
+                    f"{name} is not open to the {role} role (allowed: {', '.join(sorted(allowed)) or 'none'})", role)
+        return None
 
 
 def status_code_of(exc: errors.DomainError) -> grpc.StatusCode:
@@ -154,8 +260,12 @@ async def _abort_for(exc: errors.DomainError, context: grpc.aio.ServicerContext)
 
 
 class RequestContextInterceptor(grpc.aio.ServerInterceptor):
-    """Binds a request id (from metadata, else new) to the logs of each call and turns domain
-    errors into gRPC statuses, so servicers stay parse-validate-delegate."""
+    """Authorizes each call by its caller's role (unless `authorizer` is None: --insecure), binds a
+    request id (from metadata, else new) to its logs and turns domain errors into gRPC statuses,
+    so servicers stay parse-validate-delegate. A refused call's request is never read."""
+
+    def __init__(self, authorizer: Authorizer | None = None) -> None:
+        self.authorizer = authorizer
 
     async def intercept_service(
         self,
@@ -166,11 +276,26 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         metadata = dict(details.invocation_metadata or ())
-        bound = {"request_id": metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16], "method": details.method}
+        method = details.method
+        bound = {"request_id": metadata.get(REQUEST_ID_KEY) or uuid.uuid4().hex[:16], "method": method}
+        authorizer = None if service_of(method) in OPEN_SERVICES else self.authorizer
+
+        async def refused(context: grpc.aio.ServicerContext) -> bool:
+            if authorizer is None:
+                return False
+            refusal = authorizer.refusal(method, metadata, context)
+            if refusal is None:
+                return False
+            code, message, role = refusal
+            log.warning("call refused", code=code.name, role=role, reason=message)
+            await context.abort(code, message)
+            return True
 
         def unary(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 with structlog.contextvars.bound_contextvars(**bound):
+                    if await refused(context):
+                        return None
                     try:
                         result = fn(request, context)
                         return await result if inspect.isawaitable(result) else result
@@ -183,6 +308,8 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         def streaming(fn: Callable[..., Any]) -> Callable[..., Any]:
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 with structlog.contextvars.bound_contextvars(**bound):
+                    if await refused(context):
+                        return
                     try:
                         responses = fn(request, context)
                         if inspect.isasyncgen(responses):
@@ -214,60 +341,17 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _handler_like(handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any]) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that runs `behaviour` on the raw request bytes."""
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(behaviour)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(behaviour)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(behaviour)
-    return grpc.stream_stream_rpc_method_handler(behaviour)
-
-
-class RegistrationTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls of `methods` (full names, "/package.Service/Method") that do not carry
-    `authorization: Bearer <token>` with UNAUTHENTICATED, before their request is even parsed:
-    the registration credential of rollout instances, the one gate when the mesh runs without
-    mutual TLS."""
-
-    def __init__(self, token: str, methods: Iterable[str]) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._methods = frozenset(methods)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(details)
-        if handler is None or details.method not in self._methods:
-            return handler
-        presented = dict(details.invocation_metadata or ()).get(AUTHORIZATION_KEY, "")
-        if isinstance(presented, str) and hmac.compare_digest(presented.encode(), self._expected):
-            return handler
-        name = details.method.rsplit("/", 1)[-1]
-        message = f"{name} needs the registration token (authorization: Bearer ...)"
-        if presented:
-            message += "; the one presented is wrong"
-        log.warning("call refused: no valid registration token", method=details.method, token_presented=bool(presented))
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        return _handler_like(handler, refuse)
-
-
 class GrpcServer:
-    """A grpc.aio server with reflection, the health service and a graceful drain; mutual TLS when
-    its config names certificates. `interceptors` run before the request-context one."""
+    """A grpc.aio server with reflection, the health service, authorization by role and a graceful
+    drain; mutual TLS when its config names certificates. Raises ConfigError when authorization
+    is on and the config gives no way to learn a caller's role."""
 
-    def __init__(self, config: ServerConfig, service_names: Iterable[str], keepalive: Keepalive = KEEPALIVE,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+    def __init__(self, config: ServerConfig, service_names: Iterable[str], keepalive: Keepalive = KEEPALIVE) -> None:
         self.config = config
         self.service_names = list(service_names)
+        self.authorizer = Authorizer.from_config(config)
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, RequestContextInterceptor()],
+            interceptors=[RequestContextInterceptor(self.authorizer)],
             options=server_options(config.max_message_mb, keepalive),
         )
         self.health = health.aio.HealthServicer()
@@ -300,7 +384,17 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
         await self.server.start()
-        log.info("listening", address=self.address, tls=self.config.tls is not None)
+        log.info("listening", address=self.address, tls=self.config.tls is not None, authorization=self.authorization)
+        if self.authorizer is None:
+            log.warning("authorization is off (insecure): anyone who reaches this port may call every RPC", address=self.address)
+
+    @property
+    def authorization(self) -> str:
+        """How callers prove their role here: "off", "mutual TLS", "bearer secrets" or both."""
+        if self.authorizer is None:
+            return "off"
+        ways = ["mutual TLS"] if self.authorizer.certificates else []
+        return " + ".join([*ways, "bearer secrets"] if self.authorizer.verifiers is not None else ways)
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,9 +1,11 @@
 """A local certificate authority for mutual TLS: `rlmesh certs` and `rlmesh up --tls` write a CA and
-one certificate per service (each good as server and as client), reusing what is still valid."""
+one certificate per service and tool (each good as server and as client, and naming its role),
+reusing what is still valid."""
 
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import os
 from pathlib import Path
@@ -15,12 +17,18 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from rlmesh.authz import ROLES, Role
 from rlmesh.config import ConfigError, TlsFiles
 
 log = structlog.get_logger()
 
-NAMES = ("manager", "weights", "rollout", "trainer", "client")
-"""A certificate for each service, and `client` for the launcher and tools (`rlmesh health`, grpcurl)."""
+ROLE_OF_NAME: dict[str, Role] = {"manager": "manager", "weights": "weights", "rollout": "instance", "trainer": "trainer",
+                                 "client": "operator", "observer": "observer"}
+"""A certificate for each service, `client` for the launcher and operator tools (`rlmesh status`,
+grpcurl) and `observer` for read-only ones, with the role each carries."""
+NAMES = tuple(ROLE_OF_NAME)
+ROLE_URI_PREFIX = "urn:rlmesh:role:"
+"""A certificate's role is the subject alternative name URI ROLE_URI_PREFIX + role."""
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -91,8 +99,8 @@ def _ca(directory: Path, now: datetime.datetime) -> tuple[x509.Certificate, ec.E
     return cert, key
 
 
-def _covers(cert: x509.Certificate, ca: x509.Certificate, hosts: list[str], now: datetime.datetime) -> bool:
-    """Whether an existing certificate is signed by `ca`, fresh, and names every host."""
+def _covers(cert: x509.Certificate, ca: x509.Certificate, hosts: list[str], role: Role, now: datetime.datetime) -> bool:
+    """Whether an existing certificate is signed by `ca`, fresh, and names every host and its role."""
     if cert.issuer != ca.subject or not _fresh(cert, now):
         return False
     try:
@@ -100,10 +108,10 @@ def _covers(cert: x509.Certificate, ca: x509.Certificate, hosts: list[str], now:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
-    return all(_san(host) in names for host in hosts)
+    return all(_san(host) in names for host in hosts) and x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role) in names
 
 
-def _leaf(name: str, hosts: list[str], ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+def _leaf(name: str, hosts: list[str], role: Role, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
           now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
@@ -119,7 +127,8 @@ def _leaf(name: str, hosts: list[str], ca: x509.Certificate, ca_key: ec.Elliptic
                                      encipher_only=False, decipher_only=False), critical=True)
         # Every service both serves and calls the others, so one certificate does both.
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName([_san(host) for host in hosts]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([*(_san(host) for host in hosts),
+                                                    x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -144,13 +153,27 @@ def create_certificates(directory: str | Path, hosts: list[str] | tuple[str, ...
         wanted = list(dict.fromkeys([*LOCAL_HOSTS, name, *hosts]))
         cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
         found = _load(cert_path, key_path)
-        if found is None or not _covers(found[0], ca_cert, wanted, now):
+        if found is None or not _covers(found[0], ca_cert, wanted, ROLE_OF_NAME[name], now):
             if ca_key is None:
                 raise ConfigError(f"{cert_path} is missing or does not cover {', '.join(wanted)}, and {directory / 'ca-key.pem'} "
                                   "is not there to issue it")
-            cert, key = _leaf(name, wanted, ca_cert, ca_key, now)
+            cert, key = _leaf(name, wanted, ROLE_OF_NAME[name], ca_cert, ca_key, now)
             _write(key_path, _key_pem(key), 0o600)
             _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
             log.info("issued a certificate", name=name, path=str(cert_path), hosts=wanted)
         files[name] = TlsFiles.in_directory(directory, name)
     return files
+
+
+@functools.lru_cache(maxsize=256)
+def role_of_certificate(pem: bytes) -> Role | None:
+    """The role a peer's certificate names (None: none, or not one of ROLES); the chain was
+    verified by the TLS handshake before this is asked."""
+    try:
+        names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return None
+    for uri in names.get_values_for_type(x509.UniformResourceIdentifier):
+        if uri.startswith(ROLE_URI_PREFIX) and uri[len(ROLE_URI_PREFIX):] in ROLES:
+            return uri[len(ROLE_URI_PREFIX):]  # type: ignore[return-value]
+    return None

@@ -21,7 +21,7 @@ from rlmesh.launch import ports as launch_ports
 from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
-from tests.support import RankRunner
+from tests.support import RankRunner, play_every_role
 
 torch.set_num_threads(1)
 
@@ -66,6 +66,18 @@ def _run_order(item: pytest.Item) -> tuple[int, int]:
     if relative in SLOWEST_FILES:
         return 0, SLOWEST_FILES.index(relative)
     return 1, next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in path.parts), len(FIRST_DIRECTORIES))
+
+
+play_every_role()
+
+
+@pytest.fixture(autouse=True)
+def _plays_every_role():
+    """Each test, and each fixture set up after it, calls with the suite's credentials, whatever a
+    test or a mesh it started made the process present."""
+    play_every_role()
+    yield
+    play_every_role()
 
 
 E2E_TIMEOUT_SECONDS = 600

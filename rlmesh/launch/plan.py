@@ -1,13 +1,14 @@
 """What `rlmesh up` starts: the job (its mesh section above all) with what the run adds to it (the
-output folder, the model folder, the certificates, the registration token, the network
-namespaces), and what follows from them: each service's address and security settings."""
+output folder, the model folder, the certificates, the role secrets, the network namespaces), and what follows from them: each service's address and security settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlmesh.authz import Role
 from rlmesh.config import TlsFiles
+from rlmesh.credentials import secret_path, service_auth_settings
 from rlmesh.job import Job, MeshSection
 from rlmesh.launch.netns import NetnsLayout, NetnsLink
 
@@ -24,8 +25,8 @@ class LaunchPlan:
     """The trainer's config file, written from the job (tasks, algorithm, outputs)."""
     tls_dir: Path | None = None
     """Mutual TLS with the certificates in this folder (`rlmesh certs`); None: plaintext."""
-    registration_token: str = ""
-    """Asked by the manager of the rollout instances ("": none); the run's own when the job says "auto"."""
+    secrets_dir: Path | None = None
+    """The bearer secret of each role and their verifiers; None: authorization is off (--insecure)."""
     netns: NetnsLayout | None = None
     """The first len(netns.links) rollout instances each run in their own network namespace."""
     job_dir: Path | None = None
@@ -74,15 +75,22 @@ class LaunchPlan:
     def tls_files(self, name: str) -> TlsFiles | None:
         return TlsFiles.in_directory(self.tls_dir, name) if self.tls_dir is not None else None
 
+    def secret_file(self, role: Role) -> Path | None:
+        return secret_path(self.secrets_dir, role) if self.secrets_dir is not None else None
+
     def security_settings(self, service: str) -> dict[str, str]:
-        """The environment settings that give `service` its certificate and, for the manager and
-        the rollout instances, the registration token."""
+        """The environment settings that give `service` its certificate, its role's bearer secret
+        and the verifiers it checks its callers' secrets against (or turn authorization off)."""
+        from rlmesh.tls import ROLE_OF_NAME
+
         prefix = f"RLMESH_{service.upper()}_"
         settings = {}
         files = self.tls_files(service)
         if files is not None:
             settings |= {f"{prefix}SERVER__TLS__CA_FILE": files.ca_file, f"{prefix}SERVER__TLS__CERT_FILE": files.cert_file,
                          f"{prefix}SERVER__TLS__KEY_FILE": files.key_file}
-        if self.registration_token and service in ("manager", "rollout"):
-            settings[f"{prefix}REGISTRATION_TOKEN"] = self.registration_token
+        if self.secrets_dir is None:
+            settings[f"{prefix}SERVER__AUTH__INSECURE"] = "true"
+        else:
+            settings |= service_auth_settings(prefix, self.secrets_dir, ROLE_OF_NAME[service])
         return settings

@@ -11,13 +11,14 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+from rlmesh.credentials import read_secret
 from rlmesh.launch.autoscale import autoscale
-from rlmesh.launch.console import INTERRUPTED, describe_mesh, follow_training, print_failure, print_summary, read_training_status
+from rlmesh.launch.console import INSECURE_WARNING, INTERRUPTED, describe_mesh, follow_training, print_failure, print_summary, read_training_status
 from rlmesh.launch.netns import create_netns, remove_netns, sweep_netns
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.starter import JobRefused, ServiceStarter
 from rlmesh.launch.supervisor import Supervisor
-from rlmesh.rpc import open_channel, use_tls
+from rlmesh.rpc import open_channel, use_secret, use_tls
 from rlmesh.tasks.check import CHECK_FAILED
 from rlmesh.trainer.v1 import trainer_pb2_grpc
 
@@ -67,8 +68,12 @@ async def _train(plan: LaunchPlan, supervisor: Supervisor, stop: asyncio.Event) 
 
 async def run_mesh(plan: LaunchPlan) -> int:
     """Runs the plan's mesh to the end of training; returns `rlmesh up`'s exit code."""
-    # The launcher's own calls (health checks, progress, autoscaling) present the `client` certificate.
+    # The launcher's own calls (health checks, progress, autoscaling) are an operator's.
     use_tls(plan.tls_files("client"))
+    operator_secret = plan.secret_file("operator")
+    use_secret(read_secret(operator_secret) if operator_secret is not None else "")
+    if plan.secrets_dir is None:
+        print(f"rlmesh up: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

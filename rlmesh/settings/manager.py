@@ -1,5 +1,5 @@
 """The manager's settings a job sets (`[manager]`, and η as `algorithm.max_staleness`);
-`services/manager/config.py` adds the wiring (its socket, the journal's file, the token)."""
+`services/manager/config.py` adds the wiring (its socket, the journal's file, the weights service's address)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Configuration of the manager: the settings a job sets (`rlmesh/settings/manager.py`) and the
-wiring `rlmesh up` fills in (its socket, the journal's file, the registration token)."""
+wiring `rlmesh up` fills in (its socket, the journal's file, the weights service's address)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,5 @@ class ManagerConfig(ManagerSettings, StalenessSetting):
     """A SQLite file (WAL mode) recording accepted batches, every request's tokens so far, the
     groups sent, the published version and the instance registry: a manager restarted on it goes
     on where the killed one stopped. "" keeps everything in memory only."""
-    registration_token: str = ""
-    """A shared secret rollout instances must present (`authorization: Bearer <token>`) to register,
-    heartbeat and leave; others get UNAUTHENTICATED. "" accepts any caller (mutual TLS, when on,
-    already admits only holders of the CA's certificates)."""
+    weights_address: str = "127.0.0.1:50152"
+    """The weights service: PublishVersion is accepted only for a version it holds."""

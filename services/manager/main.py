@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import structlog
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import GrpcServer, RegistrationTokenInterceptor, use_tls
+from rlmesh.rpc import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.state import ManagerState
+from services.manager.stored_versions import StoredVersions
 
 
 @dataclass(slots=True)
@@ -25,21 +26,19 @@ class RunningManager:
     leases: asyncio.Task[None]
     journal: Journal | NoJournal
     journaling: asyncio.Task[None]
+    stored_versions: StoredVersions
 
     async def stop(self) -> None:
         self.leases.cancel()
         self.journaling.cancel()
         await self.server.stop()
         await self.dispatcher.close()
+        await self.stored_versions.close()
         self.journal.flush(self.state)
         self.journal.close()
 
 
 log = structlog.get_logger()
-
-
-INSTANCE_METHODS = ("RegisterInstance", "Heartbeat", "DeregisterInstance")
-"""The calls only rollout instances make: with a registration token they must carry it."""
 
 
 async def keep_journal(state: ManagerState, journal: Journal | NoJournal, period: float) -> None:
@@ -54,7 +53,6 @@ async def keep_journal(state: ManagerState, journal: Journal | NoJournal, period
 
 
 async def start(config: ManagerConfig) -> RunningManager:
-    use_tls(config.server.tls)
     state = ManagerState(config.lease_seconds, config.max_staleness, config.dispatch_policy)
     journal = open_journal(config.journal_path)
     batches, instances = journal.restore(state, time.monotonic())
@@ -64,11 +62,9 @@ async def start(config: ManagerConfig) -> RunningManager:
     changes = Changes()
     dispatcher = Dispatcher(state, changes, config)
     service = manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name
-    interceptors = []
-    if config.registration_token:
-        interceptors.append(RegistrationTokenInterceptor(config.registration_token, [f"/{service}/{name}" for name in INSTANCE_METHODS]))
-    server = GrpcServer(config.server, [service], interceptors=interceptors)
-    servicer = ManagerServicer(state, dispatcher, changes, config, journal)
+    server = GrpcServer(config.server, [service])
+    stored_versions = StoredVersions(config.weights_address, config.rpc_timeout_seconds)
+    servicer = ManagerServicer(state, dispatcher, changes, config, journal, stored_versions, server.authorization)
     manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server.server)
     await server.start()
     await server.serve_metrics("manager", servicer.collect_metrics)
@@ -76,5 +72,5 @@ async def start(config: ManagerConfig) -> RunningManager:
     journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
     dispatcher.dispatch()
     await server.set_serving(True)
-    return RunningManager(server, state, dispatcher, leases, journal, journaling)
+    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions)
 

@@ -21,6 +21,7 @@ from services.manager.records import Instance, SampleRequest
 from services.manager.registry import WrongIncarnation
 from services.manager.stage_balance import Balance
 from services.manager.state import ManagerState
+from services.manager.stored_versions import StoredVersions
 
 log = structlog.get_logger()
 
@@ -82,8 +83,11 @@ async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarn
 
 class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig,
-                 journal: Journal | NoJournal) -> None:
+                 journal: Journal | NoJournal, stored_versions: StoredVersions, authorization: str) -> None:
         self.state = state
+        self.stored_versions = stored_versions
+        self.authorization = authorization
+        """How callers prove their role ("off" when --insecure), as GetStatus reports it."""
         self.dispatcher = dispatcher
         self.changes = changes
         self.config = config
@@ -150,6 +154,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         return manager_pb2.ListInstancesResponse(instances=[instance_status(i, now) for i in self.state.instances.values()])
 
     async def PublishVersion(self, request, context):
+        if request.version > self.state.published_version:
+            await self.stored_versions.check_held(request.version)
         self.state.publish(request.version)
         self._durable()
         self._changed()
@@ -242,6 +248,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             migrated_samples=ledger.migrated_samples,
             continued_tokens=ledger.continued_tokens,
             stage_balance=balance_to_proto(state.balancer.balance),
+            authorization=self.authorization,
         )
 
     async def collect_metrics(self, families: Families) -> None:

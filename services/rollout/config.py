@@ -58,5 +58,3 @@ class RolloutConfig(RolloutSettings):
     manager_address: str = "127.0.0.1:50151"
     engine: EngineConfig
     transfer: TransferConfig = TransferConfig()
-    registration_token: str = ""
-    """Sent with every call to the manager as `authorization: Bearer <token>`: the manager's registration_token."""

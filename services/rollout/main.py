@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import GrpcServer, use_tls, use_token
+from rlmesh.rpc import GrpcServer
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, TensorParallelEngine
 from services.rollout.membership import Membership
@@ -107,8 +107,6 @@ class RunningRollout:
 
 async def start(config: RolloutConfig) -> RunningRollout:
     structlog.contextvars.bind_contextvars(instance_id=config.instance_id)
-    use_tls(config.server.tls)
-    use_token(config.registration_token)
     torch.set_num_threads(config.engine.threads)
     engine = build_engine(config)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from rlmesh.rpc import GrpcServer, open_channel, stop_event_on_signals, use_tls, wait_healthy
+from rlmesh.rpc import GrpcServer, open_channel, stop_event_on_signals, wait_healthy
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2_grpc
 from services.trainer.config import TrainerConfig
@@ -34,7 +34,6 @@ ERROR_FILE = "error.txt"
 
 async def serve(config: TrainerConfig) -> None:
     torch.set_num_threads(config.threads)
-    use_tls(config.server.tls)
     die_with_agent()
     rank = await asyncio.to_thread(init_distributed, config.distributed_backend, config.collective_timeout_seconds)
     structlog.contextvars.bind_contextvars(rank=rank.rank, world_size=rank.world_size)

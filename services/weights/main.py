@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rlmesh.lifecycle import background_process
-from rlmesh.rpc import GrpcServer, use_tls
+from rlmesh.rpc import GrpcServer
 from rlmesh.transfer.base import WeightSender
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.transfer.tcp import TcpSender
@@ -41,7 +41,6 @@ class RunningWeights:
 
 
 async def start(config: WeightsConfig) -> RunningWeights:
-    use_tls(config.server.tls)
     if config.background_priority:
         background_process()
     store = WeightStore(max_bytes=int(config.max_version_gb * (1 << 30)))

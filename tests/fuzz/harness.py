@@ -16,7 +16,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlmesh.config import ServerConfig
+from rlmesh.credentials import peer_secrets
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, channel_options
@@ -24,7 +24,7 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
-from tests.support import Mesh, build_mesh, stop_mesh
+from tests.support import TEST_SECRETS, Mesh, build_mesh, loopback, stop_mesh
 
 CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}
 
@@ -164,6 +164,8 @@ class Harness:
         self.trainer: GrpcServer | None = None
         self.servers: dict[str, GrpcServer] = {}
         self.channels: dict[str, grpc.Channel] = {}
+        self.secret_of = peer_secrets(TEST_SECRETS)
+        """Every call presents the secret of a role allowed to make it: authorization stays on."""
 
     def _run(self, work: Coroutine[Any, Any, Any], timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
@@ -177,7 +179,7 @@ class Harness:
     async def _start(self) -> None:
         # A small version limit: a header that declares a huge payload must be refused, not allocated.
         self.mesh = await build_mesh(self.model_dir, "grpc", weights_settings={"max_version_gb": 1.0})
-        self.trainer = GrpcServer(ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5),
+        self.trainer = GrpcServer(loopback(),
                                   [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
         status = TrainingStatus(total_steps=10, output_dir="runs/fuzz", metrics={"reward": 0.5, "loss": float("nan")})
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(status), self.trainer.server)
@@ -219,14 +221,15 @@ class Harness:
             argument = iter([requests] if isinstance(requests, Wire) else list(requests))
         else:
             argument = requests
+        metadata = (("authorization", f"Bearer {self.secret_of(rpc.path)}"),)
         started = time.monotonic()
         responses = 0
         try:
             if rpc.server_streaming:
-                for _ in stub(argument, timeout=timeout):
+                for _ in stub(argument, timeout=timeout, metadata=metadata):
                     responses += 1
             else:
-                stub(argument, timeout=timeout)
+                stub(argument, timeout=timeout, metadata=metadata)
                 responses = 1
             code, details = grpc.StatusCode.OK, ""
         except grpc.RpcError as exc:

@@ -7,9 +7,10 @@ import sys
 import grpc
 import pytest
 
-from rlmesh.config import ServerConfig
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.credentials import secret_path
 from rlmesh.rpc import GrpcServer
+from tests.support import TEST_SECRETS, loopback
 
 
 class ScriptedRollout(rollout_pb2_grpc.RolloutServiceServicer):
@@ -34,7 +35,7 @@ async def serve():
     servers = []
 
     async def start(servicer: ScriptedRollout) -> str:
-        server = GrpcServer(ServerConfig(port=0), [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
+        server = GrpcServer(loopback(), [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
         await server.start()
         servers.append(server)
@@ -45,8 +46,10 @@ async def serve():
         await server.stop()
 
 
-async def drain(*args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "rlmesh.cli", "drain", *args,
+async def drain(*args: str, role: str = "operator") -> tuple[int, str, str]:
+    """`rlmesh drain args...` presenting `role`'s secret ("": none)."""
+    credential = ("--secret-file", str(secret_path(TEST_SECRETS, role))) if role else ()
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "rlmesh.cli", "drain", *args, *credential,
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, out.decode(), err.decode()
@@ -59,6 +62,16 @@ async def test_drain_reports_the_requests_handed_back(serve):
     assert code == 0
     assert f"{address} drained: 3 requests handed back" in out
     assert rollout.reasons == ["spot preemption notice"]
+
+
+async def test_a_drain_without_the_operator_credential_is_refused(serve, tmp_path):
+    rollout = ScriptedRollout(handed_back=3)
+    address = await serve(rollout)
+    code, _, err = await drain(address, "--run", str(tmp_path), role="")
+    assert code == 1 and f"rlmesh drain: {address} did not drain: UNAUTHENTICATED: Drain needs a credential" in err
+    code, _, err = await drain(address, role="observer")
+    assert code == 1 and "PERMISSION_DENIED: Drain is not open to the observer role (allowed: manager, operator)" in err
+    assert rollout.reasons == []
 
 
 async def test_a_refused_drain_exits_non_zero_with_the_reason(serve):

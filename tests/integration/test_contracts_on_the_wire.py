@@ -6,7 +6,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.config import ServerConfig
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
@@ -14,12 +13,12 @@ from rlmesh.rpc import GrpcServer
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
-from tests.support import grpcurl_output
+from tests.support import grpcurl_output, loopback
 
 
 @pytest.fixture
 async def trainer_server():
-    server = GrpcServer(ServerConfig(port=0), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
+    server = GrpcServer(loopback(), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(TrainingStatus(total_steps=5, output_dir="x")), server.server)
     await server.start()
     await server.set_serving(True)
@@ -74,8 +73,10 @@ async def test_manager_refuses_bad_requests(grpc_mesh, channel_to):
                         "saturation_batch_size (5) must not exceed max_batch_size (4)")
     stream = stub.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id="missing", micro_batch_groups=1), timeout=5)
     await expect_status(stream.read(), grpc.StatusCode.NOT_FOUND, "missing")
-    await stub.PublishVersion(manager_pb2.PublishVersionRequest(version=3), timeout=5)
-    await expect_status(stub.PublishVersion(manager_pb2.PublishVersionRequest(version=2), timeout=5),
+    # A version the weights service does not hold is never published: instances would wait for it.
+    await expect_status(stub.PublishVersion(manager_pb2.PublishVersionRequest(version=999999), timeout=5),
+                        grpc.StatusCode.FAILED_PRECONDITION, "version 999999 is not held by the weights service")
+    await expect_status(stub.PublishVersion(manager_pb2.PublishVersionRequest(version=-1), timeout=5),
                         grpc.StatusCode.FAILED_PRECONDITION, "older")
 
 

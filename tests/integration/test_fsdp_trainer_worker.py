@@ -27,6 +27,7 @@ from services.trainer.distributed import TorchThread, init_distributed, shutdown
 from services.trainer.evaluation import EvalRequest
 from services.trainer.main import _build
 from services.trainer.ranks import Checkpoint, Evaluate, OptimizerStep, Publish, Resume, Stop, Train
+from tests.support import play_every_role
 
 
 def config_for(spec: dict) -> TrainerConfig:
@@ -85,5 +86,6 @@ async def run(spec: dict) -> None:
 
 if __name__ == "__main__":
     configure_logging("warning")
+    play_every_role()
     torch.set_num_threads(1)
     asyncio.run(run(json.loads(Path(sys.argv[1]).read_text())))

@@ -13,14 +13,15 @@ IDLE_SECONDS = 5.0
 the third strike (the fourth ping) would come within this."""
 
 CHILD = """
-import asyncio, sys
+import asyncio, os, sys
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rlmesh.config import ServerConfig
+from rlmesh.config import AuthSettings, ServerConfig
 from rlmesh.rpc import GrpcServer, Keepalive, call_options, open_channel
 
 async def main(idle):
     keepalive = Keepalive(time_ms=200, timeout_ms=1000)
-    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.1), [], keepalive=keepalive)
+    auth = AuthSettings(verifiers_file=os.path.join(os.environ["RLMESH_TEST_SECRETS"], "verifiers.json"))
+    server = GrpcServer(ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.1, auth=auth), [], keepalive=keepalive)
     await server.start()
     await server.set_serving(True)
     async with open_channel(server.address, keepalive=keepalive) as channel:

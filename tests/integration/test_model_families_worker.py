@@ -24,6 +24,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo, TorchThread, init_distributed, shutdown_distributed
 from services.trainer.main import _build
 from services.trainer.ranks import Publish, Stop
+from tests.support import play_every_role
 
 
 @torch.no_grad()
@@ -68,5 +69,6 @@ async def run(spec: dict) -> None:
 
 if __name__ == "__main__":
     configure_logging("warning")
+    play_every_role()
     torch.set_num_threads(1)
     asyncio.run(run(json.loads(Path(sys.argv[1]).read_text())))

@@ -20,7 +20,8 @@ from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
 from tests.support import (
-    build_mesh, gather_batch, prompt_batch, rollout_config, sampling, scaled_weights, stop_mesh, upload_full_tensors, wait_for,
+    build_mesh, gather_batch, prompt_batch, rollout_config, sampling, scaled_weights, stop_mesh, suite_auth_env, upload_full_tensors,
+    wait_for,
 )
 
 
@@ -130,7 +131,7 @@ async def test_a_killed_instance_is_dropped_and_its_requests_continue(model_dir,
     port = free_port()
     env = {**os.environ, "RLMESH_ROLLOUT_SERVER__PORT": str(port), "RLMESH_ROLLOUT_INSTANCE_ID": "doomed",
            "RLMESH_ROLLOUT_MANAGER_ADDRESS": mesh.manager_address, "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
-           "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false"}
+           "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false", **suite_auth_env("RLMESH_ROLLOUT_", "instance")}
     doomed = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:

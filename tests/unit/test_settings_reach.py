@@ -29,21 +29,22 @@ WIRED = {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
         "weights_address": "mesh.base_port", "model_dir": "model.path", "output_dir": "output.dir", "tasks": "tasks",
-        "python_path": "tasks", "weights_dtype": "model.dtype",
+        "python_path": "tasks", "weights_dtype": "model.dtype", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
     },
     "manager": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "journal_path": "output.dir",
-        "registration_token": "mesh.registration_token",
+        "weights_address": "mesh.base_port", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
     },
     "weights": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
+        "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
     },
     "rollout": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "instance_id": "mesh.rollout_instances",
-        "manager_address": "mesh.base_port", "registration_token": "mesh.registration_token",
+        "manager_address": "mesh.base_port", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
         "engine.model_dir": "model.path", "engine.dtype": "model.dtype", "transfer.mooncake": "weights.backend",
         # Benchmarks only: `rlmesh up` never runs the synthetic engine (rollout.engine.kind is torch or vllm).
         "engine.synthetic": "rollout.engine.kind",

@@ -1,6 +1,6 @@
-"""The local CA of `rlmesh certs`: certificates chain to it, name the right hosts, serve and call,
-keep their keys private, and a second run keeps what is valid; bad TLS settings name the field;
-`rlmesh up` hands each service its files and the token."""
+"""The local CA of `rlmesh certs`: certificates chain to it, name the right hosts and their role,
+serve and call, keep their keys private, and a second run keeps what is valid; bad TLS settings
+name the field; `rlmesh up` hands each service its files and its role's secret."""
 
 import ipaddress
 import stat
@@ -13,7 +13,8 @@ from rlmesh.cli import main
 from rlmesh.config import ConfigError, TlsFiles, load_config
 from rlmesh.job import Job, load_job
 from rlmesh.launch.plan import LaunchPlan
-from rlmesh.tls import NAMES, create_certificates
+from rlmesh.credentials import create_secrets, read_secret
+from rlmesh.tls import NAMES, ROLE_OF_NAME, create_certificates, role_of_certificate
 from services.manager.config import ManagerConfig
 
 
@@ -23,7 +24,7 @@ def certificate(path) -> x509.Certificate:
 
 def test_every_certificate_chains_to_the_ca_names_its_hosts_and_serves_and_calls(tmp_path):
     files = create_certificates(tmp_path, ["10.0.0.7", "rollout-3.internal"])
-    assert set(files) == set(NAMES) == {"manager", "weights", "rollout", "trainer", "client"}
+    assert set(files) == set(NAMES) == {"manager", "weights", "rollout", "trainer", "client", "observer"}
     ca = certificate(tmp_path / "ca.pem")
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     for name, tls in files.items():
@@ -37,6 +38,9 @@ def test_every_certificate_chains_to_the_ca_names_its_hosts_and_serves_and_calls
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("10.0.0.7")]
         assert names.get_values_for_type(x509.DNSName) == ["localhost", name, "rollout-3.internal"]
+        assert role_of_certificate((tmp_path / f"{name}.pem").read_bytes()) == ROLE_OF_NAME[name]
+    assert ROLE_OF_NAME["rollout"] == "instance" and ROLE_OF_NAME["client"] == "operator"
+    assert role_of_certificate((tmp_path / "ca.pem").read_bytes()) is None
 
 
 def test_keys_are_readable_by_their_owner_only(tmp_path):
@@ -89,23 +93,30 @@ def test_certs_command_and_health_with_missing_certificates(tmp_path, capsys):
     assert "client.pem is not a file" in capsys.readouterr().err
 
 
-def test_up_hands_each_service_its_files_and_the_token_to_the_manager_and_rollouts(tmp_path):
+def test_up_hands_each_service_its_files_and_its_role_secret(tmp_path):
     create_certificates(tmp_path)
-    plan = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path, tls_dir=tmp_path, registration_token="t0ken")
+    secrets = create_secrets(tmp_path / "secrets")
+    plan = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path, tls_dir=tmp_path, secrets_dir=secrets)
     manager = plan.security_settings("manager")
     assert manager == {"RLMESH_MANAGER_SERVER__TLS__CA_FILE": str(tmp_path / "ca.pem"),
                        "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": str(tmp_path / "manager.pem"),
                        "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": str(tmp_path / "manager-key.pem"),
-                       "RLMESH_MANAGER_REGISTRATION_TOKEN": "t0ken"}
-    assert load_config(ManagerConfig, env_prefix="RLMESH_MANAGER_", environ=manager).registration_token == "t0ken"
-    assert plan.security_settings("rollout")["RLMESH_ROLLOUT_REGISTRATION_TOKEN"] == "t0ken"
-    assert "RLMESH_WEIGHTS_REGISTRATION_TOKEN" not in plan.security_settings("weights")
+                       "RLMESH_MANAGER_SERVER__AUTH__VERIFIERS_FILE": str(secrets / "verifiers.json"),
+                       "RLMESH_MANAGER_SERVER__AUTH__SECRET_FILE": str(secrets / "manager.secret")}
+    assert load_config(ManagerConfig, env_prefix="RLMESH_MANAGER_", environ=manager).server.auth.secret_file == str(secrets / "manager.secret")
+    assert plan.security_settings("rollout")["RLMESH_ROLLOUT_SERVER__AUTH__SECRET_FILE"] == str(secrets / "instance.secret")
     assert plan.security_settings("trainer")["RLMESH_TRAINER_SERVER__TLS__KEY_FILE"] == str(tmp_path / "trainer-key.pem")
+    assert read_secret(plan.secret_file("operator")).startswith("rlmesh-operator-")
     plain = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path)
-    assert plain.security_settings("manager") == {} and plain.tls_files("client") is None
+    assert plain.security_settings("manager") == {"RLMESH_MANAGER_SERVER__AUTH__INSECURE": "true"}
+    assert plain.tls_files("client") is None and plain.secret_file("operator") is None
 
 
 def test_a_job_naming_a_tls_folder_must_turn_tls_on():
     with pytest.raises(ConfigError, match="tls_dir needs tls = true"):
         load_job(None, {"mesh.tls_dir": "certs"})
-    assert load_job(None, {"mesh.tls": True, "mesh.tls_dir": "certs", "mesh.registration_token": "auto"})[0].mesh.tls
+    assert load_job(None, {"mesh.tls": True, "mesh.tls_dir": "certs"})[0].mesh.tls
+    with pytest.raises(ConfigError, match="registration_token was replaced by a bearer secret per role"):
+        load_job(None, {"mesh.registration_token": "auto"})
+    with pytest.raises(ConfigError, match="secrets_dir and insecure = true contradict"):
+        load_job(None, {"mesh.insecure": True, "mesh.secrets_dir": "secrets"})

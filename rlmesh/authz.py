@@ -1,0 +1,72 @@
+"""Who may call what: the roles of the mesh and, for every RPC of every contract, the roles allowed
+to call it. One table, read by every server's interceptor and by the docs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, get_args
+
+Role = Literal["trainer", "instance", "weights", "manager", "operator", "observer"]
+ROLES: tuple[Role, ...] = get_args(Role)
+ROLE_DUTIES: Mapping[Role, str] = {
+    "trainer": "the trainer's ranks: submit prompts, take rollouts, upload weights, publish versions",
+    "instance": "a rollout instance: register, heartbeat, deregister",
+    "weights": "the weight-transfer service: list instances, push weights into them",
+    "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions",
+    "operator": "a person or tool running the mesh: status, scale, drain, pause",
+    "observer": "read-only: status and metrics",
+}
+
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                           "grpc.reflection.v1alpha.ServerReflection"})
+"""Served to anyone: health is what probes and supervisors poll (Kubernetes' gRPC probe carries no
+credential), and reflection describes only the public contracts."""
+
+_MANAGER = "rlmesh.manager.v1.ManagerService"
+_ROLLOUT = "rlmesh.rollout.v1.RolloutService"
+_WEIGHTS = "rlmesh.weights.v1.WeightsService"
+_TRAINER = "rlmesh.trainer.v1.TrainerService"
+_REWARD = "rlmesh.reward.v1.RewardService"
+
+_STATUS_READERS: frozenset[Role] = frozenset({"operator", "observer"})
+
+AUTHORIZED: Mapping[str, frozenset[Role]] = {
+    f"/{_MANAGER}/RegisterInstance": frozenset({"instance"}),
+    f"/{_MANAGER}/Heartbeat": frozenset({"instance"}),
+    f"/{_MANAGER}/DeregisterInstance": frozenset({"instance"}),
+    f"/{_MANAGER}/ListInstances": frozenset({"weights"}) | _STATUS_READERS,
+    f"/{_MANAGER}/PublishVersion": frozenset({"trainer"}),
+    f"/{_MANAGER}/SubmitPrompts": frozenset({"trainer"}),
+    f"/{_MANAGER}/StreamRollouts": frozenset({"trainer"}),
+    f"/{_MANAGER}/GetStatus": frozenset({"trainer"}) | _STATUS_READERS,
+    f"/{_MANAGER}/CancelBatch": frozenset({"trainer"}),
+    f"/{_MANAGER}/TakeReadyGroups": frozenset({"trainer"}),
+    f"/{_MANAGER}/AcknowledgeRollouts": frozenset({"trainer"}),
+    f"/{_MANAGER}/ReportTrainingStep": frozenset({"trainer"}),
+    f"/{_ROLLOUT}/Generate": frozenset({"manager"}),
+    f"/{_ROLLOUT}/GenerateMany": frozenset({"manager"}),
+    f"/{_ROLLOUT}/Abort": frozenset({"manager"}),
+    f"/{_ROLLOUT}/GetInfo": frozenset({"weights", "manager"}) | _STATUS_READERS,
+    f"/{_ROLLOUT}/BeginWeightUpdate": frozenset({"weights"}),
+    f"/{_ROLLOUT}/PushWeightChunks": frozenset({"weights"}),
+    f"/{_ROLLOUT}/CommitWeightUpdate": frozenset({"weights"}),
+    f"/{_ROLLOUT}/PauseGeneration": frozenset({"manager", "operator"}),
+    f"/{_ROLLOUT}/ResumeGeneration": frozenset({"manager", "operator"}),
+    f"/{_ROLLOUT}/Drain": frozenset({"manager", "operator"}),
+    f"/{_WEIGHTS}/UploadWeights": frozenset({"trainer"}),
+    f"/{_WEIGHTS}/UploadShards": frozenset({"trainer"}),
+    f"/{_WEIGHTS}/GetStatus": frozenset({"trainer", "manager"}) | _STATUS_READERS,
+    f"/{_TRAINER}/GetTrainingStatus": _STATUS_READERS,
+    f"/{_REWARD}/Score": frozenset({"trainer"}),
+}
+
+
+def service_of(method: str) -> str:
+    """"rlmesh.manager.v1.ManagerService" of "/rlmesh.manager.v1.ManagerService/GetStatus"."""
+    return method.lstrip("/").split("/", 1)[0]
+
+
+def allowed_roles(method: str) -> frozenset[Role]:
+    """The roles that may call `method` (a full name, "/package.Service/Method"); none for a
+    method the table does not name, so that a new RPC is closed until it is given an entry."""
+    return AUTHORIZED.get(method, frozenset())

@@ -1,0 +1,43 @@
+"""The authorization table covers the contracts exactly: every RPC declared in protos/ names the
+roles allowed to call it (a new RPC without an entry fails here), and no entry names an RPC that
+does not exist."""
+
+import re
+from pathlib import Path
+
+from rlmesh.authz import AUTHORIZED, OPEN_SERVICES, ROLES, allowed_roles, service_of
+
+PROTOS = Path(__file__).resolve().parents[2] / "protos"
+
+
+def declared_rpcs() -> set[str]:
+    """"/package.Service/Method" of every rpc in every .proto file, read from the text."""
+    paths = set()
+    for proto in PROTOS.rglob("*.proto"):
+        text = re.sub(r"//[^\n]*", "", proto.read_text())
+        package = re.search(r"^\s*package\s+([\w.]+)\s*;", text, re.MULTILINE).group(1)
+        for service, body in re.findall(r"\bservice\s+(\w+)\s*\{(.*?)\n\}", text, re.DOTALL):
+            paths |= {f"/{package}.{service}/{method}" for method in re.findall(r"\brpc\s+(\w+)\s*\(", body)}
+    return paths
+
+
+def test_every_rpc_of_every_contract_has_an_entry_and_every_entry_an_rpc():
+    declared = declared_rpcs()
+    assert len(declared) >= 27
+    assert declared - set(AUTHORIZED) == set(), "RPCs with no entry in rlmesh/authz.py AUTHORIZED"
+    assert set(AUTHORIZED) - declared == set(), "entries of rlmesh/authz.py AUTHORIZED that no contract declares"
+
+
+def test_every_entry_names_known_roles_and_no_contract_is_open():
+    for method, roles in AUTHORIZED.items():
+        assert roles and roles <= set(ROLES), method
+        assert service_of(method) not in OPEN_SERVICES
+    assert allowed_roles("/rlmesh.manager.v1.ManagerService/NotYetWritten") == frozenset()
+
+
+def test_what_only_the_trainer_may_do():
+    trainer_only = {method.rsplit("/", 1)[1] for method, roles in AUTHORIZED.items() if roles == {"trainer"}}
+    assert {"PublishVersion", "UploadWeights", "UploadShards", "SubmitPrompts", "StreamRollouts", "Score"} <= trainer_only
+    assert allowed_roles("/rlmesh.manager.v1.ManagerService/RegisterInstance") == {"instance"}
+    assert all("observer" not in roles for method, roles in AUTHORIZED.items()
+               if not method.endswith(("/GetStatus", "/ListInstances", "/GetInfo", "/GetTrainingStatus")))
