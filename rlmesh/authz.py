@@ -10,7 +10,7 @@ Role = Literal["trainer", "instance", "weights", "manager", "operator", "observe
 ROLES: tuple[Role, ...] = get_args(Role)
 ROLE_DUTIES: Mapping[Role, str] = {
     "trainer": "the trainer's ranks: submit prompts, take rollouts, upload weights, publish versions",
-    "instance": "a rollout instance: register, heartbeat, deregister",
+    "instance": "a rollout instance: register, heartbeat, deregister; drain itself (a pod's preStop hook)",
     "weights": "the weight-transfer service: list instances, push weights into them",
     "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions",
     "operator": "a person or tool running the mesh: status, scale, drain, pause",
@@ -52,7 +52,7 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_ROLLOUT}/CommitWeightUpdate": frozenset({"weights"}),
     f"/{_ROLLOUT}/PauseGeneration": frozenset({"manager", "operator"}),
     f"/{_ROLLOUT}/ResumeGeneration": frozenset({"manager", "operator"}),
-    f"/{_ROLLOUT}/Drain": frozenset({"manager", "operator"}),
+    f"/{_ROLLOUT}/Drain": frozenset({"manager", "operator", "instance"}),
     f"/{_WEIGHTS}/UploadWeights": frozenset({"trainer"}),
     f"/{_WEIGHTS}/UploadShards": frozenset({"trainer"}),
     f"/{_WEIGHTS}/GetStatus": frozenset({"trainer", "manager"}) | _STATUS_READERS,

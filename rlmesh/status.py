@@ -108,6 +108,13 @@ def _figure(metrics, name: str, digits: int = 3) -> str:
     return f"{metrics[name]:.{digits}f}" if name in metrics else "-"
 
 
+def authorization_text(authorization: str) -> Text:
+    """How the manager authorizes callers; "off" (--insecure) stands out."""
+    if authorization == "off":
+        return Text("INSECURE: authorization off", style="bold red")
+    return Text(f"authorization: {authorization or 'unknown'}")
+
+
 def render(snapshot: Snapshot) -> Group:
     """The view of one snapshot: the trainer's line, the manager's line, the instances' table."""
     parts: list = []
@@ -129,7 +136,8 @@ def render(snapshot: Snapshot) -> Group:
             ("manager ", "bold"), f"published {manager.published_version}  η {manager.max_staleness}  ",
             f"queued {manager.queued_samples}  running {manager.running_samples}  ready groups {manager.ready_groups}  ",
             f"{manager.tokens_per_second:.0f} tok/s  migrated {manager.migrated_samples}  "
-            f"continued tokens {manager.continued_tokens}  requeued {manager.requeued_samples}",
+            f"continued tokens {manager.continued_tokens}  requeued {manager.requeued_samples}  ",
+            authorization_text(manager.authorization),
         ))
     pushes = {p.instance_id: p for p in snapshot.weights.instances} if snapshot.weights is not None else {}
     if snapshot.weights is not None:

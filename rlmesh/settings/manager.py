@@ -37,7 +37,10 @@ class ManagerSettings(StrictModel):
     generate_timeout_seconds: float = Field(default=600.0, gt=0)
     """Deadline of one Generate stream."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
-    """Deadline of the manager's calls to rollout instances."""
+    """Deadline of the manager's calls to rollout instances and the weights service."""
+    store_wait_seconds: float = Field(default=5.0, gt=0)
+    """How long PublishVersion waits for the weights service to finish storing a version all of
+    whose ranks arrived; past it the trainer is told UNAVAILABLE and calls again."""
     journal_flush_seconds: float = Field(default=0.5, gt=0)
     """How often tokens generated since the last write reach the journal (accepted batches, sent
     groups, registrations and versions are written before their reply). A restarted manager

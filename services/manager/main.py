@@ -63,7 +63,7 @@ async def start(config: ManagerConfig) -> RunningManager:
     dispatcher = Dispatcher(state, changes, config)
     service = manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name
     server = GrpcServer(config.server, [service])
-    stored_versions = StoredVersions(config.weights_address, config.rpc_timeout_seconds)
+    stored_versions = StoredVersions(config.weights_address, config.rpc_timeout_seconds, config.store_wait_seconds)
     servicer = ManagerServicer(state, dispatcher, changes, config, journal, stored_versions, server.authorization)
     manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server.server)
     await server.start()

@@ -68,6 +68,8 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         self.backend_name = backend_name
         self._applying: dict[int, list[asyncio.Future[None]]] = {}
         self._background: set[asyncio.Future[None]] = set()
+        self._storing: set[int] = set()
+        """Versions whose every rank arrived, being installed."""
 
     async def UploadShards(self, request_iterator, context):
         header = None
@@ -114,6 +116,8 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         # the reply does not wait for that, so the trainer goes on at once.
         self._applying.setdefault(assembly.version, []).append(asyncio.ensure_future(asyncio.to_thread(assembly.apply_rank, header.rank)))
         if assembly.complete:
+            # Counted as being stored before the reply: the trainer publishes the version next.
+            self._storing.add(assembly.version)
             self._background.add(asyncio.ensure_future(self._install(assembly)))
         return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=len(assembly.headers), complete=assembly.complete)
 
@@ -135,6 +139,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             log.warning("version not stored", weight_version=assembly.version, error=str(exc))
             return
         finally:
+            self._storing.discard(assembly.version)
             self._background.discard(asyncio.current_task())
         log.info("version stored", weight_version=snapshot.version, ranks=assembly.world_size, bytes=snapshot.total_bytes,
                  prebuilt_layouts=sorted(snapshot.payloads))
@@ -164,6 +169,7 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         return weights_pb2.GetStatusResponse(
             latest_version=latest.version if latest else -1,
             latest_bytes=latest.total_bytes if latest else 0,
+            storing_version=max(self._storing, default=-1),
             backend=self.backend_name,
             instances=[
                 weights_pb2.InstancePush(

@@ -1,5 +1,6 @@
 """`docker compose` for real (`make test-compose`): the images build offline from the wheelhouse
-and share their dependency layers, the mesh trains and its reward rises, a killed rollout
+and share their dependency layers, the mesh trains and its reward rises, a stranger's
+PublishVersion is refused (authorization on by default), a killed rollout
 container is restarted and training goes on, three scaled instances get unique ids and all
 receive work, and `down -v` leaves nothing behind. Starts a Docker engine if none answers."""
 
@@ -15,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import compose
+import grpc
 import pytest
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.support import wait_until
 
@@ -92,20 +93,31 @@ def inspect(env: dict[str, str], container: str) -> dict:
     return json.loads(run(["docker", "inspect", container], env).stdout)[0]
 
 
-async def _training_status() -> trainer_pb2.GetTrainingStatusResponse:
-    async with open_channel(TRAINER) as channel:
+OPERATOR_SECRET: list[str] = []
+"""The operator's secret of the mesh (secrets-init wrote it into the secrets volume), once read."""
+
+
+def operator_metadata(mesh) -> tuple[tuple[str, str], ...]:
+    if not OPERATOR_SECRET:
+        OPERATOR_SECRET.append(mesh("exec", "-T", "manager", "cat", "/secrets/operator.secret").stdout.strip())
+    return (("authorization", f"Bearer {OPERATOR_SECRET[0]}"),)
+
+
+async def _training_status(metadata: tuple) -> trainer_pb2.GetTrainingStatusResponse:
+    async with grpc.aio.insecure_channel(TRAINER) as channel:
         return await trainer_pb2_grpc.TrainerServiceStub(channel).GetTrainingStatus(
-            trainer_pb2.GetTrainingStatusRequest(), **call_options(5.0))
+            trainer_pb2.GetTrainingStatusRequest(), timeout=5.0, metadata=metadata)
 
 
-async def _manager_status() -> manager_pb2.GetStatusResponse:
-    async with open_channel(MANAGER) as channel:
-        return await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(manager_pb2.GetStatusRequest(), **call_options(5.0))
+async def _manager_status(metadata: tuple) -> manager_pb2.GetStatusResponse:
+    async with grpc.aio.insecure_channel(MANAGER) as channel:
+        return await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(manager_pb2.GetStatusRequest(), timeout=5.0,
+                                                                            metadata=metadata)
 
 
-def training_step() -> int:
+def training_step(mesh) -> int:
     try:
-        return asyncio.run(_training_status()).step
+        return asyncio.run(_training_status(operator_metadata(mesh))).step
     except Exception:  # noqa: BLE001 - not up yet, or restarting: no step to report
         return -1
 
@@ -121,12 +133,32 @@ def test_the_four_images_share_their_layers_and_load_the_transfer_engine(mesh, c
 
 def test_the_mesh_trains_and_its_reward_rises(mesh):
     mesh("up", "-d", timeout=900)
-    wait_until(lambda: training_step() >= 100, 600, "100 training steps", interval=1.0)
+    wait_until(lambda: training_step(mesh) >= 100, 600, "100 training steps", interval=1.0)
     lines = mesh("exec", "-T", "trainer", "cat", "/runs/compose/metrics.jsonl").stdout.splitlines()
     rewards = [record["reward"] for record in map(json.loads, lines) if "reward" in record]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward: first 10 steps {first:.3f}, last 10 of {len(rewards)} {last:.3f}")
     assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+
+
+async def _publish(metadata: tuple) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(MANAGER) as channel:
+        try:
+            await manager_pb2_grpc.ManagerServiceStub(channel).PublishVersion(
+                manager_pb2.PublishVersionRequest(version=999999), timeout=5.0, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_a_stranger_cannot_publish_a_version(mesh):
+    """The probe of a new user, from the host: refused without a credential and with the
+    operator's; the mesh reports authorization on and trains on."""
+    assert asyncio.run(_publish(())) == grpc.StatusCode.UNAUTHENTICATED
+    assert asyncio.run(_publish(operator_metadata(mesh))) == grpc.StatusCode.PERMISSION_DENIED
+    assert asyncio.run(_manager_status(operator_metadata(mesh))).authorization == "bearer secrets"
+    step = training_step(mesh)
+    wait_until(lambda: training_step(mesh) >= step + 2, 300, "2 more training steps after the probe", interval=1.0)
 
 
 def test_a_killed_rollout_container_is_restarted_and_training_goes_on(mesh, compose_env):
@@ -137,9 +169,9 @@ def test_a_killed_rollout_container_is_restarted_and_training_goes_on(mesh, comp
     wait_until(lambda: inspect(compose_env, container)["RestartCount"] > before["RestartCount"]
                and inspect(compose_env, container)["State"]["Health"]["Status"] == "healthy", 300, "the rollout container restarted",
                interval=1.0)
-    step = training_step()
-    wait_until(lambda: training_step() >= step + 10, 300, "10 more training steps after the restart", interval=1.0)
-    instances = asyncio.run(_manager_status()).instances
+    step = training_step(mesh)
+    wait_until(lambda: training_step(mesh) >= step + 10, 300, "10 more training steps after the restart", interval=1.0)
+    instances = asyncio.run(_manager_status(operator_metadata(mesh))).instances
     assert [i.instance_id.split("-")[0] for i in instances] == [before["Config"]["Hostname"]]
 
 
@@ -149,7 +181,7 @@ def test_three_scaled_instances_have_their_own_ids_and_all_get_work(mesh, compos
     assert len(hostnames) == 3
 
     def every_instance_generated() -> bool:
-        instances = asyncio.run(_manager_status()).instances
+        instances = asyncio.run(_manager_status(operator_metadata(mesh))).instances
         return (len(instances) == 3 and {i.instance_id.split("-")[0] for i in instances} == hostnames
                 and all(i.generated_tokens > 0 for i in instances))
 

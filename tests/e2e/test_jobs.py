@@ -1,16 +1,21 @@
 """Jobs run by `rlmesh up --job` as real processes: the user's own example task trains (its
-held-out reward rises), a two-task mixture reports each task's reward with one task scored by the
-Node verifier over gRPC, and a reward that always fails stops the job saying why."""
+held-out reward rises) with a secret per role made for the run, a two-task mixture reports each
+task's reward with one task scored by the Node verifier over gRPC (which takes the trainer's
+secret only), and a reward that always fails stops the job saying why (a run with --insecure)."""
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
+from rlmesh.credentials import create_secrets, read_secret, secret_path
 from rlmesh.launch.ports import free_base_port, free_port
+from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 
 # Jobs without a model folder: the first run creates the built-in model under .rlmesh/, and a run
 # that starts meanwhile (the GPU check's short job) waits for it.
@@ -37,6 +42,10 @@ def test_the_example_task_from_its_own_files_trains(tmp_path):
     result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20",
                 "--set", "algorithm.validation_priority=normal")
     assert result.returncode == 0, result.stderr[-3000:]
+    secrets = tmp_path / "run" / "secrets"
+    assert f"every call authorized by role, secrets in {secrets}" in result.stdout
+    assert {stat.S_IMODE(path.stat().st_mode) for path in secrets.glob("*.secret")} == {0o600}
+    assert len(list(secrets.glob("*.secret"))) == 6 and "INSECURE" not in result.stdout + result.stderr
     # Background validations are filed when they finish; one whose version a newer push superseded
     # is replaced by the next version's.
     evaluations = sorted((r for r in metrics(tmp_path / "run") if "eval/sampled_reward" in r), key=lambda r: r["step"])
@@ -49,21 +58,38 @@ def test_the_example_task_from_its_own_files_trains(tmp_path):
 
 
 @pytest.fixture
-def node_verifier():
+def node_verifier(tmp_path):
+    """The Node verifier, checking callers against the secrets the run will be given."""
     node = shutil.which("node")
     assert node, "node is needed for the example verifier"
+    secrets = create_secrets(tmp_path / "secrets")
     port = free_port()
-    process = subprocess.Popen([node, "server.js", "--host", "127.0.0.1", "--port", str(port)], cwd=NODE_VERIFIER,
+    process = subprocess.Popen([node, "server.js", "--host", "127.0.0.1", "--port", str(port),
+                                "--verifiers", str(secrets / "verifiers.json")], cwd=NODE_VERIFIER,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert process.stdout.readline().strip() == f"listening on {port}"
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", secrets
     finally:
         process.terminate()
         process.wait(10)
 
 
+def score_as(address: str, secret: str | None) -> grpc.StatusCode:
+    metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reward_pb2_grpc.RewardServiceStub(channel).Score(reward_pb2.ScoreRequest(task="complement"), timeout=10, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
 def test_a_mixture_reports_each_task_and_the_node_verifier_scores_one(tmp_path, node_verifier):
+    node_verifier, secrets = node_verifier
+    assert score_as(node_verifier, None) == grpc.StatusCode.UNAUTHENTICATED
+    assert score_as(node_verifier, read_secret(secret_path(secrets, "operator"))) == grpc.StatusCode.PERMISSION_DENIED
+    assert score_as(node_verifier, read_secret(secret_path(secrets, "trainer"))) == grpc.StatusCode.OK
     job = tmp_path / "job.toml"
     job.write_text(f"""
 [[tasks]]
@@ -87,7 +113,7 @@ eval.prompts = 16
 steps = 4
 eval_every = 2
 """)
-    result = up(job, tmp_path / "run")
+    result = up(job, tmp_path / "run", "--secrets-dir", str(secrets))
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [r for r in metrics(tmp_path / "run") if "reward" in r]
     assert len(steps) == 4
@@ -115,7 +141,9 @@ reward.max_error_rate = 0.2
 [algorithm]
 steps = 50
 """)
-    result = up(job, tmp_path / "run", timeout=300)
+    result = up(job, tmp_path / "run", "--insecure", timeout=300)
     assert result.returncode == 1
+    assert "rlmesh up: INSECURE: authorization is off, anyone who reaches a port may call every RPC" in result.stderr
+    assert not (tmp_path / "run" / "secrets").exists()
     assert "RewardErrorRateExceeded" in result.stderr and "task 'increment'" in result.stderr
     assert "no verifier today" in result.stderr and "reward.max_error_rate = 20%" in result.stderr

@@ -25,7 +25,7 @@ from rlmesh.rpc import call_options, open_channel
 from rlmesh.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.handoff import SLOT_PREFIX, mesh_tag
-from tests.support import grpcurl_output, parent_pid, up_command
+from tests.support import grpcurl_output, grpcurl_result, parent_pid, up_command
 
 pytestmark = pytest.mark.e2e
 
@@ -115,6 +115,26 @@ def test_grpcurl_sees_every_service(live_mesh):
     assert names == sorted([FORK_SERVER_NAME, "rlmesh-manager", "rlmesh-weights", "rlmesh-rollout", "rlmesh-trainer"])
     fork_server = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == FORK_SERVER_NAME)
     assert all(parent_pid(pid) == fork_server for pid in mesh_processes(live_mesh.output_dir) if pid != fork_server)
+
+
+def test_a_stranger_cannot_publish_a_version(live_mesh):
+    """The probe of a new user: PublishVersion of a far-future version from a shell. Without a
+    credential, and with any role but the trainer's, it is refused; even the trainer's secret
+    cannot publish a version the weights service does not hold; training goes on."""
+    manager = f"127.0.0.1:{live_mesh.base_port}"
+    before = asyncio.run(training_step(f"127.0.0.1:{live_mesh.base_port + 2}"))
+    publish = ("-d", '{"version": 999999}', manager, "rlmesh.manager.v1.ManagerService/PublishVersion")
+    code, _, err = asyncio.run(grpcurl_result(*publish, role=None))
+    assert code != 0 and "Code: Unauthenticated" in err and "PublishVersion needs a credential" in err, err
+    code, _, err = asyncio.run(grpcurl_result(*publish, role="operator"))
+    assert code != 0 and "Code: PermissionDenied" in err and "not open to the operator role" in err, err
+    code, _, err = asyncio.run(grpcurl_result(*publish, role="trainer"))
+    assert code != 0 and "Code: FailedPrecondition" in err and "version 999999 is not held by the weights service" in err, err
+    deadline = time.monotonic() + 120
+    while asyncio.run(training_step(f"127.0.0.1:{live_mesh.base_port + 2}")) < before + 2:
+        assert live_mesh.process.poll() is None, "training stopped"
+        assert time.monotonic() < deadline, "training did not go on"
+        time.sleep(0.5)
 
 
 WATCHED = {

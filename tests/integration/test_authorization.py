@@ -1,6 +1,7 @@
 """The authorization matrix on real servers, with bearer secrets and with mutual TLS: for every RPC
 of every contract, no credential gets UNAUTHENTICATED, each role the table does not name gets
-PERMISSION_DENIED, and the roles it names get through; no refused call changed any state."""
+PERMISSION_DENIED, and the roles it names get through; no refused call changed any state. With
+authorization turned off a service serves anyone and says so; without a way to learn roles, none starts."""
 
 import datetime
 import ipaddress
@@ -18,14 +19,16 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from rlmesh.authz import AUTHORIZED, ROLES, Role, allowed_roles
-from rlmesh.config import TlsFiles
-from rlmesh.manager.v1 import manager_pb2
+from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, use_tls
 from rlmesh.tls import ROLE_OF_NAME, create_certificates
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
+from services.manager.config import ManagerConfig
+from services.manager.main import start as start_manager
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
 from tests.support import Mesh, build_mesh, loopback, role_secret, stop_mesh
@@ -231,3 +234,16 @@ async def test_every_rpc_with_mutual_tls(model_dir, certificates):
         assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         await stop_servers(servers)
+
+
+async def test_insecure_serves_anyone_and_says_so_and_nothing_else_starts_without_a_way_to_authorize():
+    manager = await start_manager(ManagerConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5,
+                                                                    auth=AuthSettings(insecure=True))))
+    try:
+        async with grpc.aio.insecure_channel(manager.server.address) as channel:
+            status = await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(manager_pb2.GetStatusRequest(), timeout=5)
+        assert status.authorization == "off"
+    finally:
+        await manager.stop()
+    with pytest.raises(ConfigError, match="neither mutual TLS .* nor a verifiers file"):
+        GrpcServer(ServerConfig(host="127.0.0.1", port=0), [])

@@ -70,7 +70,7 @@ async def test_a_drain_without_the_operator_credential_is_refused(serve, tmp_pat
     code, _, err = await drain(address, "--run", str(tmp_path), role="")
     assert code == 1 and f"rlmesh drain: {address} did not drain: UNAUTHENTICATED: Drain needs a credential" in err
     code, _, err = await drain(address, role="observer")
-    assert code == 1 and "PERMISSION_DENIED: Drain is not open to the observer role (allowed: manager, operator)" in err
+    assert code == 1 and "PERMISSION_DENIED: Drain is not open to the observer role (allowed: instance, manager, operator)" in err
     assert rollout.reasons == []
 
 

@@ -35,15 +35,42 @@ def dockerfile_targets() -> set[str]:
 
 def test_the_cpu_mesh_builds_every_service_from_one_dockerfile():
     services = render("cpu")["services"]
-    assert set(services) == {"model-init", "manager", "weights", "rollout", "trainer"}
+    assert set(services) == {"secrets-init", "model-init", "manager", "weights", "rollout", "trainer"}
+    one_shot_targets = {"model-init": "trainer", "secrets-init": "manager"}
     for name, service in services.items():
         build = service["build"]
-        assert build["dockerfile"] == "Dockerfile" and build["target"] == ("trainer" if name == "model-init" else name)
+        assert build["dockerfile"] == "Dockerfile" and build["target"] == one_shot_targets.get(name, name)
         assert build["args"] == {"BASE_IMAGE": "python:3.11-slim"}
         assert build["target"] in dockerfile_targets()
     assert {services["model-init"]["image"], services["trainer"]["image"]} == {"rlmesh-trainer:cpu"}
     for name, port in GRPC_PORTS.items():
         assert services[name]["healthcheck"]["test"] == ["CMD", "rlmesh", "health", f"127.0.0.1:{port}"], name
+
+
+ROLE_OF_SERVICE = {"manager": "manager", "weights": "weights", "rollout": "instance", "trainer": "trainer",
+                   "rollout-gpu": "instance", "rollout-gpu-vllm": "instance", "trainer-gpu": "trainer"}
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-vllm"])
+def test_every_service_is_authorized_by_role_unless_told_insecure(profile, monkeypatch):
+    """Each service reads the verifiers and its own role's secret from the volume secrets-init
+    fills, which it waits for (through the manager); RLMESH_INSECURE=true turns it off."""
+    services = render(profile)["services"]
+    assert services["secrets-init"]["command"] == ["rlmesh", "secrets", "--dir", "/secrets"]
+    assert services["manager"]["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    assert services["manager"]["environment"]["RLMESH_MANAGER_WEIGHTS_ADDRESS"] == "weights:50152"
+    for name, service in services.items():
+        if name not in ROLE_OF_SERVICE:
+            continue
+        prefix = f"RLMESH_{name.split('-')[0].upper()}_SERVER__AUTH__"
+        environment = service["environment"]
+        assert environment[f"{prefix}VERIFIERS_FILE"] == "/secrets/verifiers.json", name
+        assert environment[f"{prefix}SECRET_FILE"] == f"/secrets/{ROLE_OF_SERVICE[name]}.secret", name
+        assert environment[f"{prefix}INSECURE"] == "false", name
+        assert any(v["type"] == "volume" and v["source"] == "secrets" and v["target"] == "/secrets" and v.get("read_only")
+                   for v in service["volumes"]), name
+    monkeypatch.setenv("RLMESH_INSECURE", "true")
+    assert render(profile)["services"]["manager"]["environment"]["RLMESH_MANAGER_SERVER__AUTH__INSECURE"] == "true"
 
 
 def test_rollout_scales_and_restarts():
@@ -58,7 +85,7 @@ def test_rollout_scales_and_restarts():
                                                                    ("gpu-vllm", "rollout-gpu-vllm", "rollout-vllm")])
 def test_the_gpu_profiles_reserve_gpus_for_the_rollout_engine_and_the_nccl_trainer(profile, rollout_name, target):
     services = render(profile)["services"]
-    assert set(services) == {"manager", "weights", rollout_name, "trainer-gpu"}
+    assert set(services) == {"secrets-init", "manager", "weights", rollout_name, "trainer-gpu"}
     rollout, trainer = services[rollout_name], services["trainer-gpu"]
     assert rollout["build"]["target"] == target and target in dockerfile_targets()
     if profile == "gpu":

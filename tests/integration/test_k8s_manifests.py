@@ -146,7 +146,7 @@ def test_the_rollout_drains_before_it_stops(rendered):
     # The instance's own drain ends first, the command's wait next, the pod's grace last.
     assert instance_drain < drain_wait <= rollout["terminationGracePeriodSeconds"]
     if tls:
-        assert command[-4:] == ["--tls-dir", "/etc/rlmesh/tls", "--tls-name", "rollout"]
+        assert command[-6:-2] == ["--tls-dir", "/etc/rlmesh/tls", "--tls-name", "rollout"]
 
 
 def test_each_rollout_pod_is_its_own_instance_at_its_pod_ip(rendered):
@@ -234,9 +234,29 @@ def test_tls_points_every_service_at_mounted_certificates(overlay, scratch):
                 assert ca_volume["secret"]["secretName"] == "rlmesh-tls-rollout-ca"
             else:
                 assert volume["secret"]["secretName"] == f"rlmesh-tls-{service}"
-    for service in ("manager", "rollout"):
-        token = env(container(objects, service))[f"RLMESH_{service.upper()}_REGISTRATION_TOKEN"]["valueFrom"]["secretKeyRef"]
-        assert token == {"name": "rlmesh-registration-token", "key": "token"}
+
+
+ROLE_OF_SERVICE = {"manager": "manager", "weights": "weights", "rollout": "instance", "trainer": "trainer"}
+
+
+def test_every_service_is_authorized_by_role_with_only_its_own_secret(rendered):
+    """Authorization is on in every rendering: each pod mounts the verifiers and its own role's
+    secret, nothing turns it off, and the rollout's preStop drain presents the instance's secret."""
+    _, _, objects = rendered
+    for service, role in ROLE_OF_SERVICE.items():
+        workload = find(objects, "Job" if service == "trainer" else "Deployment", service)
+        pod, spec = workload["spec"]["template"]["spec"], container(objects, service)
+        variables = env(spec)
+        prefix = f"RLMESH_{service.upper()}_SERVER__AUTH__"
+        assert f"{prefix}INSECURE" not in variables
+        for field, file in (("VERIFIERS_FILE", "verifiers.json"), ("SECRET_FILE", "secret")):
+            path = variables[f"{prefix}{field}"]["value"]
+            assert Path(path).name == file
+            sources = volume_behind(pod, spec, path)["projected"]["sources"]
+            assert [source["secret"]["name"] for source in sources] == ["rlmesh-verifiers", f"rlmesh-secret-{role}"]
+    assert find(objects, "Deployment", "manager") and env(container(objects, "manager"))["RLMESH_MANAGER_WEIGHTS_ADDRESS"]["value"] == "weights:50152"
+    drain = container(objects, "rollout")["lifecycle"]["preStop"]["exec"]["command"]
+    assert drain[drain.index("--secret-file") + 1] == "/etc/rlmesh/auth/secret"
 
 
 def test_every_service_exposes_its_metrics_port(rendered):

@@ -12,10 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from rlmesh.credentials import VERIFIERS_FILE
 from rlmesh.launch.ports import free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.remote import RemoteReward, RemoteRewardError, RewardItem
 from rlmesh.rpc import check_health, open_channel
+from tests.support import TEST_SECRETS, role_secret
 
 NODE_VERIFIER = Path(__file__).resolve().parents[2] / "examples" / "node-verifier"
 
@@ -36,7 +38,8 @@ async def start_node_verifier():
 
     async def start(*args: str, port: int | None = None) -> str:
         port = port or free_port()
-        process = await asyncio.create_subprocess_exec(node, "server.js", "--host", "127.0.0.1", "--port", str(port), *args,
+        process = await asyncio.create_subprocess_exec(node, "server.js", "--host", "127.0.0.1", "--port", str(port),
+                                                       "--verifiers", str(TEST_SECRETS / VERIFIERS_FILE), *args,
                                                        cwd=NODE_VERIFIER, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         processes.append(process)
         line = await asyncio.wait_for(process.stdout.readline(), 10)
@@ -92,6 +95,27 @@ async def test_node_verifier_refuses_malformed_requests(start_node_verifier):
                 await stub.Score(request, timeout=5)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"items[0] (sample x): metadata_json {fragment}" in refused.value.details()
+
+
+async def test_node_verifier_scores_for_the_trainer_only(start_node_verifier):
+    address = await start_node_verifier()
+    request = reward_pb2.ScoreRequest(task="arithmetic", items=[reward_pb2.ScoreItem(sample_id="a", completion="42",
+                                                                                    metadata_json='{"answer": "42"}')])
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reward_pb2_grpc.RewardServiceStub(channel)
+        for metadata, code, fragment in [((), grpc.StatusCode.UNAUTHENTICATED, "Score needs a credential"),
+                                         ((("authorization", "Bearer guessed"),), grpc.StatusCode.UNAUTHENTICATED, "no role's"),
+                                         ((("authorization", f"Bearer {role_secret('observer')}"),), grpc.StatusCode.PERMISSION_DENIED,
+                                          "not open to the observer role")]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Score(request, timeout=5, metadata=metadata)
+            assert refused.value.code() == code and fragment in refused.value.details()
+        reply = await stub.Score(request, timeout=5, metadata=(("authorization", f"Bearer {role_secret('trainer')}"),))
+        assert reply.results[0].reward == 1.0
+    node = await asyncio.create_subprocess_exec(shutil.which("node"), "server.js", "--port", "0", cwd=NODE_VERIFIER,
+                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(node.communicate(), 10)
+    assert node.returncode == 2 and "no --verifiers FILE" in out.decode()
 
 
 async def test_a_verifier_down_at_first_is_reached_through_retries(start_node_verifier):

@@ -41,3 +41,11 @@ def test_what_only_the_trainer_may_do():
     assert allowed_roles("/rlmesh.manager.v1.ManagerService/RegisterInstance") == {"instance"}
     assert all("observer" not in roles for method, roles in AUTHORIZED.items()
                if not method.endswith(("/GetStatus", "/ListInstances", "/GetInfo", "/GetTrainingStatus")))
+
+
+def test_the_security_page_shows_the_table_as_it_is():
+    page = (PROTOS.parent / "docs" / "security.md").read_text()
+    shown = {(service, rpc): {role.strip() for role in roles.split(",")}
+             for service, rpc, roles in re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([\w, ]+) \|$", page, re.MULTILINE)}
+    actual = {(method.split(".")[1], method.rsplit("/", 1)[1]): set(roles) for method, roles in AUTHORIZED.items()}
+    assert shown == actual

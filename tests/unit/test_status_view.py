@@ -1,4 +1,4 @@
-"""`rlmesh status`'s view of the mesh: what it shows of each rollout instance."""
+"""`rlmesh status`'s view of the mesh: what it shows of each rollout instance, and whether the mesh runs insecure."""
 
 from rich.console import Console
 
@@ -25,3 +25,13 @@ def test_a_quarantined_instance_shows_how_long_it_has_left():
     text = shown(manager_pb2.InstanceStatus(instance_id="r0", quarantine_remaining_seconds=3.6, quarantines=2))
     (r0,) = [line for line in text.splitlines() if "r0" in line]
     assert "quarantined 4 s (2x)" in r0
+
+
+def test_a_mesh_running_insecure_says_so():
+    def view(authorization: str) -> str:
+        console = Console(width=300, record=True)
+        console.print(render(Snapshot(manager_pb2.GetStatusResponse(authorization=authorization), None, None, {})))
+        return console.export_text()
+
+    assert "INSECURE: authorization off" in view("off")
+    assert "authorization: bearer secrets" in view("bearer secrets") and "INSECURE" not in view("bearer secrets")
