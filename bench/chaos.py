@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.credentials import read_secret, secret_path
+from rlmesh.credentials import read_secret
 from rlmesh.launch.netns import netns_problem
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import mesh_processes
-from rlmesh.launch.state import STATE_FILE
+from rlmesh.launch.state import STATE_FILE, run_secret
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import AUTHORIZATION_KEY, channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
@@ -136,8 +136,10 @@ class Injector:
         """The run's observer secret, which every call here (status only) carries: `rlmesh up` writes
         it before any service serves, so it is read when first needed."""
         if self._metadata is None:
-            secret = read_secret(secret_path(self.output_dir / "secrets", "observer"))
-            self._metadata = ((AUTHORIZATION_KEY, f"Bearer {secret}"),)
+            path = run_secret(self.output_dir, "observer")
+            if path is None:
+                return ()
+            self._metadata = ((AUTHORIZATION_KEY, f"Bearer {read_secret(path)}"),)
         return self._metadata
 
     def _pushing(self) -> bool:

@@ -197,12 +197,13 @@ def _call_with_credentials(args: argparse.Namespace, run: Path | None = None) ->
     secret of --secret-file, else of $RLMESH_SECRET_FILE, else the operator's secret of the
     `rlmesh up` run `run`; False (after saying why) when a file is unusable."""
     from rlmesh.config import ConfigError, TlsFiles
-    from rlmesh.credentials import read_secret, secret_path
+    from rlmesh.credentials import read_secret
+    from rlmesh.launch.state import run_secret
     from rlmesh.rpc import use_secret, use_tls
 
     secret_file = getattr(args, "secret_file", None) or os.environ.get(SECRET_FILE_VARIABLE)
-    if not secret_file and run is not None and secret_path(run / "secrets", "operator").is_file():
-        secret_file = str(secret_path(run / "secrets", "operator"))
+    if not secret_file and run is not None:
+        secret_file = run_secret(run, "operator")
     try:
         if args.tls_dir:
             use_tls(TlsFiles.in_directory(args.tls_dir, args.tls_name))
@@ -221,7 +222,7 @@ def _add_credential_arguments(parser: argparse.ArgumentParser, secret: bool = Tr
     if secret:
         parser.add_argument("--secret-file", metavar="FILE",
                             help=f"present the bearer secret in FILE (default ${SECRET_FILE_VARIABLE}, else the operator's "
-                                 "secret of the `rlmesh up` run: <run>/secrets/operator.secret)")
+                                 "secret of the `rlmesh up` run, found through its mesh.json)")
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -531,6 +531,10 @@ class PairedInstances:
     eos: int
     pad: int
     log_path: Path
+    process: subprocess.Popen = field(repr=False)
+    """The vLLM rollout process."""
+    manager_state: object = field(repr=False)
+    """The manager's ManagerState, which both instances registered with."""
     version: int = 0
     tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
@@ -561,7 +565,8 @@ def spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_
         f"[engine.vllm]\nmax_model_len = {max_model_len}\n"
         f"[transfer]\nmooncake = false\n"
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           **suite_auth_env("RLMESH_ROLLOUT_", "instance")}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             [str(python), "-m", "services.rollout", "--config", str(config)],

@@ -1,11 +1,15 @@
 """mesh.json: what a running `rlmesh up` tells `rlmesh scale`, `rlmesh status` and the chaos suite
-(its pid, the services with their pids and restarts, the rollout instances and their bounds)."""
+(its pid, the services with their pids and restarts, the rollout instances and their bounds, where
+its role secrets are)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+from rlmesh.authz import Role
+from rlmesh.credentials import secret_path
 
 STATE_FILE = "mesh.json"
 """Written by `rlmesh up` in the output folder: its pid and the rollout instances, for `rlmesh scale`."""
@@ -29,3 +33,14 @@ def find_running_mesh(runs: Path) -> Path | None:
             continue
         return state.parent
     return None
+
+
+def run_secret(run: Path, role: Role) -> Path | None:
+    """`role`'s secret of the `rlmesh up` run in `run`: in the folder its mesh.json names (the
+    run's own <run>/secrets unless it was given --secrets-dir); None if the run has none."""
+    try:
+        secrets = json.loads((run / STATE_FILE).read_text()).get("secrets_dir")
+    except (OSError, ValueError):
+        secrets = None
+    path = secret_path(Path(secrets) if secrets else run / "secrets", role)
+    return path if path.is_file() else None

@@ -174,6 +174,7 @@ class Supervisor:
                                   "target": self.target_instances, "running": running,
                                   "leaving": [s.name for _, s in rollouts if s.retiring]},
             "autoscale": plan.mesh.autoscale,
+            "secrets_dir": str(plan.secrets_dir) if plan.secrets_dir is not None else None,
         }
         if self.trainer is not None:
             state["trainer"] = self.trainer.state()

@@ -107,6 +107,8 @@ class VllmEngine(Engine):
         """Set whenever a pinned request ends: a commit waiting for them looks again."""
         self._switch = asyncio.Lock()
         self._llm = None
+        self._dead = False
+        """vLLM's engine core died: no request can run any more."""
         self._vocab_size = 0
         self._max_len = 0
 
@@ -164,6 +166,8 @@ class VllmEngine(Engine):
 
         if self._llm is None:
             raise FailedPrecondition("engine is not running")
+        if self._dead:
+            raise FailedPrecondition("engine failed: vLLM's engine core died; this instance is leaving the pool")
         validate_request(request, self._vocab_size, self._max_len)
         sampling = request.sampling
         if sampling.top_p < 1:
@@ -200,7 +204,7 @@ class VllmEngine(Engine):
                 # mid-generation), and a stale block would silently feed old-weight KV.
                 cache_salt=f"rlmesh-v{self._salt_version}",
             )
-            async for output in self._llm.generate(prompt, params, request_id):
+            async for output in self._outputs(prompt, params, request_id):
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
                 logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs or [], tokens)]
@@ -224,6 +228,24 @@ class VllmEngine(Engine):
                 self._pinned_ended.set()
             if finish is Finish.NONE and self._llm is not None:
                 await self._llm.abort(request_id)
+
+    async def _outputs(self, prompt, params, request_id: str) -> AsyncIterator:
+        """vLLM's outputs of one request. An engine core that died fails the request with a
+        clear error and, once, tells the instance, which then leaves the pool and exits so that
+        its supervisor starts it again: a dead core answers every later request the same way."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            async for output in self._llm.generate(prompt, params, request_id):
+                yield output
+        except EngineDeadError as exc:
+            reason = f"vLLM's engine core died ({exc})"
+            if not self._dead:
+                self._dead = True
+                log.error("engine failed", reason=reason)
+                if self.on_failure is not None:
+                    self.on_failure(reason)
+            raise FailedPrecondition(f"engine failed: {reason}") from exc
 
     def _version_starts(self, request_id: str, completion) -> Sequence[tuple[str, int]]:
         """vLLM's (version label, first token index) spans of a request's tokens: on its last

@@ -22,6 +22,11 @@ WEIGHTS_CHECK_SECONDS = 2.0
 latest version (a restarted one holds none, and no instance could then catch up)."""
 
 
+ANNOUNCE_ATTEMPTS = 3
+"""Announcements of a version that the weights service lost before it was announced, each after
+handing the version over again."""
+
+
 class VersionPublisher:
     def __init__(self, group: RankGroup, mesh: MeshClient, file_figures: Callable[[int, dict[str, float]], None]) -> None:
         self.group = group
@@ -97,7 +102,19 @@ class VersionPublisher:
     async def _announce(self, version: int, delivery: asyncio.Task[PublishResult], file_under: int | None) -> PublishResult:
         published = await delivery
         announcing = time.perf_counter()
-        await self.mesh.announce(version)
+        for attempt in range(1, ANNOUNCE_ATTEMPTS + 1):
+            try:
+                await self.mesh.announce(version)
+                break
+            except grpc.aio.AioRpcError as exc:
+                # The manager publishes only a version the weights service holds: one that lost it
+                # between the upload and now (it restarted) is handed the policy again first.
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == ANNOUNCE_ATTEMPTS \
+                        or await self.mesh.stored_version() >= version:
+                    raise
+                log.warning("the weights service lost the version before it was announced (restarted?); handing it over again",
+                            weight_version=version, error=exc.details())
+                published = await (await self.group.lead(Publish(version, wait=False)))
         self.published_version = version
         published = replace(published, seconds=published.seconds + time.perf_counter() - announcing)
         if file_under is not None:

@@ -1,6 +1,6 @@
-"""`rlmesh up --tls --registration-token auto` as real processes: the mesh trains over mutual TLS,
-the manager turns away a plaintext caller and an instance call without the token, and answers
-grpcurl holding the run's certificates."""
+"""`rlmesh up --tls` as real processes: the mesh trains over mutual TLS, the manager turns away a
+plaintext caller, answers grpcurl holding the operator's certificate, and refuses that
+certificate what only an instance or the trainer may do (its role comes from the certificate)."""
 
 import asyncio
 import json
@@ -27,7 +27,7 @@ def grpcurl(*args: str, max_time: float = 10.0) -> subprocess.CompletedProcess:
     return subprocess.run([GRPCURL, "-max-time", str(max_time), *args], capture_output=True, text=True, timeout=30)
 
 
-async def register_without_token(address: str) -> grpc.aio.AioRpcError:
+async def register_as_operator(address: str) -> grpc.aio.AioRpcError:
     async with open_channel(address) as channel:
         request = manager_pb2.RegisterInstanceRequest(instance_id="intruder", address="127.0.0.1:9", max_batch_size=4)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -35,14 +35,13 @@ async def register_without_token(address: str) -> grpc.aio.AioRpcError:
     return refused.value
 
 
-def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_path):
+def test_up_with_tls_trains_and_turns_strangers_away(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     base = free_base_port()
     manager = f"127.0.0.1:{base}"
     # Long enough for the checks below to finish while the mesh still trains; held-out validation
     # only at the start and the end.
-    command = up_command(model_dir, output_dir, base, steps=STEPS) + ["--tls", "--registration-token", "auto",
-                                                                      "--set", f"algorithm.eval_every={STEPS}"]
+    command = up_command(model_dir, output_dir, base, steps=STEPS) + ["--tls", "--set", f"algorithm.eval_every={STEPS}"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # mesh.json appears once the manager, weights and rollout instances are up, before the
@@ -64,17 +63,24 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
         assert json.loads(with_certs.stdout) == {"status": "SERVING"}
         listed = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, manager, "list")
         assert "rlmesh.manager.v1.ManagerService" in listed.stdout, listed.stderr
+        status = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, manager,
+                         "rlmesh.manager.v1.ManagerService/GetStatus")
+        assert status.returncode == 0 and '"authorization": "mutual TLS + bearer secrets"' in status.stdout, status.stderr
+        publish = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, "-d", '{"version": 999999}',
+                          manager, "rlmesh.manager.v1.ManagerService/PublishVersion")
+        assert publish.returncode != 0 and "not open to the operator role" in publish.stderr, publish.stderr
 
         assert not asyncio.run(check_health(manager))
         use_tls(client)
         try:
             assert asyncio.run(check_health(manager))
-            # A certificate of the mesh is not enough to join the pool: the token is asked for too.
-            refused = asyncio.run(register_without_token(manager))
+            # A certificate of the mesh is not enough to join the pool: the operator's role is in it,
+            # and it wins over the instance's bearer secret this process also presents.
+            refused = asyncio.run(register_as_operator(manager))
         finally:
             use_tls(None)
-        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, refused.details()
-        assert "RegisterInstance needs the registration token" in refused.details()
+        assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+        assert "RegisterInstance is not open to the operator role" in refused.details()
 
         out, _ = process.communicate(timeout=600)
         assert process.returncode == 0, out
@@ -82,11 +88,9 @@ def test_up_with_tls_and_a_token_trains_and_turns_strangers_away(model_dir, tmp_
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert "mutual TLS with the certificates in" in out and "register with a token" in out
+    assert "mutual TLS with the certificates in" in out and "every call authorized by role" in out
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == STEPS
-    # The generated token is the run's processes' alone: job.json keeps "auto".
-    assert json.loads((output_dir / "job.json").read_text())["mesh"]["registration_token"] == "auto"
     manager_log = (output_dir / "logs" / "manager.log").read_text()
     assert '"tls": true' in manager_log and "instance registered" in manager_log
-    assert manager_log.count("call refused: no valid registration token") == 1
+    assert manager_log.count('"event": "call refused"') == 2
     assert mesh_processes(output_dir) == []

@@ -1,7 +1,8 @@
 """A publish that does not wait: the command ends once the shards are packed, the next step's
 forwards, backwards and optimizer step run while the upload is in flight, the version uploaded is
 the policy as it was packed, an unreachable weights service gets the same bytes again, and a
-refused upload fails the delivery for whoever waits for it."""
+refused upload fails the delivery for whoever waits for it; a version the weights service lost
+before its announcement is handed over again."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.distributed import TorchThread
 from services.trainer.handoff import ShardHandoff, mesh_tag
 from services.trainer.policy import ShardedPolicy
+from services.trainer.publishing import VersionPublisher
 from services.trainer.ranks import CollectiveFailure, OptimizerStep, Publish, RankGroup, Train, retry_delays
 
 
@@ -117,6 +119,37 @@ async def test_a_refused_upload_fails_the_delivery_and_the_group_goes_on(group):
     assert await group.delivered() is None
     stub.refuse = False
     assert (await group.lead(Publish(5))).version == 5
+
+
+class LosingWeightsManager:
+    """Stands in for the manager as the trainer's MeshClient sees it, beside a weights service that
+    restarted after the upload: the first announcement is refused as not held, and the weights
+    service then holds nothing until the version is handed over again."""
+
+    def __init__(self, stub: HeldStub) -> None:
+        self.stub = stub
+        self.announced: list[int] = []
+
+    async def announce(self, version: int) -> None:
+        import grpc
+
+        if not self.announced and len(self.stub.payloads) < 2:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       f"version {version} is not held by the weights service")
+        self.announced.append(version)
+
+    async def stored_version(self) -> int:
+        return self.stub.payloads[-1][0].version if len(self.stub.payloads) >= 2 else -1
+
+
+async def test_a_version_the_weights_service_lost_before_its_announcement_is_handed_over_again(group):
+    group, stub = group
+    stub.release.set()
+    manager = LosingWeightsManager(stub)
+    publisher = VersionPublisher(group, manager, lambda step, figures: None)
+    result = await asyncio.wait_for(publisher.publish(6), 20)
+    assert result.version == 6 and manager.announced == [6] and publisher.published_version == 6
+    assert [h.version for h, _ in stub.payloads] == [6, 6]
 
 
 def test_retries_fit_within_the_publish_timeout_and_back_off():

@@ -69,6 +69,8 @@ async def instances(vllm_python: Path, vllm_model_dir: Path, tmp_path_factory: p
             eos=tokenizer.token_to_id(EOS_TOKEN),
             pad=tokenizer.token_to_id(PAD_TOKEN),
             log_path=log_path,
+            process=process,
+            manager_state=manager.state,
         )
     finally:
         for channel in channels:

@@ -7,7 +7,11 @@ truncation)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +24,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from tests.support import PairedInstances
+from tests.support import VLLM_ID, PairedInstances
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -312,3 +316,27 @@ async def test_a_token_outside_the_vocabulary_is_refused(instances):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in caught.value.details()
     reply = await info(instances.vllm)
     assert reply.running_requests == 0
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return children
+
+
+async def test_an_engine_core_that_dies_takes_its_instance_out_of_the_pool_and_the_process_exits(instances):
+    """Last in this module: it ends the vLLM instance. vLLM's engine core killed, the next request
+    fails saying so (no INTERNAL, no circling), the instance deregisters and its process exits
+    for its supervisor to start it again."""
+    [core, *_] = child_pids(instances.process.pid)
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await generate(instances.vllm, "after-death", [1, 2, 3], params(1.0, 4))
+    assert caught.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), caught.value.details()
+    deadline = time.monotonic() + 30
+    while instances.process.poll() is None or VLLM_ID in instances.manager_state.instances:
+        assert time.monotonic() < deadline, "the instance did not leave the pool and exit within 30 s"
+        await asyncio.sleep(0.2)
+    log = instances.log_path.read_text()
+    assert "vLLM's engine core died" in log and "drained" in log
