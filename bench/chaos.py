@@ -24,10 +24,10 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.credentials import read_secret
+from rlmesh.credentials import read_secret, service_auth_settings
 from rlmesh.launch.netns import netns_problem
 from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import mesh_processes
+from rlmesh.launch.processes import Child, mesh_processes, spawn_service, stop_children
 from rlmesh.launch.state import STATE_FILE, run_secret
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc import AUTHORIZATION_KEY, channel_options
@@ -35,9 +35,10 @@ from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_weights_mid_push": 2, "kill_manager": 1,
-                 "cut_network": 1}
+                 "cut_network": 1, "broken_engine": 1}
 """How often each kind of fault is drawn, relatively (every kind at least once when there are enough faults)."""
-RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0, "kill_manager": 15.0}
+RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0, "kill_manager": 15.0,
+                           "broken_engine": 10.0}
 """Steps ending this long after a fault (after a manager's restart wait) count toward its cost (a
 stop or a cut counts its own length + 5 s)."""
 SHORT_CUT_SECONDS = 4.0
@@ -48,6 +49,12 @@ MANAGER_RECOVERY_STEPS = 2
 """Steps trained after a manager kill before the next one: the first may use rollouts delivered
 before the kill, the second needs the restarted manager."""
 REJOIN_TIMEOUT_SECONDS = 90.0
+QUARANTINE_TIMEOUT_SECONDS = 60.0
+"""How long a broken instance may take to be quarantined once it joined the pool."""
+BROKEN_ENGINE = {"ENGINE__KIND": "synthetic", "ENGINE__SYNTHETIC__FAIL_AFTER_REQUESTS": "0",
+                 "ENGINE__SYNTHETIC__VOCAB_SIZE": str(1 << 24), "TRANSFER__MOONCAKE": "false", "SERVER__LOG_LEVEL": "warning"}
+"""A rollout instance whose every request fails at once (INTERNAL) while its server stays up, as
+one whose engine core died under it; its vocabulary takes any prompt, so the failure is the engine's."""
 """How long an instance whose link came back may take to be in the manager's pool again."""
 WARMUP_STEPS = 3
 TAIL_STEPS = 10
@@ -68,6 +75,8 @@ class Fault:
     """A cut: seconds from the link's return until the instance was in the manager's pool again (None: never)."""
     outlasted_run: bool = False
     """A cut that training ended during: the link came back with the mesh already stopping."""
+    quarantined_after: float | None = None
+    """A broken engine: seconds from its instance joining the pool until the manager quarantined it (None: never)."""
 
 
 def mesh_state(output_dir: Path) -> dict:
@@ -122,6 +131,9 @@ class Injector:
         self._reconnections: list[threading.Timer] = []
         self._manager_killed_at_step = -MANAGER_RECOVERY_STEPS
         self._run_ended = threading.Event()
+        self.broken: list[Child] = []
+        """Broken instances joined to the mesh, stopped when the run ends."""
+        self._watchers: list[threading.Thread] = []
 
     @property
     def manager(self) -> manager_pb2_grpc.ManagerServiceStub:
@@ -200,9 +212,50 @@ class Injector:
         timer.start()
         return fault
 
+    def _broken_engine(self) -> Fault | None:
+        """Joins an instance with a broken engine to the pool, with the run's instance secret, and
+        watches (on a thread) how long the manager takes to quarantine it."""
+        state, secret = mesh_state(self.output_dir), run_secret(self.output_dir, "instance")
+        if not state or secret is None:
+            return None
+        name = f"broken-{len(self.broken)}"
+        address = f"127.0.0.1:{free_port()}"
+        # The run's model: the instance takes the weights pushed to it, so it serves the version asked for.
+        model_dir = json.loads((self.output_dir / "trainer.json").read_text())["model_dir"]
+        settings = {"SERVER__HOST": "127.0.0.1", "SERVER__PORT": address.rsplit(":", 1)[1], "INSTANCE_ID": name,
+                    "MANAGER_ADDRESS": state["manager"], "ENGINE__MODEL_DIR": model_dir, **BROKEN_ENGINE,
+                    **service_auth_settings("", secret.parent, "instance")}
+        child = spawn_service(name, "services.rollout", address, {f"RLMESH_ROLLOUT_{k}": v for k, v in settings.items()},
+                              self.output_dir / "logs", f"{self.output_dir}-chaos")
+        self.broken.append(child)
+        fault = Fault("broken_engine", name, time.time())
+        watcher = threading.Thread(target=self._watch_quarantine, args=(fault,), daemon=True)
+        self._watchers.append(watcher)
+        watcher.start()
+        return fault
+
+    def _watch_quarantine(self, fault: Fault) -> None:
+        joined = None
+        deadline = time.monotonic() + QUARANTINE_TIMEOUT_SECONDS + 60.0
+        while not self._run_ended.is_set() and time.monotonic() < deadline:
+            try:
+                reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0, metadata=self.metadata)
+            except grpc.RpcError:
+                time.sleep(0.2)
+                continue
+            instance = next((i for i in reply.instances if i.instance_id == fault.target), None)
+            if instance is not None and joined is None:
+                joined = time.monotonic()
+            if instance is not None and instance.quarantines > 0:
+                fault.quarantined_after = time.monotonic() - joined
+                return
+            time.sleep(0.2)
+
     def apply(self, kind: str) -> Fault | None:
         if kind == "cut_network":
             return self._cut_network()
+        if kind == "broken_engine":
+            return self._broken_engine()
         if kind == "kill_manager":
             # Only a manager that serves a mesh that trains again: killing one still starting from its
             # journal, or again before training recovered, is not a kill mid-run; it only grows the
@@ -259,6 +312,9 @@ class Injector:
             subprocess.run(["ip", "link", "set", device, "up"], check=False)
         for timer in self._reconnections:
             timer.join()
+        for watcher in self._watchers:
+            watcher.join()
+        stop_children(self.broken)
 
 
 def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int]:
@@ -376,6 +432,8 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         "manager_restarts_reported": console.count("manager restarted (pid "),
         "cuts_not_rejoined": sum(1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None and not f.outlasted_run),
         "max_rejoin_seconds": max((f.rejoined_after or 0.0 for f in applied if f.kind == "cut_network"), default=0.0),
+        "broken_not_quarantined": sum(1 for f in applied if f.kind == "broken_engine" and f.quarantined_after is None),
+        "max_quarantine_seconds": max((f.quarantined_after or 0.0 for f in applied if f.kind == "broken_engine"), default=0.0),
         **checked,
         "by_kind": by_kind,
         "left_out": left_out,

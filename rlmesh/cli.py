@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlmesh import mesh_commands
 from rlmesh.authz import ROLES
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
@@ -189,160 +190,6 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
-SECRET_FILE_VARIABLE = "RLMESH_SECRET_FILE"
-
-
-def _call_with_credentials(args: argparse.Namespace, run: Path | None = None) -> bool:
-    """Makes this process's calls present the client certificate of --tls-dir and the bearer
-    secret of --secret-file, else of $RLMESH_SECRET_FILE, else the operator's secret of the
-    `rlmesh up` run `run`; False (after saying why) when a file is unusable."""
-    from rlmesh.config import ConfigError, TlsFiles
-    from rlmesh.credentials import read_secret
-    from rlmesh.launch.state import run_secret
-    from rlmesh.rpc import use_secret, use_tls
-
-    secret_file = getattr(args, "secret_file", None) or os.environ.get(SECRET_FILE_VARIABLE)
-    if not secret_file and run is not None:
-        secret_file = run_secret(run, "operator")
-    try:
-        if args.tls_dir:
-            use_tls(TlsFiles.in_directory(args.tls_dir, args.tls_name))
-        if secret_file:
-            use_secret(read_secret(secret_file))
-    except ConfigError as exc:
-        print(f"rlmesh {args.command}: {exc}", file=sys.stderr)
-        return False
-    return True
-
-
-def _add_credential_arguments(parser: argparse.ArgumentParser, secret: bool = True) -> None:
-    parser.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
-    parser.add_argument("--tls-name", default="client", metavar="NAME",
-                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client, the operator's)")
-    if secret:
-        parser.add_argument("--secret-file", metavar="FILE",
-                            help=f"present the bearer secret in FILE (default ${SECRET_FILE_VARIABLE}, else the operator's "
-                                 "secret of the `rlmesh up` run, found through its mesh.json)")
-
-
-def _status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from rlmesh.launch.state import STATE_FILE, find_running_mesh
-    from rlmesh.status import MeshAddresses, read_once, render, watch
-
-    if args.interval <= 0:
-        print("rlmesh status: --interval must be above 0", file=sys.stderr)
-        return 2
-    run = Path(args.run) if args.run else None
-    if args.manager:
-        addresses = MeshAddresses(args.manager, args.weights, args.trainer)
-    else:
-        run = run or find_running_mesh(Path("runs"))
-        if run is None or not (run / STATE_FILE).is_file():
-            print(f"rlmesh status: no running mesh found in {args.run or 'runs/'} (rlmesh up writes {STATE_FILE} in its "
-                  "output folder); or name the services with --manager, --weights and --trainer", file=sys.stderr)
-            return 2
-        addresses = MeshAddresses.of_run(run)
-    if not _call_with_credentials(args, run):
-        return 2
-    # Piped output is not cut to 80 columns.
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    if args.once:
-        snapshot = asyncio.run(read_once(addresses))
-        if not snapshot.reachable:
-            print("rlmesh status: no service answered: " + "; ".join(f"{k} {v}" for k, v in sorted(snapshot.errors.items())),
-                  file=sys.stderr)
-            return 1
-        console.print(render(snapshot))
-        return 0
-    try:
-        asyncio.run(watch(addresses, args.interval, console))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _health(args: argparse.Namespace) -> int:
-    from rlmesh.rpc import check_health
-
-    if not _call_with_credentials(args):
-        return 2
-    healthy = asyncio.run(check_health(args.address, timeout=args.timeout))
-    print("SERVING" if healthy else "NOT SERVING")
-    return 0 if healthy else 1
-
-
-async def _drain_instance(address: str, reason: str, timeout: float) -> int:
-    from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-    from rlmesh.rpc import call_options, open_channel
-
-    async with open_channel(address) as channel:
-        reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(rollout_pb2.DrainRequest(reason=reason),
-                                                                         **call_options(timeout))
-    return reply.handed_back_requests
-
-
-def _drain(args: argparse.Namespace) -> int:
-    import grpc
-
-    from rlmesh.launch.state import find_running_mesh
-
-    if not _call_with_credentials(args, Path(args.run) if args.run else find_running_mesh(Path("runs"))):
-        return 2
-    try:
-        handed_back = asyncio.run(_drain_instance(args.address, args.reason, args.timeout))
-    except grpc.aio.AioRpcError as exc:
-        print(f"rlmesh drain: {args.address} did not drain: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-    print(f"{args.address} drained: {handed_back} requests handed back to the manager with their tokens")
-    return 0
-
-
-def _certs(args: argparse.Namespace) -> int:
-    from rlmesh.config import ConfigError
-    from rlmesh.logging import configure_logging
-    from rlmesh.tls import create_certificates
-
-    configure_logging("warning")
-    try:
-        files = create_certificates(args.dir, args.host or [])
-    except ConfigError as exc:
-        print(f"rlmesh certs: {exc}", file=sys.stderr)
-        return 2
-    directory = Path(args.dir)
-    print(f"CA: {directory / 'ca.pem'} (its key ca-key.pem signs more; keep it off the machines that run services)")
-    for name, tls in files.items():
-        print(f"{name}: {tls.cert_file} {tls.key_file}")
-    print(f"a service NAME takes its files from RLMESH_NAME_SERVER__TLS__CA_FILE, __CERT_FILE and __KEY_FILE;\n"
-          f"rlmesh health HOST:PORT --tls-dir {directory}; grpcurl -cacert {directory / 'ca.pem'} "
-          f"-cert {files['client'].cert_file} -key {files['client'].key_file} HOST:PORT list")
-    return 0
-
-
-def _secrets(args: argparse.Namespace) -> int:
-    from rlmesh.config import ConfigError
-    from rlmesh.credentials import VERIFIERS_FILE, create_secrets, rotate_secret, secret_path
-
-    directory = Path(args.dir)
-    try:
-        if args.rotate:
-            print(f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; servers refuse the old one within "
-                  "a second: restart the processes of that role with the new one")
-            return 0
-        create_secrets(directory)
-    except (ConfigError, OSError) as exc:
-        print(f"rlmesh secrets: {exc}", file=sys.stderr)
-        return 2
-    print(f"verifiers (digests only, for every service): {directory / VERIFIERS_FILE}")
-    for role in ROLES:
-        print(f"{role}: {secret_path(directory, role)}")
-    print(f"a service NAME takes them from RLMESH_NAME_SERVER__AUTH__VERIFIERS_FILE and __SECRET_FILE (its role's);\n"
-          f"rlmesh status --secret-file {secret_path(directory, 'operator')}; grpcurl -plaintext "
-          f"-H \"authorization: Bearer $(cat {secret_path(directory, 'operator')})\" HOST:PORT rlmesh.manager.v1.ManagerService/GetStatus")
-    return 0
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -468,13 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--trainer", metavar="HOST:PORT", help="the trainer (compose: localhost:50153)")
     status.add_argument("--once", action="store_true", help="print the view once and exit (1 if no service answered)")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    _add_credential_arguments(status)
-    status.set_defaults(handler=_status)
+    mesh_commands.add_credential_arguments(status)
+    status.set_defaults(handler=mesh_commands.status)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--timeout", type=float, default=2.0)
-    _add_credential_arguments(health, secret=False)
-    health.set_defaults(handler=_health)
+    mesh_commands.add_credential_arguments(health, secret=False)
+    health.set_defaults(handler=mesh_commands.health)
     drain = commands.add_parser("drain", help="take a rollout instance out of the pool: it hands its requests back "
                                               "to the manager with their tokens, deregisters and exits",
                                 description="Call Drain on a rollout instance and wait until it has handed its "
@@ -486,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds to wait for the drain; longer than the instance's drain_timeout_seconds (default 30)")
     drain.add_argument("--run", help="the `rlmesh up` output folder whose operator secret to present (default: the newest "
                                      "running one under runs/)")
-    _add_credential_arguments(drain)
-    drain.set_defaults(handler=_drain)
+    mesh_commands.add_credential_arguments(drain)
+    drain.set_defaults(handler=mesh_commands.drain)
     certs = commands.add_parser("certs", help="create a local CA and a mutual-TLS certificate for each service",
                                 description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer and "
                                             "client, NAME.pem and NAME-key.pem (keys mode 0600). Valid ones already "
@@ -495,14 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("--dir", required=True, help="where to write them")
     certs.add_argument("--host", action="append", metavar="H",
                        help="another host name or IP address the services are reached at (repeatable)")
-    certs.set_defaults(handler=_certs)
+    certs.set_defaults(handler=mesh_commands.certs)
     secrets = commands.add_parser("secrets", help="create a bearer secret for each role, or rotate one",
                                   description="Write ROLE.secret (mode 0600) for each role that has none yet, and "
                                               "verifiers.json with their SHA-256 digests, which servers check callers "
                                               "against. Roles: " + ", ".join(ROLES) + ".")
     secrets.add_argument("--dir", required=True, help="where to write them")
     secrets.add_argument("--rotate", choices=ROLES, metavar="ROLE", help="replace ROLE's secret (and its digest)")
-    secrets.set_defaults(handler=_secrets)
+    secrets.set_defaults(handler=mesh_commands.secrets)
     for service in SERVICES:
         sub = commands.add_parser(service, help=f"run the {service} service", add_help=False)
         sub.set_defaults(handler=None, service=service)

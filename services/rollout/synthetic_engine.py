@@ -44,9 +44,9 @@ class SyntheticConfig(StrictModel):
     vocab_size: int = Field(default=32_000, ge=2)
     tick_seconds: float = Field(default=0.002, gt=0)
     """How often the engine advances its sequences; below it, steps are accumulated."""
-    fail_after_requests: int = Field(default=0, ge=0)
+    fail_after_requests: int | None = Field(default=None, ge=0)
     """Fault injection: every request after the first this many fails at once (INTERNAL), as on an
-    instance whose engine core died while its server stayed up; 0: none fails."""
+    instance whose engine core died while its server stayed up (0: every one); None: none fails."""
 
 
 def response_length(config: SyntheticConfig, seed: int, max_tokens: int) -> int:
@@ -138,7 +138,7 @@ class SyntheticEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self.config.vocab_size, 2**31)
         self._requests_seen += 1
-        if self.config.fail_after_requests and self._requests_seen > self.config.fail_after_requests:
+        if self.config.fail_after_requests is not None and self._requests_seen > self.config.fail_after_requests:
             raise RuntimeError(f"synthetic fault: requests after the first {self.config.fail_after_requests} fail")
         request_id = request.request_id
         if request_id in self._running or any(s.request.request_id == request_id for s in self._waiting):

@@ -1,7 +1,9 @@
 """The chaos suite's short version: ten random faults (SIGKILL, SIGTERM or SIGSTOP of a rollout
 instance, SIGKILL of the weights service mid-push or of the manager, a cut of a namespaced rollout
-instance's link), every kind at least once, during a real training run; it finishes, every accepted
-prompt is trained exactly once and every cut instance rejoins. `make chaos` runs a hundred."""
+instance's link, an instance with a broken engine joining the pool), every kind at least once,
+during a real training run with authorization on; it finishes, every accepted prompt is trained
+exactly once, every cut instance rejoins and every broken one is quarantined. `make chaos` runs a
+hundred."""
 
 import subprocess
 
@@ -24,6 +26,7 @@ def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
     assert set(result["by_kind"]) | set(result["left_out"]) == set(FAULT_WEIGHTS)
     assert result["manager_restarts_reported"] == result["by_kind"]["kill_manager"]["faults"]
     assert result["cuts_not_rejoined"] == 0
+    assert result["by_kind"]["broken_engine"]["faults"] >= 1 and result["broken_not_quarantined"] == 0
     if "cut_network" in result["by_kind"]:
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert mesh_tag(tmp_path / "run") not in namespaces

@@ -318,19 +318,21 @@ async def test_a_token_outside_the_vocabulary_is_refused(instances):
     assert reply.running_requests == 0
 
 
-def child_pids(pid: int) -> list[int]:
+def engine_core_pid(pid: int) -> int:
+    """The child of the vLLM rollout process that runs vLLM's engine core (it names itself so)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         children += [int(child) for child in (task / "children").read_text().split()]
-    return children
+    named = {child: Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode() for child in children}
+    [core] = [child for child, cmdline in named.items() if "EngineCore" in cmdline]
+    return core
 
 
 async def test_an_engine_core_that_dies_takes_its_instance_out_of_the_pool_and_the_process_exits(instances):
     """Last in this module: it ends the vLLM instance. vLLM's engine core killed, the next request
     fails saying so (no INTERNAL, no circling), the instance deregisters and its process exits
     for its supervisor to start it again."""
-    [core, *_] = child_pids(instances.process.pid)
-    os.kill(core, signal.SIGKILL)
+    os.kill(engine_core_pid(instances.process.pid), signal.SIGKILL)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(instances.vllm, "after-death", [1, 2, 3], params(1.0, 4))
     assert caught.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), caught.value.details()
