@@ -79,13 +79,12 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
             await engine.stop()
 
 
-async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None,
-                       insecure: bool = False) -> list[float]:
+async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None) -> list[float]:
     """Tokens/s through the manager per round; with `direct_rates`, the engines called directly
-    after each round go there; `insecure`: every service with authorization off."""
+    after each round go there."""
     specs = [InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)]
     rates = []
-    async with BenchMesh(specs, manager_settings, insecure=insecure) as mesh:
+    async with BenchMesh(specs, manager_settings) as mesh:
         sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
         await mesh.run_step("warmup", PROMPTS // 4, GROUP_SIZE, sampling)
         for round_ in range(rounds):
@@ -99,29 +98,51 @@ async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rat
     return rates
 
 
+async def authorization_rounds(rounds: int) -> tuple[list[float], list[float]]:
+    """Tokens/s through the manager per round with authorization on and off: two meshes up at
+    once, their rounds taken in turn, so that a change of the machine's speed falls on both."""
+    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    meshes = {insecure: BenchMesh([InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)], insecure=insecure)
+              for insecure in (False, True)}
+    async with meshes[False] as secured_mesh, meshes[True] as open_mesh:
+        for open_first in [round_ % 2 == 1 for round_ in range(rounds + 1)]:
+            for mesh in ((open_mesh, secured_mesh) if open_first else (secured_mesh, open_mesh)):
+                # Each call of this process presents the secrets of the mesh it drives.
+                mesh.auth.use()
+                result = await mesh.run_step(f"auth-{len(rates[mesh.auth.insecure])}", PROMPTS, GROUP_SIZE, sampling)
+                lost, duplicated = check_exactly_once(result, PROMPTS, GROUP_SIZE)
+                assert lost == duplicated == 0, "the relay lost or duplicated tokens"
+                rates[mesh.auth.insecure].append(result.tokens / result.seconds)
+    # The first round of each is a warm-up.
+    return rates[False][1:], rates[True][1:]
+
+
 async def main(rounds: int) -> dict:
     direct_rates: list[float] = []
     relay_rates = await relay_rounds(rounds, {}, direct_rates)
     with tempfile.TemporaryDirectory() as folder:
         journaled_rates = await relay_rounds(rounds, {"JOURNAL_PATH": f"{folder}/manager-journal.sqlite"})
-    insecure_rates = await relay_rounds(rounds, {}, insecure=True)
+    authorized_rates, insecure_rates = await authorization_rounds(rounds)
     torch_tokens_per_second = await torch_rate()
     relay = statistics.median(relay_rates)
     journaled = statistics.median(journaled_rates)
+    authorized = statistics.median(authorized_rates)
     insecure = statistics.median(insecure_rates)
     direct = statistics.median(direct_rates)
     return write_result(
         "relay",
         figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates,
-                 "journaled_relay_tokens_per_second_median": journaled, "journaled_relay_rounds": journaled_rates},
+                 "journaled_relay_tokens_per_second_median": journaled, "journaled_relay_rounds": journaled_rates,
+                 "authorized_relay_tokens_per_second_median": authorized, "authorized_relay_rounds": authorized_rates},
         baseline={"direct_tokens_per_second_median": direct, "direct_rounds": direct_rates,
                   "torch_engine_tokens_per_second": torch_tokens_per_second,
                   "insecure_relay_tokens_per_second_median": insecure, "insecure_relay_rounds": insecure_rates},
         ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second,
-                "journaled_over_in_memory_relay": journaled / relay, "authorized_over_insecure_relay": relay / insecure},
+                "journaled_over_in_memory_relay": journaled / relay, "authorized_over_insecure_relay": authorized / insecure},
         targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10,
                  "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8,
-                 "authorized_over_insecure_relay >= 0.95": relay / insecure >= 0.95},
+                 "authorized_over_insecure_relay >= 0.95": authorized / insecure >= 0.95},
         settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,
                   "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
                   "journal": f"SQLite WAL, synchronous=NORMAL, flushed every {ManagerConfig().journal_flush_seconds} s "
