@@ -203,9 +203,11 @@ def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
 
 
-async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
+async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor],
+                              metadata: tuple = ()) -> None:
     """A version as whole tensors from one process (UploadWeights), as tools publish a model
-    without a trainer; every engine then receives full tensors."""
+    without a trainer; every engine then receives full tensors. `metadata`: the call's own (a
+    credential, on a channel that adds none)."""
     manifest, payload = pack(tensors, version)
 
     async def parts():
@@ -213,7 +215,7 @@ async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, vers
         for offset, data in stream_chunks(payload, manifest.total_bytes):
             yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
 
-    await weights.UploadWeights(parts(), timeout=60)
+    await weights.UploadWeights(parts(), timeout=60, metadata=metadata)
 
 
 async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:

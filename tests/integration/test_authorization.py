@@ -26,12 +26,14 @@ from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, use_tls
 from rlmesh.tls import ROLE_OF_NAME, create_certificates
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from rlmesh.weights.v1 import weights_pb2
+from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
-from tests.support import Mesh, build_mesh, loopback, role_secret, stop_mesh
+from tests.support import (
+    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_full_tensors, wait_for,
+)
 
 CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2)
 CALL_TIMEOUT = 2.0
@@ -234,6 +236,27 @@ async def test_every_rpc_with_mutual_tls(model_dir, certificates):
         assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         await stop_servers(servers)
+
+
+async def test_a_strangers_whole_valid_version_never_becomes_a_served_one(model_dir):
+    """A real model's weights, well formed, uploaded with no credential or an operator's: refused;
+    the weights service still holds nothing and the instance serves what it served. The same
+    upload from the trainer's role is stored and pushed."""
+    mesh = await build_mesh(model_dir, "grpc")
+    tensors = scaled_weights(model_dir, 0.5)
+    try:
+        async with grpc.aio.insecure_channel(mesh.weights.server.address) as channel:
+            stub = weights_pb2_grpc.WeightsServiceStub(channel)
+            for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (bearer("operator"), grpc.StatusCode.PERMISSION_DENIED),
+                                   (bearer("instance"), grpc.StatusCode.PERMISSION_DENIED)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await upload_full_tensors(stub, 7, tensors, metadata)
+                assert refused.value.code() == code
+            assert mesh.weights.store.latest is None and mesh.rollouts[0].engine.weight_version == 0
+            await upload_full_tensors(stub, 7, tensors, bearer("trainer"))
+        await wait_for(lambda: mesh.rollouts[0].engine.weight_version == 7, timeout=60)
+    finally:
+        await stop_mesh(mesh)
 
 
 async def test_insecure_serves_anyone_and_says_so_and_nothing_else_starts_without_a_way_to_authorize():
