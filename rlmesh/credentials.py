@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import structlog
 
+from rlmesh.atomic_file import write_atomically
 from rlmesh.authz import ROLES, Role, allowed_roles
 from rlmesh.config import ConfigError
 
@@ -33,19 +33,14 @@ def digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def _write(path: Path, text: str, mode: int) -> None:
-    # Written whole under a temporary name and renamed: a server reloading meanwhile never reads half a file.
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    partial.replace(path)
+def _new_secret(role: Role) -> bytes:
+    # 32 random bytes; the role in the text only helps a person tell the files apart.
+    return f"rlmesh-{role}-{secrets.token_urlsafe(32)}\n".encode()
 
 
 def _write_verifiers(directory: Path) -> None:
     verifiers = {role: digest(read_secret(secret_path(directory, role))) for role in ROLES}
-    _write(directory / VERIFIERS_FILE, json.dumps(verifiers, indent=2) + "\n", 0o644)
+    write_atomically(directory / VERIFIERS_FILE, (json.dumps(verifiers, indent=2) + "\n").encode(), 0o644)
 
 
 def create_secrets(directory: str | Path) -> Path:
@@ -56,7 +51,7 @@ def create_secrets(directory: str | Path) -> Path:
     for role in ROLES:
         path = secret_path(directory, role)
         if not path.is_file():
-            _write(path, f"rlmesh-{role}-{secrets.token_urlsafe(32)}\n", 0o600)
+            write_atomically(path, _new_secret(role), 0o600)
     _write_verifiers(directory)
     return directory
 
@@ -68,7 +63,7 @@ def rotate_secret(directory: str | Path, role: Role) -> Path:
     if not (directory / VERIFIERS_FILE).is_file():
         raise ConfigError(f"{directory} holds no {VERIFIERS_FILE}: make the secrets first (rlmesh secrets {directory})")
     path = secret_path(directory, role)
-    _write(path, f"rlmesh-{role}-{secrets.token_urlsafe(32)}\n", 0o600)
+    write_atomically(path, _new_secret(role), 0o600)
     _write_verifiers(directory)
     return path
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import functools
 import ipaddress
-import os
 from pathlib import Path
 
 import structlog
@@ -17,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from rlmesh.atomic_file import write_atomically
 from rlmesh.authz import ROLES, Role
 from rlmesh.config import ConfigError, TlsFiles
 
@@ -34,16 +34,6 @@ CA_DAYS = 3650
 LEAF_DAYS = 825
 RENEW_BEFORE = datetime.timedelta(days=7)
 """A certificate that expires sooner than this is issued again."""
-
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    # Written whole and renamed into place: a service starting meanwhile never reads half a key.
-    partial = path.with_name(f".{path.name}.partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as file:
-        file.write(data)
-    partial.replace(path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -93,8 +83,8 @@ def _ca(directory: Path, now: datetime.datetime) -> tuple[x509.Certificate, ec.E
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _write(directory / "ca-key.pem", _key_pem(key), 0o600)
-    _write(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomically(directory / "ca-key.pem", _key_pem(key), 0o600)
+    write_atomically(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM), 0o644)
     log.info("created a certificate authority", path=str(directory / "ca.pem"))
     return cert, key
 
@@ -158,8 +148,8 @@ def create_certificates(directory: str | Path, hosts: list[str] | tuple[str, ...
                 raise ConfigError(f"{cert_path} is missing or does not cover {', '.join(wanted)}, and {directory / 'ca-key.pem'} "
                                   "is not there to issue it")
             cert, key = _leaf(name, wanted, ROLE_OF_NAME[name], ca_cert, ca_key, now)
-            _write(key_path, _key_pem(key), 0o600)
-            _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            write_atomically(key_path, _key_pem(key), 0o600)
+            write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
             log.info("issued a certificate", name=name, path=str(cert_path), hosts=wanted)
         files[name] = TlsFiles.in_directory(directory, name)
     return files
