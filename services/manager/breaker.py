@@ -16,7 +16,9 @@ MAX_QUARANTINE_SECONDS = 60.0
 """The first quarantine lasts QUARANTINE_SECONDS; each next one, until a request finishes there
 again, twice the one before, up to this."""
 SAMPLE_FAILURES = 4
-"""Failed attempts in a row after which a sample ends its batch: the fault goes with it."""
+"""Failed attempts in a row after which a sample ends its batch, the fault going with it, once they
+failed on this many instances, or on every instance of a smaller pool: a sample failing on the
+same few instances only says that those are broken, and the breaker deals with them."""
 
 
 class Failure(NamedTuple):
@@ -38,15 +40,18 @@ def request_failed(instance: Instance, now: float) -> float:
     return seconds
 
 
-def sample_failed(request: SampleRequest) -> bool:
-    """Counts a failed attempt against the sample; True once it has failed too often in a row."""
+def sample_failed(request: SampleRequest, instance_id: str, pool_size: int) -> bool:
+    """Counts a failed attempt on `instance_id` against the sample; True once it has failed too
+    often in a row, on enough instances of a pool of `pool_size`."""
     request.failures_in_a_row += 1
-    return request.failures_in_a_row >= SAMPLE_FAILURES
+    request.failed_on.add(instance_id)
+    return request.failures_in_a_row >= SAMPLE_FAILURES and len(request.failed_on) >= min(SAMPLE_FAILURES, pool_size)
 
 
 def tokens_arrived(instance: Instance | None, request: SampleRequest) -> None:
     """Work goes through: the failures in a row end for both."""
     request.failures_in_a_row = 0
+    request.failed_on.clear()
     if instance is not None:
         instance.failures_in_a_row = 0
 

@@ -33,7 +33,8 @@ class Balanced:
     training request goes to no instance running background work (a validation) while another
     instance may run it, waiting for that one's slots instead: background work then decodes
     alone, at the lowest CPU priority. An instance running its saturation batch takes no training
-    request of a later step than the oldest it runs (see `beyond_saturation`)."""
+    request of a later step than the oldest it runs (see `beyond_saturation`). A sample that failed
+    on some instances goes to another when one may take it."""
 
     migrates = True
 
@@ -87,6 +88,8 @@ class Balanced:
             if not candidates:
                 waiting.append(request)
                 continue
+            # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
+            candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
             preferred = [c for c in candidates if c.instance_id == request.migrate_to]
             instance = preferred[0] if preferred else min(
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)

@@ -170,9 +170,9 @@ class RequestLedger:
             return None
         instance = self.instances.get(request.instance_id or "")
         quarantine = breaker.request_failed(instance, self.clock()) if instance else 0.0
-        if breaker.sample_failed(request):
-            self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row, the last on "
-                                      f"instance {request.instance_id}: {reason}")
+        if breaker.sample_failed(request, request.instance_id or "", len(self.instances)):
+            self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row on "
+                                      f"{len(request.failed_on)} instances, the last on instance {request.instance_id}: {reason}")
             return Failure(quarantine, batch_failed=True)
         self.requeue(request)
         return Failure(quarantine, batch_failed=False)

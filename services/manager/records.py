@@ -104,6 +104,8 @@ class SampleRequest(Journaled):
     migrations: int = 0
     failures_in_a_row: int = 0
     """Attempts that failed one after another, no token in between (see breaker.py)."""
+    failed_on: set[str] = field(default_factory=set)
+    """The instances those attempts failed on."""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property

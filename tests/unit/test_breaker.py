@@ -97,6 +97,36 @@ def test_a_sample_that_fails_attempt_after_attempt_ends_its_batch_with_the_reaso
         (assignment,) = state.assign()
         state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: poisoned prompt")
     batch = state.batches["b"]
-    assert batch.error == (f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row, the last on instance "
+    assert batch.error == (f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row on {SAMPLE_FAILURES} instances, the last on instance "
                            f"{assignment.instance.instance_id}: INTERNAL: poisoned prompt")
     assert state.queue == type(state.queue)() and not any(i.running for i in state.instances.values())
+
+
+def test_a_sample_failing_only_on_broken_instances_goes_on_while_a_healthy_one_is_there():
+    """Two broken instances among three: a sample sent to them in turn fails attempt after attempt
+    on the same two, which says they are broken, not the sample; it finishes on the healthy one."""
+    state, _ = mesh("broken-0", "broken-1", "healthy", max_batch_size=1)
+    state.instances["healthy"].draining = True
+    state.submit("b", 0, [("p", [1], 1)], sampling())
+    for _ in range(2 * SAMPLE_FAILURES):
+        (assignment,) = state.assign()
+        assert assignment.instance.instance_id != "healthy"
+        state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: engine core died")
+        state.release_quarantines(float("inf"))
+    assert state.batches["b"].error == ""
+    state.instances["healthy"].draining = False
+    for name in ("broken-0", "broken-1"):
+        state.instances[name].draining = True
+    (assignment,) = state.assign()
+    state.record_chunk(assignment.request.request_id, assignment.attempt, [3], [-0.5], [0], STOP)
+    assert state.requests["b/p/0"].done and state.requests["b/p/0"].instance_ids[-1] == "healthy"
+
+
+def test_a_sample_failing_on_every_instance_of_a_small_pool_ends_its_batch():
+    state, _ = mesh("i0", "i1", max_batch_size=1)
+    state.submit("b", 0, [("p", [1], 1)], sampling())
+    for _ in range(SAMPLE_FAILURES):
+        (assignment,) = state.assign()
+        state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: poisoned prompt")
+        state.release_quarantines(float("inf"))
+    assert state.batches["b"].error.startswith(f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row on 2 instances")
