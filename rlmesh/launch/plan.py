@@ -1,5 +1,6 @@
 """What `rlmesh up` starts: the job (its mesh section above all) with what the run adds to it (the
-output folder, the model folder, the certificates, the role secrets, the network namespaces), and what follows from them: each service's address and security settings."""
+output folder, the model folder, the certificates, the role secrets, the network namespaces), and
+what follows from them: each service's address and security settings."""
 
 from __future__ import annotations
 

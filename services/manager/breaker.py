@@ -1,6 +1,6 @@
 """The circuit breaker: an instance whose requests fail one after another gets no work for a
-while, each time twice as long; a sample that fails attempt after attempt ends its batch with the
-reason instead of circling between instances."""
+while, each time twice as long; a sample that fails attempt after attempt on instances that serve
+other work ends its batch with the reason instead of circling between instances."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ MAX_QUARANTINE_SECONDS = 60.0
 """The first quarantine lasts QUARANTINE_SECONDS; each next one, until a request finishes there
 again, twice the one before, up to this."""
 SAMPLE_FAILURES = 4
-"""Failed attempts in a row after which a sample ends its batch, the fault going with it, once they
-failed on this many instances, or on every instance of a smaller pool: a sample failing on the
-same few instances only says that those are broken, and the breaker deals with them."""
+"""Failed attempts in a row after which a sample ends its batch, the fault going with it. An
+attempt counts against the sample only when its instance's request before it did not fail: on an
+instance that fails everything the fault is the instance's, and the breaker deals with it."""
 
 
 class Failure(NamedTuple):
@@ -40,12 +40,15 @@ def request_failed(instance: Instance, now: float) -> float:
     return seconds
 
 
-def sample_failed(request: SampleRequest, instance_id: str, pool_size: int) -> bool:
-    """Counts a failed attempt on `instance_id` against the sample; True once it has failed too
-    often in a row, on enough instances of a pool of `pool_size`."""
+def sample_failed(request: SampleRequest, instance: Instance | None) -> bool:
+    """Counts a failed attempt against the sample, after `request_failed` counted it against its
+    instance; True once the sample has failed too often in a row."""
+    if instance is not None:
+        request.failed_on.add(instance.instance_id)
+        if instance.failures_in_a_row > 1:
+            return False
     request.failures_in_a_row += 1
-    request.failed_on.add(instance_id)
-    return request.failures_in_a_row >= SAMPLE_FAILURES and len(request.failed_on) >= min(SAMPLE_FAILURES, pool_size)
+    return request.failures_in_a_row >= SAMPLE_FAILURES
 
 
 def tokens_arrived(instance: Instance | None, request: SampleRequest) -> None:
@@ -64,10 +67,9 @@ def request_finished(instance: Instance | None) -> None:
 
 
 def release_due(instances: Iterable[Instance], now: float) -> list[Instance]:
-    """Ends the quarantines that are over; the instances get work again (a few more failures in a
-    row put them back, for longer)."""
+    """Ends the quarantines that are over; the instances get work again. Their failures in a row
+    stand until work goes through there: one more failure puts them back, for longer."""
     released = [i for i in instances if i.quarantined_until and i.quarantined_until <= now]
     for instance in released:
         instance.quarantined_until = 0.0
-        instance.failures_in_a_row = 0
     return released

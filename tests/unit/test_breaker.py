@@ -1,8 +1,10 @@
 """The circuit breaker: an instance whose requests fail one after another is quarantined for a
-backoff that doubles, work goes on elsewhere, and a sample that fails attempt after attempt ends its
-batch with the reason instead of circling."""
+backoff that doubles, work goes on elsewhere, and a sample that fails attempt after attempt on
+instances whose other work goes through ends its batch with the reason instead of circling; one
+failing only on instances that fail everything goes on."""
 
 from rlmesh.common.v1 import common_pb2
+from services.manager import breaker
 from services.manager.breaker import MAX_QUARANTINE_SECONDS, QUARANTINE_AFTER, QUARANTINE_SECONDS, SAMPLE_FAILURES
 from services.manager.state import ManagerState
 
@@ -122,11 +124,17 @@ def test_a_sample_failing_only_on_broken_instances_goes_on_while_a_healthy_one_i
     assert state.requests["b/p/0"].done and state.requests["b/p/0"].instance_ids[-1] == "healthy"
 
 
-def test_a_sample_failing_on_every_instance_of_a_small_pool_ends_its_batch():
-    state, _ = mesh("i0", "i1", max_batch_size=1)
+def test_a_sample_failing_where_other_work_goes_through_ends_its_batch_even_in_a_small_pool():
+    """A poisoned prompt on two healthy instances: each of its attempts fails on an instance whose
+    other work goes through, so each counts against the sample, and the fourth ends it."""
+    state, _ = mesh("i0", "i1")
     state.submit("b", 0, [("p", [1], 1)], sampling())
-    for _ in range(SAMPLE_FAILURES):
-        (assignment,) = state.assign()
-        state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: poisoned prompt")
-        state.release_quarantines(float("inf"))
-    assert state.batches["b"].error.startswith(f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row on 2 instances")
+    state.submit("ok", 0, [("q", [1], 1)], sampling())
+    poisoned, other = state.requests["b/p/0"], state.requests["ok/q/0"]
+    ended = []
+    for attempt in range(SAMPLE_FAILURES):
+        instance = state.instances[f"i{attempt % 2}"]
+        breaker.request_failed(instance, now=0.0)
+        ended.append(breaker.sample_failed(poisoned, instance))
+        breaker.tokens_arrived(instance, other)
+    assert ended == [False] * (SAMPLE_FAILURES - 1) + [True] and poisoned.failed_on == {"i0", "i1"}
