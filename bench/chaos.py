@@ -460,7 +460,8 @@ def main() -> None:
     write_result("chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
                  {f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
                   for kind, v in result["by_kind"].items()},
-                 {"samples_lost": 0, "samples_duplicated": 0, "cuts_not_rejoined": 0, "faults_survived": f">= {args.faults}"},
+                 {"samples_lost": 0, "samples_duplicated": 0, "cuts_not_rejoined": 0, "broken_not_quarantined": 0,
+                  "faults_survived": f">= {args.faults}"},
                  {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "short_cut_seconds": SHORT_CUT_SECONDS,
                   "instances": 3, "steps_between_faults": args.steps_between_faults, "fault_weights": FAULT_WEIGHTS,
                   "left_out": result["left_out"], "fault_list": result["faults"]})
