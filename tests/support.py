@@ -203,11 +203,9 @@ def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
 
 
-async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor],
-                              metadata: tuple = ()) -> None:
+async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
     """A version as whole tensors from one process (UploadWeights), as tools publish a model
-    without a trainer; every engine then receives full tensors. `metadata`: the call's own (a
-    credential, on a channel that adds none)."""
+    without a trainer; every engine then receives full tensors."""
     manifest, payload = pack(tensors, version)
 
     async def parts():
@@ -215,7 +213,7 @@ async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, vers
         for offset, data in stream_chunks(payload, manifest.total_bytes):
             yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
 
-    await weights.UploadWeights(parts(), timeout=60, metadata=metadata)
+    await weights.UploadWeights(parts(), timeout=60)
 
 
 async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:

@@ -3,6 +3,7 @@ of every contract, no credential gets UNAUTHENTICATED, each role the table does 
 PERMISSION_DENIED, and the roles it names get through; no refused call changed any state. With
 authorization turned off a service serves anyone and says so; without a way to learn roles, none starts."""
 
+import asyncio
 import datetime
 import ipaddress
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from google.protobuf.message import Message
 from rlmesh.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.payload import pack, stream_chunks
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, use_tls
@@ -32,7 +34,7 @@ from services.manager.main import start as start_manager
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
 from tests.support import (
-    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_full_tensors, wait_for,
+    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, wait_for,
 )
 
 CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2)
@@ -70,7 +72,10 @@ class Verifier(reward_pb2_grpc.RewardServiceServicer):
         return reward_pb2.ScoreResponse()
 
 
-async def call(channel: grpc.aio.Channel, rpc: Rpc, metadata: tuple = ()) -> tuple[grpc.StatusCode, str]:
+def call(channel: grpc.Channel, rpc: Rpc, metadata: tuple = ()) -> tuple[grpc.StatusCode, str]:
+    """One call from the synchronous client (run it on a thread): the asyncio one reports INTERNAL
+    instead of the server's status when the server ends a client stream before the client finished
+    writing it (grpc/grpc#36066), as a refusal does."""
     kind = ("stream" if rpc.client_streaming else "unary") + "_" + ("stream" if rpc.server_streaming else "unary")
     invoke = getattr(channel, kind)(rpc.path, request_serializer=rpc.request.SerializeToString,
                                     response_deserializer=rpc.response.FromString)
@@ -78,11 +83,9 @@ async def call(channel: grpc.aio.Channel, rpc: Rpc, metadata: tuple = ()) -> tup
     try:
         answer = invoke(argument, timeout=CALL_TIMEOUT, metadata=metadata)
         if rpc.server_streaming:
-            async for _ in answer:
+            for _ in answer:
                 pass
-        else:
-            await answer
-    except grpc.aio.AioRpcError as exc:
+    except grpc.RpcError as exc:
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
 
@@ -165,9 +168,9 @@ async def run_matrix(servers: Servers, callers: dict[str, Caller]) -> None:
     rpcs = contract_rpcs()
     assert {rpc.path for rpc in rpcs} == set(AUTHORIZED)
     before = state_of(servers.mesh)
-    channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+    channels: dict[tuple[str, str], grpc.Channel] = {}
 
-    def channel(service: str, who: str) -> grpc.aio.Channel:
+    def channel(service: str, who: str) -> grpc.Channel:
         if (service, who) not in channels:
             channels[(service, who)] = callers[who].open_channel(servers.addresses[service])
         return channels[(service, who)]
@@ -175,26 +178,26 @@ async def run_matrix(servers: Servers, callers: dict[str, Caller]) -> None:
     try:
         for rpc in rpcs:
             for who in ("none", "stranger"):
-                code, details = await call(channel(rpc.service, who), rpc, callers[who].metadata)
+                code, details = await asyncio.to_thread(call, channel(rpc.service, who), rpc, callers[who].metadata)
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (rpc.path, who, code, details)
                 assert "needs a credential" in details
             for role in sorted(set(ROLES) - allowed_roles(rpc.path)):
-                code, details = await call(channel(rpc.service, role), rpc, callers[role].metadata)
+                code, details = await asyncio.to_thread(call, channel(rpc.service, role), rpc, callers[role].metadata)
                 assert code == grpc.StatusCode.PERMISSION_DENIED, (rpc.path, role, code, details)
                 assert f"not open to the {role} role" in details
         assert state_of(servers.mesh) == before
         for rpc in rpcs:
             for role in sorted(allowed_roles(rpc.path)):
-                code, details = await call(channel(rpc.service, role), rpc, callers[role].metadata)
+                code, details = await asyncio.to_thread(call, channel(rpc.service, role), rpc, callers[role].metadata)
                 assert code not in REFUSALS, (rpc.path, role, code, details)
     finally:
         for opened in channels.values():
-            await opened.close()
+            opened.close()
 
 
 async def test_every_rpc_with_bearer_secrets(model_dir):
     servers = await start_servers(model_dir, None)
-    plain = grpc.aio.insecure_channel
+    plain = grpc.insecure_channel
     callers = {"none": Caller(plain, bearer(None)), "stranger": Caller(plain, bearer(None, "rlmesh-trainer-guessed")),
                **{role: Caller(plain, bearer(role)) for role in ROLES}}
     try:
@@ -218,7 +221,7 @@ def tls_channel(files: TlsFiles):
     credentials = grpc.ssl_channel_credentials(root_certificates=Path(files.ca_file).read_bytes(),
                                                private_key=Path(files.key_file).read_bytes(),
                                                certificate_chain=Path(files.cert_file).read_bytes())
-    return lambda address: grpc.aio.secure_channel(address, credentials)
+    return lambda address: grpc.secure_channel(address, credentials)
 
 
 async def test_every_rpc_with_mutual_tls(model_dir, certificates):
@@ -231,11 +234,27 @@ async def test_every_rpc_with_mutual_tls(model_dir, certificates):
         await run_matrix(servers, callers)
         # Without a certificate of the mesh's CA there is not even a connection to answer on.
         ca_only = grpc.ssl_channel_credentials(root_certificates=Path(certificates["client"].ca_file).read_bytes())
-        async with grpc.aio.secure_channel(servers.addresses["rlmesh.manager.v1.ManagerService"], ca_only) as channel:
-            code, _ = await call(channel, next(r for r in contract_rpcs() if r.path.endswith("/PublishVersion")))
+        with grpc.secure_channel(servers.addresses["rlmesh.manager.v1.ManagerService"], ca_only) as channel:
+            code, _ = await asyncio.to_thread(call, channel, next(r for r in contract_rpcs() if r.path.endswith("/PublishVersion")))
         assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         await stop_servers(servers)
+
+
+def upload_whole_version(address: str, version: int, tensors: dict, metadata: tuple) -> grpc.StatusCode:
+    """UploadWeights of a whole version from the synchronous client, on a thread: the asyncio one
+    reports INTERNAL instead of the server's status when the server ends the stream before the
+    client finished writing it (grpc/grpc#36066), as a refusal does."""
+    manifest, payload = pack(tensors, version)
+    parts = [weights_pb2.UploadWeightsRequest(manifest=manifest)] + [
+        weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
+        for offset, data in stream_chunks(payload, manifest.total_bytes)]
+    with grpc.insecure_channel(address) as channel:
+        try:
+            weights_pb2_grpc.WeightsServiceStub(channel).UploadWeights(iter(parts), timeout=60, metadata=metadata)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
 
 
 async def test_a_strangers_whole_valid_version_never_becomes_a_served_one(model_dir):
@@ -244,16 +263,13 @@ async def test_a_strangers_whole_valid_version_never_becomes_a_served_one(model_
     upload from the trainer's role is stored and pushed."""
     mesh = await build_mesh(model_dir, "grpc")
     tensors = scaled_weights(model_dir, 0.5)
+    address = mesh.weights.server.address
     try:
-        async with grpc.aio.insecure_channel(mesh.weights.server.address) as channel:
-            stub = weights_pb2_grpc.WeightsServiceStub(channel)
-            for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (bearer("operator"), grpc.StatusCode.PERMISSION_DENIED),
-                                   (bearer("instance"), grpc.StatusCode.PERMISSION_DENIED)):
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await upload_full_tensors(stub, 7, tensors, metadata)
-                assert refused.value.code() == code
-            assert mesh.weights.store.latest is None and mesh.rollouts[0].engine.weight_version == 0
-            await upload_full_tensors(stub, 7, tensors, bearer("trainer"))
+        for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (bearer("operator"), grpc.StatusCode.PERMISSION_DENIED),
+                               (bearer("instance"), grpc.StatusCode.PERMISSION_DENIED)):
+            assert await asyncio.to_thread(upload_whole_version, address, 7, tensors, metadata) == code
+        assert mesh.weights.store.latest is None and mesh.rollouts[0].engine.weight_version == 0
+        assert await asyncio.to_thread(upload_whole_version, address, 7, tensors, bearer("trainer")) == grpc.StatusCode.OK
         await wait_for(lambda: mesh.rollouts[0].engine.weight_version == 7, timeout=60)
     finally:
         await stop_mesh(mesh)
