@@ -33,6 +33,10 @@ SYNTHETIC = {
 }
 
 
+def instance_specs() -> list[InstanceSpec]:
+    return [InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)]
+
+
 async def direct_rate(addresses: list[str], requests_per_instance: int) -> tuple[float, int]:
     """Tokens/s of the engines streamed straight to one client, as many requests as the relay gets."""
     channels = [open_channel(a) for a in addresses]
@@ -82,9 +86,8 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
 async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None) -> list[float]:
     """Tokens/s through the manager per round; with `direct_rates`, the engines called directly
     after each round go there."""
-    specs = [InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)]
     rates = []
-    async with BenchMesh(specs, manager_settings) as mesh:
+    async with BenchMesh(instance_specs(), manager_settings) as mesh:
         sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
         await mesh.run_step("warmup", PROMPTS // 4, GROUP_SIZE, sampling)
         for round_ in range(rounds):
@@ -103,8 +106,7 @@ async def authorization_rounds(rounds: int) -> tuple[list[float], list[float]]:
     once, their rounds taken in turn, so that a change of the machine's speed falls on both."""
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=LENGTH + 1)
     rates: dict[bool, list[float]] = {False: [], True: []}
-    meshes = {insecure: BenchMesh([InstanceSpec(f"synthetic-{i}", 1.0, SYNTHETIC) for i in range(INSTANCES)], insecure=insecure)
-              for insecure in (False, True)}
+    meshes = {insecure: BenchMesh(instance_specs(), insecure=insecure) for insecure in (False, True)}
     async with meshes[False] as secured_mesh, meshes[True] as open_mesh:
         for open_first in [round_ % 2 == 1 for round_ in range(rounds + 1)]:
             for mesh in ((open_mesh, secured_mesh) if open_first else (secured_mesh, open_mesh)):
