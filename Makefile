@@ -32,9 +32,11 @@ UV_VERSION := 0.13.9
 UV := $(BIN)/uv
 UV_SOURCES = $(shell $(PYTHON) scripts/uv_sources.py)
 
+# The virtualenvs are made without pip (ensurepip took 10 s of a fresh clone's setup): the host's
+# pip installs uv into .venv, and uv does the rest.
 $(VENV)/.uv: $(VENV)/.system
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q uv==$(UV_VERSION) > $(VENV)/uv.log 2>&1 || { cat $(VENV)/uv.log; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(PY) install -q uv==$(UV_VERSION) > $(VENV)/uv.log 2>&1 || { cat $(VENV)/uv.log; exit 1; }
 	@touch $@
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)/.uv
@@ -49,7 +51,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml $(VENV)
 setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: requirements-vllm.txt pyproject.toml $(VENV)/.uv
-	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@test -x $(VLLM_PY) || $(UV) venv -q --python $(PYTHON) $(VLLM_VENV)
 	$(UV) pip install -q --python $(VLLM_PY) $(UV_SOURCES) -r requirements-vllm.txt
 	$(UV) pip uninstall -q --python $(VLLM_PY) torchvision torchaudio torchcodec triton
 	$(UV) pip install -q --python $(VLLM_PY) --no-deps --no-build-isolation -e .
@@ -85,6 +87,13 @@ check-compose: $(VENV)/.installed
 run: setup
 	$(BIN)/rlmesh up
 
+# The default job's built-in model (DEFAULT_MODELS in rlmesh/job.py), which `rlmesh up` makes on first
+# use: `make test` makes it while the vLLM virtualenv installs, not in the first test that needs it.
+DEFAULT_MODEL := .rlmesh/models/tiny-qwen2-increment
+
+$(DEFAULT_MODEL)/config.json: $(VENV)/.installed
+	$(BIN)/rlmesh init-model
+
 # The wheelhouse the images install from, offline (Dockerfile): what pip resolves on this host for
 # requirements.txt, torch's wheel included (the CPU one here, the CUDA one on a GPU host), with the
 # requirements themselves, which the image reads from it.
@@ -93,13 +102,13 @@ WHEELS := wheels
 wheels: $(WHEELS)/.stamp
 
 $(WHEELS)/.stamp: requirements.txt $(VENV)/.installed
-	$(PY) -m pip download -q -r requirements.txt "setuptools>=68" -d $(WHEELS)
+	$(PYTHON) -m pip download -q -r requirements.txt "setuptools>=68" -d $(WHEELS)
 	cp requirements.txt $(WHEELS)/requirements.txt
 	@touch $@
 
 # The GPU rollout image's wheels (Dockerfile target rollout-vllm); run it on a GPU host.
 wheels-vllm-cuda: $(VENV)/.installed
-	$(PY) -m pip download -q -r requirements-vllm-cuda.txt "setuptools>=68" -d $(WHEELS)
+	$(PYTHON) -m pip download -q -r requirements-vllm-cuda.txt "setuptools>=68" -d $(WHEELS)
 	cp requirements-vllm-cuda.txt $(WHEELS)/requirements-vllm-cuda.txt
 
 # docker compose for real (tests/compose): starts a Docker engine if none answers, builds the
@@ -116,16 +125,16 @@ test-compose: setup wheels
 # worker fills the time the others wait on processes and sockets.
 TEST_WORKERS ?= 3
 test:
-	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode
+	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode $(DEFAULT_MODEL)/config.json
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
-# What the test files and the services import, compiled to bytecode by one process (while the vLLM
-# virtualenv installs), once per virtualenv: the test workers and their first services start at the
-# same moment, and each would otherwise compile the same modules (transformers', torch.distributed's,
-# the tests'). Python recompiles what changes later by itself.
+# What the tests' shared fixtures and the services import, compiled to bytecode by one process (while
+# the vLLM virtualenv installs), once per virtualenv: the test workers and their first services start
+# at the same moment, and each would otherwise compile the same modules (transformers',
+# torch.distributed's). Importing them is half the time a collection of every test file took, and the
+# test files' own modules are few. Python recompiles what changes later by itself.
 $(VENV)/.bytecode: $(VENV)/.installed $(GEN)/.stamp
-	$(PY) -m pytest tests --collect-only -q -p no:cacheprovider > /dev/null
-	$(PY) -c "import services.manager.main, services.weights.main, services.rollout.main, services.trainer.main, rlmesh.launch.run, torch.distributed.run"
+	$(PY) -c "import tests.conftest, services.manager.main, services.weights.main, services.rollout.main, services.trainer.main, rlmesh.launch.run, torch.distributed.run"
 	@touch $@
 
 # The vLLM rollout tests alone: the main environment's pytest starts the vLLM rollout service as

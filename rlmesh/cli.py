@@ -121,7 +121,7 @@ def _up(args: argparse.Namespace) -> int:
             # vLLM runs on a GPU where one is visible; on CPU its attention takes some head sizes only.
             if not torch.cuda.is_available() and (refusal := vllm_cpu_refusal(model_dir)):
                 raise ConfigError(f"rollout.engine.kind = vllm: {refusal}")
-        if missing := job.missing_gpu():
+        if missing := job.missing_file() or job.missing_gpu():
             raise ConfigError(missing)
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()

@@ -173,6 +173,10 @@ class Job(StrictModel):
                 data = _default_at(data, dotted.split("."), value)
         return data
 
+    def missing_file(self) -> str:
+        """The first data file a task names that is not there ("" when all are)."""
+        return next((missing for task in self.tasks if (missing := task.missing_file())), "")
+
     def missing_gpu(self) -> str:
         """Why this host cannot run the devices the job asks for ("" when it can)."""
         wants_gpu = [setting for setting, wanted in (

@@ -19,6 +19,7 @@ from hypothesis import settings
 
 from rlmesh.launch import ports as launch_ports
 from rlmesh.config import METRICS_PORT_OFFSET
+from rlmesh.models.builtin import ensure_model
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
 from tests.support import RankRunner, play_every_role
@@ -97,8 +98,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model's architecture with a short warm-up: enough for real forward passes."""
-    return create_default_model(tmp_path_factory.mktemp("model"), TinyModelSpec(warmup_iterations=30))
+    """The default model's architecture with a short warm-up: enough for real forward passes. One
+    folder for the run, in the folder the xdist workers' temporary folders share: the first worker
+    to need it makes it, the others wait for it (some 4 CPU-seconds each)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return ensure_model(shared / "model", lambda folder: create_default_model(folder, TinyModelSpec(warmup_iterations=30)),
+                        "of the tests", announce=lambda line: None)
 
 
 @pytest.fixture(scope="session")

@@ -211,13 +211,13 @@ async def measure(model_dir: Path, device: str, pushes: int, decode_batches: lis
                 "ratio_to_baseline": stored_to_served / baseline["seconds"],
             })
             if decode_batches:
-                warm, window = (0.5, 1.5) if quick else (2.0, 4.0)
+                warm, window = (0.25, 1.0) if quick else (2.0, 4.0)
                 max_tokens = 32 if quick else 128
                 figures["decode_tokens_per_second"] = {
                     str(b): await _decode_rate(mesh, b, max_tokens, warm, window) for b in decode_batches}
                 figures["decode_during_push"] = await _decode_during_pushes(
                     mesh, publisher, stub, largest, max_tokens, pushes + 1, pushes=2 if quick else 4, warm=warm,
-                    quiet=1.0 if quick else 2.0)
+                    quiet=0.75 if quick else 2.0)
     finally:
         mesh.stop()
         publisher.close()

@@ -159,3 +159,12 @@ class TaskConfig(StrictModel):
             file, function = self.reward.function.rsplit(":", 1)
             update["reward"] = self.reward.model_copy(update={"function": f"{absolute(file)}:{function}"})
         return self.model_copy(update=update)
+
+    def missing_file(self) -> str:
+        """The first data file this task names that is not there ("" when all are): checked
+        before anything starts, where the full check waits for the services' imports."""
+        named = [("dataset", self.dataset.path if self.dataset is not None else None), ("eval.path", self.eval.path)]
+        for what, path in named:
+            if path is not None and not Path(path).exists():
+                return f"task {self.name!r}: {what} {path} does not exist"
+        return ""

@@ -31,6 +31,15 @@ def test_paths_resolve_against_the_job_folder_and_overrides_apply(tmp_path):
     assert (job.algorithm.steps, job.tasks[0].weight, job.rollout.engine.tensor_parallel_size) == (7, 2.5, 2)
 
 
+def test_a_data_file_a_task_names_and_lacks_is_found_without_reading_any_data(tmp_path):
+    job, _ = load_job(dataset_job(tmp_path, extra='path = "held_out.jsonl"'))
+    assert job.missing_file() == f"task 'mine': eval.path {tmp_path / 'held_out.jsonl'} does not exist"
+    (tmp_path / "held_out.jsonl").write_text("")
+    assert job.missing_file() == ""
+    (tmp_path / "data.jsonl").unlink()
+    assert job.missing_file() == f"task 'mine': dataset {tmp_path / 'data.jsonl'} does not exist"
+
+
 def test_set_on_the_default_job_addresses_its_task():
     job, _ = load_job(None, {"tasks.0.eval.prompts": 16})
     assert job.tasks[0].eval.prompts == 16 and job.tasks[0].kind == "increment"
