@@ -121,9 +121,10 @@ test-compose: setup wheels
 # registry as much as on the CPU, so four jobs beat two (a fresh clone's setup: 69 s against 96 s).
 # pytest also builds the docs site as `mkdocs build --strict` does (tests/unit/test_docs_site.py).
 # The tests run in TEST_WORKERS processes (pytest-xdist), each file's tests on one worker (its module
-# fixtures are built once). On two cores the e2e tests keep about one core busy each: a third
-# worker fills the time the others wait on processes and sockets.
-TEST_WORKERS ?= 3
+# fixtures are built once). One per core: on two cores a third worker took a quarter more CPU in all
+# (busy meshes polling and retrying beside each other) and the run longer (fresh clones at d60e9a9:
+# 11 min 31 s with 2 workers, 13 min 3 s with 3).
+TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode $(DEFAULT_MODEL)/config.json
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile

@@ -82,8 +82,8 @@ def _plays_every_role():
 
 
 E2E_TIMEOUT_SECONDS = 600
-"""The hang guard of an e2e test: it shares two cores with the other workers' tests, and runs two
-to three times as long as alone (the chaos test: 104 s alone, 242 s beside two others)."""
+"""The hang guard of an e2e test: it shares two cores with the other workers' tests, and runs up
+to three times as long as alone (the chaos test: 104 s alone, 242 s once beside two others)."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
