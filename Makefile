@@ -122,8 +122,7 @@ test-compose: setup wheels
 # pytest also builds the docs site as `mkdocs build --strict` does (tests/unit/test_docs_site.py).
 # The tests run in TEST_WORKERS processes (pytest-xdist), each file's tests on one worker (its module
 # fixtures are built once). One per core: on two cores a third worker took a quarter more CPU in all
-# (busy meshes polling and retrying beside each other) and the run longer (fresh clones at d60e9a9:
-# 11 min 31 s with 2 workers, 13 min 3 s with 3).
+# and made the run longer (fresh clones at d60e9a9: 11 min 31 s with 2 workers, 13 min 3 s with 3).
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode $(DEFAULT_MODEL)/config.json
