@@ -29,7 +29,7 @@ from rlmesh.config import AuthSettings, ServerConfig, TlsFiles
 from rlmesh.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
 from rlmesh.launch.forkserver import ForkServer
 from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import Child, spawn_service
+from rlmesh.launch.processes import Child, ServiceSpec, spawn
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
@@ -170,9 +170,10 @@ async def stop_mesh(mesh: Mesh) -> None:
     await mesh.manager.stop()
 
 
-def spawn_rollout(log_dir, manager_address: str, instance_id: str, **settings: str) -> Child:
-    """A rollout instance as a real process; `settings` are RolloutConfig fields by their
-    environment names without the prefix (ENGINE__KIND="synthetic")."""
+def spawn_rollout(log_dir, manager_address: str, instance_id: str, forks: ForkServer | None = None, **settings: str) -> Child:
+    """A rollout instance as a real process, forked by `forks` when given (as `rlmesh up` starts
+    it), else started by exec; `settings` are RolloutConfig fields by their environment names
+    without the prefix (ENGINE__KIND="synthetic")."""
     port = free_port()
     env = {
         "RLMESH_ROLLOUT_SERVER__HOST": "127.0.0.1",
@@ -183,7 +184,7 @@ def spawn_rollout(log_dir, manager_address: str, instance_id: str, **settings: s
         **suite_auth_env("RLMESH_ROLLOUT_", "instance"),
         **{f"RLMESH_ROLLOUT_{key}": value for key, value in settings.items()},
     }
-    return spawn_service(instance_id, "services.rollout", f"127.0.0.1:{port}", env, Path(log_dir), mesh_id=str(log_dir))
+    return spawn(ServiceSpec(instance_id, "services.rollout", f"127.0.0.1:{port}", env), Path(log_dir), str(log_dir), forks)
 
 
 # Rollout traffic ----------------------------------------------------------------------------------

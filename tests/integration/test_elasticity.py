@@ -4,14 +4,17 @@ slow instance to a fast one, and a pool left empty fails the trainer's stream wi
 while keeping the batch."""
 
 import asyncio
+import os
 import signal
 
 import grpc
 import pytest
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.launch.forkserver import ForkServer
 from rlmesh.launch.processes import wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.models.families import check_model_dir
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
@@ -21,11 +24,22 @@ from tests.support import NO_STOP, assert_exactly_once, build_mesh, gather_batch
 PROMPTS = 32
 
 
-async def leave_mid_generation(model_dir, tmp_path, leave) -> tuple[list, manager_pb2.GetStatusResponse, int]:
+@pytest.fixture(scope="module")
+def forks(model_dir, tmp_path_factory):
+    """The rollout processes' fork server, as `rlmesh up` has one: six instances start here, and
+    each would otherwise import torch and transformers anew."""
+    server = ForkServer(["services.rollout.__main__", "transformers.initialization", check_model_dir(model_dir).modeling_module],
+                        {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path_factory.mktemp("forks") / "forkserver.log")
+    server.wait_ready()
+    yield server
+    server.close()
+
+
+async def leave_mid_generation(model_dir, tmp_path, forks, leave) -> tuple[list, manager_pb2.GetStatusResponse, int]:
     """Runs a batch on an in-process instance plus a real process that `leave` makes go away
     while it generates; returns the samples, the manager's status and the process's exit code."""
     mesh = await build_mesh(model_dir, "grpc", instances=1)
-    leaving = spawn_rollout(tmp_path, mesh.manager_address, "leaving", ENGINE__MODEL_DIR=str(model_dir))
+    leaving = spawn_rollout(tmp_path, mesh.manager_address, "leaving", forks, ENGINE__MODEL_DIR=str(model_dir))
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
         await wait_started([leaving])
@@ -80,16 +94,16 @@ def assert_handed_back_without_loss(samples, status) -> None:
     assert status.continued_tokens >= len(continued)
 
 
-async def test_sigterm_drains_and_every_generated_token_is_kept(model_dir, tmp_path):
+async def test_sigterm_drains_and_every_generated_token_is_kept(model_dir, tmp_path, forks):
     async def terminate(child):
         child.process.send_signal(signal.SIGTERM)
 
-    samples, status, code = await leave_mid_generation(model_dir, tmp_path, terminate)
+    samples, status, code = await leave_mid_generation(model_dir, tmp_path, forks, terminate)
     assert code == 0
     assert_handed_back_without_loss(samples, status)
 
 
-async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, tmp_path):
+async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, tmp_path, forks):
     handed_back = []
 
     async def notice(child):
@@ -99,16 +113,16 @@ async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, t
             )
             handed_back.append(reply.handed_back_requests)
 
-    samples, status, code = await leave_mid_generation(model_dir, tmp_path, notice)
+    samples, status, code = await leave_mid_generation(model_dir, tmp_path, forks, notice)
     assert code == 0, "the instance should exit by itself after a drain"
     assert handed_back[0] >= 1
     assert_handed_back_without_loss(samples, status)
 
 
-async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_dir, tmp_path):
+async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_dir, tmp_path, forks):
     """SIGSTOP: the process keeps its connections open but sends nothing, heartbeats included."""
     mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=2.0)
-    hung = spawn_rollout(tmp_path, mesh.manager_address, "hung", ENGINE__MODEL_DIR=str(model_dir))
+    hung = spawn_rollout(tmp_path, mesh.manager_address, "hung", forks, ENGINE__MODEL_DIR=str(model_dir))
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
         await wait_started([hung])
@@ -127,14 +141,14 @@ async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_d
         await stop_mesh(mesh)
 
 
-async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp_path):
+async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp_path, forks):
     synthetic = SyntheticConfig(length="fixed", mean_tokens=60, throughput_tokens_per_second=2000, min_step_seconds=0.01, stream_interval=4)
     common = {"ENGINE__KIND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "4", "ENGINE__SYNTHETIC__LENGTH": "fixed",
               "ENGINE__SYNTHETIC__MEAN_TOKENS": "60", "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": "0.01",
               "ENGINE__SYNTHETIC__STREAM_INTERVAL": "4"}
     mesh = await build_mesh(model_dir, "grpc", instances=0)
-    fast = spawn_rollout(tmp_path, mesh.manager_address, "fast", **common)
-    slow = spawn_rollout(tmp_path, mesh.manager_address, "slow", ENGINE__SYNTHETIC__SPEED="0.1", **common)
+    fast = spawn_rollout(tmp_path, mesh.manager_address, "fast", forks, **common)
+    slow = spawn_rollout(tmp_path, mesh.manager_address, "slow", forks, ENGINE__SYNTHETIC__SPEED="0.1", **common)
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
         await wait_started([fast, slow])
@@ -158,7 +172,7 @@ async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp
         await stop_mesh(mesh)
 
 
-async def test_an_empty_pool_fails_the_stream_clearly_and_keeps_the_batch(model_dir, tmp_path):
+async def test_an_empty_pool_fails_the_stream_clearly_and_keeps_the_batch(model_dir, tmp_path, forks):
     mesh = await build_mesh(model_dir, "grpc", instances=0, no_instance_timeout_seconds=1.0)
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     joining = None
@@ -168,7 +182,7 @@ async def test_an_empty_pool_fails_the_stream_clearly_and_keeps_the_batch(model_
             await gather_batch(client, "b", micro=3)
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no rollout instance" in caught.value.details() and "6 unfinished samples" in caught.value.details()
-        joining = spawn_rollout(tmp_path, mesh.manager_address, "joining", ENGINE__MODEL_DIR=str(model_dir))
+        joining = spawn_rollout(tmp_path, mesh.manager_address, "joining", forks, ENGINE__MODEL_DIR=str(model_dir))
         await wait_started([joining])
         assert_exactly_once(await gather_batch(client, "b", micro=3), 3, 2)
     finally:
