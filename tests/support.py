@@ -204,17 +204,18 @@ def sampling(model_dir, max_tokens: int = 8) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[eos])
 
 
+def upload_requests(version: int, tensors: dict[str, torch.Tensor]) -> list[weights_pb2.UploadWeightsRequest]:
+    """An UploadWeights stream of a version as whole tensors: its manifest, then its payload's chunks."""
+    manifest, payload = pack(tensors, version)
+    return [weights_pb2.UploadWeightsRequest(manifest=manifest)] + [
+        weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
+        for offset, data in stream_chunks(payload, manifest.total_bytes)]
+
+
 async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
     """A version as whole tensors from one process (UploadWeights), as tools publish a model
     without a trainer; every engine then receives full tensors."""
-    manifest, payload = pack(tensors, version)
-
-    async def parts():
-        yield weights_pb2.UploadWeightsRequest(manifest=manifest)
-        for offset, data in stream_chunks(payload, manifest.total_bytes):
-            yield weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-
-    await weights.UploadWeights(parts(), timeout=60)
+    await weights.UploadWeights(iter(upload_requests(version, tensors)), timeout=60)
 
 
 async def gather_batch(client: MeshClient, batch_id: str, micro: int) -> list[manager_pb2.Group]:

@@ -22,7 +22,6 @@ from google.protobuf.message import Message
 from rlmesh.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.payload import pack, stream_chunks
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, use_tls
@@ -34,7 +33,7 @@ from services.manager.main import start as start_manager
 from services.trainer.server import TrainerServicer
 from services.trainer.trainer import TrainingStatus
 from tests.support import (
-    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, wait_for,
+    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_requests, wait_for,
 )
 
 CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2)
@@ -242,16 +241,12 @@ async def test_every_rpc_with_mutual_tls(model_dir, certificates):
 
 
 def upload_whole_version(address: str, version: int, tensors: dict, metadata: tuple) -> grpc.StatusCode:
-    """UploadWeights of a whole version from the synchronous client, on a thread: the asyncio one
-    reports INTERNAL instead of the server's status when the server ends the stream before the
-    client finished writing it (grpc/grpc#36066), as a refusal does."""
-    manifest, payload = pack(tensors, version)
-    parts = [weights_pb2.UploadWeightsRequest(manifest=manifest)] + [
-        weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-        for offset, data in stream_chunks(payload, manifest.total_bytes)]
+    """UploadWeights of a whole version from the synchronous client (run it on a thread), for the
+    reason `call` gives."""
     with grpc.insecure_channel(address) as channel:
         try:
-            weights_pb2_grpc.WeightsServiceStub(channel).UploadWeights(iter(parts), timeout=60, metadata=metadata)
+            weights_pb2_grpc.WeightsServiceStub(channel).UploadWeights(iter(upload_requests(version, tensors)), timeout=60,
+                                                                       metadata=metadata)
         except grpc.RpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
