@@ -34,9 +34,10 @@ class Admission(Journaled):
         self.published_version = version
 
     def admit(self, batch_id: str, policy_version: int, prompts: list[Prompt], sampling: common_pb2.SamplingParams,
-              exact_version: bool, background: bool, known: Mapping[str, Batch], now: float) -> Batch:
+              exact_version: bool, background: bool, known: Mapping[str, Batch], now: float, sessions: bool = False) -> Batch:
         """The batch of n samples per prompt, each prompt with its own sampling if it has one, else
-        the batch's; everything is validated before anything is accepted."""
+        the batch's; everything is validated before anything is accepted. `sessions`: each sample is
+        a multi-turn session, whose prompt may be empty (its first turn appends the tokens)."""
         if not batch_id:
             raise InvalidArgument("batch_id is required")
         if batch_id in known:
@@ -54,7 +55,7 @@ class Admission(Journaled):
             if prompt_id in seen:
                 raise InvalidArgument(f"prompt_id {prompt_id!r} appears twice in batch {batch_id!r}")
             seen.add(prompt_id)
-            if not token_ids:
+            if not token_ids and not sessions:
                 raise InvalidArgument(f"prompt {prompt_id!r} has no tokens")
             if not 1 <= n <= MAX_GROUP_SIZE:
                 raise InvalidArgument(f"prompt {prompt_id!r}: n must be in [1, {MAX_GROUP_SIZE}], got {n}")
@@ -69,7 +70,8 @@ class Admission(Journaled):
                               per_sample_sampling(own, prompt_id, i), policy_version, exact_version, background)
                 for i in range(n)
             ]
-        return Batch(batch_id, policy_version, groups, submitted_at=now, exact_version=exact_version, background=background)
+        return Batch(batch_id, policy_version, groups, submitted_at=now, exact_version=exact_version, background=background,
+                     sessions=sessions)
 
     def within_capacity(self, request: SampleRequest) -> bool:
         """The capacity rule (AReaL, SkyRL): a sample enters generation only while

@@ -90,7 +90,7 @@ class Balanced:
                 continue
             # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
             candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
-            preferred = [c for c in candidates if c.instance_id == request.migrate_to]
+            preferred = [c for c in candidates if c.instance_id == (request.migrate_to or request.affinity)]
             instance = preferred[0] if preferred else min(
                 candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
             )

@@ -1,21 +1,25 @@
 """The manager's journal: a SQLite file in WAL mode with what a restarted manager needs to go on
 (accepted batches, every request's tokens so far, the order groups were sent in, the published
-version and the instance registry). Written in one transaction per flush, from what changed."""
+version, the instance registry and multi-turn sessions with their running turns). Written in one transaction per flush, from what changed."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import sqlite3
 from array import array
 from pathlib import Path
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
-from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST
+from rlmesh.manager.v1 import manager_pb2
+from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
 from services.manager.records import Batch, Instance, SampleRequest
+from services.manager.sessions import Limits, Session
 from services.manager.state import ManagerState
+from services.manager.trajectories import take_progress, trajectory
 
-FORMAT = 5
+FORMAT = 6
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""
 
 _MIGRATIONS = {
@@ -26,25 +30,32 @@ _MIGRATIONS = {
     3: ["ALTER TABLE batches ADD COLUMN background INTEGER NOT NULL DEFAULT 0"],
     # 5: an instance's saturation batch (the dispatch hold for later steps).
     4: ["ALTER TABLE instances ADD COLUMN saturation_batch_size INTEGER NOT NULL DEFAULT 0"],
+    # 6: multi-turn sessions (their table is created with the schema) and their turns.
+    5: ["ALTER TABLE batches ADD COLUMN sessions INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE requests ADD COLUMN session_id TEXT NOT NULL DEFAULT ''"],
 }
-"""Per format, the statements that turn it into the next."""
+"""Per format, the columns (ALTER TABLE ... ADD COLUMN) that turn it into the next."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
     sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL, exact_version INTEGER NOT NULL DEFAULT 0,
-    version_gone INTEGER NOT NULL DEFAULT 0, background INTEGER NOT NULL DEFAULT 0);
+    version_gone INTEGER NOT NULL DEFAULT 0, background INTEGER NOT NULL DEFAULT 0, sessions INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, prompt_token_ids BLOB NOT NULL,
     sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB NOT NULL,
     weight_versions BLOB NOT NULL, instance_ids TEXT NOT NULL, finish_reason INTEGER NOT NULL,
-    attempt INTEGER NOT NULL, migrations INTEGER NOT NULL);
+    attempt INTEGER NOT NULL, migrations INTEGER NOT NULL, session_id TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS requests_of_batch ON requests (batch_id);
 CREATE TABLE IF NOT EXISTS instances (
     instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
     min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
     draining INTEGER NOT NULL, saturation_batch_size INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, key TEXT NOT NULL, sampling BLOB NOT NULL,
+    policy_version INTEGER NOT NULL, limits TEXT NOT NULL, trajectory BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS sessions_of_batch ON sessions (batch_id);
 """
 
 
@@ -123,7 +134,10 @@ class Journal:
         try:
             for version in range(found, FORMAT):
                 for statement in _MIGRATIONS[version]:
-                    self._db.execute(statement)
+                    _, _, table, _, _, column, *_ = statement.split()
+                    # A table the old format lacked was just created whole by the schema.
+                    if column not in {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}:
+                        self._db.execute(statement)
             self._db.execute("UPDATE counters SET value = ? WHERE name = 'format'", (FORMAT,))
             self._db.execute("COMMIT")
         except BaseException:
@@ -143,32 +157,50 @@ class Journal:
             for row in self._db.execute("SELECT instance_id, address, weight_version, max_batch_size, min_version, incarnation, "
                                         "token, preemptible, draining, saturation_batch_size FROM instances ORDER BY instance_id")
         ]
-        batches = []
-        for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background in self._db.execute(
-            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background FROM batches "
+        batches, turns = [], []
+        for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, sessions in self._db.execute(
+            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, sessions FROM batches "
             "ORDER BY submitted"
         ).fetchall():
             groups: dict[str, list[SampleRequest]] = {prompt_id: [] for prompt_id in json.loads(prompt_ids)}
             for row in self._db.execute(
                 "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, weight_versions, "
-                "instance_ids, finish_reason, attempt, migrations FROM requests WHERE batch_id = ? ORDER BY rowid", (batch_id,)
+                "instance_ids, finish_reason, attempt, migrations, session_id FROM requests WHERE batch_id = ? ORDER BY rowid",
+                (batch_id,)
             ):
                 sampling = common_pb2.SamplingParams()
                 sampling.ParseFromString(row[3])
-                groups[row[1]].append(SampleRequest(
+                request = SampleRequest(
                     request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_token_ids_from(row[2]),
                     sampling=sampling, policy_version=row[4], exact_version=bool(exact_version), background=bool(background),
                     token_ids=_token_ids_from(row[5]),
                     logprobs=_logprobs_from(row[6]),
                     weight_versions=_versions_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
-                    migrations=row[11],
-                ))
+                    migrations=row[11], session_id=row[12],
+                )
+                (turns if request.session_id else groups[row[1]]).append(request)
             for group in groups.values():
                 group.sort(key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
             batches.append(Batch(batch_id, policy_version, groups, submitted_at=state.clock(), sent=json.loads(sent), error=error,
-                                 exact_version=bool(exact_version), version_gone=bool(version_gone), background=bool(background)))
-        state.restore(instances, batches, self._counter("published_version") or 0, self._counter("registrations") or 0, now)
+                                 exact_version=bool(exact_version), version_gone=bool(version_gone), background=bool(background),
+                                 sessions=bool(sessions)))
+        state.restore(instances, batches, self._counter("published_version") or 0, self._counter("registrations") or 0, now,
+                      self._sessions(), turns)
         return len(batches), len(instances)
+
+    def _sessions(self) -> list[Session]:
+        sessions = []
+        for session_id, batch_id, prompt_id, key, sampling_blob, policy_version, limits, progress in self._db.execute(
+            "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory FROM sessions ORDER BY rowid"
+        ):
+            sampling = common_pb2.SamplingParams()
+            sampling.ParseFromString(sampling_blob)
+            session = Session(session_id, batch_id, prompt_id, key, sampling, policy_version, Limits(**json.loads(limits)))
+            message = manager_pb2.SessionTrajectory()
+            message.ParseFromString(progress)
+            take_progress(session, message)
+            sessions.append(session)
+        return sessions
 
     def flush(self, state: ManagerState) -> None:
         """Writes what changed since the last flush, in one transaction: when it returns, a
@@ -182,25 +214,26 @@ class Journal:
             for batch_id in changed.removed[BATCH] - state.batches.keys():
                 db.execute("DELETE FROM batches WHERE batch_id = ?", (batch_id,))
                 db.execute("DELETE FROM requests WHERE batch_id = ?", (batch_id,))
+                db.execute("DELETE FROM sessions WHERE batch_id = ?", (batch_id,))
             for batch_id in changed.written[BATCH] & state.batches.keys():
                 batch = state.batches[batch_id]
                 db.execute(
                     "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, version_gone, "
-                    "background) VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?) "
+                    "background, sessions) VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?, ?) "
                     "ON CONFLICT (batch_id) DO UPDATE "
                     "SET sent = excluded.sent, error = excluded.error, version_gone = excluded.version_gone",
                     (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error,
-                     int(batch.exact_version), int(batch.version_gone), int(batch.background)),
+                     int(batch.exact_version), int(batch.version_gone), int(batch.background), int(batch.sessions)),
                 )
             requests = [state.requests[i] for i in changed.written[REQUEST] if i in state.requests]
             new_requests = changed.added[REQUEST]
             progress = {r.request_id: self._progress(r) for r in requests}
             db.executemany(
-                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (r.request_id, r.batch_id, r.prompt_id, _token_ids(r.prompt_token_ids), r.sampling.SerializeToString(),
                      r.policy_version, (p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions,
-                     json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations)
+                     json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations, r.session_id)
                     for r in requests if r.request_id in new_requests
                 ],
             )
@@ -212,6 +245,21 @@ class Journal:
                     ((p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions, json.dumps(r.instance_ids),
                      r.finish_reason, r.attempt, r.migrations, r.request_id)
                     for r in requests if r.request_id not in new_requests
+                ],
+            )
+            # A turn that finished (or was dropped) leaves the ledger but not the batch.
+            for request_id in changed.removed[REQUEST] - state.requests.keys():
+                if "#" in request_id:
+                    db.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))
+            sessions = state.sessions.sessions
+            for session_id in changed.removed[SESSION] - sessions.keys():
+                db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            db.executemany(
+                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (s.session_id, s.batch_id, s.prompt_id, s.key, s.sampling.SerializeToString(), s.policy_version,
+                     json.dumps(asdict(s.limits)), trajectory(s).SerializeToString())
+                    for s in (sessions[i] for i in changed.written[SESSION] if i in sessions)
                 ],
             )
             for instance_id in changed.removed[INSTANCE] - state.instances.keys():

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
-REQUEST, BATCH, INSTANCE, COUNTERS = "request", "batch", "instance", "counters"
+REQUEST, BATCH, INSTANCE, COUNTERS, SESSION = "request", "batch", "instance", "counters", "session"
 _UNSET = object()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument
@@ -13,6 +14,9 @@ from services.manager.breaker import Failure
 from services.manager.journaled import REQUEST, ChangeTracker, Records
 from services.manager.records import FINISHED, Assignment, Batch, Instance, SampleRequest
 from services.manager.registry import RATE_SMOOTHING
+
+if TYPE_CHECKING:
+    from services.manager.sessions import Sessions
 
 LENGTH_SMOOTHING = 0.05
 
@@ -35,14 +39,34 @@ class RequestLedger:
         """Smoothed length of finished responses: what a fresh request is expected to generate."""
         self._rate_tokens = 0
         self._rate_time = 0.0
+        self.sessions: Sessions | None = None
+        """Where a session's turn goes when it finishes or is refused."""
 
     def add(self, batch: Batch) -> int:
-        """Queues the requests of a batch just accepted; returns how many."""
+        """Queues the requests of a batch just accepted (a session batch's samples run turn by turn
+        instead); returns how many."""
         for group in batch.groups.values():
             for request in group:
                 self.requests[request.request_id] = request
-                self.queue.append(request)
+                if not batch.sessions:
+                    self.queue.append(request)
         return sum(len(g) for g in batch.groups.values())
+
+    def add_turn(self, turn: SampleRequest, restored: bool = False) -> None:
+        """Queues a session's turn; a restored one continues from its tokens, first in line."""
+        if restored:
+            self.requests.restore([turn])
+            self.queue.appendleft(turn)
+        else:
+            self.requests[turn.request_id] = turn
+            self.queue.append(turn)
+
+    def drop_turn(self, turn: SampleRequest) -> None:
+        """A turn whose session ended: off its instance, out of the queue and forgotten."""
+        self.detach(turn)
+        if turn in self.queue:
+            self.queue.remove(turn)
+        self.requests.pop(turn.request_id, None)
 
     def restore(self, batches: Iterable[Batch]) -> None:
         """Takes over the requests of restored batches: their streams died with the manager before,
@@ -50,7 +74,8 @@ class RequestLedger:
         for batch in batches:
             for group in batch.groups.values():
                 self.requests.restore(group)
-                self.queue.extend(r for r in group if not r.done and not batch.error)
+                if not batch.sessions:
+                    self.queue.extend(r for r in group if not r.done and not batch.error)
 
     def current(self, request_id: str, attempt: int) -> SampleRequest | None:
         """The request, if `attempt` is the one running now."""
@@ -158,6 +183,9 @@ class RequestLedger:
         request = self.current(request_id, attempt)
         if request is None:
             return False
+        if request.session_id and self.sessions is not None:
+            self.sessions.turn_refused(request, reason)
+            return True
         self._fail_batch(request, f"prompt {request.prompt_id!r} was refused by an instance: {reason}")
         return True
 
@@ -214,11 +242,16 @@ class RequestLedger:
         request.finish_reason = reason
         length = len(request.token_ids)
         self.mean_length = length if self.mean_length is None else self.mean_length + LENGTH_SMOOTHING * (length - self.mean_length)
-        self.batches[request.batch_id].sample_finished(request.prompt_id, self.clock())
+        if request.session_id and self.sessions is not None:
+            self.sessions.turn_finished(request)
+        else:
+            self.batches[request.batch_id].sample_finished(request.prompt_id, self.clock())
 
     def forget(self, batch: Batch) -> None:
         """Drops the requests of a batch nobody reads any more, wherever they are."""
         self.unqueue({batch.batch_id})
+        if batch.sessions and self.sessions is not None:
+            self.sessions.forget(batch)
         for group in batch.groups.values():
             for request in group:
                 self.detach(request)

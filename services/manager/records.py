@@ -106,6 +106,12 @@ class SampleRequest(Journaled):
     """Attempts that failed one after another, no token in between (see breaker.py)."""
     failed_on: set[str] = field(default_factory=set)
     """The instances those attempts failed on."""
+    session_id: str = ""
+    """Set on a turn of a multi-turn session (sessions.py): its tokens go to the session when it
+    finishes, not to a group."""
+    affinity: str = ""
+    """The instance it runs on when that one may take it (a session's turn goes where its last turn
+    ran, whose engine may still hold the session's KV cache)."""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -158,6 +164,9 @@ class Batch(Journaled):
     """Why the batch cannot complete: an instance refused one of its requests as invalid, or (with
     version_gone) no instance serves its exact version any more."""
     version_gone: bool = False
+    sessions: bool = False
+    """Its samples are multi-turn sessions (sessions.py): they run turn by turn, not from the queue,
+    and each is done when its session closes."""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property

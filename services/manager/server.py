@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import NoReturn
 
 import grpc
@@ -18,6 +18,8 @@ from services.manager.config import ManagerConfig
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
 from services.manager.records import Instance, SampleRequest
+from services.manager.sessions import Limits, Session
+from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
 from services.manager.registry import WrongIncarnation
 from services.manager.stage_balance import Balance
 from services.manager.state import ManagerState
@@ -59,21 +61,17 @@ def balance_to_proto(balance: Balance) -> manager_pb2.StageBalance:
     )
 
 
-def group_to_proto(group: list[SampleRequest]) -> manager_pb2.Group:
-    return manager_pb2.Group(
-        prompt_id=group[0].prompt_id,
-        prompt_token_ids=group[0].prompt_token_ids,
-        samples=[
-            manager_pb2.Sample(
-                token_ids=r.token_ids,
-                logprobs=r.logprobs,
-                weight_versions=r.weight_versions,
-                finish_reason=r.finish_reason,
-                instance_ids=r.instance_ids,
-            )
-            for r in group
-        ],
-    )
+def group_to_proto(group: list[SampleRequest], sessions: Mapping[str, Session]) -> manager_pb2.Group:
+    """A complete group as the trainer receives it; a session's sample carries its trajectory."""
+    samples = []
+    for r in group:
+        sample = manager_pb2.Sample(token_ids=r.token_ids, logprobs=r.logprobs, weight_versions=r.weight_versions,
+                                    finish_reason=r.finish_reason, instance_ids=r.instance_ids)
+        session = sessions.get(r.request_id)
+        if session is not None:
+            sample.session.CopyFrom(trajectory(session))
+        samples.append(sample)
+    return manager_pb2.Group(prompt_id=group[0].prompt_id, prompt_token_ids=group[0].prompt_token_ids, samples=samples)
 
 
 async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarnation) -> NoReturn:
@@ -201,7 +199,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             groups, remaining = taken
             self._durable()
             # A reply the reader never gets is sent again when it resumes from its count of groups read.
-            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
+            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups], remaining_groups=remaining,
                                                      first_group_index=position)
             position += len(groups)
             if remaining == 0:
@@ -217,7 +215,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     async def TakeReadyGroups(self, request, context):
         groups, remaining = self.state.take_ready(request.batch_id, position=request.resume_from)
         self._durable()
-        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g) for g in groups], remaining_groups=remaining,
+        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups], remaining_groups=remaining,
                                                    first_group_index=request.resume_from)
 
     async def AcknowledgeRollouts(self, request, context):
@@ -229,6 +227,59 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         log.info("stage balance", batch_id=request.batch_id, recommended_rollout_instances=balance.recommended_rollout_instances,
                  offload_fraction=round(balance.offload_fraction, 3), local_window_seconds=round(balance.local_window_seconds, 3))
         return manager_pb2.ReportTrainingStepResponse(stage_balance=balance_to_proto(balance))
+
+    async def OpenSessions(self, request, context):
+        if not request.HasField("sampling"):
+            raise InvalidArgument("sampling is required")
+        limits = request.limits
+        opened = self.state.open_sessions(
+            request.batch_id, request.policy_version,
+            [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
+            request.sampling,
+            Limits(limits.max_turns, limits.max_total_tokens, limits.turn_deadline_seconds, limits.step_deadline_seconds,
+                   limits.session_deadline_seconds),
+        )
+        log.info("sessions opened", batch_id=request.batch_id, task=request.task, sessions=len(opened))
+        self._durable()
+        return manager_pb2.OpenSessionsResponse(sessions=[
+            manager_pb2.SessionHandle(session_id=s.session_id, prompt_id=s.prompt_id, index=int(s.session_id.rsplit("/", 1)[1]),
+                                      key=s.key)
+            for s in opened
+        ])
+
+    async def RunTurn(self, request, context):
+        state = self.state.run_turn(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
+                                    request.keep_tokens if request.HasField("keep_tokens") else None,
+                                    request.sampling if request.HasField("sampling") else None)
+        if state.running is not None:
+            self._durable()
+            self._changed()
+        while state.running is not None:
+            await self.changes.wait(timeout=1.0)
+            state = self.state.sessions.turn_state(self.state.sessions.get(request.session_id), request.turn)
+        self._durable()
+        response = manager_pb2.RunTurnResponse(status=state.status, stream_tokens=state.stream_tokens)
+        if state.segment is not None:
+            response.generated.CopyFrom(segment_to_proto(state.segment))
+        return response
+
+    async def SetSessionReward(self, request, context):
+        self.state.sessions.set_reward(request.session_id, request.reward, request.turn if request.HasField("turn") else None)
+        self._durable()
+        return manager_pb2.SetSessionRewardResponse()
+
+    async def CloseSession(self, request, context):
+        session, dropped = self.state.close_session(request.session_id, request.status, request.detail)
+        if dropped is not None:
+            self.dispatcher.cancel([dropped])
+        log.info("session closed", session_id=session.session_id, status=manager_pb2.SessionStatus.Name(session.status),
+                 turns=session.turns, detail=session.detail or None)
+        self._durable()
+        self._changed()
+        return manager_pb2.CloseSessionResponse(status=session.status)
+
+    async def GetSession(self, request, context):
+        return manager_pb2.GetSessionResponse(session=trajectory(self.state.sessions.get(request.session_id)))
 
     async def GetStatus(self, request, context):
         now = time.monotonic()
@@ -290,6 +341,11 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
         try:
             state.measure(now)
             dispatcher.migrate()
+            for session, dropped in state.sessions.reap(now):
+                log.warning("session reaped at its deadline", session_id=session.session_id, detail=session.detail)
+                if dropped is not None:
+                    dispatcher.cancel([dropped])
+                changes.notify()
             for instance in state.release_quarantines(now):
                 log.info("quarantine over; the instance gets work again", instance_id=instance.instance_id)
                 dispatcher.dispatch()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument, NotFound
 from services.manager import breaker
-from services.manager.admission import Admission, Prompt
+from services.manager.admission import Admission, Prompt, check_sampling
 from services.manager.breaker import Failure
 from services.manager.delivery import Delivery, Taken
 from services.manager.dispatch_policy import PolicyName, dispatch_policy
@@ -20,6 +20,7 @@ from services.manager.ledger import RequestLedger
 from services.manager.records import Assignment, Batch, Instance, SampleRequest
 from services.manager.registry import InstanceRegistry
 from services.manager.scheduling import Scheduler
+from services.manager.sessions import Limits, Segment, Session, Sessions, TurnState
 from services.manager.stage_balance import Balance, StageBalancer, StepTiming
 
 MAX_STEP_SECONDS = 1e6
@@ -36,6 +37,7 @@ class ManagerState:
         batches: Records[Batch] = Records(self.tracker, BATCH)
         self.ledger = RequestLedger(self.tracker, self.registry.instances, batches, clock)
         self.delivery = Delivery(batches, self.ledger, clock)
+        self.sessions = Sessions(self.tracker, self.ledger, batches, clock)
         self.scheduler = Scheduler(self.registry.instances, batches, self.ledger, self.admission, dispatch_policy(policy))
         self.balancer = StageBalancer()
 
@@ -70,14 +72,16 @@ class ManagerState:
     def take_changes(self) -> Changed:
         return self.tracker.take()
 
-    def restore(self, instances: list[Instance], batches: list[Batch], published_version: int, registrations: int, now: float) -> None:
+    def restore(self, instances: list[Instance], batches: list[Batch], published_version: int, registrations: int, now: float,
+                sessions: list[Session] | None = None, turns: list[SampleRequest] | None = None) -> None:
         """Takes over what a journal kept. Every restored instance gets a fresh lease to heartbeat
-        within; its streams died with the manager before, so every unfinished request is queued
-        to continue from its tokens so far."""
+        within; its streams died with the manager before, so every unfinished request (a session's
+        running turn too) is queued to continue from its tokens so far."""
         self.admission.published_version = published_version
         self.registry.restore(instances, registrations, now)
         self.delivery.restore(batches)
         self.ledger.restore(batches)
+        self.sessions.restore(sessions or [], turns or [])
 
     # Instances ---------------------------------------------------------------------------
 
@@ -129,6 +133,31 @@ class ManagerState:
                                      self.clock())
         self.batches[batch_id] = batch
         return self.ledger.add(batch)
+
+    # Sessions ----------------------------------------------------------------------------
+
+    def open_sessions(self, batch_id: str, policy_version: int, prompts: list[Prompt], sampling: common_pb2.SamplingParams,
+                      limits: Limits) -> list[Session]:
+        """A batch of n multi-turn sessions per prompt (see Sessions.open)."""
+        batch = self.admission.admit(batch_id, policy_version, prompts, sampling, False, False, self.batches, self.clock(),
+                                     sessions=True)
+        problem = limits.problem()
+        if problem:
+            raise InvalidArgument(problem)
+        self.batches[batch_id] = batch
+        self.ledger.add(batch)
+        return self.sessions.open(batch, limits)
+
+    def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
+                 sampling: common_pb2.SamplingParams | None) -> TurnState:
+        if sampling is not None:
+            check_sampling(sampling, "sampling")
+        return self.sessions.run_turn(session_id, turn, append, keep_tokens, sampling)
+
+    def close_session(self, session_id: str, status: int, detail: str) -> tuple[Session, SampleRequest | None]:
+        """Returns the session and the turn it dropped (to cancel on its instance)."""
+        session = self.sessions.get(session_id)
+        return session, self.sessions.close(session, status, detail)
 
     def assign(self) -> list[Assignment]:
         return self.scheduler.assign()

@@ -1,0 +1,337 @@
+"""Multi-turn sessions: each one trajectory held as one canonical token stream of segments, its turns
+run as sample requests through the ledger, its limits and deadlines, and the group slot it fills."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlmesh.manager.v1 import manager_pb2
+from services.manager.admission import per_sample_sampling
+from services.manager.journaled import SESSION, ChangeTracker, Journaled, Records
+from services.manager.ledger import RequestLedger
+from services.manager.records import Batch, SampleRequest
+
+MODEL, ENVIRONMENT, TEMPLATE = (manager_pb2.SEGMENT_SOURCE_MODEL, manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
+                                manager_pb2.SEGMENT_SOURCE_TEMPLATE)
+OPEN = manager_pb2.SESSION_STATUS_OPEN
+DONE = manager_pb2.SESSION_STATUS_DONE
+TRUNCATED_CONTEXT = manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT
+TRUNCATED_TURNS = manager_pb2.SESSION_STATUS_TRUNCATED_TURNS
+DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE
+ENVIRONMENT_ERROR = manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR
+CLOSING_STATUSES = frozenset({DONE, TRUNCATED_CONTEXT, TRUNCATED_TURNS, DEADLINE, ENVIRONMENT_ERROR})
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of tokens of one source; see manager.proto's Segment."""
+
+    source: int
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    instance_ids: list[str] = field(default_factory=list)
+    starts_part: bool = False
+    reused_prefix_tokens: int = 0
+    turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds of a session; 0 means none (see manager.proto's SessionLimits)."""
+
+    max_turns: int = 0
+    max_total_tokens: int = 0
+    turn_deadline_seconds: float = 0.0
+    step_deadline_seconds: float = 0.0
+    session_deadline_seconds: float = 0.0
+
+    def problem(self) -> str:
+        for name in ("turn_deadline_seconds", "step_deadline_seconds", "session_deadline_seconds"):
+            value = getattr(self, name)
+            if not 0 <= value < 1e9:
+                return f"limits.{name} must be in [0, 1e9) seconds, got {value}"
+        return ""
+
+
+@dataclass(slots=True)
+class Session(Journaled):
+    JOURNALED: ClassVar[frozenset[str]] = frozenset(
+        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds"})
+    KIND: ClassVar[str] = SESSION
+
+    session_id: str
+    batch_id: str
+    prompt_id: str
+    key: str
+    sampling: common_pb2.SamplingParams
+    policy_version: int
+    limits: Limits
+    segments: list[Segment] = field(default_factory=list)
+    status: int = OPEN
+    detail: str = ""
+    turns: int = 0
+    """Turns started; a running turn is the last of them."""
+    reward: float | None = None
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    environment_seconds: float = 0.0
+    turn: SampleRequest | None = None
+    """The turn generating now."""
+    opened_at: float = 0.0
+    turn_started: float = 0.0
+    idle_since: float = 0.0
+    """When the last turn ended (or the session opened): the environment's step runs since."""
+    last_instance: str = ""
+    tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def journal_key(self) -> str:
+        return self.session_id
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == OPEN
+
+    def part_tokens(self) -> list[int]:
+        """The current part's token stream: what the next turn is generated from."""
+        return stream_of(self.segments)
+
+    def turn_segment(self, turn: int) -> Segment | None:
+        return next((s for s in reversed(self.segments) if s.source == MODEL and s.turn == turn), None)
+
+
+def stream_of(segments: list[Segment]) -> list[int]:
+    """The token stream the segments leave as context: a segment that starts a part keeps only the
+    reused prefix of the stream before it."""
+    stream: list[int] = []
+    for segment in segments:
+        if segment.starts_part:
+            stream = stream[:segment.reused_prefix_tokens]
+        stream += segment.token_ids
+    return stream
+
+
+@dataclass(frozen=True, slots=True)
+class TurnState:
+    """Where a RunTurn call stands: `running` (wait for it), or the turn's model segment, or the
+    session ended without it (`segment` None, `status` why)."""
+
+    status: int
+    running: SampleRequest | None = None
+    segment: Segment | None = None
+    stream_tokens: int = 0
+
+
+class Sessions:
+    """Every open and closed session of the batches the manager holds, by session id."""
+
+    def __init__(self, tracker: ChangeTracker, ledger: RequestLedger, batches: Mapping[str, Batch],
+                 clock: Callable[[], float]) -> None:
+        self.sessions: Records[Session] = Records(tracker, SESSION)
+        self.ledger = ledger
+        self.batches = batches
+        self.clock = clock
+        self.closed_by_status: dict[int, int] = {}
+        ledger.sessions = self
+
+    def open(self, batch: Batch, limits: Limits) -> list[Session]:
+        """A session per sample slot of a session batch just admitted; each begins with its prompt's
+        tokens as an environment segment."""
+        now = self.clock()
+        opened = []
+        for prompt_id, group in batch.groups.items():
+            for slot in group:
+                segments = [Segment(ENVIRONMENT, list(slot.prompt_token_ids))] if slot.prompt_token_ids else []
+                session = Session(slot.request_id, batch.batch_id, prompt_id, secrets.token_hex(16), slot.sampling,
+                                  batch.policy_version, limits, segments, opened_at=now, idle_since=now)
+                self.sessions[session.session_id] = session
+                opened.append(session)
+        return opened
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session {session_id!r} is unknown (never opened, or its batch was delivered and acknowledged)")
+        return session
+
+    def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
+                 sampling: common_pb2.SamplingParams | None) -> TurnState:
+        """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands."""
+        session = self.get(session_id)
+        if turn == session.turns - 1:
+            return self.turn_state(session, turn)
+        if turn != session.turns:
+            raise FailedPrecondition(f"session {session_id!r} has run {session.turns} turns: the next is turn {session.turns}, not {turn}")
+        if not session.is_open:
+            return TurnState(session.status, stream_tokens=len(session.part_tokens()))
+        batch = self.batches.get(session.batch_id)
+        if batch is not None and batch.error:
+            raise FailedPrecondition(f"session {session_id!r}: its batch failed: {batch.error}")
+        segments = self._appended(session, append, keep_tokens, turn)
+        limits = session.limits
+        if limits.max_turns and turn >= limits.max_turns:
+            self.close(session, TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) were run")
+            return TurnState(session.status, stream_tokens=len(session.part_tokens()))
+        stream = stream_of(session.segments + segments)
+        if not stream:
+            raise InvalidArgument(f"session {session_id!r}: turn {turn} has no tokens to generate from: append some")
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(sampling if sampling is not None else session.sampling)
+        if limits.max_total_tokens:
+            room = limits.max_total_tokens - len(stream)
+            if room <= 0:
+                self.close(session, TRUNCATED_CONTEXT,
+                           f"turn {turn} would start at {len(stream)} tokens, max_total_tokens is {limits.max_total_tokens}")
+                return TurnState(session.status, stream_tokens=len(session.part_tokens()))
+            params.max_tokens = min(params.max_tokens, room)
+        now = self.clock()
+        session.segments += segments
+        session.environment_seconds += max(0.0, now - session.idle_since)
+        session.turns = turn + 1
+        session.turn_started = now
+        request = SampleRequest(f"{session_id}#{turn}", session.batch_id, session.prompt_id, stream,
+                                per_sample_sampling(params, session_id.replace("/", ":"), turn), session.policy_version,
+                                session_id=session_id, affinity=session.last_instance)
+        session.turn = request
+        self.ledger.add_turn(request)
+        return TurnState(OPEN, running=request)
+
+    def turn_state(self, session: Session, turn: int) -> TurnState:
+        """A turn asked for before: still running, finished with its segment, or cut by the session's end."""
+        if session.turn is not None and turn == session.turns - 1:
+            return TurnState(OPEN, running=session.turn)
+        segment = session.turn_segment(turn)
+        return TurnState(session.status, segment=segment, stream_tokens=len(session.part_tokens()))
+
+    @staticmethod
+    def _appended(session: Session, append: list[Segment], keep_tokens: int | None, turn: int) -> list[Segment]:
+        """The caller's segments, validated, the first starting a new part when the history was edited."""
+        for index, segment in enumerate(append):
+            if segment.source not in (ENVIRONMENT, TEMPLATE):
+                raise InvalidArgument(f"append[{index}]: source must be ENVIRONMENT or TEMPLATE: only the engine adds model tokens")
+            if segment.logprobs or segment.weight_versions or segment.instance_ids or segment.starts_part:
+                raise InvalidArgument(f"append[{index}]: logprobs, weight_versions, instance_ids and starts_part belong to model "
+                                      f"segments and breaks; leave them empty")
+        segments = [Segment(s.source, list(s.token_ids), turn=turn) for s in append if s.token_ids]
+        if keep_tokens is None:
+            return segments
+        stream = session.part_tokens()
+        if keep_tokens > len(stream):
+            raise InvalidArgument(f"keep_tokens {keep_tokens} exceeds the {len(stream)} tokens of session {session.session_id!r}")
+        if not segments:
+            raise InvalidArgument("keep_tokens (an edited history) needs segments to append after the kept tokens")
+        segments[0].starts_part = True
+        segments[0].reused_prefix_tokens = keep_tokens
+        return segments
+
+    def turn_finished(self, request: SampleRequest) -> None:
+        """The ledger finished a turn: its tokens become the session's model segment."""
+        session = self.sessions.get(request.session_id)
+        self.ledger.requests.pop(request.request_id, None)
+        if session is None or session.turn is not request:
+            return
+        turn = session.turns - 1
+        session.segments += [Segment(MODEL, list(request.token_ids), list(request.logprobs), list(request.weight_versions),
+                                     request.finish_reason, list(request.instance_ids), turn=turn)]
+        session.turn = None
+        session.idle_since = self.clock()
+        if request.instance_ids:
+            session.last_instance = request.instance_ids[-1]
+
+    def turn_refused(self, request: SampleRequest, reason: str) -> None:
+        """An instance refused a turn as invalid (what the environment built cannot be generated
+        from): the session ends with the error; the batch goes on."""
+        session = self.sessions.get(request.session_id)
+        if session is not None and session.turn is request:
+            self.close(session, ENVIRONMENT_ERROR, f"an instance refused turn {session.turns - 1}: {reason}")
+
+    def set_reward(self, session_id: str, reward: float, turn: int | None) -> None:
+        session = self.get(session_id)
+        if reward != reward or abs(reward) == float("inf"):
+            raise InvalidArgument(f"session {session_id!r}: reward must be a finite number, got {reward}")
+        if turn is None:
+            session.reward = reward
+            return
+        if turn >= session.turns:
+            raise InvalidArgument(f"session {session_id!r} has run {session.turns} turns: no turn {turn} to reward")
+        session.turn_rewards = {**session.turn_rewards, turn: reward}
+
+    def close(self, session: Session, status: int, detail: str = "") -> SampleRequest | None:
+        """Ends an open session (its running turn is dropped) and marks its group slot done;
+        returns the dropped turn, to cancel on its instance. A closed session keeps its first status."""
+        if status not in CLOSING_STATUSES:
+            raise InvalidArgument(f"status must be one of {sorted(manager_pb2.SessionStatus.Name(s) for s in CLOSING_STATUSES)}, "
+                                  f"got {manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status}")
+        if not session.is_open:
+            return None
+        dropped = session.turn
+        if dropped is not None:
+            self.ledger.drop_turn(dropped)
+            session.turn = None
+        session.status = status
+        session.detail = detail
+        self.closed_by_status[status] = self.closed_by_status.get(status, 0) + 1
+        batch = self.batches.get(session.batch_id)
+        if batch is not None:
+            slot = next(r for r in batch.groups[session.prompt_id] if r.request_id == session.session_id)
+            slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids):]
+            slot.finish_reason = common_pb2.FINISH_REASON_STOP
+            batch.sample_finished(session.prompt_id, self.clock())
+        return dropped
+
+    def reap(self, now: float) -> list[tuple[Session, SampleRequest | None]]:
+        """Closes the open sessions past a deadline (whole session, the running turn's, or the
+        environment step's since the last turn): a session nobody closes frees its capacity."""
+        reaped = []
+        for session in list(self.sessions.values()):
+            if not session.is_open:
+                continue
+            why = deadline_passed(session, now)
+            if why:
+                reaped.append((session, self.close(session, DEADLINE, why)))
+        return reaped
+
+    def forget(self, batch: Batch) -> None:
+        """The batch was acknowledged or cancelled: its sessions go, with any turn still running."""
+        for group in batch.groups.values():
+            for slot in group:
+                session = self.sessions.pop(slot.request_id, None)
+                if session is not None and session.turn is not None:
+                    self.ledger.drop_turn(session.turn)
+
+    def restore(self, sessions: list[Session], turns: list[SampleRequest]) -> None:
+        """Takes over what the journal kept; deadlines count again from now (the old clock is gone),
+        and each turn that was running continues from its tokens."""
+        now = self.clock()
+        self.sessions.restore(sessions)
+        running = {t.session_id: t for t in turns}
+        for session in sessions:
+            session.opened_at = session.turn_started = session.idle_since = now
+            turn = running.get(session.session_id)
+            if turn is not None and session.is_open:
+                session.turn = turn
+                self.ledger.add_turn(turn, restored=True)
+
+    @property
+    def open_count(self) -> int:
+        return sum(1 for s in self.sessions.values() if s.is_open)
+
+
+def deadline_passed(session: Session, now: float) -> str:
+    """Which of the session's deadlines passed ("" if none)."""
+    limits = session.limits
+    if limits.session_deadline_seconds and now - session.opened_at > limits.session_deadline_seconds:
+        return f"open for more than session_deadline_seconds ({limits.session_deadline_seconds:g})"
+    if session.turn is not None:
+        if limits.turn_deadline_seconds and now - session.turn_started > limits.turn_deadline_seconds:
+            return f"turn {session.turns - 1} generated for more than turn_deadline_seconds ({limits.turn_deadline_seconds:g})"
+    elif limits.step_deadline_seconds and now - session.idle_since > limits.step_deadline_seconds:
+        return (f"no call for more than step_deadline_seconds ({limits.step_deadline_seconds:g}) after turn "
+                f"{session.turns - 1 if session.turns else 'opening'}")
+    return ""

@@ -1,0 +1,241 @@
+"""Multi-turn sessions in the manager: turns run from the canonical stream (never re-tokenized), a
+turn continues elsewhere from its tokens, retried calls get the same turn, limits and deadlines end
+a session, edited histories start a part, closed groups deliver once, and the journal keeps it all."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from rlmesh.manager.v1 import manager_pb2
+from services.manager.journal import Journal
+from services.manager.sessions import DEADLINE, DONE, ENVIRONMENT, MODEL, OPEN, TEMPLATE, TRUNCATED_CONTEXT, TRUNCATED_TURNS, \
+    Limits, Segment, stream_of
+from services.manager.state import ManagerState
+
+STOP = common_pb2.FINISH_REASON_STOP
+ABORT = common_pb2.FINISH_REASON_ABORT
+NONE = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def mesh(instances=("a",), clock=None) -> ManagerState:
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=clock or Clock())
+    for instance_id in instances:
+        state.register(instance_id, f"127.0.0.1:{len(state.instances) + 1000}", 0, 8, now=0)
+    return state
+
+
+def sampling(max_tokens: int = 8) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=7)
+
+
+def open_group(state: ManagerState, n: int = 2, limits: Limits = Limits(), prompt=(1, 2, 3)):
+    return state.open_sessions("b", 0, [("p", list(prompt), n)], sampling(), limits)
+
+
+def env(*tokens: int) -> Segment:
+    return Segment(ENVIRONMENT, list(tokens))
+
+
+def generate(state: ManagerState, tokens: list[int], finish=STOP, version: int = 0):
+    """Runs the one assignment the queue holds: the instance sends `tokens` and finishes."""
+    [assignment] = state.assign()
+    request = assignment.request
+    state.record_chunk(request.request_id, assignment.attempt, tokens, [-0.5] * len(tokens), [version] * len(tokens), finish)
+    return assignment
+
+
+def test_a_turn_generates_from_the_whole_stream_and_appends_the_models_segment():
+    state = mesh()
+    first, _ = open_group(state)
+    running = state.run_turn(first.session_id, 0, [Segment(TEMPLATE, [9])], None, None).running
+    assert running.prompt_token_ids == [1, 2, 3, 9]
+    generate(state, [20, 21])
+    segments = first.segments
+    assert [(s.source, s.token_ids) for s in segments] == [(ENVIRONMENT, [1, 2, 3]), (TEMPLATE, [9]), (MODEL, [20, 21])]
+    assert segments[-1].logprobs == [-0.5, -0.5] and segments[-1].weight_versions == [0, 0] and segments[-1].instance_ids == ["a"]
+    second = state.run_turn(first.session_id, 1, [env(30)], None, None).running
+    # The model's own tokens come back exactly as sampled: nothing is re-tokenized.
+    assert second.prompt_token_ids == [1, 2, 3, 9, 20, 21, 30]
+    assert first.session_id + "#1" == second.request_id
+
+
+def test_a_turn_whose_instance_dies_continues_elsewhere_from_its_tokens():
+    state = mesh(("a", "b"))
+    session, _ = open_group(state, n=1 + 1)
+    state.run_turn(session.session_id, 0, [], None, None)
+    [assignment] = state.assign()
+    state.record_chunk(assignment.request.request_id, assignment.attempt, [40, 41], [-1.0, -1.0], [0, 0], NONE)
+    gone = assignment.instance.instance_id
+    state.remove(gone)
+    [again] = state.assign()
+    assert again.instance.instance_id != gone
+    assert again.request.token_ids == [40, 41]
+    state.record_chunk(again.request.request_id, again.attempt, [42], [-2.0], [0], STOP)
+    model = session.segments[-1]
+    assert model.token_ids == [40, 41, 42] and model.logprobs == [-1.0, -1.0, -2.0]
+    assert model.instance_ids == [gone, again.instance.instance_id]
+
+
+def test_a_retried_call_gets_the_same_turn_never_a_second_one():
+    state = mesh()
+    session, _ = open_group(state)
+    first = state.run_turn(session.session_id, 0, [env(5)], None, None)
+    retried = state.run_turn(session.session_id, 0, [env(5)], None, None)
+    assert retried.running is first.running
+    generate(state, [7])
+    done = state.run_turn(session.session_id, 0, [env(5)], None, None)
+    assert done.running is None and done.segment.token_ids == [7] and done.status == OPEN
+    assert [s.token_ids for s in session.segments] == [[1, 2, 3], [5], [7]]
+    with pytest.raises(FailedPrecondition, match="next is turn 1, not 3"):
+        state.run_turn(session.session_id, 3, [], None, None)
+
+
+def test_the_next_turn_goes_to_the_instance_that_served_the_last():
+    state = mesh(("a", "b"))
+    session, _ = open_group(state)
+    state.run_turn(session.session_id, 0, [], None, None)
+    served = generate(state, [7]).instance.instance_id
+    state.run_turn(session.session_id, 1, [env(8)], None, None)
+    [assignment] = state.assign()
+    assert assignment.instance.instance_id == served
+
+
+def test_limits_end_a_session_instead_of_generating():
+    state = mesh()
+    turns_bound, context_bound = state.open_sessions("b", 0, [("p", [1, 2], 1), ("q", [1, 2], 1)], sampling(8),
+                                                     Limits(max_turns=1, max_total_tokens=6))
+    state.run_turn(turns_bound.session_id, 0, [], None, None)
+    # The turn's max_tokens is cut to what the stream has room for.
+    [assignment] = state.assign()
+    assert assignment.request.sampling.max_tokens == 4
+    state.record_chunk(assignment.request.request_id, assignment.attempt, [5], [-1.0], [0], STOP)
+    ended = state.run_turn(turns_bound.session_id, 1, [env(6)], None, None)
+    assert ended.running is None and ended.status == TRUNCATED_TURNS and turns_bound.status == TRUNCATED_TURNS
+    overflow = state.run_turn(context_bound.session_id, 0, [env(3, 4, 5, 6)], None, None)
+    assert overflow.status == TRUNCATED_CONTEXT and "max_total_tokens is 6" in context_bound.detail
+
+
+def test_bad_appends_and_unknown_sessions_are_refused_and_change_nothing():
+    state = mesh()
+    session, _ = open_group(state)
+    with pytest.raises(InvalidArgument, match="only the engine adds model tokens"):
+        state.run_turn(session.session_id, 0, [Segment(MODEL, [1])], None, None)
+    with pytest.raises(InvalidArgument, match="keep_tokens 9 exceeds the 3 tokens"):
+        state.run_turn(session.session_id, 0, [env(1)], 9, None)
+    with pytest.raises(NotFound, match="session 'nope' is unknown"):
+        state.run_turn("nope", 0, [], None, None)
+    with pytest.raises(InvalidArgument, match="limits.turn_deadline_seconds"):
+        state.open_sessions("c", 0, [("p", [1], 1)], sampling(), Limits(turn_deadline_seconds=-1))
+    assert session.turns == 0 and len(session.segments) == 1 and "c" not in state.batches and not state.queue
+
+
+def test_an_edited_history_starts_a_part_that_reuses_the_kept_prefix():
+    state = mesh()
+    session, _ = open_group(state)
+    state.run_turn(session.session_id, 0, [], None, None)
+    generate(state, [7, 8])
+    running = state.run_turn(session.session_id, 1, [env(50, 51)], 4, None).running
+    assert running.prompt_token_ids == [1, 2, 3, 7, 50, 51]
+    part = session.segments[-1]
+    assert part.starts_part and part.reused_prefix_tokens == 4
+
+
+@settings(max_examples=80)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 99), min_size=1, max_size=4), st.integers(0, 12) | st.none()),
+                min_size=1, max_size=6))
+def test_the_stream_is_the_kept_prefix_of_each_part_plus_what_followed(steps):
+    segments, expected = [], []
+    for tokens, keep in steps:
+        keep = None if keep is None or keep > len(expected) else keep
+        segment = Segment(ENVIRONMENT, tokens)
+        if keep is not None:
+            segment.starts_part, segment.reused_prefix_tokens = True, keep
+            expected = expected[:keep]
+        segments.append(segment)
+        expected = expected + tokens
+        assert stream_of(segments) == expected
+
+
+def test_a_group_is_delivered_once_every_session_closed_with_its_trajectory():
+    state = mesh()
+    first, second = open_group(state)
+    state.run_turn(first.session_id, 0, [], None, None)
+    generate(state, [7])
+    state.sessions.set_reward(first.session_id, 1.0, None)
+    state.sessions.set_reward(first.session_id, 0.5, 0)
+    state.close_session(first.session_id, DONE, "")
+    assert state.take_ready("b") == ([], 1)
+    _, dropped = state.close_session(second.session_id, DONE, "")
+    assert dropped is None
+    # A second close keeps the first status.
+    state.close_session(second.session_id, DEADLINE, "")
+    assert second.status == DONE
+    [group], remaining = state.take_ready("b")
+    assert remaining == 0 and [r.request_id for r in group] == [first.session_id, second.session_id]
+    assert group[0].token_ids == [7]
+    assert first.reward == 1.0 and first.turn_rewards == {0: 0.5}
+
+
+def test_closing_a_session_drops_its_running_turn():
+    state = mesh()
+    session, _ = open_group(state)
+    state.run_turn(session.session_id, 0, [], None, None)
+    [assignment] = state.assign()
+    _, dropped = state.close_session(session.session_id, manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR, "raised")
+    assert dropped is assignment.request and dropped.request_id not in state.requests
+    assert not state.instances["a"].running
+    # Its late chunk is discarded, never recorded.
+    assert not state.record_chunk(assignment.request.request_id, assignment.attempt, [1], [0.0], [0], STOP)
+    assert session.segments[-1].source == ENVIRONMENT
+
+
+def test_a_session_past_a_deadline_is_reaped_and_its_slot_done():
+    clock = Clock()
+    state = mesh(clock=clock)
+    idle, slow = open_group(state, limits=Limits(step_deadline_seconds=5, turn_deadline_seconds=2))
+    state.run_turn(slow.session_id, 0, [], None, None)
+    state.assign()
+    clock.now = 3
+    [(reaped, dropped)] = state.sessions.reap(clock.now)
+    assert reaped is slow and dropped is not None and "turn 0 generated for more than" in slow.detail
+    clock.now = 6
+    [(reaped, _)] = state.sessions.reap(clock.now)
+    assert reaped is idle and idle.status == DEADLINE
+    [group], _ = state.take_ready("b")
+    assert len(group) == 2
+
+
+def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_turn(tmp_path):
+    journal = Journal(tmp_path / "journal.sqlite")
+    state = mesh()
+    session, other = open_group(state)
+    state.run_turn(session.session_id, 0, [env(4)], None, None)
+    generate(state, [7])
+    state.sessions.set_reward(session.session_id, 0.25, 0)
+    state.run_turn(session.session_id, 1, [env(8)], None, None)
+    [assignment] = state.assign()
+    state.record_chunk(assignment.request.request_id, assignment.attempt, [9], [-1.0], [0], NONE)
+    state.close_session(other.session_id, DONE, "")
+    journal.flush(state)
+    journal.close()
+
+    restored = ManagerState(lease_seconds=10, max_staleness=0, clock=Clock())
+    Journal(tmp_path / "journal.sqlite").restore(restored, now=0)
+    again = restored.sessions.get(session.session_id)
+    assert [s.token_ids for s in again.segments] == [[1, 2, 3], [4], [7], [8]]
+    assert again.turns == 2 and again.turn_rewards == {0: 0.25} and again.key == session.key
+    assert restored.sessions.get(other.session_id).status == DONE
+    # The running turn continues from its token, as the retried call of turn 1 finds it.
+    state_of_turn = restored.run_turn(session.session_id, 1, [env(8)], None, None)
+    assert state_of_turn.running.token_ids == [9]
+    assert restored.queue[0] is state_of_turn.running
