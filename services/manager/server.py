@@ -279,7 +279,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         return manager_pb2.CloseSessionResponse(status=session.status)
 
     async def GetSession(self, request, context):
-        return manager_pb2.GetSessionResponse(session=trajectory(self.state.sessions.get(request.session_id)))
+        session = self.state.sessions.get(request.session_id)
+        return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key)
 
     async def GetStatus(self, request, context):
         now = time.monotonic()

@@ -139,6 +139,49 @@ class MeshClient:
                     await outage.wait(exc, "StreamRollouts")
         await self._call_manager(self.manager.AcknowledgeRollouts, manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id))
 
+    async def open_sessions(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+                            n: int, sampling: common_pb2.SamplingParams, limits: manager_pb2.SessionLimits,
+                            task: str) -> list[manager_pb2.SessionHandle]:
+        """`n` multi-turn sessions per prompt; a call whose reply was lost finds its sessions' keys again."""
+        request = manager_pb2.OpenSessionsRequest(
+            batch_id=batch_id, policy_version=policy_version, sampling=sampling, limits=limits, task=task,
+            prompts=[manager_pb2.Prompt(prompt_id=prompt_id, token_ids=token_ids, n=n, sampling=own)
+                     for prompt_id, token_ids, own in prompts],
+        )
+        reply = await self._call_manager(self.manager.OpenSessions, request, landed=grpc.StatusCode.ALREADY_EXISTS)
+        if reply is not None:
+            return list(reply.sessions)
+        handles = []
+        for prompt_id, _, _ in prompts:
+            for index in range(n):
+                session_id = f"{batch_id}/{prompt_id}/{index}"
+                found = await self._call_manager(self.manager.GetSession, manager_pb2.GetSessionRequest(session_id=session_id))
+                handles.append(manager_pb2.SessionHandle(session_id=session_id, prompt_id=prompt_id, index=index, key=found.key))
+        return handles
+
+    async def run_turn(self, request: manager_pb2.RunTurnRequest, wait_seconds: float) -> manager_pb2.RunTurnResponse:
+        """A session's turn, generated. The call is idempotent per turn: it is made again while the
+        manager is unreachable (a restarted one continues the turn from its journal) and when one
+        call's deadline (`wait_seconds`) passes first, until the turn ends or the manager ends the
+        session (its own turn deadline)."""
+        outage = ManagerOutage(self.manager_outage_seconds)
+        while True:
+            try:
+                return await self.manager.RunTurn(request, **call_options(wait_seconds))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await outage.wait(exc, "RunTurn")
+
+    async def set_session_reward(self, session_id: str, reward: float, turn: int | None = None) -> None:
+        await self._call_manager(self.manager.SetSessionReward,
+                                 manager_pb2.SetSessionRewardRequest(session_id=session_id, reward=reward, turn=turn))
+
+    async def close_session(self, session_id: str, status: int, detail: str = "") -> int:
+        """Returns the status the session ended with (the manager's, if it ended it first)."""
+        reply = await self._call_manager(self.manager.CloseSession,
+                                         manager_pb2.CloseSessionRequest(session_id=session_id, status=status, detail=detail))
+        return reply.status
+
     async def report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> manager_pb2.StageBalance:
         reply = await self._call_manager(
             self.manager.ReportTrainingStep,
