@@ -4,7 +4,7 @@ weighted mixture that draws each step's prompts from them reproducibly."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,10 @@ class Task:
     config: TaskConfig
     source: PromptSource
     renderer: PromptRenderer
-    reward: GuardedReward
+    reward: GuardedReward | None
+    """None for a multi-turn task whose environment gives the rewards."""
+    environment: Callable[[], Any] | None = None
+    """Multi-turn: makes one episode's environment."""
 
     @property
     def name(self) -> str:
@@ -129,24 +132,31 @@ def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
 def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_path: Sequence[str] = ()) -> Task:
     """Builds and checks a task: the dataset is read, the reward loaded and a few prompts rendered
     with the model's tokenizer, so a bad task stops the job at start with its name in the message."""
+    from rlmesh.environments.python import EnvironmentLoadError, check_environment, environment_factory
     from rlmesh.rewards.python import RewardLoadError
     from rlmesh.tasks.datasets import DatasetError
 
-    chat = config.prompt.chat or config.kind == "word_problems"
+    environment = config.environment
+    chat = config.prompt.chat or config.kind == "word_problems" or environment is not None
     try:
         source = _source(config, job_seed * 1_000_003 + config.seed)
         renderer = PromptRenderer(config.name, tokenizer, config.prompt.template, chat, config.prompt.system)
-        inner = _reward(config, search_path)
-    except (DatasetError, RewardLoadError) as exc:
+        # A multi-turn task's environment gives its rewards, unless the task names a reward of its own.
+        inner = _reward(config, search_path) if environment is None or config.reward.given else None
+        factory = None
+        if environment is not None:
+            factory = environment_factory(environment.python, environment.builtin, search_path)
+            check_environment(factory, environment.python or environment.builtin or "")
+    except (DatasetError, RewardLoadError, EnvironmentLoadError) as exc:
         raise TaskError(f"task {config.name!r}: {exc}") from exc
     for prompt in [source.prompt_at(0), *source.held_out(1)]:
         renderer.token_ids(prompt)
     if not source.held_out(1):
         raise TaskError(f"task {config.name!r} has no held-out prompts: set eval.path, eval.split or eval.holdout")
     reward = config.reward
-    guarded = GuardedReward(config.name, inner, reward.timeout_seconds, reward.failure_reward, reward.max_error_rate,
-                            reward.error_window)
-    return Task(config, source, renderer, guarded)
+    guarded = None if inner is None else GuardedReward(config.name, inner, reward.timeout_seconds, reward.failure_reward,
+                                                       reward.max_error_rate, reward.error_window)
+    return Task(config, source, renderer, guarded, factory)
 
 
 class TaskMixture:
@@ -184,4 +194,5 @@ class TaskMixture:
 
     async def close(self) -> None:
         for task in self.tasks:
-            await task.reward.close()
+            if task.reward is not None:
+                await task.reward.close()

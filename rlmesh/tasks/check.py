@@ -27,7 +27,9 @@ def refusal(tasks: Sequence[TaskConfig], job_seed: int, model_dir: Path, search_
         tokenizer = load_hf_tokenizer(model_dir)
         for task in tasks:
             # A remote verifier is not called here: its channel opens on the first score.
-            asyncio.run(build_task(task, tokenizer, job_seed, search_path).reward.close())
+            built = build_task(task, tokenizer, job_seed, search_path)
+            if built.reward is not None:
+                asyncio.run(built.reward.close())
     except (ValueError, FileNotFoundError) as exc:  # ConfigError and TaskError are ValueErrors
         return f"rlmesh up: {exc}"
     return None

@@ -104,6 +104,46 @@ class SamplingConfig(StrictModel):
     """Response token budget; None takes the task kind's default (12 for increment, 48 otherwise)."""
 
 
+class EnvironmentConfig(StrictModel):
+    """Makes a task multi-turn: each sample is an episode in an environment, held by the manager as a
+    session, trained token for token on the model's turns."""
+
+    python: str | None = None
+    """Your environment class (or factory) in your own file: `file.py:Class` or `module:Class`. One
+    instance per episode; `reset(row)` returns the first messages (or a user message's text) and
+    `step(action)` returns (observation, reward, done). Sync or async: sync methods run in worker
+    threads, so a slow one never blocks the trainer."""
+    builtin: Literal["calculator", "feedback"] | None = None
+    """An environment shipped with rlmesh: `calculator` (word problems with a calculator tool) or
+    `feedback` (digit answers marked right or wrong per position, then a second attempt)."""
+    max_turns: int = Field(default=4, ge=1)
+    """Model turns per episode; an episode that reaches it ends `truncated_turns`."""
+    max_total_tokens: int | None = Field(default=None, ge=2)
+    """Tokens of a whole episode (prompt, observations and turns); None: the model's context length.
+    An episode whose next turn would not fit ends `truncated_context`."""
+    turn_deadline_seconds: float = Field(default=300.0, gt=0)
+    """One model turn's generation, queueing included."""
+    step_deadline_seconds: float = Field(default=60.0, gt=0)
+    """One environment call (reset or step); past it the episode ends `deadline`."""
+    episode_deadline_seconds: float = Field(default=1800.0, gt=0)
+    """A whole episode; the manager reaps a session nobody closed at this deadline."""
+    max_error_rate: float = Field(default=0.25, ge=0, le=1)
+    """The job stops when more than this share of the last `error_window` episodes ended in an
+    environment error or a deadline (each is masked out of its group, not scored)."""
+    error_window: int = Field(default=64, ge=1)
+    threads: int = Field(default=64, ge=1)
+    """Worker threads running sync environment methods (episodes of all steps share them)."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "EnvironmentConfig":
+        chosen = [k for k in ("python", "builtin") if getattr(self, k)]
+        if len(chosen) != 1:
+            raise ValueError(f"give one of python or builtin{', not ' + ' and '.join(chosen) if chosen else ''}")
+        if self.python and ":" not in self.python:
+            raise ValueError(f"python {self.python!r} must be written module:Class or file.py:Class")
+        return self
+
+
 TASK_KINDS = ("increment", "word_problems", "dataset")
 
 
@@ -120,6 +160,9 @@ class TaskConfig(StrictModel):
     prompt: PromptConfig = PromptConfig()
     reward: RewardConfig = RewardConfig()
     sampling: SamplingConfig = SamplingConfig()
+    environment: EnvironmentConfig | None = None
+    """Multi-turn episodes: each sample is an episode in this environment, its reward the sum of the
+    environment's step rewards (or the task's reward over the final transcript, when one is given)."""
     seed: int = 0
     """Seeds the task's shuffle or generator (together with the job's seed)."""
 
@@ -128,8 +171,8 @@ class TaskConfig(StrictModel):
         if self.kind == "dataset":
             if self.dataset is None:
                 raise ValueError(f"task {self.name!r}: kind 'dataset' needs a [dataset] section with its path")
-            if not self.reward.given:
-                raise ValueError(f"task {self.name!r}: a dataset task needs a reward (builtin, function or remote)")
+            if not self.reward.given and self.environment is None:
+                raise ValueError(f"task {self.name!r}: a dataset task needs a reward (builtin, function or remote) or an environment")
             if "prompt" not in self.dataset.fields and self.prompt.template is None:
                 raise ValueError(f"task {self.name!r}: dataset.fields needs a 'prompt' column, or give prompt.template")
         elif self.dataset is not None:
@@ -158,6 +201,9 @@ class TaskConfig(StrictModel):
         if self.reward.function and ".py:" in self.reward.function:
             file, function = self.reward.function.rsplit(":", 1)
             update["reward"] = self.reward.model_copy(update={"function": f"{absolute(file)}:{function}"})
+        if self.environment is not None and self.environment.python and ".py:" in self.environment.python:
+            file, name = self.environment.python.rsplit(":", 1)
+            update["environment"] = self.environment.model_copy(update={"python": f"{absolute(file)}:{name}"})
         return self.model_copy(update=update)
 
     def missing_file(self) -> str:

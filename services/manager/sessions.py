@@ -84,7 +84,8 @@ class Session(Journaled):
     turn: SampleRequest | None = None
     """The turn generating now."""
     opened_at: float = 0.0
-    turn_started: float = 0.0
+    turn_started: float | None = None
+    """When the running turn was first seen on an instance (None: still queued)."""
     idle_since: float = 0.0
     """When the last turn ended (or the session opened): the environment's step runs since."""
     last_instance: str = ""
@@ -194,7 +195,7 @@ class Sessions:
         session.segments += segments
         session.environment_seconds += max(0.0, now - session.idle_since)
         session.turns = turn + 1
-        session.turn_started = now
+        session.turn_started = None
         request = SampleRequest(f"{session_id}#{turn}", session.batch_id, session.prompt_id, stream,
                                 per_sample_sampling(params, session_id.replace("/", ":"), turn), session.policy_version,
                                 session_id=session_id, affinity=session.last_instance)
@@ -292,6 +293,8 @@ class Sessions:
         for session in list(self.sessions.values()):
             if not session.is_open:
                 continue
+            if session.turn is not None and session.turn_started is None and session.turn.attempt:
+                session.turn_started = now
             why = deadline_passed(session, now)
             if why:
                 reaped.append((session, self.close(session, DEADLINE, why)))
@@ -312,7 +315,7 @@ class Sessions:
         self.sessions.restore(sessions)
         running = {t.session_id: t for t in turns}
         for session in sessions:
-            session.opened_at = session.turn_started = session.idle_since = now
+            session.opened_at = session.idle_since = now
             turn = running.get(session.session_id)
             if turn is not None and session.is_open:
                 session.turn = turn
@@ -329,7 +332,8 @@ def deadline_passed(session: Session, now: float) -> str:
     if limits.session_deadline_seconds and now - session.opened_at > limits.session_deadline_seconds:
         return f"open for more than session_deadline_seconds ({limits.session_deadline_seconds:g})"
     if session.turn is not None:
-        if limits.turn_deadline_seconds and now - session.turn_started > limits.turn_deadline_seconds:
+        started = session.turn_started
+        if limits.turn_deadline_seconds and started is not None and now - started > limits.turn_deadline_seconds:
             return f"turn {session.turns - 1} generated for more than turn_deadline_seconds ({limits.turn_deadline_seconds:g})"
     elif limits.step_deadline_seconds and now - session.idle_since > limits.step_deadline_seconds:
         return (f"no call for more than step_deadline_seconds ({limits.step_deadline_seconds:g}) after turn "

@@ -22,7 +22,10 @@ class TrainingSample:
     """Per response token, the frozen reference's log-probability at the sample's temperature,
     when the reference runs in its own process (`reference.py`); None: the trainer computes them."""
     reward: float = 0.0
-    """The sample's reward (shaped): a critic's return counts it on the last response token."""
+    """The sample's reward (shaped): a critic's return counts it on the last trained response token."""
+    response_mask: list[float] | None = None
+    """Per response token, 1 where it is trained (a multi-turn trajectory's model tokens) and 0 where
+    it is context (environment and template tokens); None trains every response token."""
 
 
 @dataclass(slots=True)
@@ -61,13 +64,18 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
         attention[i, : len(row)] = 1
         start = len(sample.prompt_ids) - 1
         end = start + len(sample.response_ids)
-        response_mask[i, start:end] = 1
+        if sample.response_mask is None:
+            response_mask[i, start:end] = 1
+            last = end - 1
+        else:
+            response_mask[i, start:end] = torch.tensor(sample.response_mask)
+            last = start + max(k for k, trained in enumerate(sample.response_mask) if trained)
         behaviour[i, start:end] = torch.tensor(sample.behaviour_logprobs)
         advantages[i, start:end] = sample.advantage
         if sample.token_rewards is not None:
             advantages[i, start:end] += torch.tensor(sample.token_rewards)
             rewards[i, start:end] = torch.tensor(sample.token_rewards)
-        rewards[i, end - 1] += sample.reward
+        rewards[i, last] += sample.reward
         if reference is not None:
             reference[i, start:end] = torch.tensor(sample.reference_logprobs)
     temperatures = torch.tensor([s.temperature for s in samples], dtype=torch.float32)

@@ -16,6 +16,7 @@ from rlmesh.sampling import MAX_SEED
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import PIPELINE_FILE
+from services.trainer.trajectories import EpisodeFigures
 
 
 def prompt_seed(job_seed: int, step: int, prompt_id: str) -> int:
@@ -47,11 +48,21 @@ class ScoredGroup:
     samples: list[TrainingSample]
     results: list[RewardResult]
     weight_versions: list[list[int]]
-    """Per sample, the version that generated each of its tokens."""
+    """Per sample, the version that generated each of its (trained) tokens."""
+    trajectories: list[int] | None = None
+    """Multi-turn: per sample, the index in `results` of the trajectory it is a part of (a trajectory
+    whose history was edited trains as several samples). None: one sample per result."""
+    episodes: list[EpisodeFigures] = field(default_factory=list)
+    """Multi-turn: every episode of the group, the masked ones too."""
 
     @property
     def rewards(self) -> list[float]:
+        """One per trajectory (result)."""
         return [r.reward for r in self.results]
+
+    def owners(self) -> list[int]:
+        """Per sample, the index of its result."""
+        return self.trajectories if self.trajectories is not None else list(range(len(self.samples)))
 
     @property
     def min_version(self) -> int:

@@ -170,6 +170,8 @@ class ShardedPolicy:
         self.tokenizer = load_hf_tokenizer(config.model_dir)
         self.stop_ids = stop_token_ids(self.model.config, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        """Positions the model takes (0: not known): a multi-turn episode's whole stream must fit."""
         self.pending_count = 0.0
         """Sequences or tokens (every rank's) trained on since the last optimizer step."""
         self.step_begun = False

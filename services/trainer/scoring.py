@@ -15,6 +15,7 @@ from services.trainer.batching import TrainingSample
 from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
 from services.trainer.reference import ReferenceWorker
+from services.trainer.trajectories import MASKED_STATUSES, figures_of, parts_of, trajectory_reward
 
 
 class GroupScorer:
@@ -44,6 +45,9 @@ class GroupScorer:
         return [[next(results[record.task]) for _ in items] for record, items in keyed]
 
     async def score(self, batch_id: str, plan: StepPlan, groups: list[manager_pb2.Group]) -> list[ScoredGroup]:
+        episodes = [g for g in groups if g.samples and g.samples[0].HasField("session")]
+        groups = [g for g in groups if not (g.samples and g.samples[0].HasField("session"))]
+        accepted = [await self._score_episodes(batch_id, plan.outstanding[g.prompt_id], g) for g in episodes]
         keyed = []
         for group in groups:
             record = plan.outstanding[group.prompt_id]
@@ -51,8 +55,7 @@ class GroupScorer:
                                 record.prompt.metadata, list(sample.token_ids))
                      for index, sample in enumerate(group.samples)]
             keyed.append((record, items))
-        scored = await self._score_groups(keyed)
-        accepted = []
+        scored = await self._score_groups(keyed) if keyed else []
         for group, (record, _), results in zip(groups, keyed, scored):
             results = self._shape_rewards(record, group, results)
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
@@ -64,6 +67,36 @@ class GroupScorer:
             accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
         await self.attach_reference(accepted)
         return accepted
+
+    async def _score_episodes(self, batch_id: str, record: PromptRecord, group: manager_pb2.Group) -> ScoredGroup:
+        """A group of multi-turn episodes: the failed ones masked out, each other trajectory's parts
+        trained on its model tokens with the trajectory's reward (the environment's, or the task's
+        reward over the final transcript)."""
+        task = self.mixture.by_name[record.task]
+        kept = [s.session for s in group.samples if s.session.status not in MASKED_STATUSES]
+        if task.reward is not None:
+            items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self.transcript(trajectory), record.prompt.metadata,
+                                [t for part in parts_of(trajectory) for t in part.response_ids])
+                     for index, trajectory in enumerate(kept)]
+            results = await task.reward.score(items) if items else []
+        else:
+            results = [RewardResult(trajectory_reward(trajectory)) for trajectory in kept]
+        temperature = task.config.sampling.temperature
+        samples, owners, versions = [], [], []
+        for owner, (trajectory, result) in enumerate(zip(kept, results)):
+            for part in parts_of(trajectory):
+                samples.append(TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, temperature, reward=result.reward,
+                                              response_mask=part.mask))
+                owners.append(owner)
+                versions.append(part.weight_versions)
+        scored = ScoredGroup(record, batch_id, samples, list(results), versions, owners, [figures_of(s.session) for s in group.samples])
+        await self.attach_reference([scored])
+        return scored
+
+    def transcript(self, trajectory: manager_pb2.SessionTrajectory) -> str:
+        """Everything after the episode's opening context (the model's turns and what answered them), as text."""
+        parts = parts_of(trajectory)
+        return self.tokenizer.decode(parts[-1].response_ids, skip_special_tokens=True) if parts else ""
 
     async def attach_reference(self, groups: list[ScoredGroup]) -> None:
         """The reference worker's log-probabilities for the groups' samples that have none (placement:

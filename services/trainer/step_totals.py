@@ -10,6 +10,7 @@ from rlmesh.rewards.base import RewardResult
 from services.trainer.critic import CriticSums
 from services.trainer.pipeline import ScoredGroup
 from services.trainer.policy import MicroBatchStats
+from services.trainer.trajectories import STATUS_NAMES, EpisodeFigures
 from services.trainer.validation import SOLVED
 
 TOKEN_FIGURES = ("kl", "clip_fraction", "importance_weight_mean", "capped_fraction", "behaviour_kl")
@@ -58,6 +59,8 @@ class StepTotals:
     trained_groups: int = 0
     critic: CriticSums | None = None
     """The critic's sums over the step's micro-batches (advantage_estimator `gae`)."""
+    episodes: list[EpisodeFigures] = field(default_factory=list)
+    """Multi-turn episodes of the groups trained, the masked ones too."""
 
     def add_micro_batch(self, stats: MicroBatchStats) -> None:
         self._loss_sum += stats.loss * stats.loss_count
@@ -89,11 +92,13 @@ class StepTotals:
         """A group being trained on at `policy_version`."""
         self.trained_groups += 1
         task_totals = self.per_task.setdefault(group.record.task, TaskTotals())
-        for sample, result, versions in zip(group.samples, group.results, group.weight_versions):
+        for result in group.results:
             task_totals.add(result)
             self.rewards.append(result.reward)
+        for sample, versions in zip(group.samples, group.weight_versions):
             self.staleness.append(policy_version - min(versions))
             self.response_tokens += len(sample.response_ids)
+        self.episodes += group.episodes
 
     def metrics(self, max_staleness: int, step_seconds: float) -> dict[str, float]:
         """What is filed for the step; the groups' figures only if it trained on any."""
@@ -118,4 +123,21 @@ class StepTotals:
         }
         for name, task_totals in self.per_task.items():
             values.update(task_totals.metrics(f"task/{name}/"))
-        return values
+        return values | episode_metrics(self.episodes)
+
+
+def episode_metrics(episodes: list[EpisodeFigures]) -> dict[str, float]:
+    """Turns per episode, environment seconds, tokens by source, and episodes by how they ended."""
+    if not episodes:
+        return {}
+    values = {
+        "episodes/count": float(len(episodes)),
+        "episodes/turns": mean([float(e.turns) for e in episodes]),
+        "episodes/environment_seconds": mean([e.environment_seconds for e in episodes]),
+        "episodes/broken_histories": float(sum(e.parts > 1 for e in episodes)),
+    }
+    for source in ("model", "environment", "template"):
+        values[f"episodes/tokens/{source}"] = mean([float(e.tokens.get(source, 0)) for e in episodes])
+    for status in STATUS_NAMES.values():
+        values[f"episodes/ended/{status}"] = float(sum(e.status == status for e in episodes))
+    return values

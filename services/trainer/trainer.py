@@ -27,6 +27,7 @@ from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
 from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
+from services.trainer.episodes import EpisodeDriver, EpisodeSpec, episode_specs
 from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
@@ -99,6 +100,15 @@ class GrpoTrainer:
                            if config.validation == "background" else None)
         self.evaluations: dict[int, dict[str, float]] = {}
         """Inline evaluations by step (background ones are kept by `validation`)."""
+        self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length)
+        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._episodes_failed)
+                         if self.episode_specs else None)
+        if self.validation is not None:
+            self.validation.episodes = self.episodes
+            self.validation.episode_specs = self.episode_specs
+        elif self.episode_specs:
+            raise ValueError("a multi-turn task (one with an environment) is evaluated by running its episodes on the rollout "
+                             "instances: set validation = \"background\"")
 
     @property
     def ordered(self) -> bool:
@@ -177,6 +187,8 @@ class GrpoTrainer:
             if self.validation:
                 await self.validation.cancel()
             await self._stop_collectors()
+            if self.episodes is not None:
+                await self.episodes.close()
             if self.scorer.reference is not None:
                 await self.scorer.reference.close()
             await self.mixture.close()
@@ -329,17 +341,42 @@ class GrpoTrainer:
         await self._submit(plan, records, f"-refill{plan.refills}")
 
     async def _submit(self, plan: StepPlan, records: list[PromptRecord], part: str = "") -> None:
-        """Submits a step's prompts as one batch and starts reading its groups."""
-        batch_id = self._batch_id(plan.step, part)
+        """Submits a step's prompts and starts reading their groups: single-turn prompts as one batch,
+        each multi-turn task's as a batch of sessions whose episodes the driver runs. The first
+        batch takes the step's batch id."""
         for record in records:
             plan.add(record)
         tasks = self.mixture.by_name
-        prompts = [(r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in records]
-        await self.mesh.submit(batch_id, plan.step + self.version_offset, prompts, self.config.group_size, prompts[0][2])
-        plan.batches.append(batch_id)
-        self.collectors[batch_id] = asyncio.create_task(self._collect(batch_id, plan), name=f"collect {batch_id}")
-        self._ledger({"event": "submitted", "batch_id": batch_id, "step": plan.step, "policy_version": plan.step + self.version_offset,
-                      "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in records}, "group_size": self.config.group_size})
+        by_batch: dict[str, list[PromptRecord]] = {}
+        for record in records:
+            by_batch.setdefault("" if tasks[record.task].environment is None else record.task, []).append(record)
+        for index, (episodes_of, batch_records) in enumerate(sorted(by_batch.items())):
+            batch_id = self._batch_id(plan.step, part) + ("" if index == 0 else f"-{episodes_of}")
+            prompts = [(r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in batch_records]
+            version = plan.step + self.version_offset
+            if not episodes_of:
+                await self.mesh.submit(batch_id, version, prompts, self.config.group_size, prompts[0][2])
+            else:
+                await self._open_episodes(self.episode_specs[episodes_of], batch_id, version, batch_records, prompts)
+            plan.batches.append(batch_id)
+            self.collectors[batch_id] = asyncio.create_task(self._collect(batch_id, plan), name=f"collect {batch_id}")
+            self._ledger({"event": "submitted", "batch_id": batch_id, "step": plan.step, "policy_version": version,
+                          "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in batch_records}, "group_size": self.config.group_size})
+
+    async def _open_episodes(self, spec: EpisodeSpec, batch_id: str, version: int, records: list[PromptRecord],
+                             prompts: list[tuple[str, list[int], common_pb2.SamplingParams]]) -> None:
+        """Opens a session per sample and has the driver run their episodes (each session starts
+        empty: its environment's reset gives its first messages)."""
+        assert self.episodes is not None
+        handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts],
+                                                self.config.group_size, prompts[0][2], spec.limits(), spec.task)
+        self.episodes.start(spec, handles, {r.prompt_id: r.prompt for r in records})
+
+    async def _episodes_failed(self, exc: BaseException) -> None:
+        """The driver cannot go on (too many failed episodes, the manager gone): the step stops with it."""
+        self._collector_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+        async with self._arrived:
+            self._arrived.notify_all()
 
     async def _collect(self, batch_id: str, plan: StepPlan) -> None:
         """Reads a batch's groups as they finish, scores them at once (rewards overlap training) and
@@ -352,8 +389,16 @@ class GrpoTrainer:
                     record = scored.record
                     entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
                              "uid": record.prompt.uid, "samples": len(scored.samples), "rewards": rewards,
-                             "min_version": scored.min_version, "max_version": max(max(v) for v in scored.weight_versions)}
-                    if config.dynamic_sampling and max(rewards) - min(rewards) <= EQUAL_REWARDS:
+                             "min_version": scored.min_version if scored.samples else None,
+                             "max_version": max(max(v) for v in scored.weight_versions) if scored.samples else None}
+                    if scored.episodes:
+                        entry["episodes"] = [e.status for e in scored.episodes]
+                    if not scored.samples:
+                        # Every episode of the group failed: nothing of it is the policy's to learn from.
+                        plan.drop(record)
+                        self._ledger({"event": "dropped", **entry})
+                        await self._refill(plan)
+                    elif config.dynamic_sampling and max(rewards) - min(rewards) <= EQUAL_REWARDS:
                         plan.drop(record)
                         self._ledger({"event": "dropped", **entry})
                         await self._refill(plan)
@@ -437,8 +482,10 @@ class GrpoTrainer:
         if estimator.needs_critic:
             return samples
         advantages = estimator.compute([torch.tensor(group.rewards, dtype=torch.float64) for group in micro_batch])
-        for sample, advantage in zip(samples, torch.cat(advantages).tolist()):
-            sample.advantage = advantage
+        # A trajectory trained as several samples (its history was edited) gives each its advantage.
+        for group, group_advantages in zip(micro_batch, advantages):
+            for sample, owner in zip(group.samples, group.owners()):
+                sample.advantage = float(group_advantages[owner])
         return samples
 
     async def _optimizer_step(self, totals: StepTotals) -> None:

@@ -13,10 +13,13 @@ import grpc
 import structlog
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
+from services.trainer.episodes import EpisodeDriver, EpisodeSpec
 from services.trainer.mesh import MeshClient
+from services.trainer.trajectories import MASKED_STATUSES, trajectory_reward
 from services.trainer.pipeline import prompt_seed
 
 log = structlog.get_logger()
@@ -102,6 +105,9 @@ class BackgroundValidation:
         """Versions no instance served while their prompts waited (a newer push superseded theirs)."""
         self.retry_due = False
         """A validation was skipped: the next version published is validated in its place."""
+        self.episodes: EpisodeDriver | None = None
+        self.episode_specs: dict[str, EpisodeSpec] = {}
+        """Multi-turn tasks: their held-out prompts run as episodes (see `_submit`)."""
 
     async def start(self, step: int, version: int) -> None:
         """Submits the held-out prompts pinned to `version` (the policy after `step` steps) and reads
@@ -137,7 +143,15 @@ class BackgroundValidation:
         prompt_ids = [f"t{index}{kind[0]}{i}" for i in range(len(held_out.prompts))]
         samples = 1 if greedy else held_out.task.config.eval.samples
         prompts = [(pid, ids, self._sampling(held_out, step, pid, greedy)) for pid, ids in zip(prompt_ids, held_out.token_ids)]
-        await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority)
+        spec = self.episode_specs.get(held_out.task.name)
+        if spec is not None and self.episodes is not None:
+            # Episodes are not pinned to the version (turns alternate with the environment's steps):
+            # they run at the version under the staleness bound, on training's terms.
+            handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], samples,
+                                                    prompts[0][2], spec.limits(), spec.task)
+            self.episodes.start(spec, handles, dict(zip(prompt_ids, held_out.prompts)), counted=False)
+        else:
+            await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority)
         return PinnedBatch(batch_id, held_out, prompt_ids, samples, greedy)
 
     async def _validate(self, step: int, version: int, batches: list[PinnedBatch]) -> None:
@@ -174,9 +188,15 @@ class BackgroundValidation:
         at k * prompts + i)."""
         held_out = batch.held_out
         responses: dict[str, list[list[int]]] = {}
+        episodes: dict[str, list[manager_pb2.SessionTrajectory]] = {}
         async for groups in self.mesh.rollouts(batch.batch_id, len(batch.prompt_ids), 1, 0, self.timeout_seconds):
             for group in groups:
                 responses[group.prompt_id] = [list(s.token_ids) for s in group.samples]
+                episodes[group.prompt_id] = [s.session for s in group.samples if s.HasField("session")]
+        if held_out.task.reward is None:
+            # An episode that failed earns nothing here: evaluation counts what the policy achieved.
+            return [0.0 if episodes[pid][k].status in MASKED_STATUSES else trajectory_reward(episodes[pid][k])
+                    for k in range(batch.samples) for pid in batch.prompt_ids]
         items = [RewardItem(f"{batch.batch_id}/{pid}/{k}", text, self.completion(responses[pid][k]), prompt.metadata, responses[pid][k])
                  for k in range(batch.samples) for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)]
         return [r.reward for r in await held_out.task.reward.score(items)]

@@ -204,8 +204,12 @@ def test_a_session_past_a_deadline_is_reaped_and_its_slot_done():
     state = mesh(clock=clock)
     idle, slow = open_group(state, limits=Limits(step_deadline_seconds=5, turn_deadline_seconds=2))
     state.run_turn(slow.session_id, 0, [], None, None)
+    # Waiting in the queue is not generating: the turn's clock starts on an instance.
+    clock.now = 1
+    assert state.sessions.reap(clock.now) == []
     state.assign()
-    clock.now = 3
+    assert state.sessions.reap(clock.now) == []
+    clock.now = 3.5
     [(reaped, dropped)] = state.sessions.reap(clock.now)
     assert reaped is slow and dropped is not None and "turn 0 generated for more than" in slow.detail
     clock.now = 6

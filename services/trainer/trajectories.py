@@ -1,0 +1,81 @@
+"""A multi-turn session's trajectory as training samples: each part of its token stream (one, unless a
+harness edited the history) is a sample whose loss covers the model's tokens only, with their
+behaviour logprobs and versions; plus the episode's figures (turns, environment time, tokens by source)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlmesh.manager.v1 import manager_pb2
+
+MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
+SOURCE_NAMES = {MODEL: "model", manager_pb2.SEGMENT_SOURCE_ENVIRONMENT: "environment", manager_pb2.SEGMENT_SOURCE_TEMPLATE: "template"}
+STATUS_NAMES = {manager_pb2.SESSION_STATUS_DONE: "done", manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT: "truncated_context",
+                manager_pb2.SESSION_STATUS_TRUNCATED_TURNS: "truncated_turns", manager_pb2.SESSION_STATUS_DEADLINE: "deadline",
+                manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR: "environment_error"}
+MASKED_STATUSES = frozenset({manager_pb2.SESSION_STATUS_DEADLINE, manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR})
+"""Trajectories that end this way are left out of their group: an environment's failure is not the policy's."""
+
+
+@dataclass(slots=True)
+class Part:
+    """One part of a trajectory as a sample: the context before its first model token, then the rest
+    up to its last model token, masked to the model's tokens."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    """Per response token: the behaviour logprob of a model token, 0 elsewhere."""
+    mask: list[float]
+    """Per response token: 1 for the model's, 0 for environment and template tokens."""
+    weight_versions: list[int]
+    """The versions of its model tokens."""
+
+
+@dataclass(slots=True)
+class EpisodeFigures:
+    status: str
+    turns: int
+    environment_seconds: float
+    tokens: dict[str, int] = field(default_factory=dict)
+    """By source: model, environment, template."""
+    parts: int = 1
+
+
+def trajectory_reward(trajectory: manager_pb2.SessionTrajectory) -> float:
+    """The final reward when one was set, else the sum of the turns' rewards (0 without any)."""
+    if trajectory.HasField("reward"):
+        return trajectory.reward
+    return float(sum(trajectory.turn_rewards.values()))
+
+
+def parts_of(trajectory: manager_pb2.SessionTrajectory) -> list[Part]:
+    """The trajectory's parts that hold model tokens, in order. A part that starts at a break reuses
+    a prefix of the previous part's stream as context: its model tokens there are not trained again."""
+    streams: list[list[tuple[int, float, int, bool]]] = [[]]
+    for segment in trajectory.segments:
+        if segment.starts_part:
+            kept = [(token, 0.0, version, False) for token, _, version, _ in streams[-1][:segment.reused_prefix_tokens]]
+            streams.append(kept)
+        if segment.source == MODEL:
+            streams[-1] += zip(segment.token_ids, segment.logprobs, segment.weight_versions, [True] * len(segment.token_ids))
+        else:
+            streams[-1] += [(token, 0.0, -1, False) for token in segment.token_ids]
+    parts = []
+    for stream in streams:
+        trained = [i for i, (_, _, _, model) in enumerate(stream) if model]
+        if not trained:
+            continue
+        first, last = trained[0], trained[-1]
+        tail = stream[first:last + 1]
+        parts.append(Part([t for t, _, _, _ in stream[:first]], [t for t, _, _, _ in tail], [lp for _, lp, _, _ in tail],
+                          [1.0 if model else 0.0 for _, _, _, model in tail], [v for _, _, v, model in tail if model]))
+    return parts
+
+
+def figures_of(trajectory: manager_pb2.SessionTrajectory) -> EpisodeFigures:
+    tokens = {name: 0 for name in SOURCE_NAMES.values()}
+    for segment in trajectory.segments:
+        tokens[SOURCE_NAMES.get(segment.source, "template")] += len(segment.token_ids)
+    return EpisodeFigures(STATUS_NAMES.get(trajectory.status, "open"), trajectory.turns, trajectory.environment_seconds, tokens,
+                          1 + sum(s.starts_part for s in trajectory.segments))
