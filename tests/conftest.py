@@ -20,6 +20,7 @@ from hypothesis import settings
 from rlmesh.launch import ports as launch_ports
 from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.builtin import ensure_model
+from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
 from tests.support import RankRunner, play_every_role
@@ -104,6 +105,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return ensure_model(shared / "model", lambda folder: create_default_model(folder, TinyModelSpec(warmup_iterations=30)),
+                        "of the tests", announce=lambda line: None)
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat model (ASCII tokenizer, ChatML template) after a token warm-up: real forward
+    passes through a chat template, shared by the xdist workers like `model_dir`."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return ensure_model(shared / "chat-model", lambda folder: create_chat_model(folder, ChatModelSpec(warmup_iterations=2, warmup_batch=2)),
                         "of the tests", announce=lambda line: None)
 
 

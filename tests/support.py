@@ -144,10 +144,13 @@ def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: 
 
 async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness: int = 0, lease_seconds: float = 10.0,
                      max_batch_size: int = 64, weights_settings: dict | None = None, tls: Mapping[str, TlsFiles] | None = None,
-                     **manager_settings) -> Mesh:
+                     gateway: bool = False, **manager_settings) -> Mesh:
     """A manager, a weights service and `instances` rollout instances, served from this process
-    (with mutual TLS when `tls` gives each of them, by service name, its certificate)."""
+    (with mutual TLS when `tls` gives each of them, by service name, its certificate); `gateway`:
+    the manager serves its OpenAI gateway on a free port."""
     tls = tls or {}
+    if gateway:
+        manager_settings |= {"gateway_port": 0, "model_dir": str(model_dir)}
     manager = await start_manager(ManagerConfig(server=loopback(tls.get("manager")), max_staleness=max_staleness, lease_seconds=lease_seconds,
                                                 heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
     # The test process hosts the manager too: it must not run at background priority.

@@ -58,6 +58,11 @@ class LaunchPlan:
         return f"{self.mesh.host}:{self.mesh.base_port + 1}"
 
     @property
+    def gateway_address(self) -> str:
+        """The manager's OpenAI-compatible gateway (HTTP)."""
+        return f"{self.manager_host}:{self.mesh.base_port + 3}"
+
+    @property
     def trainer_address(self) -> str:
         return f"{self.mesh.host}:{self.mesh.base_port + 2}"
 

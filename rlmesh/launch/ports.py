@@ -8,9 +8,9 @@ import socket
 
 from rlmesh.config import METRICS_PORT_OFFSET
 
-MESH_PORT_OFFSETS = (0, 1, 2, *range(10, 26))
-"""Ports `rlmesh up` takes from its base: manager, weights, trainer and up to 16 rollout
-instances, each with its metrics port METRICS_PORT_OFFSET above."""
+MESH_PORT_OFFSETS = (0, 1, 2, 3, *range(10, 26))
+"""Ports `rlmesh up` takes from its base: manager, weights, trainer, the manager's OpenAI gateway
+and up to 16 rollout instances, each with its metrics port METRICS_PORT_OFFSET above."""
 
 
 def port_of(address: str) -> str:

@@ -24,6 +24,8 @@ def manager_spec(plan: LaunchPlan) -> ServiceSpec:
         "RLMESH_MANAGER_MAX_STALENESS": str(plan.job.algorithm.max_staleness),
         "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
         "RLMESH_MANAGER_WEIGHTS_ADDRESS": plan.weights_address,
+        "RLMESH_MANAGER_GATEWAY_PORT": port_of(plan.gateway_address),
+        "RLMESH_MANAGER_MODEL_DIR": str(plan.model_dir),
         **metrics_setting("RLMESH_MANAGER", plan.manager_address),
         **plan.security_settings("manager"),
     })

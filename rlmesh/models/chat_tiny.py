@@ -1,6 +1,7 @@
-"""A tiny Qwen2 chat model for the word-problem task: character tokenizer over printable ASCII with a
-ChatML template, random init, then a short supervised warm-up on worked solutions so it answers
-in the \\boxed{} format before RL starts."""
+"""A tiny Qwen2 chat model for the word-problem tasks: character tokenizer over printable ASCII with a
+ChatML template, random init, then a short supervised warm-up on worked solutions, answered directly
+or with one calculator call, so it answers in the \\boxed{} format and knows the tool-call format
+before RL starts."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from rlmesh.models.qwen2_tiny import supervised_step, tiny_qwen2_config
 from rlmesh.models.tokenizer import EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from rlmesh.tasks.word_problems import WordProblemSource, messages_for, solution_text
+from rlmesh.environments.calculator import worked_turns
+from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for, solution_text
 
 log = structlog.get_logger()
 
@@ -34,6 +36,9 @@ class ChatModelSpec:
     warmup_iterations: int = 60
     warmup_batch: int = 16
     warmup_lr: float = 6e-3
+    tool_share: float = 0.5
+    """Share of the warm-up's problems solved with a calculator call (the `calculator` environment's
+    transcript) rather than directly."""
 
 
 def create_chat_model(directory: str | Path, spec: ChatModelSpec = ChatModelSpec()) -> Path:
@@ -64,7 +69,11 @@ def _supervised_warmup(model, tokenizer, spec: ChatModelSpec, eos_id: int, pad_i
     for iteration in range(spec.warmup_iterations):
         pairs = []
         for index in range(spec.warmup_batch):
-            problem = source.problem_at(iteration * spec.warmup_batch + index)
+            position = iteration * spec.warmup_batch + index
+            problem = source.problem_at(position)
+            if (position * 0.6180339887) % 1 < spec.tool_share:
+                pairs += _tool_pairs(tokenizer, problem, eos_id)
+                continue
             prompt_text = tokenizer.apply_chat_template(list(messages_for(problem)), add_generation_prompt=True, tokenize=False)
             pairs.append((tokenizer.encode(prompt_text, add_special_tokens=False),
                           tokenizer.encode(solution_text(problem), add_special_tokens=False) + [eos_id]))
@@ -73,3 +82,15 @@ def _supervised_warmup(model, tokenizer, spec: ChatModelSpec, eos_id: int, pad_i
             log.info("chat warm-up", iteration=iteration, loss=round(loss, 4),
                      seconds=round(time.monotonic() - started, 1))
     model.eval()
+
+
+def _tool_pairs(tokenizer, problem, eos_id: int) -> list[tuple[list[int], list[int]]]:
+    """The two assistant turns of a calculator episode, each after its whole context as the episode
+    renders it: the tool call, then the boxed answer after the tool's result."""
+    turns = worked_turns(problem.text, expression_of(problem), problem.answer)
+    pairs = []
+    for end in (2, 4):
+        context = tokenizer.apply_chat_template(turns[:end], add_generation_prompt=True, tokenize=False)
+        pairs.append((tokenizer.encode(context, add_special_tokens=False),
+                      tokenizer.encode(turns[end]["content"], add_special_tokens=False) + [eos_id]))
+    return pairs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -61,6 +61,8 @@ IM_END_TOKEN = "<|im_end|>"
 """ChatML's turn markers; `<|im_end|>` ends a turn, so it is a chat model's EOS."""
 TEXT_ALPHABET = "".join(chr(code) for code in range(0x20, 0x7F)) + "\n"
 """Printable ASCII and newline: enough for English prompts and short worked solutions."""
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+"""The Hermes / Qwen tool-call markers."""
 CHATML_TEMPLATE = (
     r"{% for message in messages %}"
     r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -82,7 +84,10 @@ def build_text_tokenizer(alphabet: str = TEXT_ALPHABET) -> Tokenizer:
         if symbol in vocab:
             raise ValueError(f"alphabet has {char!r} more than once")
         vocab[symbol] = len(vocab)
-    return _character_tokenizer(vocab, [EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
+    tokenizer = _character_tokenizer(vocab, [EOS_TOKEN, PAD_TOKEN, IM_START_TOKEN, IM_END_TOKEN])
+    # As in Qwen2.5's tokenizer: one token each, not special, so a decoded turn keeps them.
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_CALL_TAGS])
+    return tokenizer
 
 
 def save_chat_tokenizer(tokenizer: Tokenizer, directory: Path, model_max_length: int) -> None:

@@ -141,6 +141,18 @@ def solution_text(problem: WordProblem) -> str:
     return f"{steps}. \\boxed{{{problem.answer}}}"
 
 
+def expression_of(problem: WordProblem) -> str:
+    """The problem's arithmetic as one expression, each later step wrapping the one before:
+    `(3*4)-5`: what a calculator is asked."""
+    left, op, right = problem.steps[0]
+    expression = f"{left}{op}{right}"
+    previous = step_result(left, op, right)
+    for left, op, right in problem.steps[1:]:
+        expression = f"({expression}){op}{right}" if left == previous else f"{left}{op}({expression})"
+        previous = step_result(left, op, right)
+    return expression
+
+
 def _prompt(uid: str, problem: WordProblem) -> TaskPrompt:
     return TaskPrompt(uid, messages=messages_for(problem), metadata={"answer": str(problem.answer)})
 

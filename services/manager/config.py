@@ -15,3 +15,7 @@ class ManagerConfig(ManagerSettings, StalenessSetting):
     on where the killed one stopped. "" keeps everything in memory only."""
     weights_address: str = "127.0.0.1:50152"
     """The weights service: PublishVersion is accepted only for a version it holds."""
+    gateway_port: int | None = None
+    """The OpenAI-compatible gateway's HTTP port on the server's host (None: no gateway; 0: any free port)."""
+    model_dir: str = ""
+    """The model folder whose tokenizer and chat template the gateway renders messages with."""

@@ -15,6 +15,7 @@ from rlmesh.config import ConfigError
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
 from services.manager.records import Batch, Instance, SampleRequest
+from services.manager.conversations import LoggedMessage
 from services.manager.sessions import Limits, Session
 from services.manager.state import ManagerState
 from services.manager.trajectories import take_progress, trajectory
@@ -54,7 +55,7 @@ CREATE TABLE IF NOT EXISTS instances (
     draining INTEGER NOT NULL, saturation_batch_size INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS sessions (
     session_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, key TEXT NOT NULL, sampling BLOB NOT NULL,
-    policy_version INTEGER NOT NULL, limits TEXT NOT NULL, trajectory BLOB NOT NULL);
+    policy_version INTEGER NOT NULL, limits TEXT NOT NULL, trajectory BLOB NOT NULL, conversation TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_of_batch ON sessions (batch_id);
 """
 
@@ -190,8 +191,9 @@ class Journal:
 
     def _sessions(self) -> list[Session]:
         sessions = []
-        for session_id, batch_id, prompt_id, key, sampling_blob, policy_version, limits, progress in self._db.execute(
-            "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory FROM sessions ORDER BY rowid"
+        for session_id, batch_id, prompt_id, key, sampling_blob, policy_version, limits, progress, conversation in self._db.execute(
+            "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory, conversation FROM sessions "
+            "ORDER BY rowid"
         ):
             sampling = common_pb2.SamplingParams()
             sampling.ParseFromString(sampling_blob)
@@ -199,6 +201,7 @@ class Journal:
             message = manager_pb2.SessionTrajectory()
             message.ParseFromString(progress)
             take_progress(session, message)
+            session.conversation = [LoggedMessage(*entry) for entry in json.loads(conversation)]
             sessions.append(session)
         return sessions
 
@@ -255,10 +258,11 @@ class Journal:
             for session_id in changed.removed[SESSION] - sessions.keys():
                 db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
             db.executemany(
-                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (s.session_id, s.batch_id, s.prompt_id, s.key, s.sampling.SerializeToString(), s.policy_version,
-                     json.dumps(asdict(s.limits)), trajectory(s).SerializeToString())
+                     json.dumps(asdict(s.limits)), trajectory(s).SerializeToString(),
+                     json.dumps([(m.key, m.end, m.stop_text) for m in s.conversation]))
                     for s in (sessions[i] for i in changed.written[SESSION] if i in sessions)
                 ],
             )

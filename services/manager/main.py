@@ -13,6 +13,7 @@ from rlmesh.rpc import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
+from services.manager.gateway_server import GatewayServer
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.state import ManagerState
 from services.manager.stored_versions import StoredVersions
@@ -27,10 +28,17 @@ class RunningManager:
     journal: Journal | NoJournal
     journaling: asyncio.Task[None]
     stored_versions: StoredVersions
+    gateway: GatewayServer | None = None
+
+    @property
+    def gateway_address(self) -> str:
+        return self.gateway.address if self.gateway is not None else ""
 
     async def stop(self) -> None:
         self.leases.cancel()
         self.journaling.cancel()
+        if self.gateway is not None:
+            await self.gateway.stop()
         await self.server.stop()
         await self.dispatcher.close()
         await self.stored_versions.close()
@@ -71,6 +79,7 @@ async def start(config: ManagerConfig) -> RunningManager:
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
     journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
     dispatcher.dispatch()
+    gateway = await GatewayServer.start(config, servicer.turns) if config.gateway_port is not None else None
     await server.set_serving(True)
-    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions)
+    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions, gateway)
 

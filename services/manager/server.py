@@ -20,6 +20,7 @@ from services.manager.journal import Journal, NoJournal
 from services.manager.records import Instance, SampleRequest
 from services.manager.sessions import Limits, Session
 from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
+from services.manager.turns import TurnRunner
 from services.manager.registry import WrongIncarnation
 from services.manager.stage_balance import Balance
 from services.manager.state import ManagerState
@@ -90,6 +91,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.changes = changes
         self.config = config
         self.journal = journal
+        self.turns = TurnRunner(state, dispatcher, changes, journal)
 
     def _changed(self) -> None:
         self.dispatcher.dispatch()
@@ -248,16 +250,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         ])
 
     async def RunTurn(self, request, context):
-        state = self.state.run_turn(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
-                                    request.keep_tokens if request.HasField("keep_tokens") else None,
-                                    request.sampling if request.HasField("sampling") else None)
-        if state.running is not None:
-            self._durable()
-            self._changed()
-        while state.running is not None:
-            await self.changes.wait(timeout=1.0)
-            state = self.state.sessions.turn_state(self.state.sessions.get(request.session_id), request.turn)
-        self._durable()
+        state = await self.turns.run(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
+                                     request.keep_tokens if request.HasField("keep_tokens") else None,
+                                     request.sampling if request.HasField("sampling") else None)
         response = manager_pb2.RunTurnResponse(status=state.status, stream_tokens=state.stream_tokens)
         if state.segment is not None:
             response.generated.CopyFrom(segment_to_proto(state.segment))

@@ -12,6 +12,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.admission import per_sample_sampling
+from services.manager.conversations import LoggedMessage
 from services.manager.journaled import SESSION, ChangeTracker, Journaled, Records
 from services.manager.ledger import RequestLedger
 from services.manager.records import Batch, SampleRequest
@@ -63,7 +64,7 @@ class Limits:
 @dataclass(slots=True)
 class Session(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds"})
+        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds", "conversation"})
     KIND: ClassVar[str] = SESSION
 
     session_id: str
@@ -81,6 +82,8 @@ class Session(Journaled):
     reward: float | None = None
     turn_rewards: dict[int, float] = field(default_factory=dict)
     environment_seconds: float = 0.0
+    conversation: list[LoggedMessage] = field(default_factory=list)
+    """The messages of a session driven through the gateway, as matched against its requests."""
     turn: SampleRequest | None = None
     """The turn generating now."""
     opened_at: float = 0.0

@@ -1,0 +1,253 @@
+"""The manager's OpenAI-compatible gateway (FastAPI, served by uvicorn on its own port, in the manager's
+event loop): `/v1/chat/completions` and `/v1/completions`, whole or streamed, for the session named
+in the base URL (`/sessions/<id>/v1`) or in the `X-Rlmesh-Session` header. A request's messages are
+matched against the session's conversation, so earlier turns keep the exact tokens the model
+produced; a harness's key reaches its own session only."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rlmesh.chat_turns import ChatTurns, RenderError
+from rlmesh.common.v1 import common_pb2
+from rlmesh.errors import DomainError, InvalidArgument, NotFound
+from rlmesh.tool_calls import parse_tool_calls
+from services.manager import openai_format as wire
+from services.manager.conversations import ConversationError, LoggedMessage, message_key, plan_turn
+from services.manager.sessions import ENVIRONMENT, TEMPLATE, Segment, Session, TurnState
+from services.manager.turns import TurnRunner
+
+log = structlog.get_logger()
+
+SESSION_HEADER = "x-rlmesh-session"
+MAX_BODY_BYTES = 8 << 20
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def http_error(exc: DomainError) -> GatewayError:
+    """A session's refusal as HTTP: 400 for a bad request, 404 for what is gone, 409 otherwise."""
+    status = 400 if isinstance(exc, InvalidArgument) else 404 if isinstance(exc, NotFound) else 409
+    return GatewayError(status, str(exc), "invalid_request_error", type(exc).__name__)
+
+
+class Gateway:
+    """The gateway's work, apart from HTTP: authorize, match, run the turn, shape the reply."""
+
+    def __init__(self, runner: TurnRunner, tokenizer: Any, model_name: str) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.sessions = runner.state.sessions
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def authorize(self, session_id: str, key: str) -> Session:
+        session = self.sessions.sessions.get(session_id)
+        # The same answer for an unknown session and a wrong key: a key tells nothing about other sessions.
+        if session is None or not key or not hmac.compare_digest(session.key.encode(), key.encode()):
+            raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
+                               "authentication_error", "invalid_api_key")
+        return session
+
+    def lock(self, session_id: str) -> asyncio.Lock:
+        """One turn at a time per session: a harness's concurrent calls would race for the same turn."""
+        return self._locks.setdefault(session_id, asyncio.Lock())
+
+    def sampling(self, session: Session, body: dict[str, Any]) -> common_pb2.SamplingParams:
+        """The session's sampling (the task's temperature: the trainer's logprobs are at it), with the
+        request's max_tokens and stop tokens bounded by it."""
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(session.sampling)
+        requested = body.get("max_completion_tokens") or body.get("max_tokens")
+        if requested is not None:
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
+                raise GatewayError(400, f"max_tokens must be a positive integer, got {requested!r}")
+            params.max_tokens = min(params.max_tokens, requested)
+        return params
+
+    async def chat(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int, list[Any], Any]:
+        """Runs the turn a chat request asks for; returns its state, its index and the messages logged."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise GatewayError(400, "messages must be a list of message objects")
+        if body.get("n", 1) != 1:
+            raise GatewayError(400, "n must be 1: a session is one trajectory")
+        turns = ChatTurns(self.tokenizer, body.get("tools") or None)
+        try:
+            plan = plan_turn(session.conversation, messages, turns)
+        except (ConversationError, RenderError) as exc:
+            raise GatewayError(400, str(exc)) from exc
+        segments = [Segment(ENVIRONMENT if p.source == "environment" else TEMPLATE, p.token_ids) for p in plan.pieces]
+        turn = session.turns
+        state = await self._run(session, turn, segments, plan.keep_tokens, self.sampling(session, body))
+        parsed = None
+        if state.segment is not None:
+            text = self._text(state.segment)
+            parsed = parse_tool_calls(text, f"call_{session.session_id.rsplit('/', 1)[-1]}_{turn}")
+            message = wire.chat_message(parsed, text)
+            stop_text = "" if state.segment.finish_reason == common_pb2.FINISH_REASON_LENGTH else self.tokenizer.decode(
+                state.segment.token_ids[-1:])
+            logged = LoggedMessage(message_key(message), state.stream_tokens, stop_text)
+            session.conversation = [*plan.kept, *plan.new_messages, logged]
+        return state, turn, plan.new_messages, parsed
+
+    async def complete(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int]:
+        """Runs the turn a (text) completion asks for: its prompt must extend the session's stream
+        (tokens compared, or text compared against the stream's decoding); where it does not, the
+        common prefix is kept and the rest starts a new part."""
+        prompt = body.get("prompt")
+        stream = session.part_tokens()
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            known = self.tokenizer.decode(stream, skip_special_tokens=False)
+            ids = stream + self._encode(prompt[len(known):]) if prompt.startswith(known) else self._encode(prompt)
+        else:
+            raise GatewayError(400, "prompt must be a non-empty string or a list of token ids")
+        common = 0
+        while common < min(len(ids), len(stream)) and ids[common] == stream[common]:
+            common += 1
+        rest = ids[common:]
+        if not rest:
+            raise GatewayError(400, "the prompt adds nothing to the session's stream: the model's next turn needs new tokens")
+        keep = None if common == len(stream) else common
+        turn = session.turns
+        state = await self._run(session, turn, [Segment(ENVIRONMENT, rest)], keep, self.sampling(session, body))
+        return state, turn
+
+    async def _run(self, session: Session, turn: int, segments: list[Segment], keep: int | None,
+                   sampling: common_pb2.SamplingParams) -> TurnState:
+        try:
+            return await self.runner.run(session.session_id, turn, segments, keep, sampling)
+        except DomainError as exc:
+            raise http_error(exc) from exc
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _text(self, segment: Segment) -> str:
+        return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
+
+    def usage(self, state: TurnState) -> dict[str, int]:
+        completion = len(state.segment.token_ids) if state.segment else 0
+        return {"prompt_tokens": state.stream_tokens - completion, "completion_tokens": completion, "total_tokens": state.stream_tokens}
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="rlmesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise GatewayError(400, f"the body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object")
+        return body
+
+    def session_of(request: Request, session_id: str | None) -> Session:
+        session_id = session_id or request.headers.get(SESSION_HEADER, "")
+        if not session_id:
+            raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
+        authorization = request.headers.get("authorization", "")
+        key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+        return gateway.authorize(session_id, key)
+
+    async def chat_completions(request: Request, session_id: str | None = None):
+        session = session_of(request, session_id)
+        body = await body_of(request)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        async with gateway.lock(session.session_id):
+            state, turn, _, parsed = await gateway.chat(session, body)
+        rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
+        text = gateway._text(state.segment) if state.segment else ""
+        message = wire.chat_message(parsed, text)
+        finish = wire.finish_reason(state.segment, parsed)
+        logprobs = wire.token_logprobs(gateway.tokenizer, state.segment) if body.get("logprobs") else None
+        if not body.get("stream"):
+            return JSONResponse(wire.chat_completion(gateway.model_name, completion_id, message, finish, gateway.usage(state), rlmesh,
+                                                     logprobs))
+
+        async def chunks() -> AsyncIterator[str]:
+            model = gateway.model_name
+            yield wire.chat_chunk(model, completion_id, {"role": "assistant", "content": ""})
+            if message.get("content"):
+                yield wire.chat_chunk(model, completion_id, {"content": message["content"]})
+            for index, call in enumerate(message.get("tool_calls") or []):
+                yield wire.chat_chunk(model, completion_id, {"tool_calls": [{"index": index, **call}]})
+            yield wire.chat_chunk(model, completion_id, {}, finish, rlmesh)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield wire.usage_chunk(model, completion_id, gateway.usage(state))
+            yield wire.DONE
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def completions(request: Request, session_id: str | None = None):
+        session = session_of(request, session_id)
+        body = await body_of(request)
+        completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        async with gateway.lock(session.session_id):
+            state, turn = await gateway.complete(session, body)
+        rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
+        text = gateway._text(state.segment) if state.segment else ""
+        finish = wire.finish_reason(state.segment, None)
+        if not body.get("stream"):
+            return JSONResponse(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(state), rlmesh))
+
+        async def chunks() -> AsyncIterator[str]:
+            yield wire.text_chunk(gateway.model_name, completion_id, text)
+            yield wire.text_chunk(gateway.model_name, completion_id, "", finish, rlmesh)
+            yield wire.DONE
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    async def models(request: Request, session_id: str | None = None):
+        session_of(request, session_id)
+        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "rlmesh"}]}
+
+    async def reward(request: Request, session_id: str):
+        """A black-box agent reports its episode's reward: {"reward": x} (final) or {"reward": x, "turn": k}."""
+        session = session_of(request, session_id)
+        body = await body_of(request)
+        value, turn = body.get("reward"), body.get("turn")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (turn is not None and (not isinstance(turn, int) or turn < 0)):
+            raise GatewayError(400, "give {\"reward\": <number>} and optionally {\"turn\": <turn index>}")
+        try:
+            gateway.sessions.set_reward(session.session_id, float(value), turn)
+        except DomainError as exc:
+            raise http_error(exc) from exc
+        gateway.runner.journal.flush(gateway.runner.state)
+        return {"session_id": session.session_id, "reward": float(value), "turn": turn}
+
+    for prefix in ("/sessions/{session_id:path}/v1", "/v1"):
+        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+    app.add_api_route("/sessions/{session_id:path}/v1/rlmesh/reward", reward, methods=["POST"])
+
+    @app.get("/healthz")
+    async def health() -> dict[str, str]:
+        return {"status": "serving", "open_sessions": str(gateway.sessions.open_count)}
+
+    return app
+

@@ -1,0 +1,146 @@
+"""The OpenAI-compatible gateway driven by the official `openai` client against a real manager and torch
+instance: the trajectory the trainer receives holds exactly the tokens the engine sampled (with
+their logprobs and versions, model tokens apart from the rest), tool results render through the
+chat template, an edited history is recorded as a break and trains as separate samples, streaming
+works, and a key reaches its own session only."""
+
+import openai
+import pytest
+
+from rlmesh.common.v1 import common_pb2
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
+from rlmesh.rpc import open_channel
+from services.trainer.trajectories import parts_of
+from tests.support import build_mesh, stop_mesh
+
+MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
+
+
+@pytest.fixture
+async def gateway_mesh(chat_model_dir):
+    mesh = await build_mesh(chat_model_dir, "grpc", gateway=True)
+    channel = open_channel(mesh.manager_address)
+    try:
+        yield mesh, manager_pb2_grpc.ManagerServiceStub(channel)
+    finally:
+        await channel.close()
+        await stop_mesh(mesh)
+
+
+async def open_sessions(manager, chat_model_dir, count: int, batch_id: str = "agents") -> list[manager_pb2.SessionHandle]:
+    stop = load_hf_tokenizer(chat_model_dir).convert_tokens_to_ids(IM_END_TOKEN)
+    reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
+        batch_id=batch_id, policy_version=0, task="harness",
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=[stop], seed=3),
+        prompts=[manager_pb2.Prompt(prompt_id="p", n=count)], limits=manager_pb2.SessionLimits(max_turns=8)), timeout=10)
+    return list(reply.sessions)
+
+
+def client_for(mesh, handle) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://{mesh.manager.gateway_address}/sessions/{handle.session_id}/v1", api_key=handle.key,
+                              max_retries=0, timeout=60)
+
+
+async def trajectories(manager, batch_id: str) -> list[manager_pb2.SessionTrajectory]:
+    groups = []
+    async for reply in manager.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1), timeout=30):
+        groups += reply.groups
+    return [s.session for g in groups for s in g.samples]
+
+
+async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_tokens(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [handle] = await open_sessions(manager, chat_model_dir, 1)
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
+    async with client_for(mesh, handle) as client:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+        first = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, logprobs=True)
+        turns = [first.model_extra["rlmesh"]]
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "Again?"})
+        stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True,
+                                                      stream_options={"include_usage": True})
+        content, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+                if chunk.choices[0].finish_reason:
+                    turns.append(chunk.model_extra["rlmesh"])
+            usage = chunk.usage or usage
+        assert finish in ("stop", "length") and usage.completion_tokens == len(turns[-1]["token_ids"])
+    # The first reply's OpenAI logprobs are the extension's.
+    assert [t.logprob for t in first.choices[0].logprobs.content] == pytest.approx(turns[0]["logprobs"])
+    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+                               timeout=10)
+    [trajectory] = await trajectories(manager, "agents")
+    models = [s for s in trajectory.segments if s.source == MODEL]
+    assert [list(m.token_ids) for m in models] == [t["token_ids"] for t in turns]
+    assert [list(m.logprobs) for m in models] == [pytest.approx(t["logprobs"]) for t in turns]
+    assert [list(m.weight_versions) for m in models] == [t["weight_versions"] for t in turns]
+    tokenizer = load_hf_tokenizer(chat_model_dir)
+    environment = [tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT]
+    assert environment == ["Be brief.", "What is 2+3?", "Again?"]
+    [part] = parts_of(trajectory)
+    trained = [t for t, m in zip(part.response_ids, part.mask) if m]
+    assert trained == [t for m in models for t in m.token_ids]
+    # The whole stream is the template's rendering of the conversation with the model's own tokens.
+    assert tokenizer.decode(part.prompt_ids + part.response_ids).startswith(
+        tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False))
+
+
+async def test_tool_messages_render_through_the_chat_template(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [handle] = await open_sessions(manager, chat_model_dir, 1, "tools")
+    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
+    history = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    async with client_for(mesh, handle) as client:
+        reply = await client.chat.completions.create(model="tiny", messages=history)
+    assert reply.choices[0].message.role == "assistant"
+    session = mesh.manager.state.sessions.get(handle.session_id)
+    tokenizer = load_hf_tokenizer(chat_model_dir)
+    rendered = tokenizer.decode(session.part_tokens()[:-len(reply.model_extra["rlmesh"]["token_ids"])])
+    assert rendered.endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+
+
+async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [handle] = await open_sessions(manager, chat_model_dir, 1, "edits")
+    async with client_for(mesh, handle) as client:
+        messages = [{"role": "user", "content": "Count."}]
+        first = await client.chat.completions.create(model="tiny", messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+        second = await client.chat.completions.create(model="tiny", messages=messages)
+        # The harness rewrites the model's first answer (summarizing, trimming): no longer a prefix.
+        edited = [messages[0], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}]
+        third = await client.chat.completions.create(model="tiny", messages=edited)
+    assert third.model_extra["rlmesh"]["turn"] == 2
+    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+                               timeout=10)
+    [trajectory] = await trajectories(manager, "edits")
+    breaks = [s for s in trajectory.segments if s.starts_part]
+    # Nothing before the edit is shared but the user's first message: the new part starts from scratch.
+    assert len(breaks) == 1 and breaks[0].reused_prefix_tokens == 0
+    parts = parts_of(trajectory)
+    assert len(parts) == 2
+    first_ids = first.model_extra["rlmesh"]["token_ids"] + second.model_extra["rlmesh"]["token_ids"]
+    assert [t for t, m in zip(parts[0].response_ids, parts[0].mask) if m] == first_ids
+    assert [t for t, m in zip(parts[1].response_ids, parts[1].mask) if m] == third.model_extra["rlmesh"]["token_ids"]
+
+
+async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    mine, theirs = await open_sessions(manager, chat_model_dir, 2, "keys")
+    stranger = manager_pb2.SessionHandle(session_id=theirs.session_id, key=mine.key)
+    async with client_for(mesh, stranger) as client:
+        with pytest.raises(openai.AuthenticationError, match="no session"):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    async with client_for(mesh, manager_pb2.SessionHandle(session_id=mine.session_id, key="wrong")) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.models.list()
+    async with client_for(mesh, mine) as client:
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
+        assert (await client.models.list()).data[0].object == "model"
