@@ -10,8 +10,10 @@ RELEASED_IMAGE := protos/released.binpb
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 NODE_VERIFIER := examples/node-verifier
+NODE_ENVIRONMENT := examples/node-environment
+NODE_HARNESS := examples/node-harness
 
-.PHONY: setup setup-vllm node-verifier protos run test test-vllm test-compose wheels wheels-vllm-cuda bench lint-protos check-compose release-protos docs clean
+.PHONY: setup setup-vllm node-verifier node-environment node-harness protos run test test-vllm test-compose wheels wheels-vllm-cuda bench lint-protos check-compose release-protos docs clean
 
 setup: $(VENV)/.installed $(GEN)/.stamp
 
@@ -73,6 +75,22 @@ $(NODE_VERIFIER)/.installed: $(NODE_VERIFIER)/package.json $(NODE_VERIFIER)/pack
 	cd $(NODE_VERIFIER) && npm ci --no-audit --no-fund && npm run build
 	@touch $@
 
+# The example environment in Node, built the same way from the environment contract into
+# $(NODE_ENVIRONMENT)/gen.
+node-environment: $(NODE_ENVIRONMENT)/.installed
+
+$(NODE_ENVIRONMENT)/.installed: $(NODE_ENVIRONMENT)/package.json $(NODE_ENVIRONMENT)/package-lock.json \
+		$(NODE_ENVIRONMENT)/buf.gen.yaml $(NODE_ENVIRONMENT)/tsconfig.json protos/rlmesh/environment/v1/environment.proto
+	cd $(NODE_ENVIRONMENT) && npm ci --no-audit --no-fund && npm run build
+	@touch $@
+
+# The example agent harness in Node: the official openai package, plain JavaScript (no build step).
+node-harness: $(NODE_HARNESS)/.installed
+
+$(NODE_HARNESS)/.installed: $(NODE_HARNESS)/package.json $(NODE_HARNESS)/package-lock.json
+	cd $(NODE_HARNESS) && npm ci --no-audit --no-fund
+	@touch $@
+
 lint-protos: $(VENV)/.installed
 	$(BIN)/buf lint
 	$(BIN)/buf breaking --against $(RELEASED_IMAGE)
@@ -117,7 +135,7 @@ wheels-vllm-cuda: $(VENV)/.installed
 test-compose: setup wheels
 	$(PY) -m pytest tests/compose -m compose -s
 
-# The two virtualenvs and the Node verifier install side by side: their installs wait on disk and
+# The two virtualenvs and the Node examples install side by side: their installs wait on disk and
 # registry as much as on the CPU, so four jobs beat two (a fresh clone's setup: 69 s against 96 s).
 # pytest also builds the docs site as `mkdocs build --strict` does (tests/unit/test_docs_site.py).
 # The tests run in TEST_WORKERS processes (pytest-xdist), each file's tests on one worker (its module
@@ -125,7 +143,7 @@ test-compose: setup wheels
 # and made the run longer (fresh clones at d60e9a9: 11 min 31 s with 2 workers, 13 min 3 s with 3).
 TEST_WORKERS ?= 2
 test:
-	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier lint-protos check-compose $(VENV)/.bytecode $(DEFAULT_MODEL)/config.json
+	@$(MAKE) --no-print-directory -j4 --output-sync=target setup setup-vllm node-verifier node-environment node-harness lint-protos check-compose $(VENV)/.bytecode $(DEFAULT_MODEL)/config.json
 	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # What the tests' shared fixtures and the services import, compiled to bytecode by one process (while

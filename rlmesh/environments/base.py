@@ -36,9 +36,17 @@ class Action:
 
 
 @dataclass(frozen=True, slots=True)
+class Tokens:
+    """An observation as token ids, appended to the stream as they are (an environment of a model
+    without a chat template, or one that renders its own)."""
+
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
-    messages: list[Message] = field(default_factory=list)
-    """What the environment says next (user or tool messages); empty once done."""
+    messages: list[Message] | Tokens = field(default_factory=list)
+    """What the environment says next (user or tool messages, or Tokens); empty once done."""
     reward: float | None = None
     done: bool = False
 
@@ -52,6 +60,20 @@ class Environment(Protocol):
     def step(self, action: Action) -> Any:
         """A StepResult, a (observation, reward, done) tuple, or a mapping with those keys; the
         observation is a user message's text, a message, or a list of messages."""
+
+
+def as_observation(value: Any, where: str) -> list[Message] | Tokens:
+    """Messages from what an environment returned (text: a user message; one message; a list), or
+    its Tokens ({"token_ids": [...]} too)."""
+    if isinstance(value, Mapping) and set(value) == {"token_ids"}:
+        value = Tokens(value["token_ids"])
+    if isinstance(value, Tokens):
+        ids = value.token_ids
+        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                                    for t in ids):
+            raise EnvironmentFailure(f"{where} returned token_ids that are not a non-empty list of token ids")
+        return Tokens(list(ids))
+    return as_messages(value, where)
 
 
 def as_messages(value: Any, where: str) -> list[Message]:
@@ -91,7 +113,7 @@ def as_step_result(value: Any) -> StepResult:
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             raise EnvironmentFailure(f"step returned reward={reward!r}, not a finite number")
         reward = float(reward)
-    messages = [] if observation is None or (done and not observation) else as_messages(observation, "step")
+    messages = [] if observation is None or (done and not observation) else as_observation(observation, "step")
     if not done and not messages:
         raise EnvironmentFailure("step returned no observation for an episode that is not done")
     return StepResult(messages, reward, done)

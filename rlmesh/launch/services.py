@@ -69,6 +69,7 @@ def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
         "RLMESH_TRAINER_SERVER__PORT": port_of(plan.trainer_address),
         "RLMESH_TRAINER_MANAGER_ADDRESS": plan.manager_address,
         "RLMESH_TRAINER_WEIGHTS_ADDRESS": plan.weights_address,
+        "RLMESH_TRAINER_GATEWAY_ADDRESS": plan.gateway_address,
         "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
         "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
         "RLMESH_TRAINER_STEPS": str(plan.steps),

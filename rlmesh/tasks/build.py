@@ -82,8 +82,8 @@ class Task:
     renderer: PromptRenderer
     reward: GuardedReward | None
     """None for a multi-turn task whose environment gives the rewards."""
-    environment: Callable[[], Any] | None = None
-    """Multi-turn: makes one episode's environment."""
+    environment: Callable[[str], Any] | None = None
+    """Multi-turn: makes one episode's environment (from its id); None too for an agent command."""
 
     @property
     def name(self) -> str:
@@ -132,7 +132,7 @@ def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
 def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_path: Sequence[str] = ()) -> Task:
     """Builds and checks a task: the dataset is read, the reward loaded and a few prompts rendered
     with the model's tokenizer, so a bad task stops the job at start with its name in the message."""
-    from rlmesh.environments.python import EnvironmentLoadError, check_environment, environment_factory
+    from rlmesh.environments.factory import EnvironmentLoadError, environment_factory
     from rlmesh.rewards.python import RewardLoadError
     from rlmesh.tasks.datasets import DatasetError
 
@@ -143,10 +143,7 @@ def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_pat
         renderer = PromptRenderer(config.name, tokenizer, config.prompt.template, chat, config.prompt.system)
         # A multi-turn task's environment gives its rewards, unless the task names a reward of its own.
         inner = _reward(config, search_path) if environment is None or config.reward.given else None
-        factory = None
-        if environment is not None:
-            factory = environment_factory(environment.python, environment.builtin, search_path)
-            check_environment(factory, environment.python or environment.builtin or "")
+        factory = environment_factory(environment, config.name, search_path) if environment is not None else None
     except (DatasetError, RewardLoadError, EnvironmentLoadError) as exc:
         raise TaskError(f"task {config.name!r}: {exc}") from exc
     for prompt in [source.prompt_at(0), *source.held_out(1)]:

@@ -116,6 +116,19 @@ class EnvironmentConfig(StrictModel):
     builtin: Literal["calculator", "feedback"] | None = None
     """An environment shipped with rlmesh: `calculator` (word problems with a calculator tool) or
     `feedback` (digit answers marked right or wrong per position, then a second attempt)."""
+    tools: bool = True
+    """Built-in environments: offer their tools. False runs the same episodes without them (the
+    calculator's baseline: the model answers directly)."""
+    remote: str | None = None
+    """host:port of a service serving `rlmesh.environment.v1.EnvironmentService` in any language
+    (protos/); it is called with the trainer's credentials."""
+    command: str | None = None
+    """A black-box agent: this command (split like a shell would, run in the job's folder) is run
+    once per episode with OPENAI_BASE_URL set to its session on the manager's gateway and
+    OPENAI_API_KEY to the session's key (plus RLMESH_SESSION_ID, and RLMESH_ROW: the dataset row as
+    JSON). It reports its reward by POSTing {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as
+    the JSON line {"reward": x} last on its stdout; or the task's reward scores the final
+    transcript. Exit 0 ends the episode `done`, any other exit `environment_error`."""
     max_turns: int = Field(default=4, ge=1)
     """Model turns per episode; an episode that reaches it ends `truncated_turns`."""
     max_total_tokens: int | None = Field(default=None, ge=2)
@@ -136,9 +149,9 @@ class EnvironmentConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> "EnvironmentConfig":
-        chosen = [k for k in ("python", "builtin") if getattr(self, k)]
+        chosen = [k for k in ("python", "builtin", "remote", "command") if getattr(self, k)]
         if len(chosen) != 1:
-            raise ValueError(f"give one of python or builtin{', not ' + ' and '.join(chosen) if chosen else ''}")
+            raise ValueError(f"give one of python, builtin, remote or command{', not ' + ' and '.join(chosen) if chosen else ''}")
         if self.python and ":" not in self.python:
             raise ValueError(f"python {self.python!r} must be written module:Class or file.py:Class")
         return self

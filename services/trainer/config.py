@@ -18,6 +18,8 @@ class TrainerConfig(AlgorithmConfig, TrainerSettings):
     server: ServerConfig = ServerConfig(port=50153)
     manager_address: str = "127.0.0.1:50151"
     weights_address: str = "127.0.0.1:50152"
+    gateway_address: str = ""
+    """The manager's OpenAI gateway (host:port): agent commands of multi-turn tasks are pointed at it."""
     model_dir: str
     """Local HF-format folder with the initial policy (version 0)."""
     output_dir: str = "runs/latest"

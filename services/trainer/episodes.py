@@ -16,25 +16,22 @@ from typing import Any
 import grpc
 import structlog
 
-from rlmesh.chat_turns import ENVIRONMENT, ChatTurns, Piece, RenderError
-from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, as_messages, as_step_result
-from rlmesh.common.v1 import common_pb2
+from rlmesh.chat_turns import ChatTurns, RenderError
+from rlmesh.environments.base import EnvironmentFailure
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import TaskMixture
 from rlmesh.tasks.config import EnvironmentConfig
-from rlmesh.tool_calls import parse_tool_calls
+from services.trainer.episode_agents import run_agent
+from services.trainer.episode_steps import run_steps
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
 
-OPEN = manager_pb2.SESSION_STATUS_OPEN
-DONE = manager_pb2.SESSION_STATUS_DONE
 DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE
 ENVIRONMENT_ERROR = manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR
 FAILED = frozenset({DEADLINE, ENVIRONMENT_ERROR})
 """Episodes that end this way are masked out of their group and count towards the error rate."""
-_SOURCES = {ENVIRONMENT: manager_pb2.SEGMENT_SOURCE_ENVIRONMENT}
 
 
 class TooManyEpisodeErrors(RuntimeError):
@@ -66,12 +63,15 @@ class EpisodeSpec:
 
     task: str
     config: EnvironmentConfig
-    make_environment: Callable[[], Any]
+    make_environment: Callable[[str], Any] | None
+    """Episode id -> its environment; None for an agent command."""
     turns: ChatTurns
     tokenizer: Any
     stop_ids: list[int]
     context_length: int
     """The model's positions (0: not known): the default bound on an episode's tokens."""
+    working_dir: str = ""
+    """Where an agent command runs (the job's folder)."""
 
     def limits(self) -> manager_pb2.SessionLimits:
         config = self.config
@@ -85,29 +85,20 @@ class EpisodeSpec:
                                          step_deadline_seconds=2 * config.step_deadline_seconds)
 
 
-def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], context_length: int) -> dict[str, EpisodeSpec]:
+def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], context_length: int,
+                  working_dir: str = "") -> dict[str, EpisodeSpec]:
     """The multi-turn tasks of a job, by name."""
     specs = {}
     for task in mixture.tasks:
-        if task.environment is None or task.config.environment is None:
+        if task.config.environment is None:
             continue
         try:
             turns = ChatTurns(tokenizer)
         except RenderError as exc:
             raise ValueError(f"task {task.name!r}: {exc}") from exc
         specs[task.name] = EpisodeSpec(task.name, task.config.environment, task.environment, turns, tokenizer, stop_ids,
-                                       context_length)
+                                       context_length, working_dir)
     return specs
-
-
-def row_of(prompt: TaskPrompt) -> dict[str, Any]:
-    """What `reset` receives: the prompt (text or messages), its uid and its metadata fields."""
-    return {**prompt.metadata, "prompt": prompt.text if prompt.text is not None else list(prompt.messages or []), "uid": prompt.uid}
-
-
-def segments_of(pieces: list[Piece]) -> list[manager_pb2.Segment]:
-    return [manager_pb2.Segment(source=_SOURCES.get(p.source, manager_pb2.SEGMENT_SOURCE_TEMPLATE), token_ids=p.token_ids)
-            for p in pieces]
 
 
 class EpisodeDriver:
@@ -115,8 +106,11 @@ class EpisodeDriver:
     almost all their time, so hundreds run at once as asyncio tasks; the user's sync environment
     code runs in a thread pool of its own, async code on the loop under a deadline."""
 
-    def __init__(self, mesh: MeshClient, threads: int, on_failure: Callable[[BaseException], Awaitable[None]]) -> None:
+    def __init__(self, mesh: MeshClient, threads: int, on_failure: Callable[[BaseException], Awaitable[None]],
+                 gateway_address: str = "") -> None:
         self.mesh = mesh
+        self.gateway_address = gateway_address
+        """The manager's OpenAI gateway, where agent commands are pointed."""
         self.on_failure = on_failure
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="environment")
         self.errors: dict[str, EpisodeErrors] = {}
@@ -136,7 +130,7 @@ class EpisodeDriver:
 
     async def _guarded(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt, counted: bool) -> None:
         try:
-            status, reason = await self.run_episode(spec, handle.session_id, prompt)
+            status, reason = await self.run_episode(spec, handle, prompt)
             if not counted or status == manager_pb2.SESSION_STATUS_UNSPECIFIED:
                 return
             errors = self.errors.setdefault(spec.task, EpisodeErrors(spec.task, spec.config.max_error_rate, spec.config.error_window))
@@ -148,7 +142,7 @@ class EpisodeDriver:
                 self.failure = exc
                 await self.on_failure(exc)
 
-    async def _call(self, method: Callable[..., Any], argument: Any, deadline: float) -> Any:
+    async def call(self, method: Callable[..., Any], argument: Any, deadline: float) -> Any:
         """The environment's method under its deadline: sync in the pool, async on the loop."""
         if inspect.iscoroutinefunction(method):
             return await asyncio.wait_for(method(argument), deadline)
@@ -156,32 +150,16 @@ class EpisodeDriver:
         result = await asyncio.wait_for(future, deadline)
         return await result if inspect.isawaitable(result) else result
 
-    async def run_episode(self, spec: EpisodeSpec, session_id: str, prompt: TaskPrompt) -> tuple[int, str]:
+    async def run_episode(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt) -> tuple[int, str]:
         """One episode to its end; returns the status its session was closed with and why."""
         config = spec.config
-        mesh = self.mesh
+        session_id = handle.session_id
+        environment = None
         try:
-            environment = spec.make_environment()
-            history = as_messages(await self._call(environment.reset, row_of(prompt), config.step_deadline_seconds), "reset")
-            pieces = spec.turns.first(history)
-            turn = 0
-            while True:
-                reply = await mesh.run_turn(manager_pb2.RunTurnRequest(session_id=session_id, turn=turn, append=segments_of(pieces)),
-                                            config.turn_deadline_seconds + config.step_deadline_seconds)
-                if reply.status != OPEN:
-                    return reply.status, ""
-                action = self._action(spec, reply.generated)
-                history.append({"role": "assistant", "content": action.text})
-                result: StepResult = as_step_result(await self._call(environment.step, action, config.step_deadline_seconds))
-                # The trajectory's reward is the sum of its turns' (trajectory_reward).
-                if result.reward is not None:
-                    await mesh.set_session_reward(session_id, result.reward, turn)
-                if result.done:
-                    return await mesh.close_session(session_id, DONE), ""
-                stop_text = "" if action.truncated else spec.tokenizer.decode(reply.generated.token_ids[-1:])
-                pieces = spec.turns.after_model(history, stop_text, result.messages)
-                history += result.messages
-                turn += 1
+            if config.command:
+                return await run_agent(self.mesh, spec, handle, prompt, self.gateway_address)
+            environment = spec.make_environment(session_id)
+            return await run_steps(self.mesh, spec, session_id, prompt, environment, self.call)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 # Its batch was cancelled (a validation given up, a run stopping): nobody reads it.
@@ -189,24 +167,29 @@ class EpisodeDriver:
             raise
         except TimeoutError:
             reason = f"the environment took longer than step_deadline_seconds ({config.step_deadline_seconds:g})"
-            return await mesh.close_session(session_id, DEADLINE, reason), reason
+            return await self.mesh.close_session(session_id, DEADLINE, reason), reason
         except (EnvironmentFailure, RenderError) as exc:
             reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything
-            if isinstance(exc, asyncio.CancelledError):
-                raise
             reason = f"the environment raised {type(exc).__name__}: {exc}"
+        finally:
+            if environment is not None:
+                await self._close(environment, spec, session_id)
         log.warning("episode failed", session_id=session_id, reason=reason)
-        return await mesh.close_session(session_id, ENVIRONMENT_ERROR, reason[:2000]), reason
+        return await self.mesh.close_session(session_id, ENVIRONMENT_ERROR, reason[:2000]), reason
 
-    @staticmethod
-    def _action(spec: EpisodeSpec, generated: manager_pb2.Segment) -> Action:
-        ids = list(generated.token_ids)
-        truncated = generated.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        text_ids = ids[:-1] if ids and ids[-1] in spec.stop_ids else ids
-        text = spec.tokenizer.decode(text_ids, skip_special_tokens=True)
-        parsed = parse_tool_calls(text)
-        return Action(text, parsed.tool_calls, parsed.content, ids, truncated)
+    async def _close(self, environment: Any, spec: EpisodeSpec, session_id: str) -> None:
+        """The environment's `close`, if it has one: a failure there is logged, the episode stands."""
+        close = getattr(environment, "close", None)
+        if not callable(close):
+            return
+        try:
+            if inspect.iscoroutinefunction(close):
+                await asyncio.wait_for(close(), spec.config.step_deadline_seconds)
+            else:
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.executor, close), spec.config.step_deadline_seconds)
+        except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything
+            log.warning("closing an episode's environment failed", session_id=session_id, error=f"{type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -100,9 +100,10 @@ class GrpoTrainer:
                            if config.validation == "background" else None)
         self.evaluations: dict[int, dict[str, float]] = {}
         """Inline evaluations by step (background ones are kept by `validation`)."""
-        self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length)
-        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._episodes_failed)
-                         if self.episode_specs else None)
+        self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length,
+                                           config.python_path[0] if config.python_path else "")
+        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._episodes_failed,
+                                       config.gateway_address) if self.episode_specs else None)
         if self.validation is not None:
             self.validation.episodes = self.episodes
             self.validation.episode_specs = self.episode_specs
@@ -349,7 +350,7 @@ class GrpoTrainer:
         tasks = self.mixture.by_name
         by_batch: dict[str, list[PromptRecord]] = {}
         for record in records:
-            by_batch.setdefault("" if tasks[record.task].environment is None else record.task, []).append(record)
+            by_batch.setdefault("" if tasks[record.task].config.environment is None else record.task, []).append(record)
         for index, (episodes_of, batch_records) in enumerate(sorted(by_batch.items())):
             batch_id = self._batch_id(plan.step, part) + ("" if index == 0 else f"-{episodes_of}")
             prompts = [(r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in batch_records]
