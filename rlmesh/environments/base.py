@@ -44,9 +44,17 @@ class Tokens:
 
 
 @dataclass(frozen=True, slots=True)
+class Text:
+    """An observation as raw text, tokenized once as it is (no chat template) and appended: an
+    environment of a model without a chat template."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepResult:
-    messages: list[Message] | Tokens = field(default_factory=list)
-    """What the environment says next (user or tool messages, or Tokens); empty once done."""
+    messages: list[Message] | Tokens | Text = field(default_factory=list)
+    """What the environment says next (user or tool messages, Tokens or Text); empty once done."""
     reward: float | None = None
     done: bool = False
 
@@ -62,11 +70,17 @@ class Environment(Protocol):
         observation is a user message's text, a message, or a list of messages."""
 
 
-def as_observation(value: Any, where: str) -> list[Message] | Tokens:
+def as_observation(value: Any, where: str) -> list[Message] | Tokens | Text:
     """Messages from what an environment returned (text: a user message; one message; a list), or
-    its Tokens ({"token_ids": [...]} too)."""
+    its Tokens ({"token_ids": [...]} too) or raw Text ({"text": "..."} too)."""
     if isinstance(value, Mapping) and set(value) == {"token_ids"}:
         value = Tokens(value["token_ids"])
+    if isinstance(value, Mapping) and set(value) == {"text"}:
+        value = Text(value["text"])
+    if isinstance(value, Text):
+        if not isinstance(value.text, str) or not value.text:
+            raise EnvironmentFailure(f"{where} returned raw text that is not a non-empty string")
+        return value
     if isinstance(value, Tokens):
         ids = value.token_ids
         if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -137,7 +137,7 @@ def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_pat
     from rlmesh.tasks.datasets import DatasetError
 
     environment = config.environment
-    chat = config.prompt.chat or config.kind == "word_problems" or environment is not None
+    chat = config.prompt.chat or config.kind == "word_problems"
     try:
         source = _source(config, job_seed * 1_000_003 + config.seed)
         renderer = PromptRenderer(config.name, tokenizer, config.prompt.template, chat, config.prompt.system)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlmesh.chat_turns import ENVIRONMENT, Piece
 from rlmesh.common.v1 import common_pb2
-from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Tokens, as_observation, as_step_result
+from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tool_calls import parse_tool_calls
@@ -33,8 +33,10 @@ def segments_of(pieces: list[Piece]) -> list[manager_pb2.Segment]:
                                 else manager_pb2.SEGMENT_SOURCE_TEMPLATE, token_ids=p.token_ids) for p in pieces]
 
 
-def token_segments(observation: Tokens) -> list[manager_pb2.Segment]:
-    return [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=observation.token_ids)]
+def raw_segments(spec: EpisodeSpec, observation: Tokens | Text) -> list[manager_pb2.Segment]:
+    """An observation appended as it is: its tokens, or its text tokenized once (no template)."""
+    ids = observation.token_ids if isinstance(observation, Tokens) else spec.tokenizer.encode(observation.text, add_special_tokens=False)
+    return [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=list(ids))]
 
 
 def action_of(spec: EpisodeSpec, generated: manager_pb2.Segment) -> Action:
@@ -52,9 +54,9 @@ async def run_steps(mesh: MeshClient, spec: EpisodeSpec, session_id: str, prompt
     limit: its status). Raises what the environment raised, TimeoutError past a step's deadline."""
     config = spec.config
     opening = as_observation(await call(environment.reset, row_of(prompt), config.step_deadline_seconds), "reset")
-    tokens_only = isinstance(opening, Tokens)
-    history: list[dict[str, Any]] = [] if tokens_only else list(opening)
-    append = token_segments(opening) if tokens_only else segments_of(spec.turns.first(history))
+    raw = isinstance(opening, (Tokens, Text))
+    history: list[dict[str, Any]] = [] if raw else list(opening)
+    append = raw_segments(spec, opening) if raw else segments_of(spec.chat_turns().first(history))
     turn = 0
     while True:
         reply = await mesh.run_turn(manager_pb2.RunTurnRequest(session_id=session_id, turn=turn, append=append),
@@ -69,13 +71,13 @@ async def run_steps(mesh: MeshClient, spec: EpisodeSpec, session_id: str, prompt
         if result.done:
             return await mesh.close_session(session_id, DONE), ""
         observation = result.messages
-        if tokens_only != isinstance(observation, Tokens):
-            raise EnvironmentFailure("the environment mixed token and message observations in one episode")
-        if isinstance(observation, Tokens):
-            append = token_segments(observation)
+        if raw != isinstance(observation, (Tokens, Text)):
+            raise EnvironmentFailure("the environment mixed raw (tokens, text) and message observations in one episode")
+        if isinstance(observation, (Tokens, Text)):
+            append = raw_segments(spec, observation)
         else:
             history.append({"role": "assistant", "content": action.text})
             stop_text = "" if action.truncated else spec.tokenizer.decode(reply.generated.token_ids[-1:])
-            append = segments_of(spec.turns.after_model(history, stop_text, observation))
+            append = segments_of(spec.chat_turns().after_model(history, stop_text, observation))
             history += observation
         turn += 1

@@ -65,13 +65,20 @@ class EpisodeSpec:
     config: EnvironmentConfig
     make_environment: Callable[[str], Any] | None
     """Episode id -> its environment; None for an agent command."""
-    turns: ChatTurns
+    turns: ChatTurns | None
+    """None for a model without a chat template: its environments give raw observations."""
     tokenizer: Any
     stop_ids: list[int]
     context_length: int
     """The model's positions (0: not known): the default bound on an episode's tokens."""
     working_dir: str = ""
     """Where an agent command runs (the job's folder)."""
+
+    def chat_turns(self) -> ChatTurns:
+        if self.turns is None:
+            raise EnvironmentFailure("the environment gave chat messages but the model's tokenizer has no chat template: "
+                                     "give raw observations (Text, Tokens) instead")
+        return self.turns
 
     def limits(self) -> manager_pb2.SessionLimits:
         config = self.config
@@ -93,9 +100,9 @@ def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], con
         if task.config.environment is None:
             continue
         try:
-            turns = ChatTurns(tokenizer)
-        except RenderError as exc:
-            raise ValueError(f"task {task.name!r}: {exc}") from exc
+            turns: ChatTurns | None = ChatTurns(tokenizer)
+        except RenderError:
+            turns = None
         specs[task.name] = EpisodeSpec(task.name, task.config.environment, task.environment, turns, tokenizer, stop_ids,
                                        context_length, working_dir)
     return specs

@@ -10,7 +10,7 @@ from rlmesh.rewards.base import RewardResult
 from services.trainer.critic import CriticSums
 from services.trainer.pipeline import ScoredGroup
 from services.trainer.policy import MicroBatchStats
-from services.trainer.trajectories import STATUS_NAMES, EpisodeFigures
+from services.trainer.trajectories import STATUS_NAMES, EpisodeFigures, turn_reward_means
 from services.trainer.validation import SOLVED
 
 TOKEN_FIGURES = ("kl", "clip_fraction", "importance_weight_mean", "capped_fraction", "behaviour_kl")
@@ -140,4 +140,4 @@ def episode_metrics(episodes: list[EpisodeFigures]) -> dict[str, float]:
         values[f"episodes/tokens/{source}"] = mean([float(e.tokens.get(source, 0)) for e in episodes])
     for status in STATUS_NAMES.values():
         values[f"episodes/ended/{status}"] = float(sum(e.status == status for e in episodes))
-    return values
+    return values | turn_reward_means(episodes, "episodes/")

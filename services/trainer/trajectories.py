@@ -40,6 +40,7 @@ class EpisodeFigures:
     tokens: dict[str, int] = field(default_factory=dict)
     """By source: model, environment, template."""
     parts: int = 1
+    turn_rewards: dict[int, float] = field(default_factory=dict)
 
 
 def trajectory_reward(trajectory: manager_pb2.SessionTrajectory) -> float:
@@ -78,4 +79,13 @@ def figures_of(trajectory: manager_pb2.SessionTrajectory) -> EpisodeFigures:
     for segment in trajectory.segments:
         tokens[SOURCE_NAMES.get(segment.source, "template")] += len(segment.token_ids)
     return EpisodeFigures(STATUS_NAMES.get(trajectory.status, "open"), trajectory.turns, trajectory.environment_seconds, tokens,
-                          1 + sum(s.starts_part for s in trajectory.segments))
+                          1 + sum(s.starts_part for s in trajectory.segments), dict(trajectory.turn_rewards))
+
+
+def turn_reward_means(episodes: list[EpisodeFigures], prefix: str) -> dict[str, float]:
+    """Per turn index, the mean reward of the episodes that rewarded that turn (`<prefix>turn<k>_reward`)."""
+    by_turn: dict[int, list[float]] = {}
+    for episode in episodes:
+        for turn, reward in episode.turn_rewards.items():
+            by_turn.setdefault(turn, []).append(reward)
+    return {f"{prefix}turn{turn}_reward": sum(r) / len(r) for turn, r in sorted(by_turn.items())}

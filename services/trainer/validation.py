@@ -19,7 +19,7 @@ from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec
 from services.trainer.mesh import MeshClient
-from services.trainer.trajectories import MASKED_STATUSES, trajectory_reward
+from services.trainer.trajectories import MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, turn_reward_means
 from services.trainer.pipeline import prompt_seed
 
 log = structlog.get_logger()
@@ -47,6 +47,8 @@ class PinnedBatch:
     prompt_ids: list[str]
     samples: int
     greedy: bool
+    episodes: list[EpisodeFigures] = field(default_factory=list)
+    """Multi-turn: the held-out episodes, as they ended."""
 
 
 @dataclass(slots=True)
@@ -179,6 +181,10 @@ class BackgroundValidation:
         for batch, batch_rewards in zip(batches, rewards):
             (figures.greedy if batch.greedy else figures.sampled)[batch.held_out.task.name] = batch_rewards
         values = {**figures.values(), "eval/weight_version": float(version), "eval/seconds": time.perf_counter() - started}
+        for batch in batches:
+            if batch.episodes:
+                kind = "greedy" if batch.greedy else "sampled"
+                values |= turn_reward_means(batch.episodes, f"eval/{batch.held_out.task.name}/{kind}_")
         self.results[step] = values
         self.report(step, values)
         log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
@@ -193,6 +199,7 @@ class BackgroundValidation:
             for group in groups:
                 responses[group.prompt_id] = [list(s.token_ids) for s in group.samples]
                 episodes[group.prompt_id] = [s.session for s in group.samples if s.HasField("session")]
+        batch.episodes.extend(figures_of(t) for trajectories in episodes.values() for t in trajectories)
         if held_out.task.reward is None:
             # An episode that failed earns nothing here: evaluation counts what the policy achieved.
             return [0.0 if episodes[pid][k].status in MASKED_STATUSES else trajectory_reward(episodes[pid][k])

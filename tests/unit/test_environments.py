@@ -1,0 +1,84 @@
+"""The environments shipped with rlmesh and the checks every environment's answers go through: the
+calculator evaluates only arithmetic and rewards a right boxed answer, the feedback marks what was
+right, and whatever an environment returns is an observation or an EnvironmentFailure."""
+
+import pytest
+
+from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
+from rlmesh.environments.calculator import CalculatorEnvironment, evaluate
+from rlmesh.environments.feedback import FeedbackEnvironment, marks
+from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for
+from rlmesh.tool_calls import parse_tool_calls, tool_call_text
+
+
+def action(text: str) -> Action:
+    parsed = parse_tool_calls(text)
+    return Action(text, parsed.tool_calls, parsed.content, [], False)
+
+
+def test_the_calculator_evaluates_arithmetic_only():
+    assert evaluate("(3*4)-5") == "7" and evaluate("10/4") == "2.5" and evaluate("-2*3") == "-6"
+    assert evaluate("__import__('os')").startswith("error:") and evaluate("2**99").startswith("error:")
+    assert evaluate("1/0").startswith("error:") and evaluate("9" * 70).startswith("error: expression longer")
+
+
+def test_a_calculator_episode_answers_calls_and_rewards_the_right_boxed_answer():
+    problem = WordProblemSource(3).problem_at(0)
+    row = {"prompt": list(messages_for(problem)), "answer": str(problem.answer)}
+    environment = CalculatorEnvironment()
+    first = environment.reset(row)
+    assert first[0]["role"] == "system" and "calculator" in first[0]["content"] and "boxed" not in first[1]["content"]
+    called = environment.step(action(tool_call_text("calculator", {"expression": expression_of(problem)})))
+    assert called == StepResult([{"role": "tool", "content": str(problem.answer)}], 0.0, False)
+    assert environment.step(action(f"\\boxed{{{problem.answer}}}")) == StepResult([], 1.0, True)
+    assert CalculatorEnvironment().step(action("\\boxed{-1}")).reward == 0.0
+    # Without tools a call is no call: the episode ends unanswered.
+    plain = CalculatorEnvironment(tools=False)
+    assert "calculator" not in plain.reset(row)[0]["content"]
+    assert plain.step(action(tool_call_text("calculator", {"expression": "1+1"}))) == StepResult([], 0.0, True)
+    with pytest.raises(EnvironmentFailure, match="no 'answer'"):
+        CalculatorEnvironment().reset({"prompt": "x"})
+
+
+def test_feedback_marks_what_was_right_and_asks_again():
+    assert marks("4821", "5932", "5932") == "====="
+    assert marks("4821", "5942", "5932") == "==2=="
+    assert marks("4821", "59", "5932") == "==21="
+    environment = FeedbackEnvironment()
+    assert environment.reset({"prompt": "4821=", "answer": "5932"}) == Text("4821=")
+    first = environment.step(action("5942"))
+    assert first == StepResult(Text("==2=="), 0.75, False)
+    assert environment.step(action("5932")) == StepResult([], 1.0, True)
+    baseline = FeedbackEnvironment(tools=False)
+    baseline.reset({"prompt": "4821=", "answer": "5932"})
+    assert baseline.step(action("5942")).messages == Text("4821=")
+    with pytest.raises(EnvironmentFailure, match="digits and '='"):
+        FeedbackEnvironment().reset({"prompt": "hello", "answer": "1"})
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("hi", [{"role": "user", "content": "hi"}]),
+    ({"role": "tool", "content": "5"}, [{"role": "tool", "content": "5"}]),
+    ({"token_ids": [1, 2]}, Tokens([1, 2])),
+    ({"text": "12="}, Text("12=")),
+])
+def test_observations_come_as_text_messages_tokens_or_raw_text(value, expected):
+    assert as_observation(value, "step") == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    (42, "not messages or text"), ([{"role": "robot", "content": "x"}], "a role in"), ({"token_ids": [-1]}, "token ids"),
+    ({"text": ""}, "non-empty string"),
+])
+def test_garbage_observations_are_environment_failures(value, message):
+    with pytest.raises(EnvironmentFailure, match=message):
+        as_observation(value, "step")
+
+
+@pytest.mark.parametrize("value, message", [
+    (("ok", float("nan"), False), "finite number"), (("ok", 1.0, "yes"), "not a bool"), ((None, 0.0, False), "no observation"),
+    ({"reward": 1, "bogus": 2}, "keys"), ("text", r"give \(observation, reward, done\)"),
+])
+def test_garbage_steps_are_environment_failures(value, message):
+    with pytest.raises(EnvironmentFailure, match=message):
+        as_step_result(value)
