@@ -27,6 +27,7 @@ _ROLLOUT = "rlmesh.rollout.v1.RolloutService"
 _WEIGHTS = "rlmesh.weights.v1.WeightsService"
 _TRAINER = "rlmesh.trainer.v1.TrainerService"
 _REWARD = "rlmesh.reward.v1.RewardService"
+_ENVIRONMENT = "rlmesh.environment.v1.EnvironmentService"
 
 _STATUS_READERS: frozenset[Role] = frozenset({"operator", "observer"})
 
@@ -63,6 +64,9 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_WEIGHTS}/GetStatus": frozenset({"trainer", "manager"}) | _STATUS_READERS,
     f"/{_TRAINER}/GetTrainingStatus": _STATUS_READERS,
     f"/{_REWARD}/Score": frozenset({"trainer"}),
+    f"/{_ENVIRONMENT}/Reset": frozenset({"trainer"}),
+    f"/{_ENVIRONMENT}/Step": frozenset({"trainer"}),
+    f"/{_ENVIRONMENT}/Close": frozenset({"trainer"}),
 }
 
 
