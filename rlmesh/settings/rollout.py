@@ -59,6 +59,10 @@ class EngineSettings(StrictModel):
     of the push to its commit, then on with the KV cache kept (verl, slime); `abort-continue`: at
     the switch their KV cache is recomputed under the new version from their tokens so far
     (SkyRL). Every token records the version that produced it."""
+    prefix_cache_mib: float = Field(default=256.0, ge=0)
+    """Torch engine: memory for the KV caches of finished turns of multi-turn sessions (per
+    tensor-parallel rank), kept so the session's next turn prefills only its new tokens; the least
+    recently used go first, and all go at a weight switch. 0: none kept."""
     seed: int = 0
     """Seed of the engine's sampling."""
     threads: int = Field(default=1, ge=1)

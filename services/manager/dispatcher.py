@@ -111,6 +111,8 @@ class Dispatcher:
         if request.exact_version:
             generate.pinned_version = request.policy_version
         generate.background = request.background
+        # A session's turns: the instance may keep the session's KV cache from one turn to the next.
+        generate.cache_key = request.session_id
         return generate
 
     def _received(self, stream: InstanceStream, response: rollout_pb2.GenerateManyResponse) -> None:

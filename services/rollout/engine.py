@@ -67,6 +67,8 @@ class EngineRequest:
     background: bool = False
     """Background work: decoded at the lowest CPU priority while nothing else shares the batch
     (engines that can; see GenerateRequest.background)."""
+    cache_key: str = ""
+    """Requests of one key continue one another (a session's turns): see GenerateRequest.cache_key."""
 
     @property
     def remaining_tokens(self) -> int:

@@ -43,7 +43,8 @@ def build_engine(config: RolloutConfig) -> Engine:
 
     return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
                        transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode,
-                       stream_interval=engine.stream_interval, device=engine.device, dtype=engine.dtype)
+                       stream_interval=engine.stream_interval, device=engine.device, dtype=engine.dtype,
+                       prefix_cache_bytes=int(engine.prefix_cache_mib * (1 << 20)))
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:

@@ -126,6 +126,8 @@ class RankRunner:
         self.version = version
         self.device = device
         self.batch = KvBatch(device)
+        self.prefixes: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """KV caches of finished turns of sessions, by cache key, per layer (keys, values)."""
         self.on_switch: Callable[[], None] | None = None
         """Called after each switch, before the new version counts as served."""
         self._switched = threading.Condition()
@@ -134,6 +136,38 @@ class RankRunner:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
         out = self.active(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        self.batch.join(out.past_key_values, mask, positions[:, -1] + 1)
+        return out.logits[:, -1]
+
+    def save_prefix(self, key: str, row: int) -> None:
+        """Keeps a finishing row's KV cache (its valid, right-aligned entries) under `key`."""
+        valid = int(self.batch.mask[row].sum())
+        self.prefixes[key] = [(layer.keys[row:row + 1, :, -valid:].clone(), layer.values[row:row + 1, :, -valid:].clone())
+                              for layer in self.batch.cache.layers]
+
+    def drop_prefix(self, key: str | None) -> None:
+        """Forgets one kept KV cache, or all of them (None)."""
+        if key is None:
+            self.prefixes.clear()
+        else:
+            self.prefixes.pop(key, None)
+
+    @torch.inference_mode()
+    def prefill_prefixed(self, key: str, suffix: torch.Tensor) -> torch.Tensor:
+        """Prefills one sequence whose context begins with the KV cache kept under `key` (taken):
+        only `suffix` [1, S] runs through the model; the row then joins the batch."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for index, (keys, values) in enumerate(self.prefixes.pop(key)):
+            cache.update(keys, values, index)
+        kept = cache.get_seq_length()
+        suffix = suffix.to(self.device, non_blocking=True)
+        width = kept + suffix.shape[1]
+        mask = torch.ones(1, width, dtype=torch.long, device=self.device)
+        positions = torch.arange(kept, width, device=self.device)[None]
+        out = self.active(input_ids=suffix, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+                          logits_to_keep=1)
         self.batch.join(out.past_key_values, mask, positions[:, -1] + 1)
         return out.logits[:, -1]
 

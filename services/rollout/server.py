@@ -107,7 +107,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise FailedPrecondition("this instance is draining and takes no new requests")
         return EngineRequest(
             request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids),
-            request.pinned_version if request.HasField("pinned_version") else None, request.background,
+            request.pinned_version if request.HasField("pinned_version") else None, request.background, request.cache_key,
         )
 
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:

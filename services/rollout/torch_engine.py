@@ -72,6 +72,15 @@ class _Sequence:
 
 
 @dataclass(slots=True)
+class _Prefix:
+    """A finished turn's KV cache kept on every rank: the tokens it covers, the version that computed it."""
+
+    token_ids: list[int]
+    version: int
+    nbytes: int
+
+
+@dataclass(slots=True)
 class _Swap:
     version: int
     done: asyncio.Future[None]
@@ -121,7 +130,7 @@ class TorchEngine(TensorParallelEngine):
     def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
                  tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
                  update_mode: UpdateMode = "continue", stream_interval: int = 1, device: str = "cpu",
-                 dtype: str = "auto") -> None:
+                 dtype: str = "auto", prefix_cache_bytes: int = 256 << 20) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
@@ -135,6 +144,14 @@ class TorchEngine(TensorParallelEngine):
         self._vocab_size = int(config.vocab_size)
         self._max_positions = int(config.max_position_embeddings)
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self._kv_bytes_per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * self._dtype.itemsize // tensor_parallel_size
+        self._prefix_cache_bytes = prefix_cache_bytes
+        self._prefixes: dict[str, _Prefix] = {}
+        """Kept KV caches of finished session turns by cache key, least recently kept first (decode thread only)."""
+        self.prefix_hits = 0
+        self.prefix_tokens_reused = 0
         self._staged_version: int | None = None
         self._rng = torch.Generator(self._device).manual_seed(seed)
         self._cond = threading.Condition()
@@ -417,6 +434,10 @@ class TorchEngine(TensorParallelEngine):
 
     def _apply_swap(self, swap: _Swap) -> None:
         self._group.run("switch", swap.version)
+        if self._prefixes:
+            # Kept caches were computed by the old weights: a session's next turn prefills anew.
+            self._group.run("drop_prefix", None)
+            self._prefixes.clear()
         with self._cond:
             self._swap = None
             self._version = swap.version
@@ -428,6 +449,9 @@ class TorchEngine(TensorParallelEngine):
 
     def _drop_finished(self) -> None:
         keep = [i for i, row in enumerate(self._batch.rows) if row.finish is Finish.NONE]
+        for index, row in enumerate(self._batch.rows):
+            if row.finish in (Finish.STOP, Finish.LENGTH) and row.request.cache_key and self._prefix_cache_bytes:
+                self._keep_prefix(row, index)
         if len(keep) < len(self._batch):
             self._group.run("keep", keep)
             self._batch.keep(keep)
@@ -447,7 +471,44 @@ class TorchEngine(TensorParallelEngine):
         self._prefill(rows, emitted)
         log.info("running requests recomputed on the new weights", requests=len(rows), weight_version=self._version)
 
+    def _keep_prefix(self, row: _Sequence, index: int) -> None:
+        """Keeps a finished turn's KV cache for its session's next turn: every token of its context
+        but the last sampled one, which was never fed. The least recently kept go over the bound."""
+        key = row.request.cache_key
+        covered = row.context()[:-1]
+        nbytes = len(covered) * self._kv_bytes_per_token
+        if nbytes > self._prefix_cache_bytes:
+            return
+        self._forget_prefix(key)
+        while self._prefixes and sum(p.nbytes for p in self._prefixes.values()) + nbytes > self._prefix_cache_bytes:
+            self._forget_prefix(next(iter(self._prefixes)))
+        self._group.run("save_prefix", key, index)
+        self._prefixes[key] = _Prefix(covered, self._version, nbytes)
+
+    def _forget_prefix(self, key: str) -> None:
+        if self._prefixes.pop(key, None) is not None:
+            self._group.run("drop_prefix", key)
+
     def _prefill(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
+        """Prefills the joining sequences: one whose session's last turn left its KV cache here runs
+        only its new tokens; the others are prefilled together, left-padded."""
+        fresh = []
+        for sequence in joining:
+            prefix = self._prefixes.get(sequence.request.cache_key) if sequence.request.cache_key else None
+            context = sequence.context()
+            if (prefix is None or prefix.version != self._version or len(context) <= len(prefix.token_ids)
+                    or context[:len(prefix.token_ids)] != prefix.token_ids):
+                fresh.append(sequence)
+                continue
+            del self._prefixes[sequence.request.cache_key]
+            logits = self._group.run("prefill_prefixed", sequence.request.cache_key, torch.tensor([context[len(prefix.token_ids):]]))
+            self.prefix_hits += 1
+            self.prefix_tokens_reused += len(prefix.token_ids)
+            self._batch.join([sequence], self._sample([sequence], logits.float(), self._version, emitted))
+        if fresh:
+            self._prefill_together(fresh, emitted)
+
+    def _prefill_together(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
         inputs = [s.context() for s in joining]
         width = max(len(ids) for ids in inputs)
         ids = torch.tensor([[self._pad_id] * (width - len(x)) + x for x in inputs])

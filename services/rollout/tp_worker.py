@@ -27,7 +27,7 @@ from services.rollout.tp_model import Collectives
 
 log = structlog.get_logger()
 
-_STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch"})
+_STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch", "save_prefix", "drop_prefix", "prefill_prefixed"})
 # Subclasses before their bases: the first match names the error.
 _ERROR_KINDS = ((UnprovenPayload, "unproven"), (TransferError, "transfer"), (InvalidArgument, "invalid"),
                 (FailedPrecondition, "precondition"), (ValueError, "invalid"))

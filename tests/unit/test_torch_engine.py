@@ -542,3 +542,27 @@ async def test_background_requests_decode_at_the_lowest_priority_only_while_alon
     assert alone == {19}
     assert shared == {before}
     assert SessionPriority.read() == before
+
+
+async def test_a_sessions_next_turn_prefills_only_its_new_tokens_and_samples_the_same(model_dir):
+    """The prefix cache: turn 2 of a session reuses turn 1's KV cache and gives what a full prefill gives."""
+    ids, eos = prompts(model_dir, ["1234=", "5="])
+    sampling = Sampling(temperature=0, max_tokens=6, stop_token_ids=frozenset({eos}))
+    cached, plain = TorchEngine(model_dir, max_batch_size=8, seed=1), TorchEngine(model_dir, max_batch_size=8, seed=1, prefix_cache_bytes=0)
+    await cached.start()
+    await plain.start()
+    try:
+        first = await engine_output(cached, EngineRequest("t0", ids[0], sampling, cache_key="session"))
+        assert list(cached._prefixes) == ["session"]
+        second_prompt = ids[0] + first[0] + ids[1]
+        reused = await engine_output(cached, EngineRequest("t1", second_prompt, sampling, cache_key="session"))
+        full = await engine_output(plain, EngineRequest("t1", second_prompt, sampling, cache_key="session"))
+        assert cached.prefix_hits == 1 and cached.prefix_tokens_reused == len(ids[0]) + len(first[0]) - 1
+        assert plain.prefix_hits == 0
+        assert reused[0] == full[0] and reused[1] == pytest.approx(full[1], abs=1e-3)
+        # A context that does not extend the kept one (an edited history) is prefilled whole.
+        edited = await engine_output(cached, EngineRequest("t2", ids[1] + ids[0], sampling, cache_key="session"))
+        assert cached.prefix_hits == 1 and edited[3] in (Finish.STOP, Finish.LENGTH)
+    finally:
+        await cached.stop()
+        await plain.stop()
