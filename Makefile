@@ -191,6 +191,9 @@ bench: setup
 	$(PY) -m bench.checkpoint
 	$(PY) -m bench.validation
 	$(PY) -m bench.algorithms
+	$(PY) -m bench.rewards
+	$(PY) -m bench.agentic
+	$(PY) -m bench.gateway
 
 # At least 10,000 requests generated from the contracts over every RPC of the four services, plus
 # the targeted cases (a bounded run is part of `make test`); figures in bench/results/fuzz.json.

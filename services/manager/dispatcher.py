@@ -194,7 +194,8 @@ class Dispatcher:
             return
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             if self.state.reject(request.request_id, attempt, details):
-                log.warning("instance refused a request; its batch fails", request=request.request_id, error=details)
+                log.warning("instance refused a session's turn; the session ends" if request.session_id
+                            else "instance refused a request; its batch fails", request=request.request_id, error=details)
             return
         if code in _FAULTS:
             self._failed(assignment, code, details)
