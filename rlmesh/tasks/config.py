@@ -129,6 +129,10 @@ class EnvironmentConfig(StrictModel):
     JSON). It reports its reward by POSTing {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as
     the JSON line {"reward": x} last on its stdout; or the task's reward scores the final
     transcript. Exit 0 ends the episode `done`, any other exit `environment_error`."""
+    credit: Literal["trajectory", "turn"] = "trajectory"
+    """`trajectory`: every model token of an episode gets the episode's advantage (its reward: the
+    sum of its turns'). `turn`: each turn's tokens get the advantage of that turn's reward among the
+    group's same turns (per-turn rewards; an environment that rewards every step)."""
     max_turns: int = Field(default=4, ge=1)
     """Model turns per episode; an episode that reaches it ends `truncated_turns`."""
     max_total_tokens: int | None = Field(default=None, ge=2)

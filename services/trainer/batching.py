@@ -26,6 +26,11 @@ class TrainingSample:
     response_mask: list[float] | None = None
     """Per response token, 1 where it is trained (a multi-turn trajectory's model tokens) and 0 where
     it is context (environment and template tokens); None trains every response token."""
+    token_turns: list[int] | None = None
+    """Multi-turn: per response token, the turn of a model token (-1 for context)."""
+    token_advantages: list[float] | None = None
+    """Per response token, its advantage (per-turn credit: each turn's from its group); when set it
+    replaces `advantage`."""
 
 
 @dataclass(slots=True)
@@ -71,7 +76,10 @@ def build_micro_batch(samples: list[TrainingSample], pad_id: int) -> MicroBatch:
             response_mask[i, start:end] = torch.tensor(sample.response_mask)
             last = start + max(k for k, trained in enumerate(sample.response_mask) if trained)
         behaviour[i, start:end] = torch.tensor(sample.behaviour_logprobs)
-        advantages[i, start:end] = sample.advantage
+        if sample.token_advantages is not None:
+            advantages[i, start:end] = torch.tensor(sample.token_advantages)
+        else:
+            advantages[i, start:end] = sample.advantage
         if sample.token_rewards is not None:
             advantages[i, start:end] += torch.tensor(sample.token_rewards)
             rewards[i, start:end] = torch.tensor(sample.token_rewards)

@@ -54,6 +54,8 @@ class ScoredGroup:
     whose history was edited trains as several samples). None: one sample per result."""
     episodes: list[EpisodeFigures] = field(default_factory=list)
     """Multi-turn: every episode of the group, the masked ones too."""
+    turn_rewards: list[dict[int, float]] | None = None
+    """Multi-turn with per-turn credit: per result (trajectory), its turns' rewards."""
 
     @property
     def rewards(self) -> list[float]:

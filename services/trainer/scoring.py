@@ -86,10 +86,12 @@ class GroupScorer:
         for owner, (trajectory, result) in enumerate(zip(kept, results)):
             for part in parts_of(trajectory):
                 samples.append(TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, temperature, reward=result.reward,
-                                              response_mask=part.mask))
+                                              response_mask=part.mask, token_turns=part.turns))
                 owners.append(owner)
                 versions.append(part.weight_versions)
-        scored = ScoredGroup(record, batch_id, samples, list(results), versions, owners, [figures_of(s.session) for s in group.samples])
+        turn_rewards = [dict(t.turn_rewards) for t in kept] if task.config.environment.credit == "turn" else None
+        scored = ScoredGroup(record, batch_id, samples, list(results), versions, owners, [figures_of(s.session) for s in group.samples],
+                             turn_rewards)
         await self.attach_reference([scored])
         return scored
 

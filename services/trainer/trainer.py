@@ -38,6 +38,7 @@ from services.trainer.ranks import BeginStep, Checkpoint, Evaluate, OptimizerSte
 from services.trainer.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals
+from services.trainer.trajectories import turn_credit
 from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
@@ -487,6 +488,10 @@ class GrpoTrainer:
         for group, group_advantages in zip(micro_batch, advantages):
             for sample, owner in zip(group.samples, group.owners()):
                 sample.advantage = float(group_advantages[owner])
+        credited = [g for g in micro_batch if g.turn_rewards is not None]
+        for group, credit in zip(credited, turn_credit([g.turn_rewards for g in credited], estimator.compute)):
+            for sample, owner in zip(group.samples, group.owners()):
+                sample.token_advantages = [credit[owner].get(turn, 0.0) if turn >= 0 else 0.0 for turn in sample.token_turns]
         return samples
 
     async def _optimizer_step(self, totals: StepTotals) -> None:

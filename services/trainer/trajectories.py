@@ -4,7 +4,10 @@ behaviour logprobs and versions; plus the episode's figures (turns, environment 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from rlmesh.manager.v1 import manager_pb2
 
@@ -30,6 +33,8 @@ class Part:
     """Per response token: 1 for the model's, 0 for environment and template tokens."""
     weight_versions: list[int]
     """The versions of its model tokens."""
+    turns: list[int]
+    """Per response token, the turn of a model token (-1 for context)."""
 
 
 @dataclass(slots=True)
@@ -53,25 +58,42 @@ def trajectory_reward(trajectory: manager_pb2.SessionTrajectory) -> float:
 def parts_of(trajectory: manager_pb2.SessionTrajectory) -> list[Part]:
     """The trajectory's parts that hold model tokens, in order. A part that starts at a break reuses
     a prefix of the previous part's stream as context: its model tokens there are not trained again."""
-    streams: list[list[tuple[int, float, int, bool]]] = [[]]
+    # Per token: (token, logprob, version, turn), the turn -1 for context.
+    streams: list[list[tuple[int, float, int, int]]] = [[]]
     for segment in trajectory.segments:
         if segment.starts_part:
-            kept = [(token, 0.0, version, False) for token, _, version, _ in streams[-1][:segment.reused_prefix_tokens]]
+            kept = [(token, 0.0, version, -1) for token, _, version, _ in streams[-1][:segment.reused_prefix_tokens]]
             streams.append(kept)
         if segment.source == MODEL:
-            streams[-1] += zip(segment.token_ids, segment.logprobs, segment.weight_versions, [True] * len(segment.token_ids))
+            streams[-1] += zip(segment.token_ids, segment.logprobs, segment.weight_versions, [segment.turn] * len(segment.token_ids))
         else:
-            streams[-1] += [(token, 0.0, -1, False) for token in segment.token_ids]
+            streams[-1] += [(token, 0.0, -1, -1) for token in segment.token_ids]
     parts = []
     for stream in streams:
-        trained = [i for i, (_, _, _, model) in enumerate(stream) if model]
+        trained = [i for i, (_, _, _, turn) in enumerate(stream) if turn >= 0]
         if not trained:
             continue
         first, last = trained[0], trained[-1]
         tail = stream[first:last + 1]
         parts.append(Part([t for t, _, _, _ in stream[:first]], [t for t, _, _, _ in tail], [lp for _, lp, _, _ in tail],
-                          [1.0 if model else 0.0 for _, _, _, model in tail], [v for _, _, v, model in tail if model]))
+                          [1.0 if turn >= 0 else 0.0 for _, _, _, turn in tail], [v for _, _, v, turn in tail if turn >= 0],
+                          [turn for _, _, _, turn in tail]))
     return parts
+
+
+def turn_credit(groups_turn_rewards: list[list[dict[int, float]]],
+                estimator: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[list[dict[int, float]]]:
+    """Per-turn credit: for each turn index, the estimator's advantages over the group's rewards of
+    that turn (a trajectory without a reward for it counts 0 there); per group, per trajectory, by turn."""
+    turns = sorted({turn for group in groups_turn_rewards for rewards in group for turn in rewards})
+    credit: list[list[dict[int, float]]] = [[{} for _ in group] for group in groups_turn_rewards]
+    for turn in turns:
+        advantages = estimator([torch.tensor([rewards.get(turn, 0.0) for rewards in group], dtype=torch.float64)
+                                for group in groups_turn_rewards])
+        for group_credit, group_advantages in zip(credit, advantages):
+            for trajectory, advantage in zip(group_credit, group_advantages.tolist()):
+                trajectory[turn] = advantage
+    return credit
 
 
 def figures_of(trajectory: manager_pb2.SessionTrajectory) -> EpisodeFigures:
