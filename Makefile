@@ -179,6 +179,7 @@ test-gpu: setup
 .PHONY: chaos
 chaos: setup
 	$(PY) -m bench.chaos --faults 100 --output-dir runs/chaos-$$(date +%Y%m%d-%H%M%S)
+	$(PY) -m bench.chaos --faults 100 --job examples/feedback/job.toml --output-dir runs/chaos-multi-turn-$$(date +%Y%m%d-%H%M%S)
 
 # Each benchmark prints its figures with the same-run baseline and writes bench/results/<name>.json.
 bench: setup

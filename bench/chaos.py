@@ -318,16 +318,22 @@ class Injector:
 
 
 def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int]:
-    """Prompts accepted for the trained steps that never came back, came back twice, or came back short."""
+    """Prompts accepted for the trained steps that never came back, came back twice, or came back
+    short; for a multi-turn job, also the episodes that did not end `done` (an episode a fault cut
+    would end otherwise: every one must survive its instance's or the manager's death)."""
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" and r["step"] < steps for p in r["prompts"]}
     received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
-    short = sum(1 for r in ledger if r["event"] == "accepted" and r["samples"] != group_size)
+    accepted = [r for r in ledger if r["event"] == "accepted"]
+    # A multi-turn group's trained samples leave its failed episodes out: its size is its episodes'.
+    short = sum(1 for r in accepted if len(r["episodes"] if "episodes" in r else range(r["samples"])) != group_size)
     return {
         "prompts_accepted": len(submitted),
         "samples_lost": sum(group_size for key in submitted if key not in received),
         "samples_duplicated": sum((n - 1) * group_size for n in received.values() if n > 1),
         "groups_short": short,
+        "episodes": sum(len(r.get("episodes", [])) for r in accepted),
+        "episodes_not_done": sum(status != "done" for r in accepted for status in r.get("episodes", [])),
     }
 
 
@@ -354,12 +360,13 @@ def time_lost(output_dir: Path, faults: list[Fault]) -> float:
 
 
 def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults: int, output_dir: Path,
-              model_dir: Path | None = None, instances: int = 3) -> dict:
+              model_dir: Path | None = None, instances: int = 3, job: Path | None = None) -> dict:
     """Runs the mesh and applies a fault every `steps_between_faults` training steps (at a random
     moment within the step), lets training finish, and checks the ledger. Faults are paced by
     steps rather than seconds, so they all land before the run's last step however slow it gets.
     Network cuts need network namespaces; without them (not root) that kind is left out, and why
-    is returned in `left_out`."""
+    is returned in `left_out`. `job`: a job file to run instead of the default job (the multi-turn
+    job: examples/feedback)."""
     rng = random.Random(seed)
     steps = WARMUP_STEPS + faults * steps_between_faults + TAIL_STEPS
     base_port = free_port()
@@ -377,6 +384,8 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         command += ["--rollout-netns", "2"]
     if model_dir is not None:
         command += ["--model-dir", str(model_dir)]
+    if job is not None:
+        command += ["--job", str(job)]
     log_path = output_dir.parent / f"{output_dir.name}-console.log"
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     applied: list[Fault] = []
@@ -448,23 +457,24 @@ def main() -> None:
     parser.add_argument("--stop-seconds", type=float, default=30.0, help="how long a SIGSTOPped instance stays stopped, and a long network cut lasts")
     parser.add_argument("--steps-between-faults", type=int, default=4)
     parser.add_argument("--output-dir", default="runs/chaos")
+    parser.add_argument("--job", type=Path, help="a job to run instead of the default one (examples/feedback/job.toml: multi-turn)")
     args = parser.parse_args()
     output_dir = Path(args.output_dir).resolve()
     if output_dir.exists():
         raise SystemExit(f"{output_dir} exists: the suite needs a fresh run (no checkpoint to resume from)")
-    result = run_chaos(args.faults, args.seed, args.stop_seconds, args.steps_between_faults, output_dir)
+    result = run_chaos(args.faults, args.seed, args.stop_seconds, args.steps_between_faults, output_dir, job=args.job)
     figures = {k: v for k, v in result.items() if k not in ("by_kind", "left_out", "faults")}
     for kind, values in result["by_kind"].items():
         figures[f"{kind}/faults"] = values["faults"]
         figures[f"{kind}/mean_seconds_lost"] = values["mean_seconds_lost"]
-    write_result("chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
+    write_result("chaos-multi-turn" if args.job else "chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
                  {f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
                   for kind, v in result["by_kind"].items()},
                  {"samples_lost": 0, "samples_duplicated": 0, "cuts_not_rejoined": 0, "broken_not_quarantined": 0,
                   "faults_survived": f">= {args.faults}"},
                  {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "short_cut_seconds": SHORT_CUT_SECONDS,
                   "instances": 3, "steps_between_faults": args.steps_between_faults, "fault_weights": FAULT_WEIGHTS,
-                  "left_out": result["left_out"], "fault_list": result["faults"]})
+                  "left_out": result["left_out"], "job": str(args.job or "the default job"), "fault_list": result["faults"]})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ exactly once, every cut instance rejoins and every broken one is quarantined. `m
 hundred."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,14 @@ def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
     if "cut_network" in result["by_kind"]:
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert mesh_tag(tmp_path / "run") not in namespaces
+
+
+def test_multi_turn_episodes_survive_random_faults(model_dir, tmp_path):
+    """The multi-turn job (examples/feedback: two attempts per episode, each a session turn): every
+    episode of every accepted group ends `done` and none is lost or trained twice."""
+    job = Path(__file__).resolve().parents[2] / "examples" / "feedback" / "job.toml"
+    result = run_chaos(faults=5, seed=11, stop_seconds=8.0, steps_between_faults=2, output_dir=tmp_path / "run", model_dir=model_dir,
+                       job=job)
+    assert result["faults_survived"] == 5
+    assert (result["samples_lost"], result["samples_duplicated"], result["groups_short"]) == (0, 0, 0)
+    assert result["episodes"] == result["prompts_accepted"] * 8 and result["episodes_not_done"] == 0
