@@ -1,9 +1,9 @@
 """The `feedback` built-in environment, on the increment task (add 1 to every digit; the tiny default
 model): the model answers, the environment marks each position right or wrong and asks again. The
-marks are the problem with every position answered right replaced by `=`, so the digits to redo
-stand where they were; the second attempt can keep what was right and redo the rest. Each
-attempt's reward is its share of right digits. Without tools (`tools = false`) the environment
-repeats the problem with no marks: the baseline the marks are measured against."""
+marks are the answer as the model gave it with every wrong digit replaced by `=`, so what was right
+stands where it was; the second attempt can keep it and redo the rest. Each attempt's reward is its
+share of right digits. Without tools (`tools = false`) the environment repeats the problem with no
+marks: the baseline the marks are measured against."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from rlmesh.tasks.increment import reward
 ATTEMPTS = 2
 
 
-def marks(problem: str, attempt: str, answer: str) -> str:
-    """The problem's digits where the attempt was wrong, `=` where it was right, then `=`."""
-    return "".join("=" if index < len(attempt) and attempt[index] == want else problem[index]
-                   for index, want in enumerate(answer)) + "="
+def marks(attempt: str, answer: str) -> str:
+    """The attempt's digits where they were right, `=` where they were wrong (or missing), then `=`."""
+    return "".join(want if index < len(attempt) and attempt[index] == want else "=" for index, want in enumerate(answer)) + "="
 
 
 class FeedbackEnvironment:
@@ -43,5 +42,5 @@ class FeedbackEnvironment:
         score = reward(attempt, self.answer)
         if self.attempts >= ATTEMPTS:
             return StepResult([], score, True)
-        observation = marks(self.problem, attempt, self.answer) if self.marked else f"{self.problem}="
+        observation = marks(attempt, self.answer) if self.marked else f"{self.problem}="
         return StepResult(Text(observation), score, False)

@@ -41,13 +41,13 @@ def test_a_calculator_episode_answers_calls_and_rewards_the_right_boxed_answer()
 
 
 def test_feedback_marks_what_was_right_and_asks_again():
-    assert marks("4821", "5932", "5932") == "====="
-    assert marks("4821", "5942", "5932") == "==2=="
-    assert marks("4821", "59", "5932") == "==21="
+    assert marks("5932", "5932") == "5932="
+    assert marks("5942", "5932") == "59=2="
+    assert marks("59", "5932") == "59==="
     environment = FeedbackEnvironment()
     assert environment.reset({"prompt": "4821=", "answer": "5932"}) == Text("4821=")
     first = environment.step(action("5942"))
-    assert first == StepResult(Text("==2=="), 0.75, False)
+    assert first == StepResult(Text("59=2="), 0.75, False)
     assert environment.step(action("5932")) == StepResult([], 1.0, True)
     baseline = FeedbackEnvironment(tools=False)
     baseline.reset({"prompt": "4821=", "answer": "5932"})
