@@ -52,6 +52,16 @@ from services.weights.main import start as start_weights
 # Waiting ------------------------------------------------------------------------------------------
 
 
+class ManualClock:
+    """A clock the test moves by hand (`clock.now = ...`), for code that takes a clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(condition, timeout: float, what: str = "the condition", interval: float = 0.05):
     """`condition()`'s first truthy value, polled every `interval` s; AssertionError after `timeout` s."""
     deadline = time.monotonic() + timeout

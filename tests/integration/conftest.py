@@ -13,6 +13,7 @@ from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.torch_engine import TorchEngine
+from services.trainer.mesh import MeshClient
 from tests.support import TP, TpInstance, build_mesh, loopback, stop_mesh
 
 
@@ -21,6 +22,18 @@ async def grpc_mesh(model_dir):
     mesh = await build_mesh(model_dir, "grpc")
     yield mesh
     await stop_mesh(mesh)
+
+
+@pytest.fixture
+async def chat_mesh(chat_model_dir):
+    """A mesh on the tiny chat model with the manager's gateway, and a trainer's client of it."""
+    mesh = await build_mesh(chat_model_dir, "grpc", gateway=True)
+    client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
+    try:
+        yield mesh, client
+    finally:
+        await client.close()
+        await stop_mesh(mesh)
 
 
 @pytest.fixture

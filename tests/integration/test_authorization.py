@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from rlmesh.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
+from rlmesh.environment.v1 import environment_pb2, environment_pb2_grpc
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
@@ -36,7 +37,7 @@ from tests.support import (
     Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_requests, wait_for,
 )
 
-CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2)
+CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2, environment_pb2)
 CALL_TIMEOUT = 2.0
 """An authorized call may wait for more (a bidirectional stream given one message): running into
 the deadline shows it got past authorization."""
@@ -69,6 +70,17 @@ def contract_rpcs() -> list[Rpc]:
 class Verifier(reward_pb2_grpc.RewardServiceServicer):
     async def Score(self, request, context):
         return reward_pb2.ScoreResponse()
+
+
+class Environment(environment_pb2_grpc.EnvironmentServiceServicer):
+    async def Reset(self, request, context):
+        return environment_pb2.ResetResponse()
+
+    async def Step(self, request, context):
+        return environment_pb2.StepResponse(done=True)
+
+    async def Close(self, request, context):
+        return environment_pb2.CloseResponse()
 
 
 def call(channel: grpc.Channel, rpc: Rpc, metadata: tuple = ()) -> tuple[grpc.StatusCode, str]:
@@ -134,12 +146,15 @@ async def start_servers(model_dir, tls: dict[str, TlsFiles] | None) -> Servers:
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(TrainingStatus(total_steps=1, output_dir="runs/x")), trainer.server)
     reward = GrpcServer(loopback(tls and tls["trainer"]), [reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name])
     reward_pb2_grpc.add_RewardServiceServicer_to_server(Verifier(), reward.server)
-    for server in (trainer, reward):
+    environment = GrpcServer(loopback(tls and tls["trainer"]), [environment_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name])
+    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(Environment(), environment.server)
+    for server in (trainer, reward, environment):
         await server.start()
     addresses = {"rlmesh.manager.v1.ManagerService": mesh.manager.server.address, "rlmesh.weights.v1.WeightsService": mesh.weights.server.address,
                  "rlmesh.rollout.v1.RolloutService": mesh.rollouts[0].server.address,
-                 "rlmesh.trainer.v1.TrainerService": trainer.address, "rlmesh.reward.v1.RewardService": reward.address}
-    return Servers(mesh, [trainer, reward], addresses)
+                 "rlmesh.trainer.v1.TrainerService": trainer.address, "rlmesh.reward.v1.RewardService": reward.address,
+                 "rlmesh.environment.v1.EnvironmentService": environment.address}
+    return Servers(mesh, [trainer, reward, environment], addresses)
 
 
 async def stop_servers(servers: Servers) -> None:

@@ -15,9 +15,7 @@ from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeErrors, EpisodeSpec, TooManyEpisodeErrors
-from services.trainer.mesh import MeshClient
 from services.trainer.trajectories import MASKED_STATUSES
-from tests.support import build_mesh, stop_mesh
 
 STATUS = manager_pb2.SessionStatus.Name
 
@@ -46,17 +44,6 @@ class Garbage(Healthy):
         return {"observation": 42, "reward": "lots", "done": "maybe"}
 
 
-@pytest.fixture
-async def mesh(chat_model_dir):
-    built = await build_mesh(chat_model_dir, "grpc")
-    client = MeshClient(built.manager_address, built.weights_address, rpc_timeout=10)
-    try:
-        yield built, client
-    finally:
-        await client.close()
-        await stop_mesh(built)
-
-
 def spec_for(chat_model_dir, environment) -> EpisodeSpec:
     tokenizer = load_hf_tokenizer(chat_model_dir)
     config = EnvironmentConfig(python="unused:Unused", step_deadline_seconds=0.5, max_turns=3)
@@ -79,8 +66,8 @@ async def delivered(client, batch_id: str) -> list[manager_pb2.SessionTrajectory
     return [s.session for s in groups[0].samples]
 
 
-async def test_failing_environments_end_their_episodes_masked_and_delivered_once(mesh, chat_model_dir):
-    _, client = mesh
+async def test_failing_environments_end_their_episodes_masked_and_delivered_once(chat_mesh, chat_model_dir):
+    _, client = chat_mesh
     failures: list[BaseException] = []
 
     async def failed(exc):
@@ -107,8 +94,8 @@ async def test_failing_environments_end_their_episodes_masked_and_delivered_once
     assert not failures
 
 
-async def test_a_session_nobody_closes_is_reaped_at_its_deadline(mesh, chat_model_dir):
-    built, client = mesh
+async def test_a_session_nobody_closes_is_reaped_at_its_deadline(chat_mesh, chat_model_dir):
+    built, client = chat_mesh
     [handle] = await open_group(client, chat_model_dir, "forgotten", 1,
                                 manager_pb2.SessionLimits(max_turns=3, session_deadline_seconds=1.0))
     tokenizer = load_hf_tokenizer(chat_model_dir)

@@ -21,25 +21,13 @@ from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec
-from services.trainer.mesh import MeshClient
 from services.trainer.trajectories import parts_of, trajectory_reward
-from tests.support import TEST_SECRETS, build_mesh, stop_mesh
+from tests.support import TEST_SECRETS
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_HARNESS = ROOT / "examples" / "node-harness"
 NODE_ENVIRONMENT = ROOT / "examples" / "node-environment"
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
-
-
-@pytest.fixture
-async def mesh(chat_model_dir):
-    built = await build_mesh(chat_model_dir, "grpc", gateway=True)
-    client = MeshClient(built.manager_address, built.weights_address, rpc_timeout=10)
-    try:
-        yield built, client
-    finally:
-        await client.close()
-        await stop_mesh(built)
 
 
 def spec_for(chat_model_dir, config: EnvironmentConfig, make_environment=None) -> EpisodeSpec:
@@ -61,9 +49,9 @@ async def delivered(client, batch_id: str) -> list[manager_pb2.SessionTrajectory
     return [s.session for g in groups for s in g.samples]
 
 
-async def test_the_node_harness_as_an_agent_command_trains_exactly_the_tokens_it_was_served(mesh, chat_model_dir, monkeypatch):
+async def test_the_node_harness_as_an_agent_command_trains_exactly_the_tokens_it_was_served(chat_mesh, chat_model_dir, monkeypatch):
     assert shutil.which("node"), "node is needed for the Node harness"
-    built, client = mesh
+    built, client = chat_mesh
     reports = []
     # The harness's JSON report, kept as well as parsed by the driver: the test compares it with the trajectory.
     monkeypatch.setattr("services.trainer.episode_agents.reported_reward",
@@ -110,8 +98,8 @@ def node_environment():
         process.wait(10)
 
 
-async def test_the_node_environment_drives_episodes_over_the_environment_contract(mesh, chat_model_dir, node_environment):
-    _, client = mesh
+async def test_the_node_environment_drives_episodes_over_the_environment_contract(chat_mesh, chat_model_dir, node_environment):
+    _, client = chat_mesh
     channel = EnvironmentChannel(node_environment, "agents", timeout_seconds=10)
     config = EnvironmentConfig(remote=node_environment, max_turns=3)
     driver = EpisodeDriver(client, threads=2, on_failure=lambda exc: asyncio.sleep(0))

@@ -12,6 +12,8 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.rpc import open_channel
+from services.manager.sessions import stream_of
+from services.manager.trajectories import segment_from_proto
 from tests.support import build_mesh, sampling, stop_mesh
 
 ENV = manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
@@ -20,15 +22,6 @@ MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
 
 def env_segment(tokenizer, text: str) -> manager_pb2.Segment:
     return manager_pb2.Segment(source=ENV, token_ids=tokenizer.encode(text).ids)
-
-
-def stream_of(segments) -> list[int]:
-    stream: list[int] = []
-    for segment in segments:
-        if segment.starts_part:
-            stream = stream[:segment.reused_prefix_tokens]
-        stream += segment.token_ids
-    return stream
 
 
 def model_logprobs(model, context: list[int], tokens: list[int], temperature: float) -> list[float]:
@@ -79,13 +72,14 @@ async def test_a_two_turn_episode_trains_exactly_the_tokens_the_engine_sampled(m
             assert sources == [ENV, MODEL, ENV, MODEL]
             models = [s for s in trajectory.segments if s.source == MODEL]
             assert [m.token_ids for m in models] == [t.token_ids for t in turns]
-            assert list(sample.token_ids) == stream_of(trajectory.segments)[len(group.prompt_token_ids):]
+            segments = [segment_from_proto(s) for s in trajectory.segments]
+            assert list(sample.token_ids) == stream_of(segments)[len(group.prompt_token_ids):]
             for index, segment in enumerate(trajectory.segments):
                 if segment.source != MODEL:
                     assert not segment.logprobs and not segment.weight_versions
                     continue
                 assert segment.instance_ids == ["instance-0"] and set(segment.weight_versions) == {0}
-                context = stream_of(trajectory.segments[:index])
+                context = stream_of(segments[:index])
                 expected = model_logprobs(model, context, list(segment.token_ids), 1.0)
                 assert segment.logprobs == pytest.approx(expected, abs=2e-3)
     finally:

@@ -7,25 +7,18 @@ from rlmesh.common.v1 import common_pb2
 from services.manager import breaker
 from services.manager.breaker import MAX_QUARANTINE_SECONDS, QUARANTINE_AFTER, QUARANTINE_SECONDS, SAMPLE_FAILURES
 from services.manager.state import ManagerState
+from tests.support import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sampling(max_tokens: int = 8) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens)
 
 
-def mesh(*instance_ids: str, max_batch_size: int = 4) -> tuple[ManagerState, Clock]:
-    clock = Clock()
+def mesh(*instance_ids: str, max_batch_size: int = 4) -> tuple[ManagerState, ManualClock]:
+    clock = ManualClock()
     state = ManagerState(lease_seconds=1e9, max_staleness=1, clock=clock)
     for index, instance_id in enumerate(instance_ids):
         state.register(instance_id, f"127.0.0.1:{1000 + index}", 0, max_batch_size, now=0)

@@ -4,14 +4,7 @@ import pytest
 import structlog
 
 from rlmesh.logging import MAX_TRACKED_EVENTS, RepeatLimiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import ManualClock
 
 
 def written(limiter: RepeatLimiter, event: dict) -> dict | None:
@@ -22,7 +15,7 @@ def written(limiter: RepeatLimiter, event: dict) -> dict | None:
 
 
 def test_an_event_repeated_request_after_request_is_written_a_few_times_per_window_then_counted():
-    clock = Clock()
+    clock = ManualClock()
     limiter = RepeatLimiter(window=10, limit=5, clock=clock)
     lines = [written(limiter, {"event": "request failed", "instance_id": "r0", "request": f"b/p{i}/0"}) for i in range(1000)]
     assert sum(line is not None for line in lines) == 5
@@ -34,13 +27,13 @@ def test_an_event_repeated_request_after_request_is_written_a_few_times_per_wind
 
 @pytest.mark.parametrize("other", [{"instance_id": "r1"}, {"step": 7}, {"code": "UNKNOWN"}])
 def test_events_that_differ_in_more_than_the_request_are_each_written(other):
-    limiter = RepeatLimiter(window=10, limit=1, clock=Clock())
+    limiter = RepeatLimiter(window=10, limit=1, clock=ManualClock())
     assert written(limiter, {"event": "request failed", "instance_id": "r0", "code": "INTERNAL"}) is not None
     assert written(limiter, {"event": "request failed", "instance_id": "r0", "code": "INTERNAL", **other}) is not None
 
 
 def test_an_event_held_back_stays_held_back_while_thousands_of_distinct_ones_pass():
-    clock = Clock()
+    clock = ManualClock()
     limiter = RepeatLimiter(window=10, limit=2, clock=clock)
     failure = {"event": "request failed", "instance_id": "r0"}
     assert [written(limiter, failure) is not None for _ in range(3)] == [True, True, False]

@@ -10,25 +10,18 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.journal import Journal
-from services.manager.sessions import DEADLINE, DONE, ENVIRONMENT, MODEL, OPEN, TEMPLATE, TRUNCATED_CONTEXT, TRUNCATED_TURNS, \
-    Limits, Segment, stream_of
+from services.manager.sessions import (DEADLINE, DONE, ENVIRONMENT, MODEL, OPEN, TEMPLATE, TRUNCATED_CONTEXT, TRUNCATED_TURNS,
+                                       Limits, Segment, stream_of)
 from services.manager.state import ManagerState
+from tests.support import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
 ABORT = common_pb2.FINISH_REASON_ABORT
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def mesh(instances=("a",), clock=None) -> ManagerState:
-    state = ManagerState(lease_seconds=10, max_staleness=0, clock=clock or Clock())
+    state = ManagerState(lease_seconds=10, max_staleness=0, clock=clock or ManualClock())
     for instance_id in instances:
         state.register(instance_id, f"127.0.0.1:{len(state.instances) + 1000}", 0, 8, now=0)
     return state
@@ -200,7 +193,7 @@ def test_closing_a_session_drops_its_running_turn():
 
 
 def test_a_session_past_a_deadline_is_reaped_and_its_slot_done():
-    clock = Clock()
+    clock = ManualClock()
     state = mesh(clock=clock)
     idle, slow = open_group(state, limits=Limits(step_deadline_seconds=5, turn_deadline_seconds=2))
     state.run_turn(slow.session_id, 0, [], None, None)
@@ -233,7 +226,7 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
     journal.flush(state)
     journal.close()
 
-    restored = ManagerState(lease_seconds=10, max_staleness=0, clock=Clock())
+    restored = ManagerState(lease_seconds=10, max_staleness=0, clock=ManualClock())
     Journal(tmp_path / "journal.sqlite").restore(restored, now=0)
     again = restored.sessions.get(session.session_id)
     assert [s.token_ids for s in again.segments] == [[1, 2, 3], [4], [7], [8]]
