@@ -28,13 +28,14 @@ WIRED = {
     "trainer": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
-        "weights_address": "mesh.base_port", "model_dir": "model.path", "output_dir": "output.dir", "tasks": "tasks",
+        "weights_address": "mesh.base_port", "gateway_address": "mesh.base_port", "model_dir": "model.path", "output_dir": "output.dir",
+        "tasks": "tasks",
         "python_path": "tasks", "weights_dtype": "model.dtype", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
     },
     "manager": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
         "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "journal_path": "output.dir",
-        "weights_address": "mesh.base_port", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
+        "weights_address": "mesh.base_port", "gateway_port": "mesh.base_port", "model_dir": "model.path", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
     },
     "weights": {
         "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
