@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from rlmesh.chat_turns import ChatTurns, RenderError
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument, NotFound
-from rlmesh.tool_calls import parse_tool_calls
+from rlmesh.tool_calls import ParsedTurn, parse_tool_calls
 from services.manager import openai_format as wire
 from services.manager.conversations import ConversationError, LoggedMessage, message_key, plan_turn
 from services.manager.sessions import ENVIRONMENT, TEMPLATE, Segment, Session, TurnState
@@ -67,8 +67,8 @@ class Gateway:
         return self._locks.setdefault(session_id, asyncio.Lock())
 
     def sampling(self, session: Session, body: dict[str, Any]) -> common_pb2.SamplingParams:
-        """The session's sampling (the task's temperature: the trainer's logprobs are at it), with the
-        request's max_tokens and stop tokens bounded by it."""
+        """The session's sampling (the task's temperature and stop tokens: the trainer's logprobs are
+        at them), the request's max_tokens bounded by its own."""
         params = common_pb2.SamplingParams()
         params.CopyFrom(session.sampling)
         requested = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -78,8 +78,9 @@ class Gateway:
             params.max_tokens = min(params.max_tokens, requested)
         return params
 
-    async def chat(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int, list[Any], Any]:
-        """Runs the turn a chat request asks for; returns its state, its index and the messages logged."""
+    async def chat(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int, dict[str, Any], ParsedTurn | None]:
+        """Runs the turn a chat request asks for; returns its state, its index, the assistant message
+        it makes (as the harness will send it back) and its parsed tool calls."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages must be a list of message objects")
@@ -94,15 +95,16 @@ class Gateway:
         turn = session.turns
         state = await self._run(session, turn, segments, plan.keep_tokens, self.sampling(session, body))
         parsed = None
+        message = wire.chat_message(None, "")
         if state.segment is not None:
-            text = self._text(state.segment)
+            text = self.text_of(state.segment)
             parsed = parse_tool_calls(text, f"call_{session.session_id.rsplit('/', 1)[-1]}_{turn}")
             message = wire.chat_message(parsed, text)
             stop_text = "" if state.segment.finish_reason == common_pb2.FINISH_REASON_LENGTH else self.tokenizer.decode(
                 state.segment.token_ids[-1:])
             logged = LoggedMessage(message_key(message), state.stream_tokens, stop_text)
             session.conversation = [*plan.kept, *plan.new_messages, logged]
-        return state, turn, plan.new_messages, parsed
+        return state, turn, message, parsed
 
     async def complete(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int]:
         """Runs the turn a (text) completion asks for: its prompt must extend the session's stream
@@ -138,7 +140,7 @@ class Gateway:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _text(self, segment: Segment) -> str:
+    def text_of(self, segment: Segment) -> str:
         return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
 
     def usage(self, state: TurnState) -> dict[str, int]:
@@ -178,10 +180,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = await body_of(request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         async with gateway.lock(session.session_id):
-            state, turn, _, parsed = await gateway.chat(session, body)
+            state, turn, message, parsed = await gateway.chat(session, body)
         rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
-        text = gateway._text(state.segment) if state.segment else ""
-        message = wire.chat_message(parsed, text)
         finish = wire.finish_reason(state.segment, parsed)
         logprobs = wire.token_logprobs(gateway.tokenizer, state.segment) if body.get("logprobs") else None
         if not body.get("stream"):
@@ -209,7 +209,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         async with gateway.lock(session.session_id):
             state, turn = await gateway.complete(session, body)
         rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
-        text = gateway._text(state.segment) if state.segment else ""
+        text = gateway.text_of(state.segment) if state.segment else ""
         finish = wire.finish_reason(state.segment, None)
         if not body.get("stream"):
             return JSONResponse(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(state), rlmesh))

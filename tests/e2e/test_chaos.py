@@ -24,6 +24,7 @@ kind = "increment"
 [[tasks]]
 name = "feedback"
 kind = "increment"
+weight = 0.25
 eval.prompts = 8
 eval.samples = 1
 [tasks.environment]
