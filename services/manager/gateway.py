@@ -10,7 +10,8 @@ import asyncio
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -22,7 +23,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument, NotFound
 from rlmesh.tool_calls import ParsedTurn, parse_tool_calls
 from services.manager import openai_format as wire
-from services.manager.conversations import ConversationError, LoggedMessage, message_key, plan_turn
+from services.manager.conversations import ConversationError, LoggedMessage, TurnPlan, message_key, plan_turn
 from services.manager.sessions import ENVIRONMENT, TEMPLATE, Segment, Session, TurnState
 from services.manager.turns import TurnRunner
 
@@ -42,6 +43,16 @@ def http_error(exc: DomainError) -> GatewayError:
     """A session's refusal as HTTP: 400 for a bad request, 404 for what is gone, 409 otherwise."""
     status = 400 if isinstance(exc, InvalidArgument) else 404 if isinstance(exc, NotFound) else 409
     return GatewayError(status, str(exc), "invalid_request_error", type(exc).__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedTurn:
+    """A chat turn checked and rendered, ready to run."""
+
+    plan: TurnPlan
+    segments: list[Segment]
+    turn: int
+    sampling: common_pb2.SamplingParams
 
 
 class Gateway:
@@ -78,9 +89,8 @@ class Gateway:
             params.max_tokens = min(params.max_tokens, requested)
         return params
 
-    async def chat(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int, dict[str, Any], ParsedTurn | None]:
-        """Runs the turn a chat request asks for; returns its state, its index, the assistant message
-        it makes (as the harness will send it back) and its parsed tool calls."""
+    def plan_chat(self, session: Session, body: dict[str, Any]) -> PlannedTurn:
+        """What a chat request asks of the session, checked before anything runs."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages must be a list of message objects")
@@ -92,8 +102,14 @@ class Gateway:
         except (ConversationError, RenderError) as exc:
             raise GatewayError(400, str(exc)) from exc
         segments = [Segment(ENVIRONMENT if p.source == "environment" else TEMPLATE, p.token_ids) for p in plan.pieces]
-        turn = session.turns
-        state = await self._run(session, turn, segments, plan.keep_tokens, self.sampling(session, body))
+        return PlannedTurn(plan, segments, session.turns, self.sampling(session, body))
+
+    async def run_chat(self, session: Session, planned: PlannedTurn,
+                       progress: Callable[[list[int]], None] | None = None) -> tuple[TurnState, dict[str, Any], ParsedTurn | None]:
+        """Runs a planned chat turn; returns its state, the assistant message it makes (as the
+        harness will send it back) and its parsed tool calls. `progress` gets its tokens so far."""
+        plan, turn = planned.plan, planned.turn
+        state = await self._run(session, turn, planned.segments, plan.keep_tokens, planned.sampling, progress)
         parsed = None
         message = wire.chat_message(None, "")
         if state.segment is not None:
@@ -104,7 +120,7 @@ class Gateway:
                 state.segment.token_ids[-1:])
             logged = LoggedMessage(message_key(message), state.stream_tokens, stop_text)
             session.conversation = [*plan.kept, *plan.new_messages, logged]
-        return state, turn, message, parsed
+        return state, message, parsed
 
     async def complete(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int]:
         """Runs the turn a (text) completion asks for: its prompt must extend the session's stream
@@ -131,9 +147,9 @@ class Gateway:
         return state, turn
 
     async def _run(self, session: Session, turn: int, segments: list[Segment], keep: int | None,
-                   sampling: common_pb2.SamplingParams) -> TurnState:
+                   sampling: common_pb2.SamplingParams, progress: Callable[[list[int]], None] | None = None) -> TurnState:
         try:
-            return await self.runner.run(session.session_id, turn, segments, keep, sampling)
+            return await self.runner.run(session.session_id, turn, segments, keep, sampling, progress)
         except DomainError as exc:
             raise http_error(exc) from exc
 
@@ -142,6 +158,11 @@ class Gateway:
 
     def text_of(self, segment: Segment) -> str:
         return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
+
+    def partial_text(self, token_ids: list[int]) -> str:
+        """A turn's text so far, for streaming: "" while its last token ends in the middle of a character."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return "" if text.endswith("\ufffd") else text
 
     def usage(self, state: TurnState) -> dict[str, int]:
         completion = len(state.segment.token_ids) if state.segment else 0
@@ -179,23 +200,61 @@ def create_app(gateway: Gateway) -> FastAPI:
         session = session_of(request, session_id)
         body = await body_of(request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        async with gateway.lock(session.session_id):
-            state, turn, message, parsed = await gateway.chat(session, body)
-        rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
-        finish = wire.finish_reason(state.segment, parsed)
-        logprobs = wire.token_logprobs(gateway.tokenizer, state.segment) if body.get("logprobs") else None
+        model = gateway.model_name
+        lock = gateway.lock(session.session_id)
         if not body.get("stream"):
-            return JSONResponse(wire.chat_completion(gateway.model_name, completion_id, message, finish, gateway.usage(state), rlmesh,
-                                                     logprobs))
+            async with lock:
+                planned = gateway.plan_chat(session, body)
+                state, message, parsed = await gateway.run_chat(session, planned)
+            rlmesh = wire.extension(session.session_id, planned.turn, state.segment, state.status, state.stream_tokens)
+            logprobs = wire.token_logprobs(gateway.tokenizer, state.segment) if body.get("logprobs") else None
+            return JSONResponse(wire.chat_completion(model, completion_id, message, wire.finish_reason(state.segment, parsed),
+                                                     gateway.usage(state), rlmesh, logprobs))
+        # Checked before the stream starts, so a bad request still gets its HTTP status.
+        await lock.acquire()
+        try:
+            planned = gateway.plan_chat(session, body)
+        except BaseException:
+            lock.release()
+            raise
+        updates: asyncio.Queue[list[int]] = asyncio.Queue()
+
+        async def run() -> tuple[TurnState, dict[str, Any], ParsedTurn | None]:
+            try:
+                return await gateway.run_chat(session, planned, updates.put_nowait)
+            finally:
+                lock.release()
+
+        turn = asyncio.create_task(run())
+        # A turn that may call tools streams its text only once it is parsed: a call is no content.
+        stream_content = not body.get("tools")
 
         async def chunks() -> AsyncIterator[str]:
-            model = gateway.model_name
             yield wire.chat_chunk(model, completion_id, {"role": "assistant", "content": ""})
-            if message.get("content"):
-                yield wire.chat_chunk(model, completion_id, {"content": message["content"]})
+            sent = ""
+            while not turn.done():
+                update = asyncio.ensure_future(updates.get())
+                await asyncio.wait({update, turn}, return_when=asyncio.FIRST_COMPLETED)
+                if not update.done():
+                    update.cancel()
+                    break
+                text = gateway.partial_text(update.result()) if stream_content else ""
+                if text.startswith(sent) and len(text) > len(sent):
+                    yield wire.chat_chunk(model, completion_id, {"content": text[len(sent):]})
+                    sent = text
+            try:
+                state, message, parsed = turn.result()
+            except GatewayError as exc:
+                yield f"data: {json.dumps(wire.error_body(str(exc), exc.kind, exc.code))}\n\n"
+                yield wire.DONE
+                return
+            content = message.get("content") or ""
+            if content.startswith(sent) and len(content) > len(sent):
+                yield wire.chat_chunk(model, completion_id, {"content": content[len(sent):]})
             for index, call in enumerate(message.get("tool_calls") or []):
                 yield wire.chat_chunk(model, completion_id, {"tool_calls": [{"index": index, **call}]})
-            yield wire.chat_chunk(model, completion_id, {}, finish, rlmesh)
+            rlmesh = wire.extension(session.session_id, planned.turn, state.segment, state.status, state.stream_tokens)
+            yield wire.chat_chunk(model, completion_id, {}, wire.finish_reason(state.segment, parsed), rlmesh)
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield wire.usage_chunk(model, completion_id, gateway.usage(state))
             yield wire.DONE

@@ -53,6 +53,7 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1)
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
+    tokenizer = load_hf_tokenizer(chat_model_dir)
     async with client_for(mesh, handle) as client:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
         first = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, logprobs=True)
@@ -61,15 +62,19 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
         messages.append({"role": "user", "content": "Again?"})
         stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True,
                                                       stream_options={"include_usage": True})
-        content, finish, usage = "", None, None
+        content, finish, usage, pieces = "", None, None, 0
         async for chunk in stream:
             if chunk.choices:
                 content += chunk.choices[0].delta.content or ""
+                pieces += bool(chunk.choices[0].delta.content)
                 finish = chunk.choices[0].finish_reason or finish
                 if chunk.choices[0].finish_reason:
                     turns.append(chunk.model_extra["rlmesh"])
             usage = chunk.usage or usage
         assert finish in ("stop", "length") and usage.completion_tokens == len(turns[-1]["token_ids"])
+        # The turn streams as it is decoded (one token a chunk from this engine), not in one piece at its end.
+        printable = tokenizer.decode(turns[-1]["token_ids"], skip_special_tokens=True)
+        assert content == printable and pieces >= min(2, len(printable))
     # The first reply's OpenAI logprobs are the extension's.
     assert [t.logprob for t in first.choices[0].logprobs.content] == pytest.approx(turns[0]["logprobs"])
     await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
@@ -79,7 +84,6 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
     assert [list(m.token_ids) for m in models] == [t["token_ids"] for t in turns]
     assert [list(m.logprobs) for m in models] == [pytest.approx(t["logprobs"]) for t in turns]
     assert [list(m.weight_versions) for m in models] == [t["weight_versions"] for t in turns]
-    tokenizer = load_hf_tokenizer(chat_model_dir)
     environment = [tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT]
     assert environment == ["Be brief.", "What is 2+3?", "Again?"]
     [part] = parts_of(trajectory)
