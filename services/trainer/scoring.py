@@ -59,7 +59,7 @@ class GroupScorer:
         for group, (record, _), results in zip(groups, keyed, scored):
             results = self._shape_rewards(record, group, results)
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
-            # The advantage is the estimator's, over the groups the sample is trained with (`_with_advantages`).
+            # The advantage is the estimator's, over the groups the sample is trained with (`group_advantages.py`).
             samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
                                       temperature, list(result.token_rewards) if result.token_rewards is not None else None,
                                       reward=result.reward)

@@ -16,29 +16,26 @@ from pathlib import Path
 
 import grpc
 import structlog
-import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import SourceExhausted, TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
-from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-from services.trainer.batching import TrainingSample
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec, episode_specs
 from services.trainer.evaluation import EvalRequest, EvalResponses
+from services.trainer.group_advantages import with_advantages
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
-from services.trainer.pipeline import (PromptRecord, ScoredGroup, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
+from services.trainer.pipeline import (PromptRecord, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
                                        untrained_plans)
 from services.trainer.publishing import VersionPublisher, publish_figures
 from services.trainer.ranks import BeginStep, Checkpoint, Evaluate, OptimizerStep, RankGroup, Resume, Train
 from services.trainer.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals
-from services.trainer.trajectories import turn_credit
 from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
@@ -376,45 +373,61 @@ class GrpoTrainer:
 
     async def _episodes_failed(self, exc: BaseException) -> None:
         """The driver cannot go on (too many failed episodes, the manager gone): the step stops with it."""
-        self._collector_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
-        async with self._arrived:
-            self._arrived.notify_all()
+        await self._collector_failed(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
     async def _collect(self, batch_id: str, plan: StepPlan) -> None:
-        """Reads a batch's groups as they finish, scores them at once (rewards overlap training) and
-        accepts them into the step, or drops them (dynamic sampling) and refills."""
+        """Reads a batch's groups as they finish and scores each reply at once, on its own (rewards
+        overlap training, and a slow reward holds no later reply back): its groups are accepted into
+        the step, or dropped (dynamic sampling) and refilled."""
         config = self.config
+        scoring: set[asyncio.Task[None]] = set()
         try:
             async for groups in self.mesh.rollouts(batch_id, config.micro_batch_groups, 1, 0, config.rollout_timeout_seconds):
-                for scored in await self.scorer.score(batch_id, plan, groups):
-                    rewards = scored.rewards
-                    record = scored.record
-                    entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
-                             "uid": record.prompt.uid, "samples": len(scored.samples), "rewards": rewards,
-                             "min_version": scored.min_version if scored.samples else None,
-                             "max_version": max(max(v) for v in scored.weight_versions) if scored.samples else None}
-                    if scored.episodes:
-                        entry["episodes"] = [e.status for e in scored.episodes]
-                    if not scored.samples:
-                        # Every episode of the group failed: nothing of it is the policy's to learn from.
-                        plan.drop(record)
-                        self._ledger({"event": "dropped", **entry})
-                        await self._refill(plan)
-                    elif config.dynamic_sampling and max(rewards) - min(rewards) <= EQUAL_REWARDS:
-                        plan.drop(record)
-                        self._ledger({"event": "dropped", **entry})
-                        await self._refill(plan)
-                    else:
-                        plan.accept(scored)
-                        self._ledger({"event": "accepted", **entry})
-                async with self._arrived:
-                    self._arrived.notify_all()
+                task = asyncio.create_task(self._score_and_accept(batch_id, plan, groups))
+                scoring.add(task)
+                task.add_done_callback(scoring.discard)
+            await asyncio.gather(*scoring)
         except Exception as exc:  # noqa: BLE001 - handed to the training loop, which raises it
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 exc = RolloutsUnavailable(f"step {plan.step}: the manager cannot deliver rollouts: {exc.details()}")
-            self._collector_error = exc
-            async with self._arrived:
-                self._arrived.notify_all()
+            await self._collector_failed(exc)
+        finally:
+            for task in scoring:
+                task.cancel()
+
+    async def _score_and_accept(self, batch_id: str, plan: StepPlan, groups: list) -> None:
+        try:
+            for scored in await self.scorer.score(batch_id, plan, groups):
+                rewards = scored.rewards
+                record = scored.record
+                entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
+                         "uid": record.prompt.uid, "samples": len(scored.samples), "rewards": rewards,
+                         "min_version": scored.min_version if scored.samples else None,
+                         "max_version": max(max(v) for v in scored.weight_versions) if scored.samples else None}
+                if scored.episodes:
+                    entry["episodes"] = [e.status for e in scored.episodes]
+                if not scored.samples:
+                    # Every episode of the group failed: nothing of it is the policy's to learn from.
+                    plan.drop(record)
+                    self._ledger({"event": "dropped", **entry})
+                    await self._refill(plan)
+                elif self.config.dynamic_sampling and max(rewards) - min(rewards) <= EQUAL_REWARDS:
+                    plan.drop(record)
+                    self._ledger({"event": "dropped", **entry})
+                    await self._refill(plan)
+                else:
+                    plan.accept(scored)
+                    self._ledger({"event": "accepted", **entry})
+        except Exception as exc:  # noqa: BLE001 - handed to the training loop, which raises it
+            await self._collector_failed(exc)
+            return
+        async with self._arrived:
+            self._arrived.notify_all()
+
+    async def _collector_failed(self, exc: Exception) -> None:
+        self._collector_error = exc
+        async with self._arrived:
+            self._arrived.notify_all()
 
     async def _train_step(self, step: int) -> StepTotals:
         totals = StepTotals()
@@ -467,7 +480,7 @@ class GrpoTrainer:
                 continue
             for group in micro_batch:
                 totals.add(group, plan.step + self.version_offset)
-            samples = self._with_advantages(micro_batch)
+            samples = with_advantages(micro_batch, self.config.advantage_estimator)
             totals.add_micro_batch(await self.group.lead(Train(samples)))
             groups_in_mini_batch += len(micro_batch)
             if groups_in_mini_batch >= self.mini_batch_groups:
@@ -475,24 +488,6 @@ class GrpoTrainer:
                 groups_in_mini_batch = 0
         if groups_in_mini_batch:
             await self._optimizer_step(totals)
-
-    def _with_advantages(self, micro_batch: list[ScoredGroup]) -> list[TrainingSample]:
-        """The micro-batch's samples, each with its advantage from the configured outcome estimator
-        over the groups trained together (a critic estimator's come from the value model, in the ranks)."""
-        samples = [sample for group in micro_batch for sample in group.samples]
-        estimator = ADVANTAGE_ESTIMATORS.get(self.config.advantage_estimator)
-        if estimator.needs_critic:
-            return samples
-        advantages = estimator.compute([torch.tensor(group.rewards, dtype=torch.float64) for group in micro_batch])
-        # A trajectory trained as several samples (its history was edited) gives each its advantage.
-        for group, group_advantages in zip(micro_batch, advantages):
-            for sample, owner in zip(group.samples, group.owners()):
-                sample.advantage = float(group_advantages[owner])
-        credited = [g for g in micro_batch if g.turn_rewards is not None]
-        for group, credit in zip(credited, turn_credit([g.turn_rewards for g in credited], estimator.compute)):
-            for sample, owner in zip(group.samples, group.owners()):
-                sample.token_advantages = [credit[owner].get(turn, 0.0) if turn >= 0 else 0.0 for turn in sample.token_turns]
-        return samples
 
     async def _optimizer_step(self, totals: StepTotals) -> None:
         self.publisher.stepped_since_publish = True
