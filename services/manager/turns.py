@@ -1,8 +1,10 @@
 """Running one turn of a session for a caller (the gRPC RunTurn, the HTTP gateway): start or find the
-turn, make its start durable, dispatch it, and wait for it while reporting its tokens as they come."""
+turn, dispatch it, wait for it while reporting its tokens as they come, and make it durable before
+its reply (turns that end together share one journal write)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from rlmesh.common.v1 import common_pb2
@@ -18,6 +20,8 @@ class TurnRunner:
         self.dispatcher = dispatcher
         self.changes = changes
         self.journal = journal
+        self._flush: asyncio.Future[None] | None = None
+        """The journal write the turns that ended since the last one wait for."""
 
     async def run(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
                   sampling: common_pb2.SamplingParams | None,
@@ -26,7 +30,9 @@ class TurnRunner:
         whenever more arrived."""
         state = self.state.run_turn(session_id, turn, append, keep_tokens, sampling)
         if state.running is not None:
-            self.journal.flush(self.state)
+            # Not journaled before it runs: a turn the manager loses with a crash is started again
+            # by the caller's retry (the same turn), and its tokens so far reach the journal with
+            # the periodic flush.
             self.dispatcher.dispatch()
             self.changes.notify()
         seen = 0
@@ -37,6 +43,21 @@ class TurnRunner:
             if progress is not None and len(tokens) > seen:
                 progress(list(tokens))
                 seen = len(tokens)
-        # What the reply confirms is in the journal first.
-        self.journal.flush(self.state)
+        # What the reply confirms is in the journal first; turns ending together share one write.
+        await self._flushed()
         return state
+
+    async def _flushed(self) -> None:
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(self._write)
+        await asyncio.shield(self._flush)
+
+    def _write(self) -> None:
+        flush, self._flush = self._flush, None
+        try:
+            self.journal.flush(self.state)
+        except Exception as exc:  # noqa: BLE001 - every turn waiting on this write gets its error
+            flush.set_exception(exc)
+            return
+        flush.set_result(None)
