@@ -132,7 +132,7 @@ async def kv_reuse(scratch: Path, sessions: int, context_tokens: int) -> tuple[d
     finally:
         await reusing.stop()
         await plain.stop()
-    figures = {"second_turn_prefill_ms_with_reuse": 1000 * statistics.median(with_reuse), "prefix_hits": reusing.prefix_hits}
+    figures = {"second_turn_prefill_ms_with_reuse": 1000 * statistics.median(with_reuse), "prefix_hits": reusing.prefix_cache.hits}
     baseline = {"second_turn_prefill_ms_without_reuse": 1000 * statistics.median(without)}
     ratios = {"prefill_with_over_without_reuse": statistics.median(with_reuse) / statistics.median(without)}
     return figures, baseline, ratios

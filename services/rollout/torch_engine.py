@@ -8,7 +8,7 @@ import asyncio
 import threading
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -23,61 +23,13 @@ from services.rollout.engine import (
     Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, check_pin, validate_request,
 )
 from services.rollout.device import engine_device, serving_dtype
+from services.rollout.prefix_cache import PrefixCache
 from services.rollout.rank import RankHandle, RankTransfer
+from services.rollout.running import DecodingSequence, RunningBatch
 from services.rollout.sampling import draw
 from services.rollout.tp_group import TensorParallelGroup
 
 log = structlog.get_logger()
-
-
-@dataclass(slots=True)
-class _Sequence:
-    request: EngineRequest
-    stream: ChunkStream
-    token_ids: list[int] = field(default_factory=list)
-    """The tokens generated here (after the request's continued tokens)."""
-    finish: Finish = Finish.NONE
-    device: torch.device = torch.device("cpu")
-    """Where its generator draws: the engine's device, where sampling runs."""
-    pending: Chunk = field(init=False)
-    generator: torch.Generator | None = field(init=False)
-    """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
-
-    def __post_init__(self) -> None:
-        self.pending = Chunk(self.request.request_id)
-        self.restart_generator()
-
-    @property
-    def pinned(self) -> bool:
-        """Runs on the served version until it ends: the engine switches only after it."""
-        return self.request.pinned_version is not None and self.finish is Finish.NONE
-
-    def context(self) -> list[int]:
-        """What the KV cache must hold once the sequence is prefilled: prompt and every token so far."""
-        return self.request.prompt_token_ids + self.request.continued_token_ids + self.token_ids
-
-    def restart_generator(self) -> None:
-        """Seeds the generator as a request continued from every token so far would be: a
-        continuation must not replay the random stream of the attempt it continues, and a request
-        recomputed here draws what its continuation would draw anywhere."""
-        seed = self.request.sampling.seed
-        done = len(self.request.continued_token_ids) + len(self.token_ids)
-        self.generator = torch.Generator(self.device).manual_seed(seed + done) if seed else None
-
-    def take_chunk(self, finish: Finish = Finish.NONE) -> Chunk:
-        self.finish = finish
-        self.pending.finish = finish
-        chunk, self.pending = self.pending, Chunk(self.request.request_id)
-        return chunk
-
-
-@dataclass(slots=True)
-class _Prefix:
-    """A finished turn's KV cache kept on every rank: the tokens it covers, the version that computed it."""
-
-    token_ids: list[int]
-    version: int
-    nbytes: int
 
 
 @dataclass(slots=True)
@@ -87,26 +39,6 @@ class _Swap:
     loop: asyncio.AbstractEventLoop
     claimed: bool = False
     """The decode thread is switching: the commit can no longer be withdrawn."""
-
-
-class _RunningBatch:
-    """The sequences being decoded, in the row order of every rank's KV cache (see KvBatch), and
-    the token each feeds next."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.rows: list[_Sequence] = []
-        self.next_tokens = torch.zeros(0, dtype=torch.long, device=device)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def join(self, rows: list[_Sequence], tokens: torch.Tensor) -> None:
-        self.rows = self.rows + rows
-        self.next_tokens = torch.cat([self.next_tokens, tokens])
-
-    def keep(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
-        self.next_tokens = self.next_tokens[rows]
 
 
 class TorchEngine(TensorParallelEngine):
@@ -146,17 +78,12 @@ class TorchEngine(TensorParallelEngine):
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        self._kv_bytes_per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * self._dtype.itemsize // tensor_parallel_size
-        self._prefix_cache_bytes = prefix_cache_bytes
-        self._prefixes: dict[str, _Prefix] = {}
-        """Kept KV caches of finished session turns by cache key, least recently kept first (decode thread only)."""
-        self.prefix_hits = 0
-        self.prefix_tokens_reused = 0
+        kv_bytes_per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * self._dtype.itemsize // tensor_parallel_size
         self._staged_version: int | None = None
         self._rng = torch.Generator(self._device).manual_seed(seed)
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()
-        self._batch = _RunningBatch(self._device)
+        self._waiting: deque[DecodingSequence] = deque()
+        self._batch = RunningBatch(self._device)
         self._aborted: set[str] = set()
         self._swap: _Swap | None = None
         self._recompute_pending = False
@@ -171,6 +98,8 @@ class TorchEngine(TensorParallelEngine):
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         self._group = TensorParallelGroup(model_dir, tensor_parallel_size, transfer, weight_version, threads, self._fail,
                                           self._device, serving_dtype(dtype))
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, kv_bytes_per_token, self._group.run)
+        """Kept KV caches of finished session turns (decode thread only)."""
 
     @property
     def running_requests(self) -> int:
@@ -205,7 +134,7 @@ class TorchEngine(TensorParallelEngine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self._vocab_size, self._max_positions)
-        sequence = _Sequence(request, ChunkStream(asyncio.get_running_loop()), device=self._device)
+        sequence = DecodingSequence(request, ChunkStream(asyncio.get_running_loop()), device=self._device)
         request_id = request.request_id
         with self._cond:
             if self._stopped:
@@ -374,11 +303,11 @@ class TorchEngine(TensorParallelEngine):
                 swap = self._swap if self._swap_due() else None
                 if swap is not None:
                     swap.claimed = True
-                joining: list[_Sequence] = []
+                joining: list[DecodingSequence] = []
                 if not halted:
                     free = self._max_batch - len(self._batch)
                     joining = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-            emitted: list[tuple[_Sequence, Chunk]] = []
+            emitted: list[tuple[DecodingSequence, Chunk]] = []
             self._take_priority_of(self._batch.rows + joining)
             try:
                 if swap is not None:
@@ -400,7 +329,7 @@ class TorchEngine(TensorParallelEngine):
                 for sequence in self._batch.rows + joining:
                     if sequence.finish is Finish.NONE:
                         emitted.append((sequence, sequence.take_chunk(Finish.ABORT)))
-                self._batch = _RunningBatch(self._device)
+                self._batch = RunningBatch(self._device)
                 self._recompute_pending = False
                 try:
                     self._group.run("clear")
@@ -409,13 +338,13 @@ class TorchEngine(TensorParallelEngine):
             self._take_priority_of(self._batch.rows)
             _deliver(emitted)
 
-    def _take_priority_of(self, rows: list[_Sequence]) -> None:
+    def _take_priority_of(self, rows: list[DecodingSequence]) -> None:
         self._priority.lower(bool(rows) and all(row.request.background for row in rows))
 
     def _abandon(self) -> None:
         """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""
         emitted = [(s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE]
-        self._batch = _RunningBatch(self._device)
+        self._batch = RunningBatch(self._device)
         self._recompute_pending = False
         self._waiting.clear()
         self._aborted.clear()
@@ -434,10 +363,7 @@ class TorchEngine(TensorParallelEngine):
 
     def _apply_swap(self, swap: _Swap) -> None:
         self._group.run("switch", swap.version)
-        if self._prefixes:
-            # Kept caches were computed by the old weights: a session's next turn prefills anew.
-            self._group.run("drop_prefix", None)
-            self._prefixes.clear()
+        self.prefix_cache.clear()
         with self._cond:
             self._swap = None
             self._version = swap.version
@@ -450,13 +376,14 @@ class TorchEngine(TensorParallelEngine):
     def _drop_finished(self) -> None:
         keep = [i for i, row in enumerate(self._batch.rows) if row.finish is Finish.NONE]
         for index, row in enumerate(self._batch.rows):
-            if row.finish in (Finish.STOP, Finish.LENGTH) and row.request.cache_key and self._prefix_cache_bytes:
-                self._keep_prefix(row, index)
+            if row.finish in (Finish.STOP, Finish.LENGTH) and row.request.cache_key:
+                # Every token of its context but the last sampled one, which was never fed.
+                self.prefix_cache.keep(row.request.cache_key, row.context()[:-1], self._version, index)
         if len(keep) < len(self._batch):
             self._group.run("keep", keep)
             self._batch.keep(keep)
 
-    def _recompute(self, emitted: list[tuple[_Sequence, Chunk]]) -> None:
+    def _recompute(self, emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
         """abort-continue: the running sequences leave the batch, their KV cache is dropped, and
         they join again prefilled from their prompt and tokens so far under the served version;
         each continues as a request continued from those tokens would (seeded draws included)."""
@@ -465,50 +392,28 @@ class TorchEngine(TensorParallelEngine):
         if not rows:
             return
         self._group.run("clear")
-        self._batch = _RunningBatch(self._device)
+        self._batch = RunningBatch(self._device)
         for sequence in rows:
             sequence.restart_generator()
         self._prefill(rows, emitted)
         log.info("running requests recomputed on the new weights", requests=len(rows), weight_version=self._version)
 
-    def _keep_prefix(self, row: _Sequence, index: int) -> None:
-        """Keeps a finished turn's KV cache for its session's next turn: every token of its context
-        but the last sampled one, which was never fed. The least recently kept go over the bound."""
-        key = row.request.cache_key
-        covered = row.context()[:-1]
-        nbytes = len(covered) * self._kv_bytes_per_token
-        if nbytes > self._prefix_cache_bytes:
-            return
-        self._forget_prefix(key)
-        while self._prefixes and sum(p.nbytes for p in self._prefixes.values()) + nbytes > self._prefix_cache_bytes:
-            self._forget_prefix(next(iter(self._prefixes)))
-        self._group.run("save_prefix", key, index)
-        self._prefixes[key] = _Prefix(covered, self._version, nbytes)
-
-    def _forget_prefix(self, key: str) -> None:
-        if self._prefixes.pop(key, None) is not None:
-            self._group.run("drop_prefix", key)
-
-    def _prefill(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
+    def _prefill(self, joining: list[DecodingSequence], emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
         """Prefills the joining sequences: one whose session's last turn left its KV cache here runs
         only its new tokens; the others are prefilled together, left-padded."""
         fresh = []
         for sequence in joining:
-            prefix = self._prefixes.get(sequence.request.cache_key) if sequence.request.cache_key else None
-            context = sequence.context()
-            if (prefix is None or prefix.version != self._version or len(context) <= len(prefix.token_ids)
-                    or context[:len(prefix.token_ids)] != prefix.token_ids):
+            context, key = sequence.context(), sequence.request.cache_key
+            reused = self.prefix_cache.take(key, context, self._version)
+            if reused is None:
                 fresh.append(sequence)
                 continue
-            del self._prefixes[sequence.request.cache_key]
-            logits = self._group.run("prefill_prefixed", sequence.request.cache_key, torch.tensor([context[len(prefix.token_ids):]]))
-            self.prefix_hits += 1
-            self.prefix_tokens_reused += len(prefix.token_ids)
+            logits = self._group.run("prefill_prefixed", key, torch.tensor([context[reused:]]))
             self._batch.join([sequence], self._sample([sequence], logits.float(), self._version, emitted))
         if fresh:
             self._prefill_together(fresh, emitted)
 
-    def _prefill_together(self, joining: list[_Sequence], emitted: list[tuple[_Sequence, Chunk]]) -> None:
+    def _prefill_together(self, joining: list[DecodingSequence], emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
         inputs = [s.context() for s in joining]
         width = max(len(ids) for ids in inputs)
         ids = torch.tensor([[self._pad_id] * (width - len(x)) + x for x in inputs])
@@ -517,11 +422,11 @@ class TorchEngine(TensorParallelEngine):
         logits = self._group.run("prefill", ids, mask, positions)
         self._batch.join(joining, self._sample(joining, logits.float(), self._version, emitted))
 
-    def _decode(self, emitted: list[tuple[_Sequence, Chunk]]) -> None:
+    def _decode(self, emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
         logits = self._group.run("decode", self._batch.next_tokens)
         self._batch.next_tokens = self._sample(self._batch.rows, logits.float(), self._version, emitted)
 
-    def _sample(self, rows: list[_Sequence], logits: torch.Tensor, version: int, emitted: list[tuple[_Sequence, Chunk]]) -> torch.Tensor:
+    def _sample(self, rows: list[DecodingSequence], logits: torch.Tensor, version: int, emitted: list[tuple[DecodingSequence, Chunk]]) -> torch.Tensor:
         """Samples one token per row (`draw`) and files it with its logprob in the row's next chunk."""
         tokens, chosen = draw(logits, [s.request.sampling for s in rows], [s.generator for s in rows], self._rng)
         for sequence, token, logprob in zip(rows, tokens.tolist(), chosen):
@@ -541,7 +446,7 @@ class TorchEngine(TensorParallelEngine):
         return tokens
 
 
-def _deliver(emitted: list[tuple[_Sequence, Chunk]]) -> None:
+def _deliver(emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
     """One wake-up per event loop per decode step, however many requests got tokens."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ChunkStream, Chunk]]] = defaultdict(list)
     for sequence, chunk in emitted:

@@ -17,6 +17,7 @@ import grpc
 import structlog
 
 from rlmesh.chat_turns import ChatTurns, RenderError
+from rlmesh.common.v1 import common_pb2
 from rlmesh.environments.base import EnvironmentFailure
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
@@ -124,6 +125,14 @@ class EpisodeDriver:
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None
         """Set when the job must stop (too many failed episodes, a manager that cannot be reached)."""
+
+    async def open(self, spec: EpisodeSpec, batch_id: str, version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+                   n: int, task_prompts: Mapping[str, TaskPrompt], counted: bool = True) -> None:
+        """Opens `n` sessions per prompt and runs their episodes; each session starts empty (its
+        environment's reset gives its first messages)."""
+        handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], n,
+                                                prompts[0][2], spec.limits(), spec.task)
+        self.start(spec, handles, task_prompts, counted)
 
     def start(self, spec: EpisodeSpec, handles: list[manager_pb2.SessionHandle], prompts: Mapping[str, TaskPrompt],
               counted: bool = True) -> None:

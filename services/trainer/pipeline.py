@@ -5,6 +5,7 @@ whole, so a resumed trainer trains every accepted prompt exactly once."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,17 @@ class ScoredGroup:
     def rewards(self) -> list[float]:
         """One per trajectory (result)."""
         return [r.reward for r in self.results]
+
+    def ledger_entry(self, step: int) -> dict:
+        """What the rollout ledger records of the group when it is accepted or dropped."""
+        record = self.record
+        entry = {"batch_id": self.batch_id, "step": step, "prompt_id": record.prompt_id, "task": record.task, "uid": record.prompt.uid,
+                 "samples": len(self.samples), "rewards": self.rewards,
+                 "min_version": self.min_version if self.samples else None,
+                 "max_version": max(max(v) for v in self.weight_versions) if self.samples else None}
+        if self.episodes:
+            entry["episodes"] = [e.status for e in self.episodes]
+        return entry
 
     def owners(self) -> list[int]:
         """Per sample, the index of its result."""
@@ -153,6 +165,20 @@ def untrained_plans(plans: dict[int, StepPlan], first_step: int) -> list[StepPla
     return [StepPlan(p.step, p.expected - p.trained, dict(p.outstanding), list(p.waiting), list(p.waiting), 0, list(p.dropped),
                      p.next_index, p.refills, []) for step, p in sorted(plans.items()) if step >= first_step]
 
+
+
+def submitted_batches(ledger_path: Path, first_step: int) -> list[str]:
+    """The batches the rollout ledger says were submitted for `first_step` or later (a line cut short
+    by a killed trainer is skipped)."""
+    batch_ids = []
+    for line in ledger_path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("event") == "submitted" and record["step"] >= first_step:
+            batch_ids.append(record["batch_id"])
+    return batch_ids
 
 
 def dump_pipeline(plans: list[StepPlan]) -> bytes:

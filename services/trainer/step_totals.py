@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardResult
 from services.trainer.critic import CriticSums
 from services.trainer.pipeline import ScoredGroup
@@ -124,6 +125,17 @@ class StepTotals:
         for name, task_totals in self.per_task.items():
             values.update(task_totals.metrics(f"task/{name}/"))
         return values | episode_metrics(self.episodes)
+
+
+def balance_metrics(balance: manager_pb2.StageBalance) -> dict[str, float]:
+    """The manager's balance estimate between training and rollout, as a step's metrics."""
+    return {
+        "balance/recommended_rollout_instances": float(balance.recommended_rollout_instances),
+        "balance/offload_fraction": balance.offload_fraction,
+        "balance/local_window_seconds": balance.local_window_seconds,
+        "balance/rollout_seconds": balance.rollout_seconds,
+        "balance/train_seconds": balance.train_seconds,
+    }
 
 
 def episode_metrics(episodes: list[EpisodeFigures]) -> dict[str, float]:

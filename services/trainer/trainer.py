@@ -24,18 +24,18 @@ from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
-from services.trainer.episodes import EpisodeDriver, EpisodeSpec, episode_specs
+from services.trainer.episodes import EpisodeDriver, episode_specs
 from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.group_advantages import with_advantages
 from services.trainer.mesh import MeshClient
 from services.trainer.metrics import MetricsWriter
-from services.trainer.pipeline import (PromptRecord, StepPlan, dump_pipeline, load_pipeline, prompt_seed,
+from services.trainer.pipeline import (PromptRecord, StepPlan, dump_pipeline, load_pipeline, prompt_seed, submitted_batches,
                                        untrained_plans)
 from services.trainer.publishing import VersionPublisher, publish_figures
 from services.trainer.ranks import BeginStep, Checkpoint, Evaluate, OptimizerStep, RankGroup, Resume, Train
 from services.trainer.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
-from services.trainer.step_totals import StepTotals
+from services.trainer.step_totals import StepTotals, balance_metrics
 from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
 
 log = structlog.get_logger()
@@ -100,7 +100,7 @@ class GrpoTrainer:
         """Inline evaluations by step (background ones are kept by `validation`)."""
         self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length,
                                            config.python_path[0] if config.python_path else "")
-        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._episodes_failed,
+        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._collector_failed,
                                        config.gateway_address) if self.episode_specs else None)
         if self.validation is not None:
             self.validation.episodes = self.episodes
@@ -260,13 +260,7 @@ class GrpoTrainer:
         except grpc.aio.AioRpcError as exc:
             log.warning("could not report the step's timing", batch_id=batch_id, code=exc.code().name, error=exc.details())
             return {}
-        return {
-            "balance/recommended_rollout_instances": float(balance.recommended_rollout_instances),
-            "balance/offload_fraction": balance.offload_fraction,
-            "balance/local_window_seconds": balance.local_window_seconds,
-            "balance/rollout_seconds": balance.rollout_seconds,
-            "balance/train_seconds": balance.train_seconds,
-        }
+        return balance_metrics(balance)
 
     async def _stop_collectors(self) -> None:
         """Stops reading every batch this run will not train on and frees the rollout capacity it holds."""
@@ -284,14 +278,7 @@ class GrpoTrainer:
         """The batches an earlier run of this output folder submitted for the steps this one trains
         again: its rollouts are not this run's (its policy is gone); the prompts they hold come
         again, from the checkpoint or drawn anew from the same cursors."""
-        batch_ids = []
-        for line in self.ledger_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("event") == "submitted" and record["step"] >= first_step:
-                batch_ids.append(record["batch_id"])
+        batch_ids = submitted_batches(self.ledger_path, first_step)
         if not batch_ids:
             return
         for batch_id in batch_ids:
@@ -356,24 +343,13 @@ class GrpoTrainer:
             if not episodes_of:
                 await self.mesh.submit(batch_id, version, prompts, self.config.group_size, prompts[0][2])
             else:
-                await self._open_episodes(self.episode_specs[episodes_of], batch_id, version, batch_records, prompts)
+                assert self.episodes is not None
+                await self.episodes.open(self.episode_specs[episodes_of], batch_id, version, prompts, self.config.group_size,
+                                         {r.prompt_id: r.prompt for r in batch_records})
             plan.batches.append(batch_id)
             self.collectors[batch_id] = asyncio.create_task(self._collect(batch_id, plan), name=f"collect {batch_id}")
             self._ledger({"event": "submitted", "batch_id": batch_id, "step": plan.step, "policy_version": version,
                           "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in batch_records}, "group_size": self.config.group_size})
-
-    async def _open_episodes(self, spec: EpisodeSpec, batch_id: str, version: int, records: list[PromptRecord],
-                             prompts: list[tuple[str, list[int], common_pb2.SamplingParams]]) -> None:
-        """Opens a session per sample and has the driver run their episodes (each session starts
-        empty: its environment's reset gives its first messages)."""
-        assert self.episodes is not None
-        handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts],
-                                                self.config.group_size, prompts[0][2], spec.limits(), spec.task)
-        self.episodes.start(spec, handles, {r.prompt_id: r.prompt for r in records})
-
-    async def _episodes_failed(self, exc: BaseException) -> None:
-        """The driver cannot go on (too many failed episodes, the manager gone): the step stops with it."""
-        await self._collector_failed(exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
 
     async def _collect(self, batch_id: str, plan: StepPlan) -> None:
         """Reads a batch's groups as they finish and scores each reply at once, on its own (rewards
@@ -400,12 +376,7 @@ class GrpoTrainer:
             for scored in await self.scorer.score(batch_id, plan, groups):
                 rewards = scored.rewards
                 record = scored.record
-                entry = {"batch_id": batch_id, "step": plan.step, "prompt_id": record.prompt_id, "task": record.task,
-                         "uid": record.prompt.uid, "samples": len(scored.samples), "rewards": rewards,
-                         "min_version": scored.min_version if scored.samples else None,
-                         "max_version": max(max(v) for v in scored.weight_versions) if scored.samples else None}
-                if scored.episodes:
-                    entry["episodes"] = [e.status for e in scored.episodes]
+                entry = scored.ledger_entry(plan.step)
                 if not scored.samples:
                     # Every episode of the group failed: nothing of it is the policy's to learn from.
                     plan.drop(record)
@@ -424,8 +395,9 @@ class GrpoTrainer:
         async with self._arrived:
             self._arrived.notify_all()
 
-    async def _collector_failed(self, exc: Exception) -> None:
-        self._collector_error = exc
+    async def _collector_failed(self, exc: BaseException) -> None:
+        """Rollouts cannot come (a collector failed, or the episode driver cannot go on): the step stops with it."""
+        self._collector_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
         async with self._arrived:
             self._arrived.notify_all()
 

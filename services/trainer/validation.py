@@ -149,9 +149,7 @@ class BackgroundValidation:
         if spec is not None and self.episodes is not None:
             # Episodes are not pinned to the version (turns alternate with the environment's steps):
             # they run at the version under the staleness bound, on training's terms.
-            handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], samples,
-                                                    prompts[0][2], spec.limits(), spec.task)
-            self.episodes.start(spec, handles, dict(zip(prompt_ids, held_out.prompts)), counted=False)
+            await self.episodes.open(spec, batch_id, version, prompts, samples, dict(zip(prompt_ids, held_out.prompts)), counted=False)
         else:
             await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority)
         return PinnedBatch(batch_id, held_out, prompt_ids, samples, greedy)

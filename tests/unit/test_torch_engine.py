@@ -553,16 +553,16 @@ async def test_a_sessions_next_turn_prefills_only_its_new_tokens_and_samples_the
     await plain.start()
     try:
         first = await engine_output(cached, EngineRequest("t0", ids[0], sampling, cache_key="session"))
-        assert list(cached._prefixes) == ["session"]
+        assert list(cached.prefix_cache) == ["session"]
         second_prompt = ids[0] + first[0] + ids[1]
         reused = await engine_output(cached, EngineRequest("t1", second_prompt, sampling, cache_key="session"))
         full = await engine_output(plain, EngineRequest("t1", second_prompt, sampling, cache_key="session"))
-        assert cached.prefix_hits == 1 and cached.prefix_tokens_reused == len(ids[0]) + len(first[0]) - 1
-        assert plain.prefix_hits == 0
+        assert cached.prefix_cache.hits == 1 and cached.prefix_cache.tokens_reused == len(ids[0]) + len(first[0]) - 1
+        assert plain.prefix_cache.hits == 0
         assert reused[0] == full[0] and reused[1] == pytest.approx(full[1], abs=1e-3)
         # A context that does not extend the kept one (an edited history) is prefilled whole.
         edited = await engine_output(cached, EngineRequest("t2", ids[1] + ids[0], sampling, cache_key="session"))
-        assert cached.prefix_hits == 1 and edited[3] in (Finish.STOP, Finish.LENGTH)
+        assert cached.prefix_cache.hits == 1 and edited[3] in (Finish.STOP, Finish.LENGTH)
     finally:
         await cached.stop()
         await plain.stop()
