@@ -37,14 +37,17 @@ def surviving_training(ledger: list[dict]) -> list[dict]:
     return trained
 
 
-def carries_accepted_and_in_flight(checkpoints: Path) -> bool:
+def carries_accepted_and_in_flight(checkpoints: Path, read: dict[Path, bool]) -> bool:
     """Whether the newest complete checkpoint holds groups accepted for later steps and prompts
-    still in flight."""
+    still in flight. Polled every few milliseconds: a complete checkpoint does not change, so each
+    is read once (`read` keeps the answers)."""
     checkpoint = latest_checkpoint(checkpoints)
     if checkpoint is None:
         return False
-    plans = load_pipeline(checkpoint, {"increment": None})
-    return any(p.waiting for p in plans) and any(p.outstanding for p in plans)
+    if checkpoint not in read:
+        plans = load_pipeline(checkpoint, {"increment": None})
+        read[checkpoint] = any(p.waiting for p in plans) and any(p.outstanding for p in plans)
+    return read[checkpoint]
 
 
 def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(model_dir, tmp_path):
@@ -67,7 +70,8 @@ def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(
             wait_until(lambda: step_records_written(output_dir) > progress, 120, "a step trained since it started", interval=0.01)
             if kill == 0:
                 # Right after a checkpoint that carries both: the resume must restore them.
-                wait_until(lambda: carries_accepted_and_in_flight(output_dir / "checkpoints"), 120,
+                read: dict[Path, bool] = {}
+                wait_until(lambda: carries_accepted_and_in_flight(output_dir / "checkpoints", read), 120,
                            "a checkpoint holding accepted groups and prompts in flight", interval=0.005)
                 os.kill(pid, signal.SIGKILL)
                 kills.append((pid, "after a checkpoint carrying groups and prompts", True))
