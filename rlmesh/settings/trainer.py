@@ -153,6 +153,11 @@ class AlgorithmConfig(GrpoConfig):
     """`low`: a background validation's requests are background work: an instance decodes them at
     the lowest CPU priority while nothing else shares its batch, so on a host shared with the
     trainer they take only the CPU training leaves. `normal`: like training requests."""
+    episode_driver: Literal["process", "trainer"] = "process"
+    """Where multi-turn tasks' episodes run (the environments' code, their turns and agent
+    commands): `process`, a process of their own that rank 0 starts, so that the Python of a
+    training step never delays an episode nor an episode a step (bench.agentic); `trainer`, rank
+    0's own event loop, beside reward scoring (one process less)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: a group whose rewards are all equal (no learning signal) is dropped
     and a new prompt drawn for the same step in its place, within the capacity rule."""

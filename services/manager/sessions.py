@@ -142,6 +142,8 @@ class Sessions:
         self.batches = batches
         self.clock = clock
         self.closed_by_status: dict[int, int] = {}
+        self.turn_ended: Callable[[str], None] = lambda session_id: None
+        """Told the session id whenever a session's running turn ends (finished, or cut by its close)."""
         ledger.sessions = self
 
     def open(self, batch: Batch, limits: Limits) -> list[Session]:
@@ -247,6 +249,7 @@ class Sessions:
         session.idle_since = self.clock()
         if request.instance_ids:
             session.last_instance = request.instance_ids[-1]
+        self.turn_ended(session.session_id)
 
     def turn_refused(self, request: SampleRequest, reason: str) -> None:
         """An instance refused a turn as invalid (what the environment built cannot be generated
@@ -287,6 +290,7 @@ class Sessions:
             slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids):]
             slot.finish_reason = common_pb2.FINISH_REASON_STOP
             batch.sample_finished(session.prompt_id, self.clock())
+        self.turn_ended(session.session_id)
         return dropped
 
     def reap(self, now: float) -> list[tuple[Session, SampleRequest | None]]:

@@ -22,6 +22,11 @@ class TurnRunner:
         self.journal = journal
         self._flush: asyncio.Future[None] | None = None
         """The journal write the turns that ended since the last one wait for."""
+        self._waiting: dict[str, set[asyncio.Event]] = {}
+        """By session: the calls waiting for its running turn to end. They are woken when it ends,
+        not at every change of the state: hundreds of sessions wait at once, and tokens arrive
+        many times a second."""
+        state.sessions.turn_ended = self._turn_ended
 
     async def run(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
                   sampling: common_pb2.SamplingParams | None,
@@ -36,16 +41,30 @@ class TurnRunner:
             self.dispatcher.dispatch()
             self.changes.notify()
         seen = 0
-        while state.running is not None:
-            await self.changes.wait(timeout=1.0)
-            state = self.state.sessions.turn_state(self.state.sessions.get(session_id), turn)
-            tokens = state.running.token_ids if state.running is not None else state.segment.token_ids if state.segment else []
-            if progress is not None and len(tokens) > seen:
-                progress(list(tokens))
-                seen = len(tokens)
+        ended = asyncio.Event()
+        self._waiting.setdefault(session_id, set()).add(ended)
+        try:
+            while state.running is not None:
+                # A caller that reports progress wakes at every change (tokens came); the state is
+                # looked at again at least every second whatever happens.
+                await (self.changes.wait(timeout=1.0) if progress is not None else _wait(ended, 1.0))
+                state = self.state.sessions.turn_state(self.state.sessions.get(session_id), turn)
+                tokens = state.running.token_ids if state.running is not None else state.segment.token_ids if state.segment else []
+                if progress is not None and len(tokens) > seen:
+                    progress(list(tokens))
+                    seen = len(tokens)
+        finally:
+            waiting = self._waiting[session_id]
+            waiting.discard(ended)
+            if not waiting:
+                del self._waiting[session_id]
         # What the reply confirms is in the journal first; turns ending together share one write.
         await self._flushed()
         return state
+
+    def _turn_ended(self, session_id: str) -> None:
+        for ended in self._waiting.get(session_id, ()):
+            ended.set()
 
     async def _flushed(self) -> None:
         if self._flush is None:
@@ -61,3 +80,11 @@ class TurnRunner:
             flush.set_exception(exc)
             return
         flush.set_result(None)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        pass
+    event.clear()

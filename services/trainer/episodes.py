@@ -109,6 +109,14 @@ def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], con
     return specs
 
 
+async def open_sessions(mesh: MeshClient, spec: EpisodeSpec, batch_id: str, version: int,
+                        prompts: list[tuple[str, list[int], common_pb2.SamplingParams]], n: int) -> list[manager_pb2.SessionHandle]:
+    """`n` sessions per prompt at the manager, as one batch; each starts empty (its environment's
+    reset gives its first messages)."""
+    return await mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], n, prompts[0][2],
+                                    spec.limits(), spec.task)
+
+
 class EpisodeDriver:
     """Runs episodes for the trainer (rank 0's event loop). Episodes wait on the manager's turns
     almost all their time, so hundreds run at once as asyncio tasks; the user's sync environment
@@ -128,11 +136,8 @@ class EpisodeDriver:
 
     async def open(self, spec: EpisodeSpec, batch_id: str, version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
                    n: int, task_prompts: Mapping[str, TaskPrompt], counted: bool = True) -> None:
-        """Opens `n` sessions per prompt and runs their episodes; each session starts empty (its
-        environment's reset gives its first messages)."""
-        handles = await self.mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], n,
-                                                prompts[0][2], spec.limits(), spec.task)
-        self.start(spec, handles, task_prompts, counted)
+        """Opens `n` sessions per prompt and runs their episodes."""
+        self.start(spec, await open_sessions(self.mesh, spec, batch_id, version, prompts, n), task_prompts, counted)
 
     def start(self, spec: EpisodeSpec, handles: list[manager_pb2.SessionHandle], prompts: Mapping[str, TaskPrompt],
               counted: bool = True) -> None:

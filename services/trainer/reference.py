@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import pickle
 import signal
-import struct
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -19,11 +17,10 @@ import structlog
 import torch
 
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
+from services.trainer.frames import frame, next_frame, read_frame, write_frame
 
 log = structlog.get_logger()
 
-FRAME_HEADER = struct.Struct("<Q")
-"""Every message is a pickle preceded by its length."""
 FORWARD_SAMPLES = 32
 """Most samples in one forward of the reference."""
 CLOSE_SECONDS = 30.0
@@ -33,24 +30,6 @@ teardown takes seconds of CPU, and a busy host gives it a fraction of a core).""
 
 class ReferenceWorkerError(RuntimeError):
     """The reference worker failed a request, or is gone."""
-
-
-def read_frame(stream: BinaryIO) -> Any | None:
-    """The next message; None at end of stream."""
-    header = stream.read(FRAME_HEADER.size)
-    if len(header) < FRAME_HEADER.size:
-        return None
-    (size,) = FRAME_HEADER.unpack(header)
-    payload = stream.read(size)
-    if len(payload) < size:
-        return None
-    return pickle.loads(payload)
-
-
-def write_frame(stream: BinaryIO, message: Any) -> None:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(FRAME_HEADER.pack(len(payload)) + payload)
-    stream.flush()
 
 
 @torch.inference_mode()
@@ -139,11 +118,10 @@ class ReferenceWorker:
             return []
         reply = asyncio.get_running_loop().create_future()
         self._waiting.append(reply)
-        payload = pickle.dumps([(s.prompt_ids, s.response_ids, s.temperature) for s in samples], protocol=pickle.HIGHEST_PROTOCOL)
         stdin = self.process.stdin
         assert stdin is not None
         try:
-            stdin.write(FRAME_HEADER.pack(len(payload)) + payload)
+            stdin.write(frame([(s.prompt_ids, s.response_ids, s.temperature) for s in samples]))
             await stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             pass  # the worker is gone: the reader says why, through `reply`
@@ -167,22 +145,18 @@ class ReferenceWorker:
     async def _read(self) -> None:
         stdout = self.process.stdout
         assert stdout is not None
-        try:
-            while True:
-                header = await stdout.readexactly(FRAME_HEADER.size)
-                kind, value = pickle.loads(await stdout.readexactly(FRAME_HEADER.unpack(header)[0]))
-                if kind == "ready":
-                    self._ready.set_result(value)
-                    continue
-                reply = self._waiting.popleft()
-                if reply.done():  # its caller was cancelled
-                    continue
-                if kind == "ok":
-                    reply.set_result(value)
-                else:
-                    reply.set_exception(ReferenceWorkerError(f"the reference worker (pid {self.pid}) failed: {value}"))
-        except asyncio.IncompleteReadError:
-            pass
+        while (message := await next_frame(stdout)) is not None:
+            kind, value = message
+            if kind == "ready":
+                self._ready.set_result(value)
+                continue
+            reply = self._waiting.popleft()
+            if reply.done():  # its caller was cancelled
+                continue
+            if kind == "ok":
+                reply.set_result(value)
+            else:
+                reply.set_exception(ReferenceWorkerError(f"the reference worker (pid {self.pid}) failed: {value}"))
         code = await self.process.wait()
         ending = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
         if self._closing:

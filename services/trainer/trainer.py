@@ -24,6 +24,7 @@ from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
 from services.trainer.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
+from services.trainer.episode_process import EpisodeProcess, start_episodes
 from services.trainer.episodes import EpisodeDriver, episode_specs
 from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.group_advantages import with_advantages
@@ -100,10 +101,9 @@ class GrpoTrainer:
         """Inline evaluations by step (background ones are kept by `validation`)."""
         self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length,
                                            config.python_path[0] if config.python_path else "")
-        self.episodes = (EpisodeDriver(mesh, max(s.config.threads for s in self.episode_specs.values()), self._collector_failed,
-                                       config.gateway_address) if self.episode_specs else None)
+        self.episodes: EpisodeDriver | EpisodeProcess | None = None
+        """Runs the multi-turn tasks' episodes (started with the run)."""
         if self.validation is not None:
-            self.validation.episodes = self.episodes
             self.validation.episode_specs = self.episode_specs
         elif self.episode_specs:
             raise ValueError("a multi-turn task (one with an environment) is evaluated by running its episodes on the rollout "
@@ -131,6 +131,11 @@ class GrpoTrainer:
         if self.config.reference_apart:
             self.scorer.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
                                                          self.config.startup_timeout_seconds)
+        if self.episode_specs:
+            self.episodes = await start_episodes(self.config, self.mesh, self.episode_specs, self.group.policy.context_length,
+                                                 self._collector_failed)
+            if self.validation is not None:
+                self.validation.episodes = self.episodes
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         restored: list[StepPlan] = []

@@ -17,6 +17,7 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
+from services.trainer.episode_process import EpisodeProcess
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec
 from services.trainer.mesh import MeshClient
 from services.trainer.trajectories import MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, turn_reward_means
@@ -107,7 +108,7 @@ class BackgroundValidation:
         """Versions no instance served while their prompts waited (a newer push superseded theirs)."""
         self.retry_due = False
         """A validation was skipped: the next version published is validated in its place."""
-        self.episodes: EpisodeDriver | None = None
+        self.episodes: EpisodeDriver | EpisodeProcess | None = None
         self.episode_specs: dict[str, EpisodeSpec] = {}
         """Multi-turn tasks: their held-out prompts run as episodes (see `_submit`)."""
 
