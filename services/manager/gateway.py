@@ -295,7 +295,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             gateway.sessions.set_reward(session.session_id, float(value), turn)
         except DomainError as exc:
             raise http_error(exc) from exc
-        gateway.runner.journal.flush(gateway.runner.state)
+        await gateway.runner.flushed()
         return {"session_id": session.session_id, "reward": float(value), "turn": turn}
 
     for prefix in ("/sessions/{session_id:path}/v1", "/v1"):

@@ -260,7 +260,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def SetSessionReward(self, request, context):
         self.state.sessions.set_reward(request.session_id, request.reward, request.turn if request.HasField("turn") else None)
-        self._durable()
+        await self.turns.flushed()
         return manager_pb2.SetSessionRewardResponse()
 
     async def CloseSession(self, request, context):
@@ -269,7 +269,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             self.dispatcher.cancel([dropped])
         log.info("session closed", session_id=session.session_id, status=manager_pb2.SessionStatus.Name(session.status),
                  turns=session.turns, detail=session.detail or None)
-        self._durable()
+        await self.turns.flushed()
         self._changed()
         return manager_pb2.CloseSessionResponse(status=session.status)
 

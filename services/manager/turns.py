@@ -59,14 +59,16 @@ class TurnRunner:
             if not waiting:
                 del self._waiting[session_id]
         # What the reply confirms is in the journal first; turns ending together share one write.
-        await self._flushed()
+        await self.flushed()
         return state
 
     def _turn_ended(self, session_id: str) -> None:
         for ended in self._waiting.get(session_id, ()):
             ended.set()
 
-    async def _flushed(self) -> None:
+    async def flushed(self) -> None:
+        """Returns once what the state holds now is in the journal: the callers waiting at one
+        moment share one write."""
         if self._flush is None:
             self._flush = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().call_soon(self._write)
