@@ -192,8 +192,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         session_id = session_id or request.headers.get(SESSION_HEADER, "")
         if not session_id:
             raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
+        # The key in the base URL (/sessions/<id>/key/<key>/v1) wins over a bearer key: a harness
+        # that takes one setting sends whatever key it was configured with.
         authorization = request.headers.get("authorization", "")
-        key = authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""
+        key = request.path_params.get("key") or (authorization[7:].strip() if authorization.lower().startswith("bearer ") else "")
         return gateway.authorize(session_id, key)
 
     async def chat_completions(request: Request, session_id: str | None = None):
@@ -298,11 +300,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         await gateway.runner.flushed()
         return {"session_id": session.session_id, "reward": float(value), "turn": turn}
 
-    for prefix in ("/sessions/{session_id:path}/v1", "/v1"):
+    # The key's routes first: the other session routes would take `<id>/key/<key>` for a session id.
+    for prefix in ("/sessions/{session_id:path}/key/{key}/v1", "/sessions/{session_id:path}/v1", "/v1"):
         app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
         app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-    app.add_api_route("/sessions/{session_id:path}/v1/rlmesh/reward", reward, methods=["POST"])
+    for prefix in ("/sessions/{session_id:path}/key/{key}/v1", "/sessions/{session_id:path}/v1"):
+        app.add_api_route(f"{prefix}/rlmesh/reward", reward, methods=["POST"])
 
     @app.get("/healthz")
     async def health() -> dict[str, str]:

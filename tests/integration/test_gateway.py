@@ -148,3 +148,14 @@ async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
         with pytest.raises(openai.BadRequestError, match="n must be 1"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
         assert (await client.models.list()).data[0].object == "model"
+    # The key in the base URL: one setting points a harness at its session, whatever bearer key it sends.
+    address = mesh.manager.gateway_address
+    in_url = openai.AsyncOpenAI(base_url=f"http://{address}/sessions/{mine.session_id}/key/{mine.key}/v1", api_key="anything",
+                                max_retries=0, timeout=60)
+    async with in_url as client:
+        assert (await client.models.list()).data[0].object == "model"
+    wrong_in_url = openai.AsyncOpenAI(base_url=f"http://{address}/sessions/{theirs.session_id}/key/{mine.key}/v1", api_key=theirs.key,
+                                      max_retries=0, timeout=60)
+    async with wrong_in_url as client:
+        with pytest.raises(openai.AuthenticationError, match="no session"):
+            await client.models.list()
