@@ -18,8 +18,8 @@ class EnvironmentLoadError(ValueError):
 
 
 def environment_factory(config: EnvironmentConfig, task: str, search_path: Sequence[str] = ()) -> EnvironmentFactory | None:
-    """None for an agent command (it drives its own episode through the gateway)."""
-    if config.command:
+    """None for an agent command or a verifiers environment (they drive their episodes through the gateway)."""
+    if config.command or config.verifiers:
         return None
     if config.remote:
         from rlmesh.environments.remote import EnvironmentChannel

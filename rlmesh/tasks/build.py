@@ -90,7 +90,13 @@ class Task:
         return self.config.name
 
 
-def _source(config: TaskConfig, seed: int) -> PromptSource:
+def _source(config: TaskConfig, seed: int, search_path: Sequence[str]) -> PromptSource:
+    if config.kind == "verifiers":
+        from rlmesh.environments.verifiers_adapter import VerifiersSource, load_verifiers
+
+        assert config.environment is not None and config.environment.verifiers is not None
+        environment = load_verifiers(config.environment.verifiers, config.environment.verifiers_args, search_path)
+        return VerifiersSource(environment, config.eval.holdout, seed)
     if config.kind == "increment":
         from rlmesh.tasks.increment import IncrementSource
 
@@ -133,18 +139,19 @@ def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_pat
     """Builds and checks a task: the dataset is read, the reward loaded and a few prompts rendered
     with the model's tokenizer, so a bad task stops the job at start with its name in the message."""
     from rlmesh.environments.factory import EnvironmentLoadError, environment_factory
+    from rlmesh.environments.verifiers_adapter import VerifiersError
     from rlmesh.rewards.python import RewardLoadError
     from rlmesh.tasks.datasets import DatasetError
 
     environment = config.environment
     chat = config.prompt.chat or config.kind == "word_problems"
     try:
-        source = _source(config, job_seed * 1_000_003 + config.seed)
+        source = _source(config, job_seed * 1_000_003 + config.seed, search_path)
         renderer = PromptRenderer(config.name, tokenizer, config.prompt.template, chat, config.prompt.system)
         # A multi-turn task's environment gives its rewards, unless the task names a reward of its own.
         inner = _reward(config, search_path) if environment is None or config.reward.given else None
         factory = environment_factory(environment, config.name, search_path) if environment is not None else None
-    except (DatasetError, RewardLoadError, EnvironmentLoadError) as exc:
+    except (DatasetError, RewardLoadError, EnvironmentLoadError, VerifiersError) as exc:
         raise TaskError(f"task {config.name!r}: {exc}") from exc
     for prompt in [source.prompt_at(0), *source.held_out(1)]:
         renderer.token_ids(prompt)

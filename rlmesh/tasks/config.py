@@ -4,7 +4,7 @@ field mapping), how they are rendered, the reward, sampling settings and held-ou
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -122,6 +122,14 @@ class EnvironmentConfig(StrictModel):
     remote: str | None = None
     """host:port of a service serving `rlmesh.environment.v1.EnvironmentService` in any language
     (protos/); it is called with the trainer's credentials."""
+    verifiers: str | None = None
+    """An environment written for verifiers (0.4, `verifiers.v1`): the id of its taskset, a module
+    importable from the job's folder (or installed) that exports one `vf.Taskset`. It runs
+    unchanged: the task's prompts are the taskset's rows (task kind `verifiers`), each episode runs
+    verifiers' tool-calling chat program against its session on the manager's gateway, and the
+    taskset's rewards score it. Needs `pip install 'verifiers==0.4.0'`."""
+    verifiers_args: dict[str, Any] = Field(default_factory=dict)
+    """The verifiers taskset's config fields (its TasksetConfig), e.g. `{ num_tasks = 64 }`."""
     command: str | None = None
     """A black-box agent: this command (split like a shell would, run in the job's folder) is run
     once per episode with OPENAI_BASE_URL set to its session on the manager's gateway and
@@ -153,23 +161,26 @@ class EnvironmentConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> "EnvironmentConfig":
-        chosen = [k for k in ("python", "builtin", "remote", "command") if getattr(self, k)]
+        chosen = [k for k in ("python", "builtin", "remote", "verifiers", "command") if getattr(self, k)]
         if len(chosen) != 1:
-            raise ValueError(f"give one of python, builtin, remote or command{', not ' + ' and '.join(chosen) if chosen else ''}")
+            raise ValueError(f"give one of python, builtin, remote, verifiers or command{', not ' + ' and '.join(chosen) if chosen else ''}")
+        if self.verifiers_args and not self.verifiers:
+            raise ValueError("verifiers_args are a verifiers taskset's fields: give verifiers too")
         if self.python and ":" not in self.python:
             raise ValueError(f"python {self.python!r} must be written module:Class or file.py:Class")
         return self
 
 
-TASK_KINDS = ("increment", "word_problems", "dataset")
+TASK_KINDS = ("increment", "word_problems", "dataset", "verifiers")
 
 
 class TaskConfig(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
     """Names the task in metrics (`task/<name>/reward`) and the ledger."""
-    kind: Literal["increment", "word_problems", "dataset"] = "dataset"
+    kind: Literal["increment", "word_problems", "dataset", "verifiers"] = "dataset"
     """`increment` (built-in: add 1 to every digit), `word_problems` (built-in: arithmetic word
-    problems, checked by math-verify) or `dataset` (a file of yours)."""
+    problems, checked by math-verify), `dataset` (a file of yours) or `verifiers` (the rows of the
+    verifiers taskset named in environment.verifiers; eval.holdout of them held out)."""
     weight: float = Field(default=1.0, gt=0)
     """Share of each step's prompts drawn from this task, relative to the other tasks' weights."""
     dataset: DatasetConfig | None = None
@@ -194,6 +205,10 @@ class TaskConfig(StrictModel):
                 raise ValueError(f"task {self.name!r}: dataset.fields needs a 'prompt' column, or give prompt.template")
         elif self.dataset is not None:
             raise ValueError(f"task {self.name!r}: kind {self.kind!r} generates its own prompts; remove [dataset]")
+        uses_verifiers = self.environment is not None and self.environment.verifiers is not None
+        if (self.kind == "verifiers") != uses_verifiers:
+            raise ValueError(f"task {self.name!r}: kind 'verifiers' and environment.verifiers go together: the prompts are "
+                             "the verifiers taskset's rows")
         if self.eval.path and self.eval.split:
             raise ValueError(f"task {self.name!r}: give eval.path or eval.split, not both")
         return self

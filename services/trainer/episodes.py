@@ -19,12 +19,14 @@ import structlog
 from rlmesh.chat_turns import ChatTurns, RenderError
 from rlmesh.common.v1 import common_pb2
 from rlmesh.environments.base import EnvironmentFailure
+from rlmesh.environments.verifiers_adapter import VerifiersEpisodes, load_verifiers
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import TaskMixture
 from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episode_agents import run_agent
 from services.trainer.episode_steps import run_steps
+from services.trainer.episode_verifiers import run_verifiers
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
@@ -133,6 +135,8 @@ class EpisodeDriver:
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None
         """Set when the job must stop (too many failed episodes, a manager that cannot be reached)."""
+        self.verifiers: dict[str, VerifiersEpisodes] = {}
+        """By task: its verifiers environment, serving from its first episode on."""
 
     async def open(self, spec: EpisodeSpec, batch_id: str, version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
                    n: int, task_prompts: Mapping[str, TaskPrompt], counted: bool = True) -> None:
@@ -179,6 +183,8 @@ class EpisodeDriver:
         try:
             if config.command:
                 return await run_agent(self.mesh, spec, handle, prompt, self.gateway_address)
+            if config.verifiers:
+                return await run_verifiers(self.mesh, spec, handle, prompt, self.gateway_address, self._verifiers_of(spec))
             environment = spec.make_environment(session_id)
             return await run_steps(self.mesh, spec, session_id, prompt, environment, self.call)
         except grpc.aio.AioRpcError as exc:
@@ -199,6 +205,14 @@ class EpisodeDriver:
         log.warning("episode failed", session_id=session_id, reason=reason)
         return await self.mesh.close_session(session_id, ENVIRONMENT_ERROR, reason[:2000]), reason
 
+    def _verifiers_of(self, spec: EpisodeSpec) -> VerifiersEpisodes:
+        if spec.task not in self.verifiers:
+            config = spec.config
+            assert config.verifiers is not None
+            search_path = [spec.working_dir] if spec.working_dir else []
+            self.verifiers[spec.task] = VerifiersEpisodes(load_verifiers(config.verifiers, config.verifiers_args, search_path))
+        return self.verifiers[spec.task]
+
     async def _close(self, environment: Any, spec: EpisodeSpec, session_id: str) -> None:
         """The environment's `close`, if it has one: a failure there is logged, the episode stands."""
         close = getattr(environment, "close", None)
@@ -216,4 +230,6 @@ class EpisodeDriver:
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for episodes in self.verifiers.values():
+            await episodes.close()
         self.executor.shutdown(wait=False, cancel_futures=True)

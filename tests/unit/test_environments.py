@@ -1,12 +1,18 @@
 """The environments shipped with rlmesh and the checks every environment's answers go through: the
 calculator evaluates only arithmetic and rewards a right boxed answer, the feedback marks what was
-right, and whatever an environment returns is an observation or an EnvironmentFailure."""
+right, whatever an environment returns is an observation or an EnvironmentFailure, and a verifiers
+task that does not fit is refused naming why."""
+
+import re
 
 import pytest
+from pydantic import ValidationError
 
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
 from rlmesh.environments.calculator import CalculatorEnvironment, evaluate
 from rlmesh.environments.feedback import FeedbackEnvironment, marks
+from rlmesh.environments.verifiers_adapter import VerifiersError, load_verifiers
+from rlmesh.tasks.config import TaskConfig
 from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for
 from rlmesh.tool_calls import parse_tool_calls, tool_call_text
 
@@ -82,3 +88,21 @@ def test_garbage_observations_are_environment_failures(value, message):
 def test_garbage_steps_are_environment_failures(value, message):
     with pytest.raises(EnvironmentFailure, match=message):
         as_step_result(value)
+
+
+@pytest.mark.parametrize(("task", "message"), [
+    ({"name": "t", "kind": "verifiers"}, "kind 'verifiers' and environment.verifiers go together"),
+    ({"name": "t", "kind": "increment", "environment": {"verifiers": "sums"}}, "kind 'verifiers' and environment.verifiers go together"),
+    ({"name": "t", "kind": "increment", "environment": {"builtin": "feedback", "verifiers_args": {"rows": 2}}},
+     "verifiers_args are a verifiers taskset's fields"),
+    ({"name": "t", "kind": "verifiers", "environment": {"verifiers": "sums", "python": "env.py:Env"}},
+     "give one of python, builtin, remote, verifiers or command, not python and verifiers"),
+])
+def test_a_verifiers_task_is_refused_naming_what_does_not_fit(task, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        TaskConfig.model_validate(task)
+
+
+def test_a_verifiers_taskset_that_cannot_load_stops_the_task_naming_it():
+    with pytest.raises(VerifiersError, match="verifiers taskset 'no_such_taskset'"):
+        load_verifiers("no_such_taskset", {})
