@@ -20,7 +20,7 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec, TooManyEpisodeErrors, open_sessions
-from services.trainer.frames import frame, next_frame
+from services.trainer.child_process import end_child, frame, how_it_ended, next_frame
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
@@ -86,13 +86,7 @@ class EpisodeProcess:
     async def close(self) -> None:
         """Closes its stdin, which cancels its episodes and ends it; kills it if it does not exit in time."""
         self._closing = True
-        if self.process.stdin is not None and not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        try:
-            await asyncio.wait_for(self.process.wait(), CLOSE_SECONDS)
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        await end_child(self.process, CLOSE_SECONDS)
         await self._reader
 
     async def _read(self) -> None:
@@ -110,7 +104,7 @@ class EpisodeProcess:
         code = await self.process.wait()
         if self._closing:
             return
-        ending = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        ending = how_it_ended(code)
         failure = EpisodeProcessError(f"the episode process (pid {self.process.pid}) {ending}; its error, if any, is in the "
                                       "trainer's log")
         if not self._ready.done():

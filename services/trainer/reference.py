@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.frames import frame, next_frame, read_frame, write_frame
+from services.trainer.child_process import end_child, frame, how_it_ended, next_frame, read_frame, write_frame
 
 log = structlog.get_logger()
 
@@ -133,13 +133,7 @@ class ReferenceWorker:
     async def close(self) -> None:
         """Closes its stdin, which ends it; kills it if it does not exit in time."""
         self._closing = True
-        if self.process.stdin is not None and not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        try:
-            await asyncio.wait_for(self.process.wait(), CLOSE_SECONDS)
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        await end_child(self.process, CLOSE_SECONDS)
         await self._reader
 
     async def _read(self) -> None:
@@ -158,7 +152,7 @@ class ReferenceWorker:
             else:
                 reply.set_exception(ReferenceWorkerError(f"the reference worker (pid {self.pid}) failed: {value}"))
         code = await self.process.wait()
-        ending = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        ending = how_it_ended(code)
         if self._closing:
             self._failure = ReferenceWorkerError(f"the reference worker (pid {self.pid}) was closed")
         else:

@@ -99,6 +99,25 @@ def chat_model(tmp_path_factory) -> Path:
     return create_chat_model(tmp_path_factory.mktemp("chat"), ChatModelSpec(warmup_iterations=4, warmup_batch=4))
 
 
+SMALL_STEPS = """
+[algorithm]
+group_size = 4
+prompts_per_step = 2
+micro_batch_groups = 2
+eval_every = 2
+"""
+"""Steps of 2 prompts, 4 episodes each, evaluated every 2 steps."""
+
+
+def run_two_steps(job: Path, output: Path, model_dir: Path) -> Path:
+    """`rlmesh up --job` for 2 steps; the run's folder once it finished."""
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output),
+                             "--model-dir", str(model_dir), "--base-port", str(free_base_port()), "--steps", "2"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
 def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -121,18 +140,8 @@ samples = 1
 [tasks.environment]
 python = "echo_env.py:Echo"
 max_turns = 3
-
-[algorithm]
-group_size = 4
-prompts_per_step = 2
-micro_batch_groups = 2
-eval_every = 2
-''')
-    output = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output),
-                             "--model-dir", str(chat_model), "--base-port", str(free_base_port()), "--steps", "2"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+''' + SMALL_STEPS)
+    output = run_two_steps(job, tmp_path / "run", chat_model)
     steps = [r for r in metrics(output) if "loss" in r]
     assert len(steps) == 2
     for record in steps:
@@ -163,18 +172,8 @@ samples = 1
 verifiers = "sums_env"
 verifiers_args = { rows = 8 }
 max_turns = 3
-
-[algorithm]
-group_size = 4
-prompts_per_step = 2
-micro_batch_groups = 2
-eval_every = 2
-''')
-    output = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output),
-                             "--model-dir", str(chat_model), "--base-port", str(free_base_port()), "--steps", "2"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
+''' + SMALL_STEPS)
+    output = run_two_steps(job, tmp_path / "run", chat_model)
     steps = [r for r in metrics(output) if "loss" in r]
     assert len(steps) == 2
     for record in steps:

@@ -1,10 +1,11 @@
-"""The framing of rank 0's talk with the processes it starts (the reference worker, the episode
-process): each message a pickle preceded by its length, over a pipe."""
+"""Rank 0's talk with the processes it starts (the reference worker, the episode process): each
+message a pickle preceded by its length, over the child's stdin and stdout; and their ending."""
 
 from __future__ import annotations
 
 import asyncio
 import pickle
+import signal
 import struct
 from typing import Any, BinaryIO
 
@@ -40,3 +41,18 @@ async def next_frame(reader: asyncio.StreamReader) -> Any | None:
         return pickle.loads(await reader.readexactly(FRAME_HEADER.unpack(header)[0]))
     except asyncio.IncompleteReadError:
         return None
+
+
+async def end_child(process: asyncio.subprocess.Process, close_seconds: float) -> None:
+    """Closes the child's stdin, which ends it; kills it if it does not exit within `close_seconds`."""
+    if process.stdin is not None and not process.stdin.is_closing():
+        process.stdin.close()
+    try:
+        await asyncio.wait_for(process.wait(), close_seconds)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+
+
+def how_it_ended(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
