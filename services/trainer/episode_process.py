@@ -18,9 +18,9 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
+from services.trainer.child_process import end_child, frame, how_it_ended, next_frame
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec, TooManyEpisodeErrors, open_sessions
-from services.trainer.child_process import end_child, frame, how_it_ended, next_frame
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
@@ -108,7 +108,9 @@ class EpisodeProcess:
         failure = EpisodeProcessError(f"the episode process (pid {self.process.pid}) {ending}; its error, if any, is in the "
                                       "trainer's log")
         if not self._ready.done():
+            # Starting, not running: `start` raises it.
             self._ready.set_exception(failure)
+            return
         if self.failure is None:
             self.failure = failure
             await self.on_failure(failure)
