@@ -33,13 +33,14 @@ settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
 SLOWEST_FILES = (
-    "e2e/test_jobs.py", "e2e/test_gpu_check.py", "integration/test_fsdp_trainer.py", "e2e/test_chaos.py",
-    "e2e/test_mesh_up.py", "vllm/test_vllm_rollout.py", "integration/test_model_families.py", "e2e/test_mesh_resume.py",
-    "vllm/test_vllm_families.py", "e2e/test_elastic_launcher.py", "e2e/test_trainer_resume.py", "e2e/test_mesh_tls.py",
-    "integration/test_critic_ranks.py", "integration/test_cli_bad_input.py", "e2e/test_sync_equivalence.py",
-    "e2e/test_critic_resume.py", "e2e/test_dynamic_sampling.py",
+    "e2e/test_gpu_check.py", "e2e/test_chaos.py", "vllm/test_vllm_rollout.py", "e2e/test_trainer_resume.py", "e2e/test_jobs.py",
+    "e2e/test_episodes.py", "e2e/test_mesh_resume.py", "e2e/test_mesh_up.py", "vllm/test_vllm_families.py",
+    "e2e/test_elastic_launcher.py", "integration/test_tp_engine.py", "e2e/test_sync_equivalence.py",
+    "integration/test_cli_bad_input.py", "integration/test_model_families.py", "e2e/test_mesh_tls.py",
+    "integration/test_exactly_once.py", "integration/test_tp_rollout.py", "integration/test_fsdp_trainer.py",
+    "integration/test_reference_worker.py", "e2e/test_critic_resume.py", "e2e/test_dynamic_sampling.py",
 )
-"""The files that take longest (a `make test` of 2026-11-26), longest first: the workers take files
+"""The files that take longest (the suite of 2026-11-27), longest first: the workers take files
 in this order as they run out of work, so no long one is left to start last while the others idle."""
 FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
 """After those, whole directories, the slowest first."""

@@ -3,6 +3,7 @@ settings that carry the plan's values to it."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 from rlmesh.launch.plan import LaunchPlan
@@ -81,9 +82,13 @@ def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
 def forked_modules(plan: LaunchPlan) -> list[str]:
     """What the fork server imports: the entry modules of the services it can start for this plan,
     and, for the trainer or the rollout, what building the model imports (transformers imports a
-    family's classes on first use: seconds in every process)."""
+    family's classes on first use: seconds in every process); verifiers, for a job with a verifiers
+    environment (the job's check and the trainer load its taskset: 7 s of imports each)."""
     specs = (manager_spec(plan), weights_spec(plan), rollout_spec(plan, 0), trainer_spec(plan))
     modules = [f"{spec.module}.__main__" for spec in specs if spec.forkable]
     if any(module.startswith(("services.trainer", "services.rollout")) for module in modules):
         modules += ["transformers.initialization", check_model_dir(plan.model_dir).modeling_module]
+    # Not installed: the job's check says so, naming the task.
+    if any(task.environment is not None and task.environment.verifiers for task in plan.job.tasks) and find_spec("verifiers"):
+        modules.append("verifiers.v1")
     return modules

@@ -1,7 +1,8 @@
-"""The episode driver: runs a batch's multi-turn episodes beside reward scoring, each one session at the
-manager: the environment's reset, then turn after turn (the model's, then the environment's step)
-until the environment is done or a limit or deadline ends it. An environment that raises, hangs or
-returns garbage ends its episode as an error, which is counted and masked, never scored."""
+"""The episode driver: runs a batch's multi-turn episodes (in the episode process, or in rank 0), each
+one session at the manager: the environment's reset, then turn after turn (the model's, then the
+environment's step) until the environment is done or a limit or deadline ends it; or an agent
+command, or a verifiers environment, against the session's gateway URL. An environment that raises,
+hangs or returns garbage ends its episode as an error, which is counted and masked, never scored."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ async def open_sessions(mesh: MeshClient, spec: EpisodeSpec, batch_id: str, vers
 
 
 class EpisodeDriver:
-    """Runs episodes for the trainer (rank 0's event loop). Episodes wait on the manager's turns
+    """Runs episodes in this process's event loop. Episodes wait on the manager's turns
     almost all their time, so hundreds run at once as asyncio tasks; the user's sync environment
     code runs in a thread pool of its own, async code on the loop under a deadline."""
 
