@@ -84,12 +84,16 @@ class VerifiersSource(PromptSource):
         self._held_out = [p for i, p in enumerate(prompts) if i in held]
         self._prompts = [p for i, p in enumerate(prompts) if i not in held]
         self.seed = seed
+        self._order: tuple[int, list[int]] = (-1, [])
+        """The last pass's order of the training rows."""
 
     def prompt_at(self, position: int) -> TaskPrompt:
         epoch, index = divmod(position, len(self._prompts))
-        order = list(range(len(self._prompts)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return self._prompts[order[index]]
+        if self._order[0] != epoch:
+            order = list(range(len(self._prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._order = (epoch, order)
+        return self._prompts[self._order[1][index]]
 
     def held_out(self, count: int) -> list[TaskPrompt]:
         return self._held_out[:count]

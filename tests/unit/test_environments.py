@@ -4,14 +4,17 @@ right, whatever an environment returns is an observation or an EnvironmentFailur
 task that does not fit is refused naming why."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
 from rlmesh.environments.calculator import CalculatorEnvironment, evaluate
 from rlmesh.environments.feedback import FeedbackEnvironment, marks
-from rlmesh.environments.verifiers_adapter import VerifiersError, load_verifiers
+from rlmesh.environments.verifiers_adapter import VerifiersError, VerifiersSource, load_verifiers
 from rlmesh.tasks.config import TaskConfig
 from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for
 from rlmesh.tool_calls import parse_tool_calls, tool_call_text
@@ -106,3 +109,21 @@ def test_a_verifiers_task_is_refused_naming_what_does_not_fit(task, message):
 def test_a_verifiers_taskset_that_cannot_load_stops_the_task_naming_it():
     with pytest.raises(VerifiersError, match="verifiers taskset 'no_such_taskset'"):
         load_verifiers("no_such_taskset", {})
+
+
+@given(rows=st.integers(2, 40), holdout=st.integers(1, 10), seed=st.integers(0, 1000))
+def test_a_verifiers_taskset_gives_every_training_row_once_a_pass_and_never_a_held_out_one(rows, holdout, seed):
+    taskset = [SimpleNamespace(data=SimpleNamespace(prompt=f"row {i}")) for i in range(rows)]
+    environment = SimpleNamespace(taskset=taskset)
+    if holdout >= rows:
+        with pytest.raises(VerifiersError, match="leaves no training rows"):
+            VerifiersSource(environment, holdout, seed)
+        return
+    source = VerifiersSource(environment, holdout, seed)
+    held = {p.uid for p in source.held_out(rows)}
+    training = rows - holdout
+    for epoch in range(2):
+        seen = [source.prompt_at(epoch * training + i).uid for i in range(training)]
+        assert len(set(seen)) == training and not set(seen) & held
+    assert len(held) == holdout and all(p.metadata["verifiers_index"] == int(p.uid.split("-")[1]) for p in source.held_out(rows))
+    assert [p.uid for p in VerifiersSource(environment, holdout, seed).take(training)] == [source.prompt_at(i).uid for i in range(training)]
