@@ -26,6 +26,7 @@ COPY pyproject.toml /app/
 COPY protos /app/protos
 COPY rlmesh /app/rlmesh
 COPY services /app/services
+COPY rlmesh_verifiers /app/rlmesh_verifiers
 
 # The wheelhouse (with the requirements `make wheels` copied into it) stays in this stage: only the
 # virtualenv it fills reaches the images.
