@@ -27,14 +27,19 @@ def config_for(tmp_path, chat_model_dir) -> TrainerConfig:
                          tasks=[{"name": "once", "kind": "increment", "environment": {"python": "once_env:Once"}}])
 
 
-async def test_a_killed_episode_process_is_reported_once_naming_how_it_ended(tmp_path, chat_model_dir):
+async def started(tmp_path, chat_model_dir) -> tuple[EpisodeProcess, list[BaseException]]:
+    """An episode process for a job with one multi-turn task, and the failures it reports."""
     failures: list[BaseException] = []
 
     async def failed(exc: BaseException) -> None:
         failures.append(exc)
 
     mesh = MeshClient("127.0.0.1:1", "127.0.0.1:1", 1.0, 1.0)
-    episodes = await EpisodeProcess.start(config_for(tmp_path, chat_model_dir), mesh, [0], 64, failed)
+    return await EpisodeProcess.start(config_for(tmp_path, chat_model_dir), mesh, [0], 64, failed), failures
+
+
+async def test_a_killed_episode_process_is_reported_once_naming_how_it_ended(tmp_path, chat_model_dir):
+    episodes, failures = await started(tmp_path, chat_model_dir)
     os.kill(episodes.process.pid, signal.SIGKILL)
     await wait_for(lambda: failures, 10, "the failure report")
     await asyncio.sleep(0.2)
@@ -45,12 +50,6 @@ async def test_a_killed_episode_process_is_reported_once_naming_how_it_ended(tmp
 
 
 async def test_a_closed_episode_process_ends_without_a_report(tmp_path, chat_model_dir):
-    failures: list[BaseException] = []
-
-    async def failed(exc: BaseException) -> None:
-        failures.append(exc)
-
-    mesh = MeshClient("127.0.0.1:1", "127.0.0.1:1", 1.0, 1.0)
-    episodes = await EpisodeProcess.start(config_for(tmp_path, chat_model_dir), mesh, [0], 64, failed)
+    episodes, failures = await started(tmp_path, chat_model_dir)
     await episodes.close()
     assert episodes.process.returncode == 0 and failures == []
