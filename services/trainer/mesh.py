@@ -80,8 +80,14 @@ class MeshClient:
         status = await self.weights.GetStatus(weights_pb2.GetStatusRequest(), **call_options(self.rpc_timeout))
         return status.latest_version
 
-    async def cancel(self, batch_id: str) -> None:
-        await self._call_manager(self.manager.CancelBatch, manager_pb2.CancelBatchRequest(batch_id=batch_id), landed=grpc.StatusCode.NOT_FOUND)
+    async def cancel(self, batch_id: str, missing_ok: bool = False) -> None:
+        """`missing_ok`: a batch the manager does not hold (delivered, or never submitted) is no error."""
+        try:
+            await self._call_manager(self.manager.CancelBatch, manager_pb2.CancelBatchRequest(batch_id=batch_id),
+                                     landed=grpc.StatusCode.NOT_FOUND)
+        except grpc.aio.AioRpcError as exc:
+            if not (missing_ok and exc.code() == grpc.StatusCode.NOT_FOUND):
+                raise
 
     async def submit(self, batch_id: str, policy_version: int,
                      prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]], n: int,

@@ -132,10 +132,9 @@ class GrpoTrainer:
             self.scorer.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
                                                          self.config.startup_timeout_seconds)
         if self.episode_specs:
-            self.episodes = await start_episodes(self.config, self.mesh, self.episode_specs, self.group.policy.context_length,
-                                                 self._collector_failed)
-            if self.validation is not None:
-                self.validation.episodes = self.episodes
+            assert self.validation is not None, "a multi-turn job validates in the background (checked in __init__)"
+            self.episodes = self.validation.episodes = await start_episodes(
+                self.config, self.mesh, self.episode_specs, self.group.policy.context_length, self._collector_failed)
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         restored: list[StepPlan] = []
@@ -287,11 +286,7 @@ class GrpoTrainer:
         if not batch_ids:
             return
         for batch_id in batch_ids:
-            try:
-                await self.mesh.cancel(batch_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
+            await self.mesh.cancel(batch_id, missing_ok=True)
         log.info("cancelled the batches of an earlier run", batches=len(batch_ids), from_step=first_step)
 
     async def _draw(self, step: int) -> bool:
