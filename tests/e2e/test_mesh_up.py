@@ -32,42 +32,6 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_up_trains_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
-    output_dir = tmp_path / "run"
-    result = subprocess.run(up_command(model_dir, output_dir, free_base_port(), steps=4),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "held-out sampled reward" in result.stdout
-
-    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
-    submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"])
-    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
-    assert len(submitted) == 4 * 16 and set(submitted.values()) == {1}
-    assert received == submitted, "a prompt was lost or delivered twice"
-    assert all(r["samples"] == 8 for r in ledger if r["event"] == "accepted")
-    assert max(r["max_version"] for r in ledger if r["event"] == "accepted") >= 1
-
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "reward" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    for key in ("reward", "exact_match", "loss", "kl", "staleness_mean", "step_seconds", "generated_tokens_per_second",
-                "rollout_wait_seconds", "balance/recommended_rollout_instances", "balance/offload_fraction",
-                "balance/local_window_seconds"):
-        assert all(key in r for r in steps), key
-    assert all(r["balance/recommended_rollout_instances"] >= 1 and 0 <= r["balance/offload_fraction"] <= 1 for r in steps)
-    # Held-out validations ran in the background on the rollout instance, each on the version it
-    # names; a version a newer push superseded is replaced by a later one, the last never.
-    validations = [r for r in records if "eval/sampled_reward" in r]
-    assert validations[0]["step"] == 0 and max(r["step"] for r in validations) == 4
-    assert all(r["eval/weight_version"] == r["step"] for r in validations)
-    assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert (output_dir / "reward.png").stat().st_size > 0
-    summary = json.loads((output_dir / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["weight_version"] == 4
-    assert (Path(summary["checkpoint"]) / "model.safetensors").is_file()
-    assert mesh_processes(output_dir) == []
-
-
 async def training_step(address: str) -> int:
     async with open_channel(address) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
@@ -226,18 +190,40 @@ def test_ctrl_c_leaves_nothing(live_mesh):
     assert mesh_processes(live_mesh.output_dir) == []
 
 
-def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
+def test_up_trains_on_two_fsdp_ranks_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
     """`--trainer-ranks 2`: the trainer runs under torchrun; both ranks hand their shards to the
-    weights service through shared memory, checkpoint their own shards, and leave nothing behind."""
+    weights service through shared memory, checkpoint their own shards, and leave nothing behind.
+    Every prompt drawn is generated and trained exactly once, and the run writes all its outputs."""
     output_dir = tmp_path / "run"
     command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--trainer-ranks", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 FSDP ranks" in result.stdout and "held-out sampled reward" in result.stdout
 
+    ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
+    submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"])
+    received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
+    assert len(submitted) == 4 * 16 and set(submitted.values()) == {1}
+    assert received == submitted, "a prompt was lost or delivered twice"
+    assert all(r["samples"] == 8 for r in ledger if r["event"] == "accepted")
+    assert max(r["max_version"] for r in ledger if r["event"] == "accepted") >= 1
+
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and [r["weight_version"] for r in steps] == [1, 2, 3, 4]
+    for key in ("reward", "exact_match", "loss", "kl", "staleness_mean", "step_seconds", "generated_tokens_per_second",
+                "rollout_wait_seconds", "balance/recommended_rollout_instances", "balance/offload_fraction",
+                "balance/local_window_seconds"):
+        assert all(key in r for r in steps), key
+    assert all(r["balance/recommended_rollout_instances"] >= 1 and 0 <= r["balance/offload_fraction"] <= 1 for r in steps)
+    # Held-out validations ran in the background on the rollout instance, each on the version it
+    # names; a version a newer push superseded is replaced by a later one, the last never.
+    validations = [r for r in records if "eval/sampled_reward" in r]
+    assert validations[0]["step"] == 0 and max(r["step"] for r in validations) == 4
+    assert all(r["eval/weight_version"] == r["step"] for r in validations)
+    assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (output_dir / "reward.png").stat().st_size > 0
+
     model_bytes = 396_160 * 4
     # Each rank handed over about half of the model, never the whole of it. A version's figures are
     # filed under its step once it is served: its upload overlaps the next step.
@@ -248,7 +234,9 @@ def test_up_trains_on_two_fsdp_ranks(model_dir, tmp_path):
     assert {(r["rank"], r["world_size"]) for r in logs if r.get("event") == "rank started"} == {(0, 2), (1, 2)}
     assert any(r.get("event") == "stopped by rank 0" and r["rank"] == 1 for r in logs)
 
-    checkpoint = Path(json.loads((output_dir / "summary.json").read_text())["checkpoint"])
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["weight_version"] == 4
+    checkpoint = Path(summary["checkpoint"])
     assert {"shards_rank0.pt", "shards_rank1.pt", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
     assert mesh_processes(output_dir) == []
     assert not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{mesh_tag(str(output_dir.resolve()))}-*")), "a rank left its shared memory behind"
