@@ -1,6 +1,6 @@
 """The `rlmesh` command: `up` runs a training job on the whole mesh locally, `<service>` runs one
 service, `init-model` creates a built-in model, `health` checks a service, `drain` takes a rollout instance out
-of the pool, `certs` makes mTLS certificates."""
+of the pool, `certs` makes mTLS certificates, `fork-server` keeps the services' imports warm for `up`."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from rlmesh import mesh_commands
 from rlmesh.authz import ROLES
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
+WARM_FORK_SERVER_ENV = "RLMESH_FORK_SERVER"
+"""Where `rlmesh up` finds a warm fork server's socket when --fork-server is not given."""
 FLAG_FIELDS = {
     "steps": "algorithm.steps",
     "max_staleness": "algorithm.max_staleness",
@@ -158,6 +160,7 @@ def _up(args: argparse.Namespace) -> int:
         secrets_dir=secrets_dir,
         netns=netns,
         job_dir=base,
+        warm_fork_server=Path(args.fork_server) if args.fork_server else None,
     )
     handed = hand_settings_to_services(job, output_dir)
     try:
@@ -171,6 +174,21 @@ def _up(args: argparse.Namespace) -> int:
         # A job refused before any service started leaves no run folder behind.
         shutil.rmtree(output_dir, ignore_errors=True)
     return code
+
+
+def _fork_server(args: argparse.Namespace) -> int:
+    from rlmesh.launch.warm_forkserver import warm_environment
+
+    socket_path = Path(args.socket).resolve()
+    if not socket_path.parent.is_dir():
+        print(f"rlmesh fork-server: --socket {args.socket}: no folder {socket_path.parent}", file=sys.stderr)
+        return 2
+    # sockaddr_un holds 108 bytes.
+    if len(str(socket_path).encode()) > 107:
+        print(f"rlmesh fork-server: --socket {args.socket}: a Unix socket path is at most 107 bytes", file=sys.stderr)
+        return 2
+    os.execve(sys.executable, [sys.executable, "-m", "rlmesh.launch.warm_forkserver", "--socket", str(socket_path)],
+              warm_environment(dict(os.environ)))
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -293,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="mesh.insecure: turn authorization off, so that anyone who reaches a port may call every RPC "
                          "(a mesh on one trusted machine only)")
     up.set_defaults(handler=_up)
+    up.add_argument("--fork-server", metavar="SOCKET", default=os.environ.get(WARM_FORK_SERVER_ENV) or None,
+                    help=f"fork the services from the warm fork server listening at SOCKET (`rlmesh fork-server`), "
+                         f"which has imported what they import (default: ${WARM_FORK_SERVER_ENV}; none: the run "
+                         f"starts its own)")
+    warm = commands.add_parser("fork-server", help="keep the services' imports warm for the `rlmesh up` runs of this machine",
+                               description="Import what the services import once, then fork each `rlmesh up` that "
+                                           "connects to SOCKET its own fork server, already warm: a run's services "
+                                           "start without seconds of imports. Runs in the foreground until SIGTERM or "
+                                           "Ctrl-C; runs it started live on.")
+    warm.add_argument("--socket", required=True, help="the Unix socket to listen on (point `rlmesh up --fork-server` "
+                                                      f"or {WARM_FORK_SERVER_ENV} at it)")
+    warm.set_defaults(handler=_fork_server)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
     init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
                       help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat template")

@@ -5,6 +5,11 @@ mesh ports that no other worker draws."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 # As in `rlmesh up` (rlmesh/cli.py): a worker starts processes (fork, then exec) while its in-process
@@ -17,13 +22,15 @@ import torch
 import torch.distributed as dist
 from hypothesis import settings
 
+from rlmesh.cli import WARM_FORK_SERVER_ENV
 from rlmesh.launch import ports as launch_ports
+from rlmesh.lifecycle import die_with_parent
 from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.builtin import ensure_model
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.distributed import RankInfo
-from tests.support import RankRunner, play_every_role
+from tests.support import RankRunner, play_every_role, wait_until
 
 torch.set_num_threads(1)
 
@@ -96,6 +103,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "e2e" in Path(str(item.path)).parts and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_SECONDS))
+
+
+@dataclass(frozen=True, slots=True)
+class WarmForkServer:
+    socket: Path
+    pid: int
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_fork_server():
+    """One warm fork server per test worker (`rlmesh fork-server`), from which each `rlmesh up` the
+    worker's tests start forks its services (RLMESH_FORK_SERVER in the environment they inherit):
+    each run would otherwise import torch, transformers and FSDP anew, some 8 CPU-seconds."""
+    # A short path: a Unix socket's is at most 107 bytes.
+    folder = Path(tempfile.mkdtemp(prefix="rlmesh-warm-"))
+    socket = folder / "fork-server.sock"
+    with (folder / "fork-server.log").open("ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "fork-server", "--socket", str(socket)],
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=die_with_parent)
+    # It listens before its imports, which a run connecting meanwhile waits for.
+    wait_until(lambda: socket.exists() or process.poll() is not None, 60, "the warm fork server to listen")
+    assert process.poll() is None, (folder / "fork-server.log").read_text()
+    os.environ[WARM_FORK_SERVER_ENV] = str(socket)
+    yield WarmForkServer(socket, process.pid)
+    os.environ.pop(WARM_FORK_SERVER_ENV, None)
+    process.terminate()
+    process.wait(30)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

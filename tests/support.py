@@ -27,6 +27,7 @@ from rlmesh.authz import Role
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import AuthSettings, ServerConfig, TlsFiles
 from rlmesh.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
+from rlmesh.cli import WARM_FORK_SERVER_ENV
 from rlmesh.launch.forkserver import ForkServer
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, ServiceSpec, spawn
@@ -656,6 +657,11 @@ def trainer_pid(output_dir: Path) -> int | None:
         return None
 
 
+def suite_warm_fork_server() -> Path | None:
+    """The test worker's warm fork server (conftest), which the fork servers tests start are forked from."""
+    return Path(os.environ[WARM_FORK_SERVER_ENV]) if WARM_FORK_SERVER_ENV in os.environ else None
+
+
 # Trainer ranks ------------------------------------------------------------------------------------
 
 RANK_IMPORTS = ("services.trainer.main", "services.trainer.ranks", "torch.distributed.checkpoint.state_dict",
@@ -671,7 +677,8 @@ class RankRunner:
     launcher process. torchrun itself runs in `rlmesh up --trainer-ranks` (tests/e2e)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self._forks = ForkServer(list(RANK_IMPORTS), {**os.environ, "OMP_NUM_THREADS": "1"}, log_dir / "forkserver.log")
+        self._forks = ForkServer(list(RANK_IMPORTS), {**os.environ, "OMP_NUM_THREADS": "1"}, log_dir / "forkserver.log",
+                                 suite_warm_fork_server())
 
     def run(self, module: str, args: list[str], ranks: int, log_dir: Path, timeout: float, distributed: bool = True) -> None:
         """`python -m module args` on `ranks` processes (`distributed` False: one process, no

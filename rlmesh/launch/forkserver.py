@@ -1,6 +1,7 @@
 """A fork server for the mesh's services: one process imports what they import (torch,
 transformers, FSDP, gRPC) once, then forks each service start and restart from that state, which
-would otherwise pay 1 to 6 CPU-seconds of imports in every process."""
+would otherwise pay 1 to 6 CPU-seconds of imports in every process. The launcher starts its own, or
+attaches to a run's server forked by a warm one (`rlmesh.launch.warm_forkserver`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,18 +26,21 @@ FORK_SERVER_NAME = "rlmesh-forksrv"
 """The server's /proc/<pid>/comm; a service it forks takes its own name when it starts."""
 READY_TIMEOUT_SECONDS = 300.0
 REPLY_TIMEOUT_SECONDS = 30.0
+CONNECT_TIMEOUT_SECONDS = 5.0
 
 
 class ForkServerError(RuntimeError):
     """The fork server could not start or answer."""
 
 
-class _Server:
-    """The server's side: requests arrive as JSON lines on stdin, answers and exits leave as JSON
-    lines on the control descriptor; SIGCHLD wakes the loop through a pipe."""
+class ServerSide:
+    """The server's side: requests arrive as JSON lines on the `requests` descriptor (stdin, or the
+    warm server's connection), answers and exits leave as JSON lines on the control descriptor;
+    SIGCHLD wakes the loop through a pipe."""
 
-    def __init__(self, control: int) -> None:
+    def __init__(self, control: int, requests: int = 0) -> None:
         self._control = control
+        self._requests = requests
         self._initial_env = dict(os.environ)
         self._children: set[int] = set()
         self._wake_read, self._wake_write = os.pipe()
@@ -77,7 +82,8 @@ class _Server:
             die_with_parent()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in (self._wake_read, self._wake_write, self._control):
+            # Standard input (the requests of a server the launcher started) is replaced below.
+            for fd in {self._wake_read, self._wake_write, self._control, self._requests} - {0}:
                 os.close(fd)
             log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             devnull = os.open(os.devnull, os.O_RDONLY)
@@ -108,19 +114,9 @@ class _Server:
             sys.stderr.flush()
             os._exit(code)
 
-    def serve(self) -> None:
-        pending = b""
+    def serve(self, pending: bytes = b"") -> None:
+        """Until the requests' end of file; `pending`: what was read of them already."""
         while True:
-            ready, _, _ = select.select([0, self._wake_read], [], [])
-            if self._wake_read in ready:
-                os.read(self._wake_read, 4096)
-            self._reap()
-            if 0 not in ready:
-                continue
-            chunk = os.read(0, 65536)
-            if not chunk:
-                return
-            pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 request = json.loads(line)
@@ -128,25 +124,42 @@ class _Server:
                     self._spawn(request)
                 else:
                     self._signal(request)
+            ready, _, _ = select.select([self._requests, self._wake_read], [], [])
+            if self._wake_read in ready:
+                os.read(self._wake_read, 4096)
+            self._reap()
+            if self._requests in ready:
+                chunk = os.read(self._requests, 65536)
+                if not chunk:
+                    return
+                pending += chunk
 
 
-def serve(modules: list[str]) -> None:
-    """Imports `modules` (a package's `__main__` for what it imports), says whether forking is
-    safe (no thread started), then serves."""
-    control = os.dup(1)
-    os.dup2(2, 1)
-    name_process(FORK_SERVER_NAME)
+def import_modules(modules: list[str], imported: set[str]) -> str | None:
+    """Imports those of `modules` (a package's `__main__` for what it imports) not in `imported`,
+    adding them to it; says why forking is unsafe after, if it is."""
     for module in modules:
+        if module in imported:
+            continue
         importlib.import_module(module)
+        imported.add(module)
         if module.endswith(".__main__"):
             # Imported for what it imports; a service's start runs it afresh as __main__ (runpy
             # warns of one found already imported).
             del sys.modules[module]
     threads = len(os.listdir("/proc/self/task"))
-    if threads != 1:
-        os.write(control, (json.dumps({"refused": f"the imports started {threads - 1} threads; forking is unsafe"}) + "\n").encode())
+    return f"the imports started {threads - 1} threads; forking is unsafe" if threads != 1 else None
+
+
+def serve(modules: list[str]) -> None:
+    """Imports `modules`, says whether forking is safe (no thread started), then serves."""
+    control = os.dup(1)
+    os.dup2(2, 1)
+    name_process(FORK_SERVER_NAME)
+    if refusal := import_modules(modules, set()):
+        os.write(control, (json.dumps({"refused": refusal}) + "\n").encode())
         return
-    server = _Server(control)
+    server = ServerSide(control)
     server.send({"ready": True})
     server.serve()
     # Its services are stopped by now; tearing down what it imported would take seconds.
@@ -161,15 +174,35 @@ def _alive(pid: int) -> bool:
 
 
 class ForkServer:
-    """The launcher's side: starts the server process, asks it for services and relays their exits.
-    A reader thread takes the server's lines; spawns and signals are one request at a time."""
+    """The launcher's side: starts the server process (or, given `warm_socket`, has the warm fork
+    server listening there fork one for it), asks it for services and relays their exits. A reader
+    thread takes the server's lines; spawns and signals are one request at a time."""
 
-    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path, warm_socket: Path | None = None) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "rlmesh.launch.forkserver", *modules], env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent)
+        self._process: subprocess.Popen | None = None
+        self._socket: socket.socket | None = None
+        if warm_socket is None:
+            with log_path.open("ab") as log:
+                self._process = subprocess.Popen(
+                    [sys.executable, "-m", "rlmesh.launch.forkserver", *modules], env=env, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent)
+            self._pid: int | None = self._process.pid
+            self._outgoing, self._incoming = self._process.stdin, self._process.stdout
+        else:
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._socket.settimeout(CONNECT_TIMEOUT_SECONDS)
+                self._socket.connect(str(warm_socket))
+                self._socket.settimeout(None)
+            except OSError as exc:
+                self._socket.close()
+                raise ForkServerError(f"no warm fork server answers at {warm_socket}: {exc.strerror or exc}") from None
+            self._pid = None
+            self._outgoing, self._incoming = self._socket.makefile("wb"), self._socket.makefile("rb")
+            hello = {"modules": modules, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+            self._outgoing.write((json.dumps(hello) + "\n").encode())
+            self._outgoing.flush()
         self.log_path = log_path
         self._lock = threading.Lock()
         self._changed = threading.Condition()
@@ -180,12 +213,13 @@ class ForkServer:
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self._process.stdout:
+        for line in self._incoming:
             message = json.loads(line)
             with self._changed:
                 if "exited" in message:
                     self._exits[message["exited"]] = message["code"]
                 elif "ready" in message:
+                    self._pid = message.get("pid", self._pid)
                     self._ready = True
                 elif "refused" in message:
                     self._ready = message["refused"]
@@ -195,13 +229,14 @@ class ForkServer:
         with self._changed:
             # Once the server has ended, `_ready` says why it can fork no more.
             if not isinstance(self._ready, str):
-                self._ready = f"it exited with code {self._process.wait()}; see {self.log_path}"
+                ended = f"it exited with code {self._process.wait()}" if self._process else "it closed the connection"
+                self._ready = f"{ended}; see {self.log_path}"
             self._changed.notify_all()
 
     @property
-    def pid(self) -> int:
-        """The server process's."""
-        return self._process.pid
+    def pid(self) -> int | None:
+        """The server process's (one forked by a warm server: known once it is ready)."""
+        return self._pid
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         with self._changed:
@@ -213,8 +248,8 @@ class ForkServer:
     def _request(self, request: dict) -> dict:
         with self._lock:
             self.wait_ready()
-            self._process.stdin.write((json.dumps(request) + "\n").encode())
-            self._process.stdin.flush()
+            self._outgoing.write((json.dumps(request) + "\n").encode())
+            self._outgoing.flush()
             with self._changed:
                 if not self._changed.wait_for(lambda: self._replies or self._ready is not True, REPLY_TIMEOUT_SECONDS):
                     raise ForkServerError("the fork server did not answer")
@@ -255,14 +290,27 @@ class ForkServer:
 
     def close(self) -> None:
         """Ends the server once its services have been stopped (any left get SIGTERM from the kernel)."""
-        if self._process.poll() is None:
-            self._process.stdin.close()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.stdin.close()
+                try:
+                    self._process.wait(10)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait()
+            self._reader.join(10)
+            return
+        # The end of the requests ends the server; its end of the connection closing ends the reader.
+        try:
+            self._outgoing.close()
+            self._socket.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
         self._reader.join(10)
+        if self._reader.is_alive() and self._pid is not None and _alive(self._pid):
+            os.kill(self._pid, signal.SIGKILL)
+            self._reader.join(10)
+        self._socket.close()
 
 
 class ForkedProcess:

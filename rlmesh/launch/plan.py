@@ -32,6 +32,9 @@ class LaunchPlan:
     """The first len(netns.links) rollout instances each run in their own network namespace."""
     job_dir: Path | None = None
     """The job file's folder, where its reward modules are found (None: the working directory)."""
+    warm_fork_server: Path | None = None
+    """The socket of a warm fork server (`rlmesh fork-server`) to fork the services from; None, or
+    none answering there: the run starts its own."""
 
     @property
     def mesh(self) -> MeshSection:

@@ -13,6 +13,8 @@ from rlmesh.models.families import check_model_dir
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
+SERVICE_MODULES = ("services.manager", "services.weights", "services.rollout", "services.trainer")
+"""What each service runs as `python -m`."""
 MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
 """The manager's journal in the output folder: a restarted manager takes up its state from it."""
 

@@ -1,6 +1,7 @@
 """How `rlmesh up` starts the services: forked by the fork server once it has imported their
-modules, or by exec (the job turned it off, or it cannot fork: it then says why); and, before
-any service, the check of the job's tasks against the model's tokenizer, run the same way."""
+modules (its own, or one a warm fork server forks for it), or by exec (the job turned it off, or it
+cannot fork: it then says why); and, before any service, the check of the job's tasks against the
+model's tokenizer, run the same way."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ import sys
 from rlmesh.launch.forkserver import ForkServer, ForkServerError
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import Child, ServiceSpec, service_environment, spawn
-from rlmesh.launch.services import forked_modules
+from rlmesh.launch.services import SERVICE_MODULES, forked_modules
 from rlmesh.tasks.check import refusal
 
 CHECK_MODULE = "rlmesh.tasks.check"
 CHECK_IMPORTS = ("rlmesh.tasks.build", "rlmesh.models.tokenizer", "transformers.models.auto.tokenization_auto")
 """What the check imports, for the fork server to import once (the trainer imports the same)."""
+BUILTIN_MODELING_MODULE = "transformers.models.qwen2.modeling_qwen2"
+"""The built-in models' family, which a warm fork server imports ahead of any run."""
+
+
+def warm_modules() -> list[str]:
+    """What a warm fork server imports: every service's, the built-in family's and the check's."""
+    return [*(f"{module}.__main__" for module in SERVICE_MODULES), "transformers.initialization",
+            BUILTIN_MODELING_MODULE, *CHECK_IMPORTS]
 
 
 class JobRefused(Exception):
@@ -27,12 +36,34 @@ class ServiceStarter:
         self._plan = plan
         self._mesh_id = str(plan.output_dir)
         modules = forked_modules(plan) if plan.mesh.fork_server else []
+        self._modules = [*modules, *CHECK_IMPORTS] if modules else []
+        self._attached = False
+        self.forks: ForkServer | None = None
         # Started before anything else, so its imports overlap the namespaces' set-up.
-        self.forks = ForkServer([*modules, *CHECK_IMPORTS], service_environment({}, self._mesh_id),
-                                plan.log_dir / "forkserver.log") if modules else None
+        if self._modules and plan.warm_fork_server is not None:
+            try:
+                self.forks = self._fork_server(plan.warm_fork_server)
+                self._attached = True
+            except ForkServerError as exc:
+                print(f"rlmesh up: {exc}; starting its own fork server", file=sys.stderr)
+        if self._modules and self.forks is None:
+            self.forks = self._fork_server(None)
+
+    def _fork_server(self, warm_socket) -> ForkServer:
+        return ForkServer(self._modules, service_environment({}, self._mesh_id), self._plan.log_dir / "forkserver.log",
+                          warm_socket)
 
     async def prepare(self) -> None:
         """Waits for the fork server, then checks the job's tasks; raises JobRefused."""
+        if self.forks is not None and self._attached:
+            try:
+                await asyncio.to_thread(self.forks.wait_ready)
+            except ForkServerError as exc:
+                print(f"rlmesh up: the warm fork server at {self._plan.warm_fork_server}: {exc}; starting its own "
+                      "fork server", file=sys.stderr)
+                self.close()
+                self._attached = False
+                self.forks = self._fork_server(None)
         if self.forks is not None:
             try:
                 await asyncio.to_thread(self.forks.wait_ready)

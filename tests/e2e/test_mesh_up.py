@@ -70,16 +70,18 @@ def live_mesh(model_dir, tmp_path_factory):
             process.kill()
 
 
-def test_grpcurl_sees_every_service(live_mesh):
+def test_grpcurl_sees_every_service(live_mesh, warm_fork_server):
     base = live_mesh.base_port
     services = {base: "ManagerService", base + 1: "WeightsService", base + 2: "TrainerService", base + 10: "RolloutService"}
     for port, service in services.items():
         listed = asyncio.run(grpcurl_output(f"127.0.0.1:{port}", "list"))
         assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
-    # Each service in its own process, forked by the fork server, which is the fifth.
+    # Each service in its own process, forked by the run's fork server, which is the fifth: forked
+    # in turn by the suite's warm fork server, and found by the run's marker all the same.
     names = sorted(process_name(pid) for pid in mesh_processes(live_mesh.output_dir))
     assert names == sorted([FORK_SERVER_NAME, "rlmesh-manager", "rlmesh-weights", "rlmesh-rollout", "rlmesh-trainer"])
     fork_server = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == FORK_SERVER_NAME)
+    assert parent_pid(fork_server) == warm_fork_server.pid
     assert all(parent_pid(pid) == fork_server for pid in mesh_processes(live_mesh.output_dir) if pid != fork_server)
 
 
@@ -193,12 +195,16 @@ def test_ctrl_c_leaves_nothing(live_mesh):
 def test_up_trains_on_two_fsdp_ranks_and_every_prompt_comes_back_exactly_once(model_dir, tmp_path):
     """`--trainer-ranks 2`: the trainer runs under torchrun; both ranks hand their shards to the
     weights service through shared memory, checkpoint their own shards, and leave nothing behind.
-    Every prompt drawn is generated and trained exactly once, and the run writes all its outputs."""
+    Every prompt drawn is generated and trained exactly once, and the run writes all its outputs.
+    No warm fork server answers at the socket it is given: it starts its own."""
     output_dir = tmp_path / "run"
-    command = up_command(model_dir, output_dir, free_base_port(), steps=4) + ["--trainer-ranks", "2"]
+    command = up_command(model_dir, output_dir, free_base_port(), steps=4) + [
+        "--trainer-ranks", "2", "--fork-server", str(tmp_path / "nobody.sock")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 FSDP ranks" in result.stdout and "held-out sampled reward" in result.stdout
+    assert f"no warm fork server answers at {tmp_path / 'nobody.sock'}" in result.stderr
+    assert "starting its own fork server" in result.stderr
 
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     submitted = collections.Counter((r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"])

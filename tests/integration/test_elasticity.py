@@ -19,7 +19,8 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.support import NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh, wait_for
+from tests.support import (NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh,
+                           suite_warm_fork_server, wait_for)
 
 PROMPTS = 32
 
@@ -29,7 +30,8 @@ def forks(model_dir, tmp_path_factory):
     """The rollout processes' fork server, as `rlmesh up` has one: six instances start here, and
     each would otherwise import torch and transformers anew."""
     server = ForkServer(["services.rollout.__main__", "transformers.initialization", check_model_dir(model_dir).modeling_module],
-                        {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path_factory.mktemp("forks") / "forkserver.log")
+                        {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path_factory.mktemp("forks") / "forkserver.log",
+                        suite_warm_fork_server())
     server.wait_ready()
     yield server
     server.close()

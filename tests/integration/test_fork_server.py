@@ -1,7 +1,7 @@
-"""The fork server as a real process: services forked from it run `python -m module` with their own
-arguments, environment, log, session and network namespace; their exits, signals and crashes read as
-subprocess.Popen's would; it refuses to fork after imports that started threads; its end takes its
-services with it."""
+"""The fork server as a real process, started by the launcher or forked for it by the warm fork
+server: services forked from it run `python -m module` with their own arguments, environment, log,
+session and network namespace; their exits, signals and crashes read as subprocess.Popen's would; it
+refuses to fork after imports that started threads; its end takes its services with it."""
 
 import json
 import os
@@ -32,12 +32,13 @@ sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
 '''
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(params=["own", "warm"])
+def server(request, tmp_path, warm_fork_server):
     (tmp_path / "forkmod.py").write_text(REPORTING_MODULE)
     (tmp_path / "forkmod_preload.py").write_text("PRELOADED = True\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}", "DROPPED": "at start"}
-    forks = ForkServer(["forkmod_preload"], env, tmp_path / "forkserver.log")
+    warm_socket = warm_fork_server.socket if request.param == "warm" else None
+    forks = ForkServer(["forkmod_preload"], env, tmp_path / "forkserver.log", warm_socket)
     forks.wait_ready(60)
     yield forks
     forks.close()
@@ -96,10 +97,11 @@ def test_signals_and_crashes_read_as_popen_codes(server, tmp_path):
     assert "KeyError: 'crashed on purpose'" in (tmp_path / "service.log").read_text()
 
 
-def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path):
+@pytest.mark.parametrize("warm", [False, True], ids=["own", "warm"])
+def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path, warm, warm_fork_server):
     (tmp_path / "threaded.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}"}
-    forks = ForkServer(["threaded"], env, tmp_path / "forkserver.log")
+    forks = ForkServer(["threaded"], env, tmp_path / "forkserver.log", warm_fork_server.socket if warm else None)
     try:
         with pytest.raises(ForkServerError, match="started 1 threads; forking is unsafe"):
             forks.wait_ready(60)
@@ -109,10 +111,11 @@ def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path):
         forks.close()
 
 
-def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server, tmp_path):
+def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server, tmp_path, warm_fork_server):
     process, report = spawn(server, tmp_path, "sleep")
     wait_until(report.exists, 30, "the service to start")
-    assert process_name(server.pid) == FORK_SERVER_NAME and parent_pid(server.pid) == os.getpid()
+    assert process_name(server.pid) == FORK_SERVER_NAME
+    assert parent_pid(server.pid) in (os.getpid(), warm_fork_server.pid)
     os.kill(server.pid, signal.SIGKILL)
     assert process.wait(30) == -signal.SIGTERM
     with pytest.raises(ForkServerError, match="stopped|cannot fork"):

@@ -1,0 +1,195 @@
+"""The warm fork server (`rlmesh fork-server`): one long-lived process that has imported what the
+services import and, for each `rlmesh up` that connects to its Unix socket, forks that run's own
+fork server, already warm, so a run starts its services without the 7 to 9 CPU-seconds of imports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from rlmesh.launch.forkserver import FORK_SERVER_NAME, ServerSide, import_modules
+from rlmesh.launch.processes import MESH_ID_ENV
+from rlmesh.lifecycle import name_process
+
+MARKER_ROOM = 4096
+"""Bytes held for a run's MESH_ID_ENV in the warm server's environment block (below)."""
+
+
+def warm_environment(env: dict[str, str]) -> dict[str, str]:
+    """The warm server's environment: as a run's fork server gets it (one OpenMP thread, unbuffered
+    output), and MESH_ID_ENV holding room for the run's value."""
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", MESH_ID_ENV: "." * MARKER_ROOM}
+
+
+def _show_in_proc_environ(name: str, value: str) -> str | None:
+    """Rewrites `name`'s entry in the environment block /proc/<pid>/environ shows, which a fork
+    inherits and `mesh_processes` reads to find a run's processes: the kernel shows the block this
+    process was exec'd with, never os.environ. Says why not, if it cannot."""
+    block = Path("/proc/self/environ").read_bytes()
+    key = f"{name}=".encode()
+    if block.startswith(key):
+        offset = 0
+    elif (found := block.find(b"\0" + key)) >= 0:
+        offset = found + 1
+    else:
+        return f"its environment holds no room for {name} (start it with `rlmesh fork-server`)"
+    room = block.index(b"\0", offset) - offset
+    entry = key + value.encode()
+    if len(entry) > room:
+        return f"{name} ({len(value)} bytes) does not fit the {room - len(key)} bytes held for it"
+    # Fields 50 and 51 of /proc/self/stat: where that block lies in this process's memory.
+    env_start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[47])
+    with open("/proc/self/mem", "r+b", buffering=0) as memory:
+        memory.seek(env_start + offset)
+        memory.write(entry.ljust(room, b"\0"))
+    return None
+
+
+def _read_line(fd: int) -> tuple[bytes, bytes]:
+    """The first line from `fd` and what came after it."""
+    data = b""
+    while b"\n" not in data:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise EOFError("the launcher closed the connection before saying what to start")
+        data += chunk
+    line, rest = data.split(b"\n", 1)
+    return line, rest
+
+
+def _adopt(hello: dict) -> str | None:
+    """In a run's server: the launcher's log, working directory, environment and import path, as a
+    server it started would have; says why this server cannot serve the run, if it cannot."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(hello["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.chdir(hello["cwd"])
+    env = hello["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[0] = hello["cwd"]
+    for entry in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(1, entry)
+    if MESH_ID_ENV in env:
+        return _show_in_proc_environ(MESH_ID_ENV, env[MESH_ID_ENV])
+    return None
+
+
+def _serve_run(connection: socket.socket, imported: set[str]) -> None:
+    """In the child forked for one run: becomes that run's fork server on its connection; ends when
+    the launcher closes it (or dies), its services getting SIGTERM as from a server it started."""
+    code = 0
+    try:
+        os.setsid()
+        fd = connection.detach()
+        line, pending = _read_line(fd)
+        hello = json.loads(line)
+        refusal = _adopt(hello) or import_modules(hello["modules"], imported)
+        if refusal:
+            os.write(fd, (json.dumps({"refused": refusal}) + "\n").encode())
+        else:
+            server = ServerSide(fd, fd)
+            server.send({"ready": True, "pid": os.getpid()})
+            server.serve(pending)
+    except BaseException as exc:
+        print(f"rlmesh fork-server: a run's server failed: {exc!r}", file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code)
+
+
+def _listen(path: Path) -> socket.socket:
+    """The socket at `path`, replacing a stale one; SystemExit if a server answers there already."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        path.unlink(missing_ok=True)
+    else:
+        raise SystemExit(f"rlmesh fork-server: a fork server already listens on {path}")
+    finally:
+        probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    return listener
+
+
+def serve_warm(path: Path, modules: list[str]) -> None:
+    """Listens at `path` at once (a run that connects meanwhile waits), imports `modules`, then forks
+    a server for each connection until SIGTERM or SIGINT."""
+    name_process(FORK_SERVER_NAME)
+    listener = _listen(path)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        imported: set[str] = set()
+        if refusal := import_modules(modules, imported):
+            raise SystemExit(f"rlmesh fork-server: {refusal}")
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_write)
+        print(f"rlmesh fork-server: ready on {path}; point `rlmesh up --fork-server` (or RLMESH_FORK_SERVER) at it",
+              file=sys.stderr, flush=True)
+        while True:
+            ready, _, _ = select.select([listener, wake_read], [], [])
+            if wake_read in ready:
+                os.read(wake_read, 4096)
+                _reap_all()
+            if listener in ready:
+                connection, _ = listener.accept()
+                if os.fork() == 0:
+                    signal.set_wakeup_fd(-1)
+                    for handled in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+                        signal.signal(handled, signal.SIG_DFL)
+                    listener.close()
+                    os.close(wake_read)
+                    os.close(wake_write)
+                    _serve_run(connection, set(imported))
+                connection.close()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main() -> None:
+    from rlmesh.launch.starter import warm_modules
+
+    parser = argparse.ArgumentParser(prog="python -m rlmesh.launch.warm_forkserver")
+    parser.add_argument("--socket", required=True, type=Path)
+    args = parser.parse_args()
+    code = 0
+    try:
+        serve_warm(args.socket.resolve(), warm_modules())
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr, flush=True)
+            code = 1
+    # Its runs' servers live on without it; tearing down what it imported would take seconds.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
