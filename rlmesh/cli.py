@@ -42,19 +42,23 @@ FLAG_FIELDS = {
 """`rlmesh up` flags and the job fields they override."""
 
 
+def _builtin_builder(name: str):
+    """The function that creates the built-in model `name` in a folder."""
+    # Imported only here: the builders import torch and transformers (seconds of CPU).
+    if name == "tiny-chat":
+        from rlmesh.models.chat_tiny import create_chat_model
+
+        return create_chat_model
+    from rlmesh.models.qwen2_tiny import create_default_model, create_feedback_model
+
+    return create_feedback_model if name == "tiny-feedback" else create_default_model
+
+
 def _ensure_builtin_model(name: str) -> Path:
     from rlmesh.job import DEFAULT_MODELS
     from rlmesh.models.builtin import ensure_model
 
-    def create(folder: Path) -> None:
-        # Imported only here: the builders import torch and transformers (seconds of CPU).
-        if name == "tiny-chat":
-            from rlmesh.models.chat_tiny import create_chat_model as builder
-        else:
-            from rlmesh.models.qwen2_tiny import create_default_model as builder
-        builder(folder)
-
-    return ensure_model(DEFAULT_MODELS[name].resolve(), create, name)
+    return ensure_model(DEFAULT_MODELS[name].resolve(), lambda folder: _builtin_builder(name)(folder), name)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -197,14 +201,8 @@ def _init_model(args: argparse.Namespace) -> int:
     configure_logging("info")
     if args.model_dir is None:
         _ensure_builtin_model(args.kind)
-    elif args.kind == "tiny-chat":
-        from rlmesh.models.chat_tiny import create_chat_model
-
-        create_chat_model(Path(args.model_dir))
     else:
-        from rlmesh.models.qwen2_tiny import create_default_model
-
-        create_default_model(Path(args.model_dir))
+        _builtin_builder(args.kind)(Path(args.model_dir))
     return 0
 
 
@@ -324,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                       f"or {WARM_FORK_SERVER_ENV} at it)")
     warm.set_defaults(handler=_fork_server)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
-    init.add_argument("--kind", choices=("tiny-increment", "tiny-chat"), default="tiny-increment",
-                      help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat template")
+    init.add_argument("--kind", choices=("tiny-increment", "tiny-chat", "tiny-feedback"), default="tiny-increment",
+                      help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat "
+                           "template; tiny-feedback: tiny-increment also warmed up on the feedback environment's format")
     init.add_argument("--model-dir", help="where to write it (default: where jobs look for the built-in model)")
     init.set_defaults(handler=_init_model)
     scale = commands.add_parser("scale", help="change the number of rollout instances of a running `rlmesh up`")

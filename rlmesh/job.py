@@ -19,6 +19,7 @@ from rlmesh.tasks.config import TaskConfig
 DEFAULT_MODELS = {
     "tiny-increment": Path(".rlmesh/models/tiny-qwen2-increment"),
     "tiny-chat": Path(".rlmesh/models/tiny-qwen2-chat"),
+    "tiny-feedback": Path(".rlmesh/models/tiny-qwen2-feedback"),
 }
 """Built-in models, created on first use (random init and a short supervised warm-up)."""
 NETNS_MAX_INSTANCES = 62
@@ -48,9 +49,11 @@ class ModelSection(StrictModel):
     path: str | None = None
     """A local HF-format model folder (config.json, safetensors, tokenizer) of a supported family.
     Relative to the job file. None takes the built-in model `builtin`."""
-    builtin: Literal["tiny-increment", "tiny-chat"] = "tiny-increment"
+    builtin: Literal["tiny-increment", "tiny-chat", "tiny-feedback"] = "tiny-increment"
     """`tiny-increment`: a tiny Qwen2 with a digit tokenizer (the default task); `tiny-chat`: a tiny
-    Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task)."""
+    Qwen2 with a printable-ASCII tokenizer and a chat template (the word-problem task);
+    `tiny-feedback`: `tiny-increment` with a longer warm-up that also shows the `feedback`
+    environment's format (its marks, then the hidden code)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """The dtype weight versions travel and are served in: the trainer publishes its (fp32 master)
     weights cast to it (its `weights_dtype`) and the torch engine holds its weights and KV cache in

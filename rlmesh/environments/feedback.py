@@ -1,12 +1,14 @@
-"""The `feedback` built-in environment, on the increment task (add 1 to every digit; the tiny default
-model): the model answers, the environment marks each position right or wrong and asks again. The
-marks are the answer as the model gave it with every wrong digit replaced by `=`, so what was right
-stands where it was; the second attempt can keep it and redo the rest. Each attempt's reward is its
-share of right digits. Without tools (`tools = false`) the environment repeats the problem with no
-marks: the baseline the marks are measured against."""
+"""The `feedback` built-in environment, on the increment task's problems: the answer is a hidden code
+(each digit the problem's digit kept or plus one, fixed per problem and position), so a first
+attempt can only guess, about half its digits right. The environment marks each position right or
+wrong (the attempt's digits where right, `=` where wrong) and asks again: a second attempt that uses
+the marks can get every digit. Each attempt's reward is its share of right digits. Without tools
+(`tools = false`) the environment repeats the problem with no marks: the baseline the marks are
+measured against."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +16,13 @@ from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Tex
 from rlmesh.tasks.increment import reward
 
 ATTEMPTS = 2
+
+
+def hidden_code(digits: str) -> str:
+    """The answer to the problem `digits`: each digit kept or plus one (9 wraps to 0), as the bits
+    of the problem's SHA-256 say, so no attempt can know it before the marks."""
+    bits = hashlib.sha256(digits.encode()).digest()
+    return "".join(str((int(digit) + (bits[index] & 1)) % 10) for index, digit in enumerate(digits))
 
 
 def marks(attempt: str, answer: str) -> str:
@@ -28,12 +37,11 @@ class FeedbackEnvironment:
         self.attempts = 0
 
     def reset(self, row: Mapping[str, Any]) -> Text:
-        prompt, answer = row.get("prompt"), row.get("answer")
+        prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt.endswith("=") or not prompt[:-1].isdigit():
             raise EnvironmentFailure(f"feedback: the row's prompt must be digits and '=' (an increment problem), got {prompt!r}")
-        if not isinstance(answer, str) or len(answer) != len(prompt) - 1:
-            raise EnvironmentFailure(f"feedback: the row's answer must be as many digits as the problem, got {answer!r}")
-        self.problem, self.answer = prompt[:-1], answer
+        self.problem = prompt[:-1]
+        self.answer = hidden_code(self.problem)
         return Text(prompt)
 
     def step(self, action: Action) -> StepResult:

@@ -1,5 +1,6 @@
 """The default policy: a tiny Qwen2 model (random init) with the byte tokenizer, created locally
-and warmed up with a short supervised run on the default task so RL starts from a non-zero reward."""
+and warmed up with a short supervised run on the default task so RL starts from a non-zero reward;
+and the same model warmed up on the `feedback` environment's second attempts as well."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, save_tokenizer
-from rlmesh.tasks.increment import HELD_OUT_SEED, make_problem
+from rlmesh.environments.feedback import hidden_code, marks
+from rlmesh.tasks.increment import HELD_OUT_COUNT, HELD_OUT_SEED, Problem, held_out_problems, make_problem
 
 log = structlog.get_logger()
 
@@ -29,6 +31,16 @@ class TinyModelSpec:
     warmup_iterations: int = 100
     warmup_batch: int = 64
     warmup_lr: float = 3e-3
+    feedback_share: float = 0.0
+    """Share of the warm-up's problems shown as a `feedback` episode's second attempt: the problem,
+    a first attempt as the increment model makes it, its marks, then the hidden code."""
+
+
+FEEDBACK_MODEL_SPEC = TinyModelSpec(warmup_iterations=1200, feedback_share=0.5)
+"""The `tiny-feedback` built-in model: it knows the feedback format before RL (its first attempts
+still guess the hidden code, about half their digits right)."""
+FIRST_ATTEMPT_SLIPS = 0.2
+"""Share of the warm-up first attempts' digits drawn at random instead of incremented."""
 
 
 def create_default_model(directory: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -84,14 +96,38 @@ def supervised_step(model, optimizer: torch.optim.Optimizer, pairs: list[tuple[l
     return loss.item()
 
 
+def create_feedback_model(directory: str | Path) -> Path:
+    return create_default_model(directory, FEEDBACK_MODEL_SPEC)
+
+
+def feedback_warmup_example(problem: Problem, rng: random.Random, encode, eos_id: int) -> tuple[list[int], list[int]]:
+    """A feedback episode up to its second attempt, and that attempt: the hidden code."""
+    code = hidden_code(problem.prompt[:-1])
+    first = "".join(rng.choice("0123456789") if rng.random() < FIRST_ATTEMPT_SLIPS else digit for digit in problem.answer)
+    return encode(problem.prompt + first) + [eos_id] + encode(marks(first, code)), encode(code) + [eos_id]
+
+
 def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_id: int) -> None:
     rng = random.Random(spec.seed + HELD_OUT_SEED + 1)
+    # The held-out problems' hidden codes never show in a warm-up.
+    held_out = {problem.prompt for problem in held_out_problems(HELD_OUT_COUNT)} if spec.feedback_share else set()
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.warmup_lr)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text).ids
+
     model.train()
     for iteration in range(spec.warmup_iterations):
-        problems = [make_problem(rng) for _ in range(spec.warmup_batch)]
-        loss = supervised_step(model, optimizer, [(tokenizer.encode(p.prompt).ids, tokenizer.encode(p.answer).ids + [eos_id])
-                                                  for p in problems], pad_id)
+        pairs = []
+        while len(pairs) < spec.warmup_batch:
+            problem = make_problem(rng)
+            # No draw without feedback examples: the default model's warm-up stays as it was.
+            if spec.feedback_share and rng.random() < spec.feedback_share:
+                if problem.prompt not in held_out:
+                    pairs.append(feedback_warmup_example(problem, rng, encode, eos_id))
+            else:
+                pairs.append((encode(problem.prompt), encode(problem.answer) + [eos_id]))
+        loss = supervised_step(model, optimizer, pairs, pad_id)
         if iteration % 20 == 0 or iteration == spec.warmup_iterations - 1:
             log.info("warm-up", iteration=iteration, loss=round(loss, 4))
     model.eval()

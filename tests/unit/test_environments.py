@@ -3,6 +3,7 @@ calculator evaluates only arithmetic and rewards a right boxed answer, the feedb
 right, whatever an environment returns is an observation or an EnvironmentFailure, and a verifiers
 task that does not fit is refused naming why."""
 
+import random
 import re
 from types import SimpleNamespace
 
@@ -13,9 +14,12 @@ from pydantic import ValidationError
 
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
 from rlmesh.environments.calculator import CalculatorEnvironment, evaluate
-from rlmesh.environments.feedback import FeedbackEnvironment, marks
+from rlmesh.environments.feedback import FeedbackEnvironment, hidden_code, marks
 from rlmesh.environments.verifiers_adapter import VerifiersError, VerifiersSource, load_verifiers
 from rlmesh.tasks.config import TaskConfig
+from rlmesh.models.qwen2_tiny import TinyModelSpec, feedback_warmup_example, create_default_model
+from rlmesh.models.tokenizer import EOS_TOKEN, build_char_tokenizer
+from rlmesh.tasks.increment import held_out_problems, make_problem
 from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for
 from rlmesh.tool_calls import parse_tool_calls, tool_call_text
 
@@ -53,16 +57,47 @@ def test_feedback_marks_what_was_right_and_asks_again():
     assert marks("5932", "5932") == "5932="
     assert marks("5942", "5932") == "59=2="
     assert marks("59", "5932") == "59==="
+    # The hidden code: each digit kept or plus one, fixed per problem.
+    assert hidden_code("4821") == "5831" and hidden_code("999999") == "000999"
+    # About half the digits of a problem set are incremented: a first attempt can only guess.
+    problems = [problem.prompt[:-1] for problem in held_out_problems(256)]
+    changed = sum(c != d for problem in problems for c, d in zip(hidden_code(problem), problem))
+    assert 0.45 < changed / sum(map(len, problems)) < 0.55
     environment = FeedbackEnvironment()
     assert environment.reset({"prompt": "4821=", "answer": "5932"}) == Text("4821=")
-    first = environment.step(action("5942"))
-    assert first == StepResult(Text("59=2="), 0.75, False)
-    assert environment.step(action("5932")) == StepResult([], 1.0, True)
+    first = environment.step(action("5932"))
+    assert first == StepResult(Text("5=3=="), 0.5, False)
+    assert environment.step(action("5831")) == StepResult([], 1.0, True)
     baseline = FeedbackEnvironment(tools=False)
     baseline.reset({"prompt": "4821=", "answer": "5932"})
-    assert baseline.step(action("5942")).messages == Text("4821=")
+    assert baseline.step(action("5932")).messages == Text("4821=")
     with pytest.raises(EnvironmentFailure, match="digits and '='"):
         FeedbackEnvironment().reset({"prompt": "hello", "answer": "1"})
+
+
+def test_the_feedback_model_warms_up_on_the_episodes_the_environment_plays(tmp_path):
+    tokenizer = build_char_tokenizer()
+    eos = tokenizer.token_to_id(EOS_TOKEN)
+    rng = random.Random(5)
+    for _ in range(20):
+        problem = make_problem(rng)
+        context, target = feedback_warmup_example(problem, rng, lambda text: tokenizer.encode(text).ids, eos)
+        first_ids = context[len(tokenizer.encode(problem.prompt).ids):context.index(eos)]
+        first = tokenizer.decode(first_ids).replace(" ", "")
+        environment = FeedbackEnvironment()
+        environment.reset({"prompt": problem.prompt})
+        observation = environment.step(action(first)).messages
+        assert context[context.index(eos) + 1:] == tokenizer.encode(observation.text).ids
+        assert target == tokenizer.encode(hidden_code(problem.prompt[:-1])).ids + [eos]
+    folder = create_default_model(tmp_path / "model", TinyModelSpec(warmup_iterations=2, warmup_batch=8, feedback_share=0.5))
+    assert (folder / "model.safetensors").is_file()
+
+
+@given(st.text("0123456789", min_size=1, max_size=12))
+def test_a_hidden_code_keeps_or_increments_each_digit(digits):
+    code = hidden_code(digits)
+    assert len(code) == len(digits)
+    assert all(int(c) - int(d) in (0, 1, -9) for c, d in zip(code, digits))
 
 
 @pytest.mark.parametrize("value, expected", [
