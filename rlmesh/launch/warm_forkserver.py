@@ -109,7 +109,10 @@ def _serve_run(connection: socket.socket, imported: set[str]) -> None:
 
 
 def _listen(path: Path) -> socket.socket:
-    """The socket at `path`, replacing a stale one; SystemExit if a server answers there already."""
+    """The socket at `path`, replacing a stale one; SystemExit if a server answers there already, or
+    something other than a socket is there."""
+    if path.exists() and not path.is_socket():
+        raise SystemExit(f"rlmesh fork-server: {path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))

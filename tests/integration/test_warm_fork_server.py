@@ -97,6 +97,11 @@ def test_bad_sockets_are_refused_with_the_reason(tmp_path, warm_fork_server):
     assert warm_fork_server.socket.exists()
     missing = fork_server(str(tmp_path / "no-such-folder" / "s.sock"))
     assert missing.returncode == 2 and f"no folder {tmp_path / 'no-such-folder'}" in missing.stderr
+    kept = tmp_path / "notes.txt"
+    kept.write_text("not a socket")
+    occupied = fork_server(str(kept))
+    assert occupied.returncode == 1 and f"{kept} exists and is not a socket" in occupied.stderr
+    assert kept.read_text() == "not a socket"
     long = fork_server(str(tmp_path / ("s" * 120)))
     assert long.returncode == 2 and "a Unix socket path is at most 107 bytes" in long.stderr
     with pytest.raises(ForkServerError, match=f"no warm fork server answers at {tmp_path / 'none.sock'}"):
