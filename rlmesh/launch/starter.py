@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 from rlmesh.launch.forkserver import ForkServer, ForkServerError
 from rlmesh.launch.plan import LaunchPlan
@@ -49,27 +50,33 @@ class ServiceStarter:
         if self._modules and self.forks is None:
             self.forks = self._fork_server(None)
 
-    def _fork_server(self, warm_socket) -> ForkServer:
+    def _fork_server(self, warm_socket: Path | None) -> ForkServer:
         return ForkServer(self._modules, service_environment({}, self._mesh_id), self._plan.log_dir / "forkserver.log",
                           warm_socket)
 
+    async def _fork_server_failure(self) -> ForkServerError | None:
+        """Waits until the fork server can fork; why it cannot, if it cannot."""
+        if self.forks is None:
+            return None
+        try:
+            await asyncio.to_thread(self.forks.wait_ready)
+        except ForkServerError as exc:
+            return exc
+        return None
+
     async def prepare(self) -> None:
         """Waits for the fork server, then checks the job's tasks; raises JobRefused."""
-        if self.forks is not None and self._attached:
-            try:
-                await asyncio.to_thread(self.forks.wait_ready)
-            except ForkServerError as exc:
-                print(f"rlmesh up: the warm fork server at {self._plan.warm_fork_server}: {exc}; starting its own "
-                      "fork server", file=sys.stderr)
-                self.close()
-                self._attached = False
-                self.forks = self._fork_server(None)
-        if self.forks is not None:
-            try:
-                await asyncio.to_thread(self.forks.wait_ready)
-            except ForkServerError as exc:
-                print(f"rlmesh up: {exc}; the services start by exec", file=sys.stderr)
-                self.close()
+        failure = await self._fork_server_failure()
+        if failure is not None and self._attached:
+            print(f"rlmesh up: the warm fork server at {self._plan.warm_fork_server}: {failure}; starting its own "
+                  "fork server", file=sys.stderr)
+            self.close()
+            self._attached = False
+            self.forks = self._fork_server(None)
+            failure = await self._fork_server_failure()
+        if failure is not None:
+            print(f"rlmesh up: {failure}; the services start by exec", file=sys.stderr)
+            self.close()
         await self._check_tasks()
 
     async def _check_tasks(self) -> None:
