@@ -77,14 +77,21 @@ def tiny_qwen2_config(spec, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
     )
 
 
-def supervised_step(model, optimizer: torch.optim.Optimizer, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> float:
-    """One step of next-token cross-entropy on (prompt, answer) token pairs, the loss on the answers only."""
-    rows = [prompt + answer for prompt, answer in pairs]
-    masks = [[0] * len(prompt) + [1] * len(answer) for prompt, answer in pairs]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
-    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+Example = tuple[list[int], list[int]]
+"""A warm-up sequence: its token ids, and a 0/1 mask of the tokens the loss is taken on."""
+
+
+def answer_example(prompt: list[int], answer: list[int]) -> Example:
+    """A prompt and its answer as one sequence, the loss on the answer only."""
+    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+
+def supervised_step(model, optimizer: torch.optim.Optimizer, examples: list[Example], pad_id: int) -> float:
+    """One step of next-token cross-entropy on the examples, the loss on their masked tokens only."""
+    width = max(len(tokens) for tokens, _ in examples)
+    ids = torch.tensor([tokens + [pad_id] * (width - len(tokens)) for tokens, _ in examples])
+    loss_mask = torch.tensor([mask + [0] * (width - len(mask)) for _, mask in examples], dtype=torch.float32)
+    attention = torch.tensor([[1] * len(tokens) + [0] * (width - len(tokens)) for tokens, _ in examples])
     logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
     token_loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none"
@@ -100,11 +107,11 @@ def create_feedback_model(directory: str | Path) -> Path:
     return create_default_model(directory, FEEDBACK_MODEL_SPEC)
 
 
-def feedback_warmup_example(problem: Problem, rng: random.Random, encode, eos_id: int) -> tuple[list[int], list[int]]:
+def feedback_warmup_example(problem: Problem, rng: random.Random, encode, eos_id: int) -> Example:
     """A feedback episode up to its second attempt, and that attempt: the hidden code."""
     code = hidden_code(problem.prompt[:-1])
     first = "".join(rng.choice("0123456789") if rng.random() < FIRST_ATTEMPT_SLIPS else digit for digit in problem.answer)
-    return encode(problem.prompt + first) + [eos_id] + encode(marks(first, code)), encode(code) + [eos_id]
+    return answer_example(encode(problem.prompt + first) + [eos_id] + encode(marks(first, code)), encode(code) + [eos_id])
 
 
 def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_id: int) -> None:
@@ -118,16 +125,16 @@ def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_i
 
     model.train()
     for iteration in range(spec.warmup_iterations):
-        pairs = []
-        while len(pairs) < spec.warmup_batch:
+        examples = []
+        while len(examples) < spec.warmup_batch:
             problem = make_problem(rng)
             # No draw without feedback examples: the default model's warm-up stays as it was.
             if spec.feedback_share and rng.random() < spec.feedback_share:
                 if problem.prompt not in held_out:
-                    pairs.append(feedback_warmup_example(problem, rng, encode, eos_id))
+                    examples.append(feedback_warmup_example(problem, rng, encode, eos_id))
             else:
-                pairs.append((encode(problem.prompt), encode(problem.answer) + [eos_id]))
-        loss = supervised_step(model, optimizer, pairs, pad_id)
+                examples.append(answer_example(encode(problem.prompt), encode(problem.answer) + [eos_id]))
+        loss = supervised_step(model, optimizer, examples, pad_id)
         if iteration % 20 == 0 or iteration == spec.warmup_iterations - 1:
             log.info("warm-up", iteration=iteration, loss=round(loss, 4))
     model.eval()

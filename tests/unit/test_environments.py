@@ -81,7 +81,10 @@ def test_the_feedback_model_warms_up_on_the_episodes_the_environment_plays(tmp_p
     rng = random.Random(5)
     for _ in range(20):
         problem = make_problem(rng)
-        context, target = feedback_warmup_example(problem, rng, lambda text: tokenizer.encode(text).ids, eos)
+        tokens, mask = feedback_warmup_example(problem, rng, lambda text: tokenizer.encode(text).ids, eos)
+        answer_starts = mask.index(1)
+        assert set(mask[answer_starts:]) == {1} and len(mask) == len(tokens)
+        context, target = tokens[:answer_starts], tokens[answer_starts:]
         first_ids = context[len(tokenizer.encode(problem.prompt).ids):context.index(eos)]
         first = tokenizer.decode(first_ids).replace(" ", "")
         environment = FeedbackEnvironment()

@@ -17,7 +17,8 @@ from math_verify import parse
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
+from rlmesh.environments.calculator import worked_turns
+from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model, tool_episode_example, warmup_lr
 from rlmesh.models.families import is_model_dir
 from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, UNK_TOKEN, build_text_tokenizer
 from rlmesh.rewards.base import RewardItem
@@ -28,6 +29,7 @@ from rlmesh.tasks.word_problems import (
     INSTRUCTION,
     KINDS,
     WordProblemSource,
+    expression_of,
     held_out_problems,
     messages_for,
     solution_text,
@@ -173,6 +175,28 @@ def test_auto_tokenizer_agrees_and_renders_chatml(chat_model_dir):
     text = "Sam has 12 apples, gives {3} away: 12-3=9. \\boxed{9} ~!"
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text).ids
     assert theirs.decode(ours.encode(text).ids + [theirs.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_a_tool_episode_warms_up_on_the_tokens_its_episode_renders(chat_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_model_dir))
+    source = WordProblemSource(3)
+    for position in range(8):
+        problem = source.problem_at(position)
+        tokens, mask = tool_episode_example(tokenizer, problem, tokenizer.eos_token_id)
+        turns = worked_turns(problem.text, expression_of(problem), problem.answer)
+        rendered = tokenizer.apply_chat_template(turns, tokenize=False)
+        assert tokens == tokenizer.encode(rendered.removesuffix("\n"), add_special_tokens=False)
+        trained = tokenizer.decode([token for token, weight in zip(tokens, mask, strict=True) if weight])
+        assert trained == f"{turns[2]['content']}{IM_END_TOKEN}{turns[4]['content']}{IM_END_TOKEN}"
+
+
+def test_the_warm_up_rate_ramps_up_then_decays_to_a_tenth():
+    spec = ChatModelSpec(warmup_iterations=1000, warmup_lr=2e-3)
+    rates = [warmup_lr(spec, iteration) for iteration in range(spec.warmup_iterations)]
+    peak = rates.index(max(rates))
+    assert rates[0] < rates[peak] <= spec.warmup_lr and peak < 50
+    assert all(later <= earlier for earlier, later in zip(rates[peak:], rates[peak + 1:]))
+    assert spec.warmup_lr * 0.1 <= rates[-1] < spec.warmup_lr * 0.11
 
 
 def test_chat_model_loads_and_generates(chat_model_dir):
