@@ -15,10 +15,9 @@ from pathlib import Path
 
 from rlmesh import mesh_commands
 from rlmesh.authz import ROLES
+from rlmesh.launch.helpers import WARM_FORK_SERVER_ENV
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
-WARM_FORK_SERVER_ENV = "RLMESH_FORK_SERVER"
-"""Where `rlmesh up` finds a warm fork server's socket when --fork-server is not given."""
 FLAG_FIELDS = {
     "steps": "algorithm.steps",
     "max_staleness": "algorithm.max_staleness",

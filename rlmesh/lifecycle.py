@@ -25,6 +25,24 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
 
 
+_keeper_pid: int | None = None
+"""In a helper a warm fork server's keeper forked (`kept_by`): the keeper's pid."""
+
+
+def kept_by(keeper_pid: int) -> None:
+    """Marks this process as a helper forked by the warm fork server's keeper `keeper_pid`, which is
+    its parent in place of the process that asked for it and ends it once that process is gone."""
+    global _keeper_pid
+    _keeper_pid = keeper_pid
+
+
+def parent_lives(parent_pid: int) -> bool:
+    """After die_with_parent(): whether what ends this process with `parent_pid`, the process that
+    started it, is still there: `parent_pid` as its parent or, in a helper forked for `parent_pid`
+    by a keeper, that keeper. False: it died before the kernel's watch took effect, unseen."""
+    return os.getppid() == (parent_pid if _keeper_pid is None else _keeper_pid)
+
+
 def name_process(name: str) -> None:
     """Sets this process's name as /proc/<pid>/comm shows it (at most 15 bytes): how the mesh's
     processes are told apart, whether started by exec or forked from the fork server."""

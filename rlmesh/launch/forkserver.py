@@ -17,7 +17,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from rlmesh.launch.netns import enter_netns
 from rlmesh.lifecycle import die_with_parent, name_process
@@ -74,45 +76,33 @@ class ServerSide:
             os.kill(pid, request["signal"])
         self.send({"sent": alive})
 
-    def _become_service(self, request: dict) -> None:
+    def _become_service(self, request: dict) -> NoReturn:
         """In the child: its own session, network namespace, environment and log, then `python -m module`."""
-        code = 1
-        try:
-            os.setsid()
-            die_with_parent()
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            # Standard input (the requests of a server the launcher started) is replaced below.
-            for fd in {self._wake_read, self._wake_write, self._control, self._requests} - {0}:
-                os.close(fd)
-            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            os.close(log)
-            os.close(devnull)
-            if request.get("netns"):
-                enter_netns(request["netns"])
-            env = request["env"]
-            # What the launcher removed from its environment since the server started is removed;
-            # what an import set (a library's defaults) stays, as it would in a fresh process.
-            for name in self._initial_env.keys() - env.keys():
-                os.environ.pop(name, None)
-            os.environ.update(env)
-            sys.argv = [request["module"], *request["args"]]
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, int | None):
-                print(exc.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        run_as_main(lambda: self._prepare_service(request), request["module"], request["args"])
+
+    def _prepare_service(self, request: dict) -> None:
+        os.setsid()
+        die_with_parent()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Standard input (the requests of a server the launcher started) is replaced below.
+        for fd in {self._wake_read, self._wake_write, self._control, self._requests} - {0}:
+            os.close(fd)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        if request.get("netns"):
+            enter_netns(request["netns"])
+        env = request["env"]
+        # What the launcher removed from its environment since the server started is removed;
+        # what an import set (a library's defaults) stays, as it would in a fresh process.
+        for name in self._initial_env.keys() - env.keys():
+            os.environ.pop(name, None)
+        os.environ.update(env)
 
     def serve(self, pending: bytes = b"") -> None:
         """Until the requests' end of file; `pending`: what was read of them already."""
@@ -133,6 +123,27 @@ class ServerSide:
                 if not chunk:
                     return
                 pending += chunk
+
+
+def run_as_main(prepare: Callable[[], None], module: str, args: list[str]) -> NoReturn:
+    """In a forked child: `prepare()`, then `python -m module args...` run as `__main__`; exits as that
+    process would (SystemExit's code, 1 after an uncaught error, else 0) once its output is flushed."""
+    code = 1
+    try:
+        prepare()
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def import_modules(modules: list[str], imported: set[str]) -> str | None:
@@ -166,7 +177,8 @@ def serve(modules: list[str]) -> None:
     os._exit(0)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
@@ -273,7 +285,7 @@ class ForkServer:
             if pid in self._exits or self._ready is True:
                 return self._exits.get(pid)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while _alive(pid):
+        while process_alive(pid):
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(0.1)
@@ -283,7 +295,7 @@ class ForkServer:
         with self._changed:
             server_ended = self._ready not in (None, True)
         if server_ended:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, sig)
             return
         self._request({"op": "signal", "pid": pid, "signal": int(sig)})
@@ -307,7 +319,7 @@ class ForkServer:
         except OSError:
             pass
         self._reader.join(10)
-        if self._reader.is_alive() and self._pid is not None and _alive(self._pid):
+        if self._reader.is_alive() and self._pid is not None and process_alive(self._pid):
             os.kill(self._pid, signal.SIGKILL)
             self._reader.join(10)
         self._socket.close()

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rlmesh.launch.forkserver import ForkServer, ForkServerError
+from rlmesh.launch.helpers import WARM_FORK_SERVER_ENV
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import Child, ServiceSpec, service_environment, spawn
-from rlmesh.launch.services import SERVICE_MODULES, forked_modules
+from rlmesh.launch.services import HELPER_MODULES, SERVICE_MODULES, forked_modules
 from rlmesh.tasks.check import refusal
 
 CHECK_MODULE = "rlmesh.tasks.check"
@@ -23,8 +25,8 @@ BUILTIN_MODELING_MODULE = "transformers.models.qwen2.modeling_qwen2"
 
 
 def warm_modules() -> list[str]:
-    """What a warm fork server imports: every service's, the built-in family's and the check's."""
-    return [*(f"{module}.__main__" for module in SERVICE_MODULES), "transformers.initialization",
+    """What a warm fork server imports: every service's and helper's, the built-in family's and the check's."""
+    return [*(f"{module}.__main__" for module in SERVICE_MODULES), *HELPER_MODULES, "transformers.initialization",
             BUILTIN_MODELING_MODULE, *CHECK_IMPORTS]
 
 
@@ -95,6 +97,9 @@ class ServiceStarter:
             raise JobRefused(log_path.read_text().strip())
 
     def __call__(self, spec: ServiceSpec) -> Child:
+        if self._plan.warm_fork_server is not None:
+            # Their helpers (tensor-parallel ranks, the reference, the episode process) are forked from it too.
+            spec = replace(spec, settings={**spec.settings, WARM_FORK_SERVER_ENV: str(self._plan.warm_fork_server.resolve())})
         return spawn(spec, self._plan.log_dir, self._mesh_id, self.forks)
 
     def close(self) -> None:

@@ -1,10 +1,12 @@
 """The warm fork server (`rlmesh fork-server`): one long-lived process that has imported what the
 services import and, for each `rlmesh up` that connects to its Unix socket, forks that run's own
-fork server, already warm, so a run starts its services without the 7 to 9 CPU-seconds of imports."""
+fork server, already warm, so a run starts its services without the 7 to 9 CPU-seconds of imports;
+for each helper a process asks for (`rlmesh.launch.helpers`), a keeper that forks the helper."""
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import select
@@ -13,12 +15,15 @@ import socket
 import sys
 from pathlib import Path
 
-from rlmesh.launch.forkserver import FORK_SERVER_NAME, ServerSide, import_modules
+from rlmesh.launch.forkserver import FORK_SERVER_NAME, ServerSide, import_modules, run_as_main
 from rlmesh.launch.processes import MESH_ID_ENV
-from rlmesh.lifecycle import name_process
+from rlmesh.lifecycle import die_with_parent, kept_by, name_process
 
 MARKER_ROOM = 4096
 """Bytes held for a run's MESH_ID_ENV in the warm server's environment block (below)."""
+KEEPER_NAME = "rlmesh-keeper"
+"""The /proc/<pid>/comm of the process that forks and watches one helper."""
+MAX_HELPER_FDS = 16
 
 
 def warm_environment(env: dict[str, str]) -> dict[str, str]:
@@ -51,28 +56,23 @@ def _show_in_proc_environ(name: str, value: str) -> str | None:
     return None
 
 
-def _read_line(fd: int) -> tuple[bytes, bytes]:
-    """The first line from `fd` and what came after it."""
-    data = b""
+def _read_hello(connection: socket.socket) -> tuple[dict, bytes, list[int]]:
+    """The connection's first line, what came after it, and the descriptors sent with it."""
+    data, fds, flags, _ = socket.recv_fds(connection, 65536, MAX_HELPER_FDS)
+    if flags & socket.MSG_CTRUNC:
+        raise ValueError(f"more than {MAX_HELPER_FDS} descriptors came with the request")
     while b"\n" not in data:
-        chunk = os.read(fd, 65536)
+        chunk = connection.recv(65536)
         if not chunk:
-            raise EOFError("the launcher closed the connection before saying what to start")
+            raise EOFError("the connection closed before saying what to start")
         data += chunk
     line, rest = data.split(b"\n", 1)
-    return line, rest
+    return json.loads(line), rest, fds
 
 
-def _adopt(hello: dict) -> str | None:
-    """In a run's server: the launcher's log, working directory, environment and import path, as a
-    server it started would have; says why this server cannot serve the run, if it cannot."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    log = os.open(hello["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+def _adopt_environment(hello: dict) -> str | None:
+    """The requester's working directory, environment and import path, as a process it started
+    would have; says why not, if the run's marker does not fit."""
     os.chdir(hello["cwd"])
     env = hello["env"]
     os.environ.clear()
@@ -86,24 +86,114 @@ def _adopt(hello: dict) -> str | None:
     return None
 
 
-def _serve_run(connection: socket.socket, imported: set[str]) -> None:
-    """In the child forked for one run: becomes that run's fork server on its connection; ends when
-    the launcher closes it (or dies), its services getting SIGTERM as from a server it started."""
+def _adopt(hello: dict) -> str | None:
+    """In a run's server: the launcher's log, working directory, environment and import path, as a
+    server it started would have; says why this server cannot serve the run, if it cannot."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    log = os.open(hello["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    return _adopt_environment(hello)
+
+
+def _serve_run(fd: int, hello: dict, pending: bytes, imported: set[str]) -> None:
+    """Becomes the run's fork server on its connection; returns when the launcher closes it (or
+    dies), its services getting SIGTERM as from a server it started."""
+    os.setsid()
+    refusal = _adopt(hello) or import_modules(hello["modules"], imported)
+    if refusal:
+        os.write(fd, (json.dumps({"refused": refusal}) + "\n").encode())
+        return
+    server = ServerSide(fd, fd)
+    server.send({"ready": True, "pid": os.getpid()})
+    server.serve(pending)
+
+
+def _helper_refusal(hello: dict, fds: list[int]) -> str | None:
+    """Why this server cannot fork the helper as the requester would start it, if it cannot."""
+    if hello["executable"] != sys.executable:
+        return f"the requester runs {hello['executable']}, this server {sys.executable}"
+    if hello["netns"] != os.stat("/proc/self/ns/net").st_ino:
+        return "the requester is in another network namespace"
+    if len(fds) != len(hello["fds"]):
+        return f"{len(fds)} descriptors came for {len(hello['fds'])}"
+    return _adopt_environment(hello)
+
+
+def _keep_helper(fd: int, hello: dict, fds: list[int], pending: bytes) -> None:
+    """Forks the helper, says its pid, and relays the requester's signals to it until it exits (its
+    exit code follows, as subprocess.Popen's returncode) or the requester's end closes (it gets SIGTERM)."""
+    name_process(KEEPER_NAME)
+    # Its own process group: a Ctrl-C meant for the warm server leaves the helpers to their requesters.
+    os.setpgid(0, 0)
+    if refusal := _helper_refusal(hello, fds):
+        os.write(fd, (json.dumps({"refused": refusal}) + "\n").encode())
+        return
+    keeper = os.getpid()
+    helper = os.fork()
+    if helper == 0:
+        run_as_main(lambda: _become_helper(hello, dict(zip(hello["fds"], fds)), keeper), hello["helper"], hello["args"])
+    for received in fds:
+        os.close(received)
+    os.write(fd, (json.dumps({"pid": helper}) + "\n").encode())
+    exited = os.pidfd_open(helper)
+    while True:
+        ready, _, _ = select.select([fd, exited], [], [])
+        if exited in ready:
+            _, status = os.waitpid(helper, 0)
+            os.write(fd, (json.dumps({"exited": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+            return
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            os.kill(helper, signal.SIGTERM)
+            os.waitpid(helper, 0)
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            # Not reaped yet, so the pid is still the helper's.
+            os.kill(helper, json.loads(line)["signal"])
+
+
+def _become_helper(hello: dict, targets: dict[int, int], keeper: int) -> None:
+    """In the helper: dies with its keeper, holds only the descriptors sent (at their target
+    numbers), and is named after its module."""
+    die_with_parent()
+    kept_by(keeper)
+    # Moved above every target first, so that no dup2 overwrites a descriptor still to be placed.
+    above = max(targets, default=2) + 1
+    moved = {target: fcntl.fcntl(received, fcntl.F_DUPFD, above) for target, received in targets.items()}
+    for received in targets.values():
+        os.close(received)
+    for target, received in moved.items():
+        os.dup2(received, target)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in targets:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass  # the listing's own descriptor, closed already
+    module = hello["helper"]
+    name_process(module.rsplit(".", 1)[-1])
+    # Run afresh as __main__, as `python -m` runs it, though this server imported it by its name.
+    if not hasattr(sys.modules.get(module), "__path__"):
+        sys.modules.pop(module, None)
+
+
+def _serve_connection(connection: socket.socket, imported: set[str]) -> None:
+    """In the child forked for one connection: a helper's keeper, or a run's fork server."""
     code = 0
     try:
-        os.setsid()
+        hello, pending, fds = _read_hello(connection)
         fd = connection.detach()
-        line, pending = _read_line(fd)
-        hello = json.loads(line)
-        refusal = _adopt(hello) or import_modules(hello["modules"], imported)
-        if refusal:
-            os.write(fd, (json.dumps({"refused": refusal}) + "\n").encode())
+        if "helper" in hello:
+            _keep_helper(fd, hello, fds, pending)
         else:
-            server = ServerSide(fd, fd)
-            server.send({"ready": True, "pid": os.getpid()})
-            server.serve(pending)
+            _serve_run(fd, hello, pending, imported)
     except BaseException as exc:
-        print(f"rlmesh fork-server: a run's server failed: {exc!r}", file=sys.stderr, flush=True)
+        print(f"rlmesh fork-server: a connection's process failed: {exc!r}", file=sys.stderr, flush=True)
         code = 1
     os._exit(code)
 
@@ -159,7 +249,7 @@ def serve_warm(path: Path, modules: list[str]) -> None:
                     listener.close()
                     os.close(wake_read)
                     os.close(wake_write)
-                    _serve_run(connection, set(imported))
+                    _serve_connection(connection, set(imported))
                 connection.close()
     except KeyboardInterrupt:
         pass

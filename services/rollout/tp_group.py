@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.launch.helpers import WarmHelper, start_helper
 from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError
 from services.rollout.rank import RankPort, RankTransfer, RankWeights, build_rank
@@ -35,6 +36,7 @@ log = structlog.get_logger()
 START_TIMEOUT_SECONDS = 180.0
 """Time for a worker to import torch and build its model on a busy machine."""
 STOP_TIMEOUT_SECONDS = 10.0
+WORKER_MODULE = "services.rollout.tp_worker"
 
 
 def to_wire(value: Any) -> Any:
@@ -86,10 +88,11 @@ class Worker:
         self.weights = Connection(weights.detach())
         self._spec = {**spec, "rank": rank, "parent_pid": os.getpid(),
                       "step_fd": self._step_child.fileno(), "weights_fd": self._weights_child.fileno()}
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | WarmHelper | None = None
         started = threading.Event()
         # PR_SET_PDEATHSIG fires when the thread that forked the child ends: the supervising
-        # thread forks it and lives exactly as long as it.
+        # thread forks it and lives exactly as long as it. (One the warm fork server forks ends
+        # when this process's connection to its keeper closes.)
         self._supervisor = threading.Thread(target=self._supervise, args=(started,), name=f"tp-worker-{rank}", daemon=True)
         self._supervisor.start()
         started.wait()
@@ -98,12 +101,12 @@ class Worker:
 
     def _supervise(self, started: threading.Event) -> None:
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "services.rollout.tp_worker", json.dumps(self._spec)],
-                pass_fds=(self._step_child.fileno(), self._weights_child.fileno()),
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "OMP_NUM_THREADS": str(self._spec["threads"])},
-            )
+            args = [json.dumps(self._spec)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(self._spec["threads"])}
+            fds = (self._step_child.fileno(), self._weights_child.fileno())
+            self.process = (start_helper(WORKER_MODULE, args, env, {fd: fd for fd in fds})
+                            or subprocess.Popen([sys.executable, "-m", WORKER_MODULE, *args], pass_fds=fds,
+                                                stdin=subprocess.DEVNULL, env=env))
         finally:
             self._step_child.close()
             self._weights_child.close()

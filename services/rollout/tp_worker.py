@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.lifecycle import die_with_parent
+from rlmesh.lifecycle import die_with_parent, parent_lives
 from rlmesh.logging import configure_logging
 from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError
@@ -71,7 +70,7 @@ def serve_weights(channel: Connection, weights: RankWeights) -> None:
 def main(spec: dict[str, Any]) -> int:
     # If rank 0 dies, so does this rank; if it died already, there is nothing to serve.
     die_with_parent()
-    if os.getppid() != spec["parent_pid"]:
+    if not parent_lives(spec["parent_pid"]):
         return 1
     rank = spec["rank"]
     configure_logging("info", service="rollout")

@@ -1,15 +1,28 @@
-"""Rank 0's talk with the processes it starts (the reference worker, the episode process): each
-message a pickle preceded by its length, over the child's stdin and stdout; and their ending."""
+"""Rank 0's talk with the processes it starts (the reference worker, the episode process): their
+start, each message a pickle preceded by its length over the child's stdin and stdout, their ending."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import signal
 import struct
+import sys
 from typing import Any, BinaryIO
 
+from rlmesh.launch.helpers import AsyncWarmHelper, start_async_helper
+
 FRAME_HEADER = struct.Struct("<Q")
+ChildProcess = asyncio.subprocess.Process | AsyncWarmHelper
+
+
+async def start_child(module: str, *args: str) -> ChildProcess:
+    """`python -m module args...` with pipes on its stdin and stdout, its stderr this process's:
+    forked by the warm fork server where one serves this process, else exec'd."""
+    return (await start_async_helper(module, list(args), dict(os.environ))
+            or await asyncio.create_subprocess_exec(sys.executable, "-m", module, *args, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE))
 
 
 def frame(message: Any) -> bytes:
@@ -43,7 +56,7 @@ async def next_frame(reader: asyncio.StreamReader) -> Any | None:
         return None
 
 
-async def end_child(process: asyncio.subprocess.Process, close_seconds: float) -> None:
+async def end_child(process: ChildProcess, close_seconds: float) -> None:
     """Closes the child's stdin, which ends it; kills it if it does not exit within `close_seconds`."""
     if process.stdin is not None and not process.stdin.is_closing():
         process.stdin.close()

@@ -18,7 +18,7 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
-from services.trainer.child_process import end_child, frame, how_it_ended, next_frame
+from services.trainer.child_process import ChildProcess, end_child, frame, how_it_ended, next_frame, start_child
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec, TooManyEpisodeErrors, open_sessions
 from services.trainer.mesh import MeshClient
@@ -36,7 +36,7 @@ class EpisodeProcessError(RuntimeError):
 class EpisodeProcess:
     """Rank 0's handle on the episode process, used as the trainer uses an EpisodeDriver."""
 
-    def __init__(self, process: asyncio.subprocess.Process, mesh: MeshClient,
+    def __init__(self, process: ChildProcess, mesh: MeshClient,
                  on_failure: Callable[[BaseException], Awaitable[None]]) -> None:
         self.process = process
         self.mesh = mesh
@@ -50,9 +50,7 @@ class EpisodeProcess:
     async def start(cls, config: TrainerConfig, mesh: MeshClient, stop_ids: list[int], context_length: int,
                     on_failure: Callable[[BaseException], Awaitable[None]]) -> EpisodeProcess:
         """Starts the process and waits until it has built the job's multi-turn tasks."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.trainer.episode_process", "--parent-pid", str(os.getpid()),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        process = await start_child("services.trainer.episode_process", "--parent-pid", str(os.getpid()))
         episodes = cls(process, mesh, on_failure)
         try:
             episodes._send(("build", config.model_dump_json(), stop_ids, context_length))
@@ -156,10 +154,10 @@ async def serve(requests: asyncio.StreamReader, replies: asyncio.WriteTransport)
 
 
 async def _main(parent_pid: int) -> None:
-    from rlmesh.lifecycle import die_with_parent
+    from rlmesh.lifecycle import die_with_parent, parent_lives
 
     die_with_parent()
-    if os.getppid() != parent_pid:  # rank 0 died before the request took effect
+    if not parent_lives(parent_pid):  # rank 0 died before the request took effect
         return
     loop = asyncio.get_running_loop()
     requests = asyncio.StreamReader()

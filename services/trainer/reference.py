@@ -17,7 +17,8 @@ import structlog
 import torch
 
 from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.child_process import end_child, frame, how_it_ended, next_frame, read_frame, write_frame
+from services.trainer.child_process import (ChildProcess, end_child, frame, how_it_ended, next_frame, read_frame, start_child,
+                                            write_frame)
 
 log = structlog.get_logger()
 
@@ -50,11 +51,11 @@ def response_logprobs(model: torch.nn.Module, samples: Sequence[TrainingSample],
 def serve(model_dir: str, pad_id: int, threads: int, parent_pid: int, requests: BinaryIO, replies: BinaryIO) -> None:
     """The worker's loop: answers each request (a list of (prompt ids, response ids, temperature))
     in order until its stdin closes."""
-    from rlmesh.lifecycle import die_with_parent
+    from rlmesh.lifecycle import die_with_parent, parent_lives
     from rlmesh.models.loading import load_causal_lm
 
     die_with_parent()
-    if os.getppid() != parent_pid:  # the trainer died before the request took effect
+    if not parent_lives(parent_pid):  # the trainer died before the request took effect
         return
     # Ctrl-C reaches the whole process group: the trainer decides, and this process ends with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,7 +77,7 @@ class ReferenceWorker:
     """Rank 0's handle on the reference process. Requests are answered in the order they are sent;
     several may be in flight (one per batch of groups being scored)."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: ChildProcess) -> None:
         self.process = process
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiting: deque[asyncio.Future] = deque()
@@ -88,10 +89,8 @@ class ReferenceWorker:
     @classmethod
     async def start(cls, model_dir: str, pad_id: int, threads: int = 1, timeout_seconds: float = 120.0) -> ReferenceWorker:
         """Starts the process and waits until it holds the model."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.trainer.reference", "--model-dir", str(model_dir), "--pad-id", str(pad_id),
-            "--threads", str(threads), "--parent-pid", str(os.getpid()),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        process = await start_child("services.trainer.reference", "--model-dir", str(model_dir), "--pad-id", str(pad_id),
+                                    "--threads", str(threads), "--parent-pid", str(os.getpid()))
         worker = cls(process)
         try:
             await asyncio.wait_for(asyncio.shield(worker._ready), timeout_seconds)
