@@ -18,7 +18,8 @@ from rlmesh.tasks.config import TaskConfig
 
 DEFAULT_MODELS = {
     "tiny-increment": Path(".rlmesh/models/tiny-qwen2-increment"),
-    "tiny-chat": Path(".rlmesh/models/tiny-qwen2-chat"),
+    # v2: the 1,200-iteration warm-up; a folder the 60-iteration one made is not taken for it.
+    "tiny-chat": Path(".rlmesh/models/tiny-qwen2-chat-v2"),
     "tiny-feedback": Path(".rlmesh/models/tiny-qwen2-feedback"),
 }
 """Built-in models, created on first use (random init and a short supervised warm-up)."""
