@@ -146,6 +146,17 @@ def run_as_main(prepare: Callable[[], None], module: str, args: list[str]) -> No
         os._exit(code)
 
 
+def read_line(connection: socket.socket, received: bytes = b"") -> tuple[bytes, bytes]:
+    """The first line on `connection` (`received`: what was read of it already) and what came after it."""
+    while b"\n" not in received:
+        chunk = connection.recv(65536)
+        if not chunk:
+            raise EOFError("the other end closed the connection before a whole line came")
+        received += chunk
+    line, rest = received.split(b"\n", 1)
+    return line, rest
+
+
 def import_modules(modules: list[str], imported: set[str]) -> str | None:
     """Imports those of `modules` (a package's `__main__` for what it imports) not in `imported`,
     adding them to it; says why forking is unsafe after, if it is."""

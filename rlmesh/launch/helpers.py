@@ -17,7 +17,7 @@ import time
 
 import structlog
 
-from rlmesh.launch.forkserver import process_alive
+from rlmesh.launch.forkserver import process_alive, read_line
 
 log = structlog.get_logger()
 
@@ -44,13 +44,7 @@ def _request(module: str, args: list[str], env: dict[str, str], fds: dict[int, i
         data = (json.dumps(hello) + "\n").encode()
         sent = socket.send_fds(connection, [data], list(fds.values()))
         connection.sendall(data[sent:])
-        received = b""
-        while b"\n" not in received:
-            chunk = connection.recv(4096)
-            if not chunk:
-                raise EOFError("it closed the connection; its log says why")
-            received += chunk
-        line, rest = received.split(b"\n", 1)
+        line, rest = read_line(connection)
         reply = json.loads(line)
         if "pid" not in reply:
             raise ConnectionRefusedError(reply.get("refused", line.decode()))

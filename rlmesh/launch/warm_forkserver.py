@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from rlmesh.launch.forkserver import FORK_SERVER_NAME, ServerSide, import_modules, run_as_main
+from rlmesh.launch.forkserver import FORK_SERVER_NAME, ServerSide, import_modules, read_line, run_as_main
 from rlmesh.launch.processes import MESH_ID_ENV
 from rlmesh.lifecycle import die_with_parent, kept_by, name_process
 
@@ -61,12 +61,7 @@ def _read_hello(connection: socket.socket) -> tuple[dict, bytes, list[int]]:
     data, fds, flags, _ = socket.recv_fds(connection, 65536, MAX_HELPER_FDS)
     if flags & socket.MSG_CTRUNC:
         raise ValueError(f"more than {MAX_HELPER_FDS} descriptors came with the request")
-    while b"\n" not in data:
-        chunk = connection.recv(65536)
-        if not chunk:
-            raise EOFError("the connection closed before saying what to start")
-        data += chunk
-    line, rest = data.split(b"\n", 1)
+    line, rest = read_line(connection, data)
     return json.loads(line), rest, fds
 
 
