@@ -136,6 +136,21 @@ def test_a_job_streams_a_chunk_per_16_tokens_unless_it_says_otherwise_and_a_lone
     assert EngineConfig(model_dir="m").stream_interval == 1
 
 
+EXAMPLE_JOBS = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*/job.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLE_JOBS, ids=lambda path: path.parent.name)
+def test_every_example_job_loads_with_the_settings_it_writes(path):
+    job, base = load_job(path)
+    assert base == path.parent
+    given = tomllib.loads(path.read_text()).get("algorithm", {})
+    assert {key: getattr(job.algorithm, key) for key in given} == given
+
+
+def test_the_examples_folder_has_jobs():
+    assert {"async", "calculator", "feedback", "word-problems"} <= {path.parent.name for path in EXAMPLE_JOBS}
+
+
 def test_the_async_example_job_sets_three_values_and_leaves_the_rest_to_defaults():
     path = Path(__file__).resolve().parents[2] / "examples" / "async" / "job.toml"
     job, _ = load_job(path)
