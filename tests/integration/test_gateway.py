@@ -2,7 +2,8 @@
 instance: the trajectory the trainer receives holds exactly the tokens the engine sampled (with
 their logprobs and versions, model tokens apart from the rest), tool results render through the
 chat template, an edited history is recorded as a break and trains as separate samples, streaming
-works, and a key reaches its own session only."""
+works, text completions extend the stream token for token, a prompt past the session's room ends
+it `truncated_context` with a reply instead of an error, and a key reaches its own session only."""
 
 import openai
 import pytest
@@ -28,12 +29,14 @@ async def gateway_mesh(chat_model_dir):
         await stop_mesh(mesh)
 
 
-async def open_sessions(manager, chat_model_dir, count: int, batch_id: str = "agents") -> list[manager_pb2.SessionHandle]:
+async def open_sessions(manager, chat_model_dir, count: int, batch_id: str = "agents",
+                        max_total_tokens: int = 0) -> list[manager_pb2.SessionHandle]:
     stop = load_hf_tokenizer(chat_model_dir).convert_tokens_to_ids(IM_END_TOKEN)
     reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
         batch_id=batch_id, policy_version=0, task="harness",
         sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=[stop], seed=3),
-        prompts=[manager_pb2.Prompt(prompt_id="p", n=count)], limits=manager_pb2.SessionLimits(max_turns=8)), timeout=10)
+        prompts=[manager_pb2.Prompt(prompt_id="p", n=count)],
+        limits=manager_pb2.SessionLimits(max_turns=8, max_total_tokens=max_total_tokens)), timeout=10)
     return list(reply.sessions)
 
 
@@ -132,6 +135,38 @@ async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_
     first_ids = first.model_extra["rlmesh"]["token_ids"] + second.model_extra["rlmesh"]["token_ids"]
     assert [t for t, m in zip(parts[0].response_ids, parts[0].mask) if m] == first_ids
     assert [t for t, m in zip(parts[1].response_ids, parts[1].mask) if m] == third.model_extra["rlmesh"]["token_ids"]
+
+
+async def test_text_completions_extend_the_stream_token_for_token_and_an_overflow_ends_the_session(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [handle] = await open_sessions(manager, chat_model_dir, 1, "text", max_total_tokens=80)
+    tokenizer = load_hf_tokenizer(chat_model_dir)
+    # The session named in a header instead of the base URL, the key as the bearer key.
+    client = openai.AsyncOpenAI(base_url=f"http://{mesh.manager.gateway_address}/v1", api_key=handle.key, max_retries=0, timeout=60,
+                                default_headers={"x-rlmesh-session": handle.session_id})
+    async with client:
+        first = await client.completions.create(model="tiny", prompt="Count: 1 2")
+        first_turn = first.model_extra["rlmesh"]
+        assert first.choices[0].text == tokenizer.decode(first_turn["token_ids"], skip_special_tokens=True)
+        # The next prompt as token ids: the stream so far, the model's tokens exactly as sampled, then new ones.
+        prompt_ids = tokenizer.encode("Count: 1 2", add_special_tokens=False) + first_turn["token_ids"] + tokenizer.encode(" 3",
+                                                                                                          add_special_tokens=False)
+        stream = await client.completions.create(model="tiny", prompt=prompt_ids, stream=True)
+        chunks = [chunk async for chunk in stream]
+        second_turn = chunks[-1].model_extra["rlmesh"]
+        assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(second_turn["token_ids"], skip_special_tokens=True)
+        assert second_turn["stream_tokens"] == len(prompt_ids) + len(second_turn["token_ids"])
+        # A prompt past max_total_tokens: a reply (not an HTTP 400) that ends the session.
+        overflow = await client.completions.create(model="tiny", prompt=prompt_ids + second_turn["token_ids"] + [5] * 80)
+    assert overflow.choices[0].finish_reason == "length" and overflow.model_extra["rlmesh"]["session_status"] == "truncated_context"
+    [trajectory] = await trajectories(manager, "text")
+    assert trajectory.status == manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT and "max_total_tokens is 80" in trajectory.detail
+    models = [s for s in trajectory.segments if s.source == MODEL]
+    assert [list(m.token_ids) for m in models] == [first_turn["token_ids"], second_turn["token_ids"]]
+    assert [list(m.logprobs) for m in models] == [pytest.approx(first_turn["logprobs"]), pytest.approx(second_turn["logprobs"])]
+    [part] = parts_of(trajectory)
+    assert part.prompt_ids + part.response_ids == prompt_ids + second_turn["token_ids"]
+    assert [t for t, m in zip(part.response_ids, part.mask) if m] == first_turn["token_ids"] + second_turn["token_ids"]
 
 
 async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
