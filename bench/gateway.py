@@ -159,8 +159,9 @@ async def relay_beside_sessions(args: argparse.Namespace, tokenizer_dir: Path) -
     """Tokens/s of the manager's single-turn relay (bench.relay's step on its fast synthetic engines)
     per round: alone, while the sessions run through the contract, and while they run through the
     gateway; the sessions turn until the relay's step is back. Also the sessions' turns per round."""
-    stop = build_text_tokenizer().token_to_id(IM_END_TOKEN)
-    observation = build_text_tokenizer().encode(USER_TEXT).ids
+    tokenizer = build_text_tokenizer()
+    stop = tokenizer.token_to_id(IM_END_TOKEN)
+    observation = tokenizer.encode(USER_TEXT).ids
     gateway_port = free_port()
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=relay.LENGTH + 1)
     rates: dict[str, list[float]] = {"alone": [], "grpc": [], "http": []}
