@@ -48,6 +48,11 @@ class ChatTurns:
             raise RenderError("the model's tokenizer has no chat template: multi-turn sessions render messages with it")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        # A fast tokenizer's own encoder gives the same ids at a third of the cost of transformers'
+        # wrapper around it, which a gateway turn pays for every piece it renders.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._encode_text = ((lambda text: backend.encode(text, add_special_tokens=False).ids) if backend is not None
+                             else (lambda text: list(tokenizer.encode(text, add_special_tokens=False))))
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
         try:
@@ -79,7 +84,7 @@ class ChatTurns:
         return [p for p in pieces if p.token_ids]
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return self._encode_text(text) if text else []
 
     def first(self, messages: Sequence[Mapping[str, Any]]) -> list[Piece]:
         """The stream that opens a session: the messages and the generation prompt."""
