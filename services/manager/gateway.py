@@ -18,7 +18,7 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from rlmesh.chat_turns import ChatTurns, RenderError
+from rlmesh.chat_turns import ChatTurns, RenderError, text_encoder
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument, NotFound
 from rlmesh.tool_calls import ParsedTurn, parse_tool_calls
@@ -61,6 +61,7 @@ class Gateway:
     def __init__(self, runner: TurnRunner, tokenizer: Any, model_name: str) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
+        self._encode = text_encoder(tokenizer)
         self.model_name = model_name
         self.sessions = runner.state.sessions
         self._locks: dict[str, asyncio.Lock] = {}
@@ -152,9 +153,6 @@ class Gateway:
             return await self.runner.run(session.session_id, turn, segments, keep, sampling, progress)
         except DomainError as exc:
             raise http_error(exc) from exc
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def text_of(self, segment: Segment) -> str:
         return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
