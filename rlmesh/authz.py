@@ -12,7 +12,7 @@ ROLE_DUTIES: Mapping[Role, str] = {
     "trainer": "the trainer's ranks: submit prompts, take rollouts, upload weights, publish versions",
     "instance": "a rollout instance: register, heartbeat, deregister; drain itself (a pod's preStop hook)",
     "weights": "the weight-transfer service: list instances, push weights into them",
-    "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions",
+    "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions; its OpenAI gateway runs sessions' turns",
     "operator": "a person or tool running the mesh: status, scale, drain, pause",
     "observer": "read-only: status and metrics",
 }
@@ -30,6 +30,9 @@ _REWARD = "rlmesh.reward.v1.RewardService"
 _ENVIRONMENT = "rlmesh.environment.v1.EnvironmentService"
 
 _STATUS_READERS: frozenset[Role] = frozenset({"operator", "observer"})
+_SESSION_RUNNERS: frozenset[Role] = frozenset({"trainer", "manager"})
+"""The trainer's episodes, and the manager's own OpenAI gateway (a process of the manager service
+calling it with the manager's credential) on behalf of a harness whose session key it checked."""
 
 AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_MANAGER}/RegisterInstance": frozenset({"instance"}),
@@ -45,10 +48,11 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_MANAGER}/AcknowledgeRollouts": frozenset({"trainer"}),
     f"/{_MANAGER}/ReportTrainingStep": frozenset({"trainer"}),
     f"/{_MANAGER}/OpenSessions": frozenset({"trainer"}),
-    f"/{_MANAGER}/RunTurn": frozenset({"trainer"}),
-    f"/{_MANAGER}/SetSessionReward": frozenset({"trainer"}),
+    f"/{_MANAGER}/RunTurn": _SESSION_RUNNERS,
+    f"/{_MANAGER}/StreamTurn": _SESSION_RUNNERS,
+    f"/{_MANAGER}/SetSessionReward": _SESSION_RUNNERS,
     f"/{_MANAGER}/CloseSession": frozenset({"trainer"}),
-    f"/{_MANAGER}/GetSession": frozenset({"trainer"}),
+    f"/{_MANAGER}/GetSession": _SESSION_RUNNERS,
     f"/{_ROLLOUT}/Generate": frozenset({"manager"}),
     f"/{_ROLLOUT}/GenerateMany": frozenset({"manager"}),
     f"/{_ROLLOUT}/Abort": frozenset({"manager"}),

@@ -4,6 +4,7 @@ segments, appended after the model's own tokens, which are never rendered or tok
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,15 +51,23 @@ def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def caching_encoder(encode: Callable[[str], list[int]], entries: int = 4096, max_chars: int = 256) -> Callable[[str], list[int]]:
+    """`encode` keeping the ids of short texts: the template's pieces between messages and the
+    messages harnesses repeat come back every turn, and tokenizing them again would give the same ids."""
+    cached = functools.lru_cache(maxsize=entries)(lambda text: tuple(encode(text)))
+    return lambda text: list(cached(text)) if len(text) <= max_chars else encode(text)
+
+
 class ChatTurns:
     """One tokenizer's chat template, rendering what goes between the model's turns."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None,
+                 encode: Callable[[str], list[int]] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise RenderError("the model's tokenizer has no chat template: multi-turn sessions render messages with it")
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
-        self._encode_text = text_encoder(tokenizer)
+        self._encode_text = encode or text_encoder(tokenizer)
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
         try:

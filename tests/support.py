@@ -112,8 +112,11 @@ def play_every_role() -> None:
     use_secret(peer_secrets(TEST_SECRETS))
 
 
-def suite_auth() -> AuthSettings:
-    return AuthSettings(verifiers_file=str(TEST_SECRETS / VERIFIERS_FILE))
+def suite_auth(role: Role | None = None) -> AuthSettings:
+    """The suite's verifiers and, with `role`, that role's secret for what the service starts (the
+    manager's gateway process calls the manager with the manager's)."""
+    return AuthSettings(verifiers_file=str(TEST_SECRETS / VERIFIERS_FILE),
+                        secret_file=str(secret_path(TEST_SECRETS, role)) if role else "")
 
 
 def suite_auth_env(prefix: str, role: Role) -> dict[str, str]:
@@ -122,8 +125,8 @@ def suite_auth_env(prefix: str, role: Role) -> dict[str, str]:
     return service_auth_settings(prefix, TEST_SECRETS, role)
 
 
-def loopback(tls: TlsFiles | None = None) -> ServerConfig:
-    return ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5, auth=suite_auth(), tls=tls)
+def loopback(tls: TlsFiles | None = None, role: Role | None = None) -> ServerConfig:
+    return ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5, auth=suite_auth(role), tls=tls)
 
 
 @dataclass
@@ -162,7 +165,7 @@ async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness:
     tls = tls or {}
     if gateway:
         manager_settings |= {"gateway_port": 0, "model_dir": str(model_dir)}
-    manager = await start_manager(ManagerConfig(server=loopback(tls.get("manager")), max_staleness=max_staleness, lease_seconds=lease_seconds,
+    manager = await start_manager(ManagerConfig(server=loopback(tls.get("manager"), "manager"), max_staleness=max_staleness, lease_seconds=lease_seconds,
                                                 heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
     # The test process hosts the manager too: it must not run at background priority.
     weights = await start_weights(WeightsConfig(server=loopback(tls.get("weights")), manager_address=manager.server.address, backend=backend,

@@ -38,6 +38,9 @@ class ManagerSettings(StrictModel):
     """Deadline of one Generate stream."""
     rpc_timeout_seconds: float = Field(default=5.0, gt=0)
     """Deadline of the manager's calls to rollout instances and the weights service."""
+    gateway_turn_timeout_seconds: float = Field(default=3600.0, gt=0)
+    """Deadline of the OpenAI gateway's call for one turn (the turn may wait for the staleness bound
+    while the trainer trains); a harness's own HTTP timeout ends its request sooner."""
     store_wait_seconds: float = Field(default=5.0, gt=0)
     """How long PublishVersion waits for the weights service to finish storing a version all of
     whose ranks arrived; past it the trainer is told UNAVAILABLE and calls again."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlmesh.chat_turns import ChatTurns, Piece, content_text
+from rlmesh.manager.v1 import manager_pb2
 
 
 class ConversationError(ValueError):
@@ -31,6 +32,14 @@ class LoggedMessage:
     @property
     def is_model_turn(self) -> bool:
         return self.end > 0
+
+
+def conversation_to_proto(messages: Sequence[LoggedMessage]) -> list[manager_pb2.ConversationMessage]:
+    return [manager_pb2.ConversationMessage(match_key=m.key, end=m.end, stop_text=m.stop_text) for m in messages]
+
+
+def conversation_from_proto(messages: Sequence[manager_pb2.ConversationMessage]) -> list[LoggedMessage]:
+    return [LoggedMessage(m.match_key, m.end, m.stop_text) for m in messages]
 
 
 def message_key(message: Mapping[str, Any]) -> str:

@@ -1,13 +1,12 @@
-"""The manager's OpenAI-compatible gateway (FastAPI, served by uvicorn on its own port, in the manager's
-event loop): `/v1/chat/completions` and `/v1/completions`, whole or streamed, for the session named
+"""The manager's OpenAI-compatible gateway (Starlette, served by uvicorn in a process of its own beside
+the manager's): `/v1/chat/completions` and `/v1/completions`, whole or streamed, for the session named
 in the base URL (`/sessions/<id>/v1`) or in the `X-Rlmesh-Session` header. A request's messages are
 matched against the session's conversation, so earlier turns keep the exact tokens the model
-produced; a harness's key reaches its own session only."""
+produced; a harness's key reaches its own session only; turns run through the manager's contract."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,17 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from rlmesh.chat_turns import ChatTurns, RenderError, text_encoder
+from rlmesh.chat_turns import ENVIRONMENT, ChatTurns, RenderError, caching_encoder, text_encoder
 from rlmesh.common.v1 import common_pb2
-from rlmesh.errors import DomainError, InvalidArgument, NotFound
-from rlmesh.tool_calls import ParsedTurn, parse_tool_calls
+from rlmesh.manager.v1 import manager_pb2
+from rlmesh.tool_calls import ParsedTurn
 from services.manager import openai_format as wire
-from services.manager.conversations import ConversationError, LoggedMessage, TurnPlan, message_key, plan_turn
-from services.manager.sessions import ENVIRONMENT, TEMPLATE, Segment, Session, TurnState
-from services.manager.turns import TurnRunner
+from services.manager.conversations import ConversationError, TurnPlan, plan_turn
+from services.manager.gateway_sessions import GatewaySessions, SessionView, TurnResult, model_turn
+from services.manager.openai_format import GatewayError
 
 log = structlog.get_logger()
 
@@ -33,52 +34,38 @@ SESSION_HEADER = "x-rlmesh-session"
 MAX_BODY_BYTES = 8 << 20
 
 
-class GatewayError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
-
-
-def http_error(exc: DomainError) -> GatewayError:
-    """A session's refusal as HTTP: 400 for a bad request, 404 for what is gone, 409 otherwise."""
-    status = 400 if isinstance(exc, InvalidArgument) else 404 if isinstance(exc, NotFound) else 409
-    return GatewayError(status, str(exc), "invalid_request_error", type(exc).__name__)
-
-
 @dataclass(frozen=True, slots=True)
 class PlannedTurn:
     """A chat turn checked and rendered, ready to run."""
 
     plan: TurnPlan
-    segments: list[Segment]
+    segments: list[manager_pb2.Segment]
     turn: int
     sampling: common_pb2.SamplingParams
+
+
+def environment_segment(token_ids: list[int]) -> manager_pb2.Segment:
+    return manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=token_ids)
 
 
 class Gateway:
     """The gateway's work, apart from HTTP: authorize, match, run the turn, shape the reply."""
 
-    def __init__(self, runner: TurnRunner, tokenizer: Any, model_name: str) -> None:
-        self.runner = runner
+    def __init__(self, sessions: GatewaySessions, tokenizer: Any, model_name: str) -> None:
+        self.sessions = sessions
         self.tokenizer = tokenizer
-        self._encode = text_encoder(tokenizer)
+        self._encode = caching_encoder(text_encoder(tokenizer))
         self.model_name = model_name
-        self.sessions = runner.state.sessions
         self._locks: dict[str, asyncio.Lock] = {}
 
-    def authorize(self, session_id: str, key: str) -> Session:
-        session = self.sessions.sessions.get(session_id)
-        # The same answer for an unknown session and a wrong key: a key tells nothing about other sessions.
-        if session is None or not key or not hmac.compare_digest(session.key.encode(), key.encode()):
-            raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
-                               "authentication_error", "invalid_api_key")
-        return session
+    async def authorize(self, session_id: str, key: str) -> SessionView:
+        return await self.sessions.authorized(session_id, key)
 
     def lock(self, session_id: str) -> asyncio.Lock:
         """One turn at a time per session: a harness's concurrent calls would race for the same turn."""
         return self._locks.setdefault(session_id, asyncio.Lock())
 
-    def sampling(self, session: Session, body: dict[str, Any]) -> common_pb2.SamplingParams:
+    def sampling(self, session: SessionView, body: dict[str, Any]) -> common_pb2.SamplingParams:
         """The session's sampling (the task's temperature and stop tokens: the trainer's logprobs are
         at them), the request's max_tokens bounded by its own."""
         params = common_pb2.SamplingParams()
@@ -90,45 +77,41 @@ class Gateway:
             params.max_tokens = min(params.max_tokens, requested)
         return params
 
-    def plan_chat(self, session: Session, body: dict[str, Any]) -> PlannedTurn:
+    def plan_chat(self, session: SessionView, body: dict[str, Any]) -> PlannedTurn:
         """What a chat request asks of the session, checked before anything runs."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise GatewayError(400, "messages must be a list of message objects")
         if body.get("n", 1) != 1:
             raise GatewayError(400, "n must be 1: a session is one trajectory")
-        turns = ChatTurns(self.tokenizer, body.get("tools") or None)
+        turns = ChatTurns(self.tokenizer, body.get("tools") or None, self._encode)
         try:
             plan = plan_turn(session.conversation, messages, turns)
         except (ConversationError, RenderError) as exc:
             raise GatewayError(400, str(exc)) from exc
-        segments = [Segment(ENVIRONMENT if p.source == "environment" else TEMPLATE, p.token_ids) for p in plan.pieces]
-        return PlannedTurn(plan, segments, session.turns, self.sampling(session, body))
+        segments = [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT if p.source == ENVIRONMENT
+                                        else manager_pb2.SEGMENT_SOURCE_TEMPLATE, token_ids=p.token_ids) for p in plan.pieces]
+        return PlannedTurn(plan, segments, session.next_turn, self.sampling(session, body))
 
-    async def run_chat(self, session: Session, planned: PlannedTurn,
-                       progress: Callable[[list[int]], None] | None = None) -> tuple[TurnState, dict[str, Any], ParsedTurn | None]:
-        """Runs a planned chat turn; returns its state, the assistant message it makes (as the
+    async def run_chat(self, session: SessionView, planned: PlannedTurn,
+                       progress: Callable[[list[int]], None] | None = None) -> tuple[TurnResult, dict[str, Any], ParsedTurn | None]:
+        """Runs a planned chat turn; returns its result, the assistant message it makes (as the
         harness will send it back) and its parsed tool calls. `progress` gets its tokens so far."""
-        plan, turn = planned.plan, planned.turn
-        state = await self._run(session, turn, planned.segments, plan.keep_tokens, planned.sampling, progress)
-        parsed = None
-        message = wire.chat_message(None, "")
-        if state.segment is not None:
-            text = self.text_of(state.segment)
-            parsed = parse_tool_calls(text, f"call_{session.session_id.rsplit('/', 1)[-1]}_{turn}")
-            message = wire.chat_message(parsed, text)
-            stop_text = "" if state.segment.finish_reason == common_pb2.FINISH_REASON_LENGTH else self.tokenizer.decode(
-                state.segment.token_ids[-1:])
-            logged = LoggedMessage(message_key(message), state.stream_tokens, stop_text)
-            session.conversation = [*plan.kept, *plan.new_messages, logged]
-        return state, message, parsed
+        plan = planned.plan
+        before = [*plan.kept, *plan.new_messages]
+        result = await self.sessions.run(session, planned.segments, plan.keep_tokens, planned.sampling, before, progress)
+        if result.segment is None:
+            return result, wire.chat_message(None, ""), None
+        message, parsed, logged = model_turn(self.tokenizer, session.session_id, planned.turn, result.segment, result.stream_tokens)
+        session.conversation = [*before, logged]
+        return result, message, parsed
 
-    async def complete(self, session: Session, body: dict[str, Any]) -> tuple[TurnState, int]:
+    async def complete(self, session: SessionView, body: dict[str, Any]) -> tuple[TurnResult, int]:
         """Runs the turn a (text) completion asks for: its prompt must extend the session's stream
         (tokens compared, or text compared against the stream's decoding); where it does not, the
         common prefix is kept and the rest starts a new part."""
         prompt = body.get("prompt")
-        stream = session.part_tokens()
+        stream = session.stream
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, str) and prompt:
@@ -143,18 +126,11 @@ class Gateway:
         if not rest:
             raise GatewayError(400, "the prompt adds nothing to the session's stream: the model's next turn needs new tokens")
         keep = None if common == len(stream) else common
-        turn = session.turns
-        state = await self._run(session, turn, [Segment(ENVIRONMENT, rest)], keep, self.sampling(session, body))
-        return state, turn
+        turn = session.next_turn
+        result = await self.sessions.run(session, [environment_segment(rest)], keep, self.sampling(session, body), [])
+        return result, turn
 
-    async def _run(self, session: Session, turn: int, segments: list[Segment], keep: int | None,
-                   sampling: common_pb2.SamplingParams, progress: Callable[[list[int]], None] | None = None) -> TurnState:
-        try:
-            return await self.runner.run(session.session_id, turn, segments, keep, sampling, progress)
-        except DomainError as exc:
-            raise http_error(exc) from exc
-
-    def text_of(self, segment: Segment) -> str:
+    def text_of(self, segment: manager_pb2.Segment) -> str:
         return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
 
     def partial_text(self, token_ids: list[int]) -> str:
@@ -162,15 +138,15 @@ class Gateway:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return "" if text.endswith("\ufffd") else text
 
-    def usage(self, state: TurnState) -> dict[str, int]:
-        completion = len(state.segment.token_ids) if state.segment else 0
-        return {"prompt_tokens": state.stream_tokens - completion, "completion_tokens": completion, "total_tokens": state.stream_tokens}
+    def usage(self, result: TurnResult) -> dict[str, int]:
+        completion = len(result.segment.token_ids) if result.segment else 0
+        return {"prompt_tokens": result.stream_tokens - completion, "completion_tokens": completion, "total_tokens": result.stream_tokens}
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="rlmesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
+def create_app(gateway: Gateway) -> Starlette:
+    """The HTTP app: plain Starlette routes, since the gateway needs nothing of FastAPI's request
+    models or documentation and every turn would pay for its dependency resolution."""
 
-    @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
 
@@ -186,18 +162,18 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise GatewayError(400, "the body must be a JSON object")
         return body
 
-    def session_of(request: Request, session_id: str | None) -> Session:
-        session_id = session_id or request.headers.get(SESSION_HEADER, "")
+    async def session_of(request: Request) -> SessionView:
+        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER, "")
         if not session_id:
             raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
         # The key in the base URL (/sessions/<id>/key/<key>/v1) wins over a bearer key: a harness
         # that takes one setting sends whatever key it was configured with.
         authorization = request.headers.get("authorization", "")
         key = request.path_params.get("key") or (authorization[7:].strip() if authorization.lower().startswith("bearer ") else "")
-        return gateway.authorize(session_id, key)
+        return await gateway.authorize(session_id, key)
 
-    async def chat_completions(request: Request, session_id: str | None = None):
-        session = session_of(request, session_id)
+    async def chat_completions(request: Request):
+        session = await session_of(request)
         body = await body_of(request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = gateway.model_name
@@ -205,11 +181,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         if not body.get("stream"):
             async with lock:
                 planned = gateway.plan_chat(session, body)
-                state, message, parsed = await gateway.run_chat(session, planned)
-            rlmesh = wire.extension(session.session_id, planned.turn, state.segment, state.status, state.stream_tokens)
-            logprobs = wire.token_logprobs(gateway.tokenizer, state.segment) if body.get("logprobs") else None
-            return JSONResponse(wire.chat_completion(model, completion_id, message, wire.finish_reason(state.segment, parsed),
-                                                     gateway.usage(state), rlmesh, logprobs))
+                result, message, parsed = await gateway.run_chat(session, planned)
+            rlmesh = wire.extension(session.session_id, planned.turn, result.segment, result.status, result.stream_tokens)
+            logprobs = wire.token_logprobs(gateway.tokenizer, result.segment) if body.get("logprobs") else None
+            return JSONResponse(wire.chat_completion(model, completion_id, message, wire.finish_reason(result.segment, parsed),
+                                                     gateway.usage(result), rlmesh, logprobs))
         # Checked before the stream starts, so a bad request still gets its HTTP status.
         await lock.acquire()
         try:
@@ -219,7 +195,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise
         updates: asyncio.Queue[list[int]] = asyncio.Queue()
 
-        async def run() -> tuple[TurnState, dict[str, Any], ParsedTurn | None]:
+        async def run() -> tuple[TurnResult, dict[str, Any], ParsedTurn | None]:
             try:
                 return await gateway.run_chat(session, planned, updates.put_nowait)
             finally:
@@ -243,7 +219,7 @@ def create_app(gateway: Gateway) -> FastAPI:
                     yield wire.chat_chunk(model, completion_id, {"content": text[len(sent):]})
                     sent = text
             try:
-                state, message, parsed = turn.result()
+                result, message, parsed = turn.result()
             except GatewayError as exc:
                 yield f"data: {json.dumps(wire.error_body(str(exc), exc.kind, exc.code))}\n\n"
                 yield wire.DONE
@@ -253,25 +229,25 @@ def create_app(gateway: Gateway) -> FastAPI:
                 yield wire.chat_chunk(model, completion_id, {"content": content[len(sent):]})
             for index, call in enumerate(message.get("tool_calls") or []):
                 yield wire.chat_chunk(model, completion_id, {"tool_calls": [{"index": index, **call}]})
-            rlmesh = wire.extension(session.session_id, planned.turn, state.segment, state.status, state.stream_tokens)
-            yield wire.chat_chunk(model, completion_id, {}, wire.finish_reason(state.segment, parsed), rlmesh)
+            rlmesh = wire.extension(session.session_id, planned.turn, result.segment, result.status, result.stream_tokens)
+            yield wire.chat_chunk(model, completion_id, {}, wire.finish_reason(result.segment, parsed), rlmesh)
             if (body.get("stream_options") or {}).get("include_usage"):
-                yield wire.usage_chunk(model, completion_id, gateway.usage(state))
+                yield wire.usage_chunk(model, completion_id, gateway.usage(result))
             yield wire.DONE
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    async def completions(request: Request, session_id: str | None = None):
-        session = session_of(request, session_id)
+    async def completions(request: Request):
+        session = await session_of(request)
         body = await body_of(request)
         completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
         async with gateway.lock(session.session_id):
-            state, turn = await gateway.complete(session, body)
-        rlmesh = wire.extension(session.session_id, turn, state.segment, state.status, state.stream_tokens)
-        text = gateway.text_of(state.segment) if state.segment else ""
-        finish = wire.finish_reason(state.segment, None)
+            result, turn = await gateway.complete(session, body)
+        rlmesh = wire.extension(session.session_id, turn, result.segment, result.status, result.stream_tokens)
+        text = gateway.text_of(result.segment) if result.segment else ""
+        finish = wire.finish_reason(result.segment, None)
         if not body.get("stream"):
-            return JSONResponse(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(state), rlmesh))
+            return JSONResponse(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(result), rlmesh))
 
         async def chunks() -> AsyncIterator[str]:
             yield wire.text_chunk(gateway.model_name, completion_id, text)
@@ -280,35 +256,29 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    async def models(request: Request, session_id: str | None = None):
-        session_of(request, session_id)
-        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "rlmesh"}]}
+    async def models(request: Request):
+        await session_of(request)
+        return JSONResponse({"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "rlmesh"}]})
 
-    async def reward(request: Request, session_id: str):
+    async def reward(request: Request):
         """A black-box agent reports its episode's reward: {"reward": x} (final) or {"reward": x, "turn": k}."""
-        session = session_of(request, session_id)
+        session = await session_of(request)
         body = await body_of(request)
         value, turn = body.get("reward"), body.get("turn")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (turn is not None and (not isinstance(turn, int) or turn < 0)):
             raise GatewayError(400, "give {\"reward\": <number>} and optionally {\"turn\": <turn index>}")
-        try:
-            gateway.sessions.set_reward(session.session_id, float(value), turn)
-        except DomainError as exc:
-            raise http_error(exc) from exc
-        await gateway.runner.flushed()
-        return {"session_id": session.session_id, "reward": float(value), "turn": turn}
+        await gateway.sessions.set_reward(session, float(value), turn)
+        return JSONResponse({"session_id": session.session_id, "reward": float(value), "turn": turn})
 
+    async def health(request: Request):
+        return JSONResponse({"status": "serving", "sessions_cached": str(len(gateway.sessions))})
+
+    routes = [Route("/healthz", health)]
     # The key's routes first: the other session routes would take `<id>/key/<key>` for a session id.
     for prefix in ("/sessions/{session_id:path}/key/{key}/v1", "/sessions/{session_id:path}/v1", "/v1"):
-        app.add_api_route(f"{prefix}/chat/completions", chat_completions, methods=["POST"])
-        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
-        app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-    for prefix in ("/sessions/{session_id:path}/key/{key}/v1", "/sessions/{session_id:path}/v1"):
-        app.add_api_route(f"{prefix}/rlmesh/reward", reward, methods=["POST"])
-
-    @app.get("/healthz")
-    async def health() -> dict[str, str]:
-        return {"status": "serving", "open_sessions": str(gateway.sessions.open_count)}
-
-    return app
+        routes += [Route(f"{prefix}/chat/completions", chat_completions, methods=["POST"]),
+                   Route(f"{prefix}/completions", completions, methods=["POST"]), Route(f"{prefix}/models", models, methods=["GET"])]
+        if prefix != "/v1":
+            routes.append(Route(f"{prefix}/rlmesh/reward", reward, methods=["POST"]))
+    return Starlette(routes=routes, exception_handlers={GatewayError: gateway_error})
 

@@ -13,7 +13,7 @@ from rlmesh.rpc import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
-from services.manager.gateway_server import GatewayServer
+from services.manager.gateway_process import GatewayProcess
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.state import ManagerState
 from services.manager.stored_versions import StoredVersions
@@ -28,7 +28,7 @@ class RunningManager:
     journal: Journal | NoJournal
     journaling: asyncio.Task[None]
     stored_versions: StoredVersions
-    gateway: GatewayServer | None = None
+    gateway: GatewayProcess | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -79,7 +79,7 @@ async def start(config: ManagerConfig) -> RunningManager:
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
     journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
     dispatcher.dispatch()
-    gateway = await GatewayServer.start(config, servicer.turns) if config.gateway_port is not None else None
+    gateway = await GatewayProcess.start(config, server.address) if config.gateway_port is not None else None
     await server.set_serving(True)
     return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions, gateway)
 

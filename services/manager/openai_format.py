@@ -11,22 +11,29 @@ from typing import Any
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tool_calls import ParsedTurn
-from services.manager.sessions import Segment
 
 STATUS_NAMES = {s: manager_pb2.SessionStatus.Name(s).removeprefix("SESSION_STATUS_").lower() for s in manager_pb2.SessionStatus.values()}
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses: its HTTP status and OpenAI's error type and code."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": code, "param": None}}
 
 
-def finish_reason(segment: Segment | None, parsed: ParsedTurn | None) -> str:
+def finish_reason(segment: manager_pb2.Segment | None, parsed: ParsedTurn | None) -> str:
     if segment is None or segment.finish_reason == common_pb2.FINISH_REASON_LENGTH:
         return "length"
     return "tool_calls" if parsed is not None and parsed.tool_calls else "stop"
 
 
-def extension(session_id: str, turn: int, segment: Segment | None, status: int, stream_tokens: int) -> dict[str, Any]:
+def extension(session_id: str, turn: int, segment: manager_pb2.Segment | None, status: int, stream_tokens: int) -> dict[str, Any]:
     """What rlmesh adds to a response: the exact tokens the engine sampled, their logprobs and the
     weight version of each, and where the session stands."""
     return {
@@ -36,7 +43,7 @@ def extension(session_id: str, turn: int, segment: Segment | None, status: int, 
     }
 
 
-def token_logprobs(tokenizer: Any, segment: Segment | None) -> dict[str, Any]:
+def token_logprobs(tokenizer: Any, segment: manager_pb2.Segment | None) -> dict[str, Any]:
     """OpenAI's `logprobs.content`: each sampled token with its logprob (no alternatives are kept)."""
     if segment is None:
         return {"content": []}

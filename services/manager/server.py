@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import NoReturn
 
 import grpc
@@ -15,10 +15,11 @@ from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.prometheus import Families
 from services.manager.config import ManagerConfig
+from services.manager.conversations import conversation_from_proto, conversation_to_proto
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
 from services.manager.records import Instance, SampleRequest
-from services.manager.sessions import Limits, Session
+from services.manager.sessions import Limits, Session, TurnState
 from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
 from services.manager.turns import TurnRunner
 from services.manager.registry import WrongIncarnation
@@ -47,6 +48,13 @@ def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatu
         quarantine_remaining_seconds=max(0.0, instance.quarantined_until - now) if instance.quarantined_until else 0.0,
         quarantines=instance.quarantines,
     )
+
+
+def turn_response(state: TurnState) -> manager_pb2.RunTurnResponse:
+    response = manager_pb2.RunTurnResponse(status=state.status, stream_tokens=state.stream_tokens)
+    if state.segment is not None:
+        response.generated.CopyFrom(segment_to_proto(state.segment))
+    return response
 
 
 def balance_to_proto(balance: Balance) -> manager_pb2.StageBalance:
@@ -250,13 +258,30 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         ])
 
     async def RunTurn(self, request, context):
-        state = await self.turns.run(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
-                                     request.keep_tokens if request.HasField("keep_tokens") else None,
-                                     request.sampling if request.HasField("sampling") else None)
-        response = manager_pb2.RunTurnResponse(status=state.status, stream_tokens=state.stream_tokens)
-        if state.segment is not None:
-            response.generated.CopyFrom(segment_to_proto(state.segment))
-        return response
+        return turn_response(await self._run_turn(request))
+
+    async def StreamTurn(self, request, context):
+        sampled: asyncio.Queue[list[int]] = asyncio.Queue()
+        turn = asyncio.ensure_future(self._run_turn(request.run, sampled.put_nowait))
+        try:
+            while not turn.done():
+                update = asyncio.ensure_future(sampled.get())
+                await asyncio.wait({update, turn}, return_when=asyncio.FIRST_COMPLETED)
+                if update.done():
+                    yield manager_pb2.StreamTurnResponse(token_ids=update.result())
+                else:
+                    update.cancel()
+            yield manager_pb2.StreamTurnResponse(result=turn_response(turn.result()))
+        finally:
+            # A caller that went away leaves the turn running: a retry of it finds it.
+            if not turn.done():
+                turn.cancel()
+
+    def _run_turn(self, request: manager_pb2.RunTurnRequest, progress: Callable[[list[int]], None] | None = None):
+        return self.turns.run(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
+                              request.keep_tokens if request.HasField("keep_tokens") else None,
+                              request.sampling if request.HasField("sampling") else None,
+                              conversation_from_proto(request.conversation), progress)
 
     async def SetSessionReward(self, request, context):
         self.state.sessions.set_reward(request.session_id, request.reward, request.turn if request.HasField("turn") else None)
@@ -275,7 +300,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def GetSession(self, request, context):
         session = self.state.sessions.get(request.session_id)
-        return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key)
+        return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key, sampling=session.sampling,
+                                              conversation=conversation_to_proto(session.conversation))
 
     async def GetStatus(self, request, context):
         now = time.monotonic()

@@ -83,7 +83,8 @@ class Session(Journaled):
     turn_rewards: dict[int, float] = field(default_factory=dict)
     environment_seconds: float = 0.0
     conversation: list[LoggedMessage] = field(default_factory=list)
-    """The messages of a session driven through the gateway, as matched against its requests."""
+    """The messages before the last turn the gateway ran, as it matched them (see
+    RunTurnRequest.conversation)."""
     turn: SampleRequest | None = None
     """The turn generating now."""
     opened_at: float = 0.0
@@ -167,8 +168,9 @@ class Sessions:
         return session
 
     def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                 sampling: common_pb2.SamplingParams | None) -> TurnState:
-        """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands."""
+                 sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None) -> TurnState:
+        """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands.
+        `conversation`: the gateway's record of the messages before it, kept with the turn."""
         session = self.get(session_id)
         if turn == session.turns - 1:
             return self.turn_state(session, turn)
@@ -201,6 +203,8 @@ class Sessions:
         session.environment_seconds += max(0.0, now - session.idle_since)
         session.turns = turn + 1
         session.turn_started = None
+        if conversation:
+            session.conversation = conversation
         request = SampleRequest(f"{session_id}#{turn}", session.batch_id, session.prompt_id, stream,
                                 per_sample_sampling(params, session_id.replace("/", ":"), turn), session.policy_version,
                                 session_id=session_id, affinity=session.last_instance)

@@ -13,6 +13,7 @@ from rlmesh.errors import InvalidArgument, NotFound
 from services.manager import breaker
 from services.manager.admission import Admission, Prompt, check_sampling
 from services.manager.breaker import Failure
+from services.manager.conversations import LoggedMessage
 from services.manager.delivery import Delivery, Taken
 from services.manager.dispatch_policy import PolicyName, dispatch_policy
 from services.manager.journaled import BATCH, ChangeTracker, Changed, Records
@@ -149,10 +150,10 @@ class ManagerState:
         return self.sessions.open(batch, limits)
 
     def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                 sampling: common_pb2.SamplingParams | None) -> TurnState:
+                 sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None) -> TurnState:
         if sampling is not None:
             check_sampling(sampling, "sampling")
-        return self.sessions.run_turn(session_id, turn, append, keep_tokens, sampling)
+        return self.sessions.run_turn(session_id, turn, append, keep_tokens, sampling, conversation)
 
     def close_session(self, session_id: str, status: int, detail: str) -> tuple[Session, SampleRequest | None]:
         """Returns the session and the turn it dropped (to cancel on its instance)."""

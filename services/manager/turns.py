@@ -1,4 +1,4 @@
-"""Running one turn of a session for a caller (the gRPC RunTurn, the HTTP gateway): start or find the
+"""Running one turn of a session for a caller (RunTurn, StreamTurn): start or find the
 turn, dispatch it, wait for it while reporting its tokens as they come, and make it durable before
 its reply (turns that end together share one journal write)."""
 
@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 from rlmesh.common.v1 import common_pb2
+from services.manager.conversations import LoggedMessage
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
 from services.manager.sessions import Segment, TurnState
@@ -29,11 +30,11 @@ class TurnRunner:
         state.sessions.turn_ended = self._turn_ended
 
     async def run(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                  sampling: common_pb2.SamplingParams | None,
+                  sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None,
                   progress: Callable[[list[int]], None] | None = None) -> TurnState:
         """The turn, finished (or cut by the session's end). `progress` gets the turn's tokens so far
         whenever more arrived."""
-        state = self.state.run_turn(session_id, turn, append, keep_tokens, sampling)
+        state = self.state.run_turn(session_id, turn, append, keep_tokens, sampling, conversation)
         if state.running is not None:
             # Not journaled before it runs: a turn the manager loses with a crash is started again
             # by the caller's retry (the same turn), and its tokens so far reach the journal with

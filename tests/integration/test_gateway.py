@@ -3,7 +3,13 @@ instance: the trajectory the trainer receives holds exactly the tokens the engin
 their logprobs and versions, model tokens apart from the rest), tool results render through the
 chat template, an edited history is recorded as a break and trains as separate samples, streaming
 works, text completions extend the stream token for token, a prompt past the session's room ends
-it `truncated_context` with a reply instead of an error, and a key reaches its own session only."""
+it `truncated_context` with a reply instead of an error, a key reaches its own session only, and a
+killed gateway process comes back and goes on where it was."""
+
+import asyncio
+import os
+import signal
+import time
 
 import openai
 import pytest
@@ -194,3 +200,32 @@ async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
     async with wrong_in_url as client:
         with pytest.raises(openai.AuthenticationError, match="no session"):
             await client.models.list()
+
+
+async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on_token_for_token(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [handle] = await open_sessions(manager, chat_model_dir, 1, "restart")
+    messages = [{"role": "user", "content": "Count."}]
+    async with client_for(mesh, handle) as client:
+        first = await client.chat.completions.create(model="tiny", messages=messages)
+    gateway = mesh.manager.gateway
+    killed = gateway.process.pid
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while gateway.process.pid == killed or not await gateway.healthy():
+        assert time.monotonic() < deadline, "the manager did not start its gateway process again"
+        await asyncio.sleep(0.2)
+    # The new process knows nothing of the session but what the manager recorded: the conversation
+    # matched so far and the turn's tokens, so the next request extends the stream without a break.
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    async with client_for(mesh, handle) as client:
+        second = await client.chat.completions.create(model="tiny", messages=messages)
+    assert second.model_extra["rlmesh"]["turn"] == 1
+    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+                               timeout=10)
+    [trajectory] = await trajectories(manager, "restart")
+    assert not any(s.starts_part for s in trajectory.segments)
+    models = [list(s.token_ids) for s in trajectory.segments if s.source == MODEL]
+    assert models == [first.model_extra["rlmesh"]["token_ids"], second.model_extra["rlmesh"]["token_ids"]]
+    [part] = parts_of(trajectory)
+    assert [t for t, m in zip(part.response_ids, part.mask) if m] == models[0] + models[1]

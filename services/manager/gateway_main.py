@@ -1,0 +1,70 @@
+"""The manager's OpenAI gateway as a process of its own, started and watched by the manager: serves
+the HTTP app on the socket the manager bound and runs turns through the manager's session contract,
+so HTTP parsing and chat rendering never hold up the manager's event loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+
+import structlog
+import uvicorn
+import uvloop
+
+from rlmesh.lifecycle import die_with_parent, name_process, parent_lives
+from rlmesh.logging import configure_logging
+from rlmesh.manager.v1 import manager_pb2_grpc
+from rlmesh.models.tokenizer import load_hf_tokenizer
+from rlmesh.rpc import open_channel, use_server_identity
+from services.manager.config import ManagerConfig
+from services.manager.gateway import Gateway, create_app
+from services.manager.gateway_sessions import GatewaySessions
+
+CONFIG_VARIABLE = "RLMESH_MANAGER_GATEWAY_CONFIG"
+"""The manager's config as JSON, handed to the gateway process by the manager."""
+PROCESS_NAME = "rlmesh-gateway"
+SHUTDOWN_SECONDS = 5.0
+"""How long a stopping gateway lets its open requests finish."""
+
+log = structlog.get_logger()
+
+
+async def serve(config: ManagerConfig, listening: socket.socket, manager_address: str) -> None:
+    channel = open_channel(manager_address)
+    await asyncio.wait_for(channel.channel_ready(), config.rpc_timeout_seconds)
+    tokenizer = load_hf_tokenizer(config.model_dir)
+    sessions = GatewaySessions(manager_pb2_grpc.ManagerServiceStub(channel), tokenizer, config.gateway_turn_timeout_seconds,
+                               config.rpc_timeout_seconds)
+    app = create_app(Gateway(sessions, tokenizer, model_name=config.model_dir.rstrip("/").rsplit("/", 1)[-1]))
+    server = uvicorn.Server(uvicorn.Config(app, http="httptools", log_level="warning", lifespan="off", access_log=False,
+                                           timeout_graceful_shutdown=SHUTDOWN_SECONDS))
+    try:
+        await server.serve(sockets=[listening])
+    finally:
+        await channel.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The manager's OpenAI gateway (started by the manager).")
+    parser.add_argument("--listen-fd", type=int, required=True, help="the listening socket the manager bound")
+    parser.add_argument("--manager-address", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args()
+    name_process(PROCESS_NAME)
+    die_with_parent(signal.SIGTERM)
+    if not parent_lives(args.parent_pid):  # the manager died before the kernel's watch took effect
+        sys.exit(0)
+    config = ManagerConfig.model_validate_json(os.environ[CONFIG_VARIABLE])
+    configure_logging(config.server.log_level, service="manager-gateway")
+    # Its calls carry the manager's own certificate and bearer secret: it is part of the manager service.
+    use_server_identity(config.server)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(config, socket.socket(fileno=args.listen_fd), args.manager_address))
+
+
+if __name__ == "__main__":
+    main()

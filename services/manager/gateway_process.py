@@ -1,0 +1,114 @@
+"""Runs the manager's OpenAI gateway in a process of its own: binds its port here (so a port in use
+fails the manager's start and port 0 gets a free one), hands the socket to the process, starts it
+again when it dies, and stops it with the manager."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+
+import structlog
+
+from services.manager.config import ManagerConfig
+from services.manager.gateway_main import CONFIG_VARIABLE
+
+log = structlog.get_logger()
+
+READY_SECONDS = 120.0
+"""How long a starting gateway process has to answer its health check (it loads the tokenizer)."""
+RESTART_SECONDS = (1.0, 30.0)
+"""The wait before starting a dead gateway again: the first, doubled after each quick death, up to the second."""
+
+
+class GatewayProcess:
+    def __init__(self, config: ManagerConfig, manager_address: str, listening: socket.socket) -> None:
+        self.config = config
+        self.manager_address = manager_address
+        self.listening = listening
+        host, port = listening.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self.process: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @classmethod
+    async def start(cls, config: ManagerConfig, manager_address: str) -> GatewayProcess:
+        if not config.model_dir:
+            raise ValueError("gateway_port is set but model_dir is not: the gateway renders messages with the model's tokenizer")
+        host = config.server.host
+        listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, config.gateway_port))
+        listening.listen(2048)
+        gateway = cls(config, manager_address, listening)
+        try:
+            await gateway._spawn()
+        except BaseException:
+            await gateway.stop()
+            raise
+        gateway._watch = asyncio.create_task(gateway._keep_running(), name="gateway-process")
+        log.info("gateway listening", address=gateway.address, pid=gateway.process.pid,
+                 base_url=f"http://{gateway.address}/sessions/<session id>/v1")
+        return gateway
+
+    async def _spawn(self) -> None:
+        """Starts the process and waits until it answers its health check."""
+        fd = self.listening.fileno()
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.manager.gateway_main", "--listen-fd", str(fd), "--manager-address", self.manager_address,
+            "--parent-pid", str(os.getpid()), pass_fds=(fd,), env={**os.environ, CONFIG_VARIABLE: self.config.model_dump_json()})
+        deadline = asyncio.get_running_loop().time() + READY_SECONDS
+        while not await self.healthy():
+            if self.process.returncode is not None:
+                raise RuntimeError(f"the gateway process exited with {self.process.returncode} before serving (its log says why)")
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"the gateway process did not answer on {self.address} within {READY_SECONDS:.0f} s")
+            await asyncio.sleep(0.1)
+
+    async def healthy(self) -> bool:
+        host, port = self.address.rsplit(":", 1)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 1.0)
+        except (OSError, TimeoutError):
+            return False
+        try:
+            writer.write(f"GET /healthz HTTP/1.1\r\nHost: {self.address}\r\nConnection: close\r\n\r\n".encode())
+            status = await asyncio.wait_for(reader.readline(), 1.0)
+            return status.split(b" ")[1:2] == [b"200"]
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            writer.close()
+
+    async def _keep_running(self) -> None:
+        wait = RESTART_SECONDS[0]
+        while True:
+            started = asyncio.get_running_loop().time()
+            code = await self.process.wait()
+            if self._stopping:
+                return
+            log.error("the gateway process died; starting it again", returncode=code, after_seconds=wait)
+            if asyncio.get_running_loop().time() - started > 60:
+                wait = RESTART_SECONDS[0]
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, RESTART_SECONDS[1])
+            try:
+                await self._spawn()
+                log.info("gateway process started again", pid=self.process.pid)
+            except RuntimeError as exc:
+                log.error("the gateway process did not start", error=str(exc))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10.0)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        self.listening.close()
