@@ -5,6 +5,7 @@ last model turn both agree on."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ class LoggedMessage:
     """A message of the conversation as matched: role, text and tool calls (canonical JSON)."""
 
     key: str
-    """What two messages must share to be the same message."""
+    """What two messages must share to be the same message: a digest of role, text and tool calls."""
     end: int = 0
     """A model turn: the stream's length after its last token (0 for other messages)."""
     stop_text: str = ""
@@ -45,7 +46,9 @@ def conversation_from_proto(messages: Sequence[manager_pb2.ConversationMessage])
 def message_key(message: Mapping[str, Any]) -> str:
     calls = [{"name": c.get("function", {}).get("name"), "arguments": _canonical(c.get("function", {}).get("arguments"))}
              for c in message.get("tool_calls") or []]
-    return json.dumps([message.get("role"), content_text(message), calls, message.get("tool_call_id") or ""])
+    canonical = json.dumps([message.get("role"), content_text(message), calls, message.get("tool_call_id") or ""])
+    # A digest: the session's record travels with every turn and is journaled, whatever the messages' length.
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
 def _canonical(arguments: Any) -> Any:
