@@ -55,7 +55,9 @@ def main() -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args()
     name_process(PROCESS_NAME)
-    die_with_parent(signal.SIGTERM)
+    # Killed outright with the manager: it holds nothing worth a graceful end, and a manager started
+    # again binds the same port at once.
+    die_with_parent(signal.SIGKILL)
     if not parent_lives(args.parent_pid):  # the manager died before the kernel's watch took effect
         sys.exit(0)
     config = ManagerConfig.model_validate_json(os.environ[CONFIG_VARIABLE])
