@@ -12,6 +12,8 @@ import socket
 import sys
 
 import structlog
+# Imported with the module, not at the tokenizer's load: a warm fork server pays for it once.
+import transformers.models.auto.tokenization_auto  # noqa: F401
 import uvicorn
 import uvloop
 

@@ -1,25 +1,52 @@
 """Runs the manager's OpenAI gateway in a process of its own: binds its port here (so a port in use
-fails the manager's start and port 0 gets a free one), hands the socket to the process, starts it
-again when it dies, and stops it with the manager."""
+fails the manager's start and port 0 gets a free one), hands the socket to the process (forked by
+the warm fork server where one serves this process, else exec'd), starts it again when it dies, and
+stops it with the manager."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
+import subprocess
 import sys
 
 import structlog
 
+from rlmesh.launch.helpers import WarmHelper, start_helper
 from services.manager.config import ManagerConfig
 from services.manager.gateway_main import CONFIG_VARIABLE
 
 log = structlog.get_logger()
 
+MODULE = "services.manager.gateway_main"
+LISTEN_FD = 3
+"""The listening socket's descriptor in a forked gateway process."""
+BIND_SECONDS = 10.0
 READY_SECONDS = 120.0
 """How long a starting gateway process has to answer its health check (it loads the tokenizer)."""
 RESTART_SECONDS = (1.0, 30.0)
 """The wait before starting a dead gateway again: the first, doubled after each quick death, up to the second."""
+
+
+async def bind(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket. The port may still be held for a moment by the gateway of a
+    manager that was killed (its keeper ends it, and it closes its socket as it stops)."""
+    deadline = asyncio.get_running_loop().time() + BIND_SECONDS
+    while True:
+        listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listening.bind((host, port))
+        except OSError as exc:
+            listening.close()
+            if exc.errno != errno.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        listening.listen(2048)
+        return listening
 
 
 class GatewayProcess:
@@ -29,7 +56,7 @@ class GatewayProcess:
         self.listening = listening
         host, port = listening.getsockname()[:2]
         self.address = f"{host}:{port}"
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: asyncio.subprocess.Process | WarmHelper | None = None
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -37,12 +64,7 @@ class GatewayProcess:
     async def start(cls, config: ManagerConfig, manager_address: str) -> GatewayProcess:
         if not config.model_dir:
             raise ValueError("gateway_port is set but model_dir is not: the gateway renders messages with the model's tokenizer")
-        host = config.server.host
-        listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listening.bind((host, config.gateway_port))
-        listening.listen(2048)
-        gateway = cls(config, manager_address, listening)
+        gateway = cls(config, manager_address, await bind(config.server.host, config.gateway_port))
         try:
             await gateway._spawn()
         except BaseException:
@@ -56,9 +78,14 @@ class GatewayProcess:
     async def _spawn(self) -> None:
         """Starts the process and waits until it answers its health check."""
         fd = self.listening.fileno()
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.manager.gateway_main", "--listen-fd", str(fd), "--manager-address", self.manager_address,
-            "--parent-pid", str(os.getpid()), pass_fds=(fd,), env={**os.environ, CONFIG_VARIABLE: self.config.model_dump_json()})
+        env = {**os.environ, CONFIG_VARIABLE: self.config.model_dump_json()}
+
+        def args(listen_fd: int) -> list[str]:
+            return ["--listen-fd", str(listen_fd), "--manager-address", self.manager_address, "--parent-pid", str(os.getpid())]
+
+        # A forked one skips the imports (uvicorn, transformers, torch) that cost an exec'd one 4 to 5 CPU-seconds.
+        self.process = (await asyncio.to_thread(start_helper, MODULE, args(LISTEN_FD), env, {LISTEN_FD: fd})
+                        or await asyncio.create_subprocess_exec(sys.executable, "-m", MODULE, *args(fd), pass_fds=(fd,), env=env))
         deadline = asyncio.get_running_loop().time() + READY_SECONDS
         while not await self.healthy():
             if self.process.returncode is not None:
@@ -86,7 +113,7 @@ class GatewayProcess:
         wait = RESTART_SECONDS[0]
         while True:
             started = asyncio.get_running_loop().time()
-            code = await self.process.wait()
+            code = await self._exited()
             if self._stopping:
                 return
             log.error("the gateway process died; starting it again", returncode=code, after_seconds=wait)
@@ -107,8 +134,17 @@ class GatewayProcess:
         if self.process is not None and self.process.returncode is None:
             self.process.terminate()
             try:
-                await asyncio.wait_for(self.process.wait(), 10.0)
+                await self._exited(10.0)
             except TimeoutError:
                 self.process.kill()
-                await self.process.wait()
+                await self._exited()
         self.listening.close()
+
+    async def _exited(self, timeout: float | None = None) -> int:
+        """The process's exit code once it ends; TimeoutError past `timeout`."""
+        if isinstance(self.process, WarmHelper):
+            try:
+                return await asyncio.to_thread(self.process.wait, timeout)
+            except subprocess.TimeoutExpired as exc:
+                raise TimeoutError from exc
+        return await asyncio.wait_for(self.process.wait(), timeout)

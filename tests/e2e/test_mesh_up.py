@@ -76,13 +76,19 @@ def test_grpcurl_sees_every_service(live_mesh, warm_fork_server):
     for port, service in services.items():
         listed = asyncio.run(grpcurl_output(f"127.0.0.1:{port}", "list"))
         assert service in listed and "grpc.health.v1.Health" in listed and "ServerReflection" in listed
-    # Each service in its own process, forked by the run's fork server, which is the fifth: forked
-    # in turn by the suite's warm fork server, and found by the run's marker all the same.
+    # Each service in its own process, forked by the run's fork server, which is one more: forked in
+    # turn by the suite's warm fork server, and found by the run's marker all the same; and the
+    # manager's gateway, a helper forked for it under a keeper that ends it with the manager.
     names = sorted(process_name(pid) for pid in mesh_processes(live_mesh.output_dir))
-    assert names == sorted([FORK_SERVER_NAME, "rlmesh-manager", "rlmesh-weights", "rlmesh-rollout", "rlmesh-trainer"])
+    assert names == sorted([FORK_SERVER_NAME, "rlmesh-manager", "rlmesh-keeper", "rlmesh-gateway", "rlmesh-weights", "rlmesh-rollout",
+                            "rlmesh-trainer"])
     fork_server = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == FORK_SERVER_NAME)
     assert parent_pid(fork_server) == warm_fork_server.pid
-    assert all(parent_pid(pid) == fork_server for pid in mesh_processes(live_mesh.output_dir) if pid != fork_server)
+    # The gateway's keeper, like every helper's, is forked by the warm fork server the manager asks.
+    gateway = next(pid for pid in mesh_processes(live_mesh.output_dir) if process_name(pid) == "rlmesh-gateway")
+    keeper = parent_pid(gateway)
+    assert process_name(keeper) == "rlmesh-keeper" and parent_pid(keeper) == warm_fork_server.pid
+    assert all(parent_pid(pid) == fork_server for pid in mesh_processes(live_mesh.output_dir) if pid not in (fork_server, keeper, gateway))
 
 
 def test_a_stranger_cannot_publish_a_version(live_mesh):
