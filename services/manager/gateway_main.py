@@ -24,10 +24,9 @@ from rlmesh.models.tokenizer import load_hf_tokenizer
 from rlmesh.rpc import open_channel, use_server_identity
 from services.manager.config import ManagerConfig
 from services.manager.gateway import Gateway, create_app
+from services.manager.gateway_process import CONFIG_VARIABLE
 from services.manager.gateway_sessions import GatewaySessions
 
-CONFIG_VARIABLE = "RLMESH_MANAGER_GATEWAY_CONFIG"
-"""The manager's config as JSON, handed to the gateway process by the manager."""
 PROCESS_NAME = "rlmesh-gateway"
 SHUTDOWN_SECONDS = 5.0
 """How long a stopping gateway lets its open requests finish."""

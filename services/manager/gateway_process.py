@@ -16,11 +16,12 @@ import structlog
 
 from rlmesh.launch.helpers import WarmHelper, start_helper
 from services.manager.config import ManagerConfig
-from services.manager.gateway_main import CONFIG_VARIABLE
 
 log = structlog.get_logger()
 
 MODULE = "services.manager.gateway_main"
+CONFIG_VARIABLE = "RLMESH_MANAGER_GATEWAY_CONFIG"
+"""The manager's config as JSON, handed to the gateway process."""
 LISTEN_FD = 3
 """The listening socket's descriptor in a forked gateway process."""
 BIND_SECONDS = 10.0
@@ -50,6 +51,8 @@ async def bind(host: str, port: int) -> socket.socket:
 
 
 class GatewayProcess:
+    """The gateway's process, its listening socket and the task that starts it again."""
+
     def __init__(self, config: ManagerConfig, manager_address: str, listening: socket.socket) -> None:
         self.config = config
         self.manager_address = manager_address
