@@ -148,6 +148,7 @@ def create_app(gateway: Gateway) -> Starlette:
     models or documentation and every turn would pay for its dependency resolution."""
 
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        log.info("request refused", status=exc.status, code=exc.code, error=str(exc), path=request.url.path)
         return JSONResponse(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -164,6 +165,10 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def session_of(request: Request) -> SessionView:
         session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER, "")
+        # Each request runs in a task of its own: what is bound here reaches its logs and, as the
+        # request id of its calls, the manager's.
+        structlog.contextvars.bind_contextvars(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex[:16],
+                                               session_id=session_id)
         if not session_id:
             raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
         # The key in the base URL (/sessions/<id>/key/<key>/v1) wins over a bearer key: a harness

@@ -11,7 +11,6 @@ import signal
 import socket
 import sys
 
-import structlog
 # Imported with the module, not at the tokenizer's load: a warm fork server pays for it once.
 import transformers.models.auto.tokenization_auto  # noqa: F401
 import uvicorn
@@ -30,8 +29,6 @@ from services.manager.gateway_sessions import GatewaySessions
 PROCESS_NAME = "rlmesh-gateway"
 SHUTDOWN_SECONDS = 5.0
 """How long a stopping gateway lets its open requests finish."""
-
-log = structlog.get_logger()
 
 
 async def serve(config: ManagerConfig, listening: socket.socket, manager_address: str) -> None:
