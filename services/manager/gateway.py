@@ -10,7 +10,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -48,6 +48,13 @@ def environment_segment(token_ids: list[int]) -> manager_pb2.Segment:
     return manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=token_ids)
 
 
+@dataclass(slots=True)
+class SessionLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+    """Holding it or waiting for it."""
+
+
 class Gateway:
     """The gateway's work, apart from HTTP: authorize, match, run the turn, shape the reply."""
 
@@ -56,14 +63,34 @@ class Gateway:
         self.tokenizer = tokenizer
         self._encode = caching_encoder(text_encoder(tokenizer))
         self.model_name = model_name
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, SessionLock] = {}
 
     async def authorize(self, session_id: str, key: str) -> SessionView:
         return await self.sessions.authorized(session_id, key)
 
-    def lock(self, session_id: str) -> asyncio.Lock:
-        """One turn at a time per session: a harness's concurrent calls would race for the same turn."""
-        return self._locks.setdefault(session_id, asyncio.Lock())
+    async def hold(self, session_id: str) -> Callable[[], None]:
+        """Waits for the session's turn: one at a time per session, since a harness's concurrent calls
+        would race for the same turn. Returns its release; a lock nobody holds or waits for is
+        dropped, so the gateway keeps none for the sessions that ended."""
+        held = self._locks.setdefault(session_id, SessionLock())
+        held.users += 1
+
+        def release() -> None:
+            held.users -= 1
+            if not held.users:
+                del self._locks[session_id]
+
+        try:
+            await held.lock.acquire()
+        except BaseException:
+            release()
+            raise
+
+        def unlock() -> None:
+            held.lock.release()
+            release()
+
+        return unlock
 
     def sampling(self, session: SessionView, body: dict[str, Any]) -> common_pb2.SamplingParams:
         """The session's sampling (the task's temperature and stop tokens: the trainer's logprobs are
@@ -182,21 +209,22 @@ def create_app(gateway: Gateway) -> Starlette:
         body = await body_of(request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = gateway.model_name
-        lock = gateway.lock(session.session_id)
+        unlock = await gateway.hold(session.session_id)
         if not body.get("stream"):
-            async with lock:
+            try:
                 planned = gateway.plan_chat(session, body)
                 result, message, parsed = await gateway.run_chat(session, planned)
+            finally:
+                unlock()
             rlmesh = wire.extension(session.session_id, planned.turn, result.segment, result.status, result.stream_tokens)
             logprobs = wire.token_logprobs(gateway.tokenizer, result.segment) if body.get("logprobs") else None
             return JSONResponse(wire.chat_completion(model, completion_id, message, wire.finish_reason(result.segment, parsed),
                                                      gateway.usage(result), rlmesh, logprobs))
         # Checked before the stream starts, so a bad request still gets its HTTP status.
-        await lock.acquire()
         try:
             planned = gateway.plan_chat(session, body)
         except BaseException:
-            lock.release()
+            unlock()
             raise
         updates: asyncio.Queue[list[int]] = asyncio.Queue()
 
@@ -204,7 +232,7 @@ def create_app(gateway: Gateway) -> Starlette:
             try:
                 return await gateway.run_chat(session, planned, updates.put_nowait)
             finally:
-                lock.release()
+                unlock()
 
         turn = asyncio.create_task(run())
         # A turn that may call tools streams its text only once it is parsed: a call is no content.
@@ -246,8 +274,11 @@ def create_app(gateway: Gateway) -> Starlette:
         session = await session_of(request)
         body = await body_of(request)
         completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
-        async with gateway.lock(session.session_id):
+        unlock = await gateway.hold(session.session_id)
+        try:
             result, turn = await gateway.complete(session, body)
+        finally:
+            unlock()
         rlmesh = wire.extension(session.session_id, turn, result.segment, result.status, result.stream_tokens)
         text = gateway.text_of(result.segment) if result.segment else ""
         finish = wire.finish_reason(result.segment, None)

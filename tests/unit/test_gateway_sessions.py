@@ -1,6 +1,9 @@
 """A gateway process's view of a session read from the manager's record (after the gateway was
 started again): a finished last turn joins the recorded conversation at the stream's end, a turn
-still running is the one asked for next, and a closed session's next turn is past its last."""
+still running is the one asked for next, and a closed session's next turn is past its last. A
+session's turns go one at a time, and no lock outlives its last user."""
+
+import asyncio
 
 import pytest
 from transformers import AutoTokenizer
@@ -9,6 +12,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, build_text_tokenizer, save_chat_tokenizer
 from services.manager.conversations import LoggedMessage, conversation_to_proto, message_key
+from services.manager.gateway import Gateway
 from services.manager.gateway_sessions import GatewaySessions
 
 ENVIRONMENT, MODEL = manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, manager_pb2.SEGMENT_SOURCE_MODEL
@@ -50,3 +54,19 @@ def test_a_closed_session_asks_for_the_turn_after_its_last(sessions):
     view = sessions._view_of(record([manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7], turn=0)], turns=1,
                                     status=manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT))
     assert view.next_turn == 1 and view.conversation == [USER]
+
+
+async def test_a_sessions_turns_go_one_at_a_time_and_no_lock_outlives_them(sessions):
+    gateway = Gateway(sessions, sessions.tokenizer, "tiny")
+    order = []
+
+    async def turn(name: str) -> None:
+        unlock = await gateway.hold("b/p/0")
+        order.append(f"{name} in")
+        await asyncio.sleep(0.01)
+        order.append(f"{name} out")
+        unlock()
+
+    await asyncio.gather(turn("first"), turn("second"), turn("third"))
+    assert order == ["first in", "first out", "second in", "second out", "third in", "third out"]
+    assert not gateway._locks
