@@ -21,7 +21,7 @@ class ConversationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class LoggedMessage:
-    """A message of the conversation as matched: role, text and tool calls (canonical JSON)."""
+    """A message of the conversation as matched: its digest and, for a model turn, where it ends."""
 
     key: str
     """What two messages must share to be the same message: a digest of role, text and tool calls."""
