@@ -65,9 +65,6 @@ class Gateway:
         self.model_name = model_name
         self._locks: dict[str, SessionLock] = {}
 
-    async def authorize(self, session_id: str, key: str) -> SessionView:
-        return await self.sessions.authorized(session_id, key)
-
     async def hold(self, session_id: str) -> Callable[[], None]:
         """Waits for the session's turn: one at a time per session, since a harness's concurrent calls
         would race for the same turn. Returns its release; a lock nobody holds or waits for is
@@ -202,7 +199,7 @@ def create_app(gateway: Gateway) -> Starlette:
         # that takes one setting sends whatever key it was configured with.
         authorization = request.headers.get("authorization", "")
         key = request.path_params.get("key") or (authorization[7:].strip() if authorization.lower().startswith("bearer ") else "")
-        return await gateway.authorize(session_id, key)
+        return await gateway.sessions.authorized(session_id, key)
 
     async def chat_completions(request: Request):
         session = await session_of(request)
