@@ -53,6 +53,8 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_MANAGER}/SetSessionReward": _SESSION_RUNNERS,
     f"/{_MANAGER}/CloseSession": frozenset({"trainer"}),
     f"/{_MANAGER}/GetSession": _SESSION_RUNNERS,
+    # Every opening session's key: the manager's own gateway only.
+    f"/{_MANAGER}/WatchSessions": frozenset({"manager"}),
     f"/{_ROLLOUT}/Generate": frozenset({"manager"}),
     f"/{_ROLLOUT}/GenerateMany": frozenset({"manager"}),
     f"/{_ROLLOUT}/Abort": frozenset({"manager"}),

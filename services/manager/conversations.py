@@ -5,6 +5,7 @@ last model turn both agree on."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -43,12 +44,32 @@ def conversation_from_proto(messages: Sequence[manager_pb2.ConversationMessage])
     return [LoggedMessage(m.match_key, m.end, m.stop_text) for m in messages]
 
 
+KEYS_CACHED = 16_384
+KEY_CACHE_MAX_CHARS = 4_096
+"""Keys of messages without tool calls and up to this many characters are kept: a harness sends the
+whole conversation with every turn, so each earlier message comes back once per turn."""
+
+
 def message_key(message: Mapping[str, Any]) -> str:
-    calls = [{"name": c.get("function", {}).get("name"), "arguments": _canonical(c.get("function", {}).get("arguments"))}
-             for c in message.get("tool_calls") or []]
-    canonical = json.dumps([message.get("role"), content_text(message), calls, message.get("tool_call_id") or ""])
+    role, text, call_id = message.get("role"), content_text(message), message.get("tool_call_id") or ""
+    if message.get("tool_calls"):
+        calls = [{"name": c.get("function", {}).get("name"), "arguments": _canonical(c.get("function", {}).get("arguments"))}
+                 for c in message["tool_calls"]]
+        return _digest(role, text, calls, call_id)
+    if len(text) <= KEY_CACHE_MAX_CHARS and (role is None or isinstance(role, str)) and isinstance(call_id, str):
+        return _plain_key(role, text, call_id)
+    return _digest(role, text, [], call_id)
+
+
+def _digest(role: Any, text: str, calls: list[dict[str, Any]], call_id: Any) -> str:
+    canonical = json.dumps([role, text, calls, call_id])
     # A digest: the session's record travels with every turn and is journaled, whatever the messages' length.
     return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+@functools.lru_cache(maxsize=KEYS_CACHED)
+def _plain_key(role: str | None, text: str, call_id: str) -> str:
+    return _digest(role, text, [], call_id)
 
 
 def _canonical(arguments: Any) -> Any:

@@ -7,12 +7,13 @@ produced; a harness's key reaches its own session only; turns run through the ma
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
+import itertools
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -32,6 +33,25 @@ log = structlog.get_logger()
 
 SESSION_HEADER = "x-rlmesh-session"
 MAX_BODY_BYTES = 8 << 20
+
+
+class JsonReply(JSONResponse):
+    """A JSON response encoded by orjson (see `openai_format.encode`)."""
+
+    def render(self, content: Any) -> bytes:
+        return wire.encode(content)
+
+
+class Ids:
+    """Ids unique to this process (a random prefix drawn once, then a counter): a request's id and a
+    completion's, without reading the system's randomness on every request."""
+
+    def __init__(self) -> None:
+        self._prefix = os.urandom(6).hex()
+        self._counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._counter):012x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,17 +191,19 @@ def create_app(gateway: Gateway) -> Starlette:
     """The HTTP app: plain Starlette routes, since the gateway needs nothing of FastAPI's request
     models or documentation and every turn would pay for its dependency resolution."""
 
+    new_id = Ids()
+
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         log.info("request refused", status=exc.status, code=exc.code, error=str(exc), path=request.url.path)
-        return JSONResponse(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
+        return JsonReply(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
 
     async def body_of(request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
             raise GatewayError(400, f"the body is not JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise GatewayError(400, "the body must be a JSON object")
@@ -191,7 +213,7 @@ def create_app(gateway: Gateway) -> Starlette:
         session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER, "")
         # Each request runs in a task of its own: what is bound here reaches its logs and, as the
         # request id of its calls, the manager's.
-        structlog.contextvars.bind_contextvars(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex[:16],
+        structlog.contextvars.bind_contextvars(request_id=request.headers.get("x-request-id") or new_id(),
                                                session_id=session_id)
         if not session_id:
             raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
@@ -204,7 +226,7 @@ def create_app(gateway: Gateway) -> Starlette:
     async def chat_completions(request: Request):
         session = await session_of(request)
         body = await body_of(request)
-        completion_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        completion_id = f"chatcmpl-{new_id()}"
         model = gateway.model_name
         unlock = await gateway.hold(session.session_id)
         if not body.get("stream"):
@@ -215,7 +237,7 @@ def create_app(gateway: Gateway) -> Starlette:
                 unlock()
             rlmesh = wire.extension(session.session_id, planned.turn, result.segment, result.status, result.stream_tokens)
             logprobs = wire.token_logprobs(gateway.tokenizer, result.segment) if body.get("logprobs") else None
-            return JSONResponse(wire.chat_completion(model, completion_id, message, wire.finish_reason(result.segment, parsed),
+            return JsonReply(wire.chat_completion(model, completion_id, message, wire.finish_reason(result.segment, parsed),
                                                      gateway.usage(result), rlmesh, logprobs))
         # Checked before the stream starts, so a bad request still gets its HTTP status.
         try:
@@ -235,7 +257,7 @@ def create_app(gateway: Gateway) -> Starlette:
         # A turn that may call tools streams its text only once it is parsed: a call is no content.
         stream_content = not body.get("tools")
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[bytes]:
             yield wire.chat_chunk(model, completion_id, {"role": "assistant", "content": ""})
             sent = ""
             while not turn.done():
@@ -251,7 +273,7 @@ def create_app(gateway: Gateway) -> Starlette:
             try:
                 result, message, parsed = turn.result()
             except GatewayError as exc:
-                yield f"data: {json.dumps(wire.error_body(str(exc), exc.kind, exc.code))}\n\n"
+                yield wire.event(wire.error_body(str(exc), exc.kind, exc.code))
                 yield wire.DONE
                 return
             content = message.get("content") or ""
@@ -270,7 +292,7 @@ def create_app(gateway: Gateway) -> Starlette:
     async def completions(request: Request):
         session = await session_of(request)
         body = await body_of(request)
-        completion_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        completion_id = f"cmpl-{new_id()}"
         unlock = await gateway.hold(session.session_id)
         try:
             result, turn = await gateway.complete(session, body)
@@ -280,9 +302,9 @@ def create_app(gateway: Gateway) -> Starlette:
         text = gateway.text_of(result.segment) if result.segment else ""
         finish = wire.finish_reason(result.segment, None)
         if not body.get("stream"):
-            return JSONResponse(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(result), rlmesh))
+            return JsonReply(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(result), rlmesh))
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[bytes]:
             yield wire.text_chunk(gateway.model_name, completion_id, text)
             yield wire.text_chunk(gateway.model_name, completion_id, "", finish, rlmesh)
             yield wire.DONE
@@ -291,7 +313,7 @@ def create_app(gateway: Gateway) -> Starlette:
 
     async def models(request: Request):
         await session_of(request)
-        return JSONResponse({"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "rlmesh"}]})
+        return JsonReply({"object": "list", "data": [{"id": gateway.model_name, "object": "model", "owned_by": "rlmesh"}]})
 
     async def reward(request: Request):
         """A black-box agent reports its episode's reward: {"reward": x} (final) or {"reward": x, "turn": k}."""
@@ -301,10 +323,10 @@ def create_app(gateway: Gateway) -> Starlette:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (turn is not None and (not isinstance(turn, int) or turn < 0)):
             raise GatewayError(400, "give {\"reward\": <number>} and optionally {\"turn\": <turn index>}")
         await gateway.sessions.set_reward(session, float(value), turn)
-        return JSONResponse({"session_id": session.session_id, "reward": float(value), "turn": turn})
+        return JsonReply({"session_id": session.session_id, "reward": float(value), "turn": turn})
 
     async def health(request: Request):
-        return JSONResponse({"status": "serving", "sessions_cached": str(len(gateway.sessions))})
+        return JsonReply({"status": "serving", "sessions_cached": str(len(gateway.sessions))})
 
     routes = [Route("/healthz", health)]
     # The key's routes first: the other session routes would take `<id>/key/<key>` for a session id.

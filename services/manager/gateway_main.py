@@ -45,9 +45,11 @@ async def serve(config: ManagerConfig, listening: socket.socket, manager_address
     # as the process: left to the collector, each full collection scans it all again, 90 ms during
     # which no request moves.
     gc.freeze()
+    following = asyncio.create_task(sessions.follow(), name="follow-sessions")
     try:
         await server.serve(sockets=[listening])
     finally:
+        following.cancel()
         await channel.close()
 
 

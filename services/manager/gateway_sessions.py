@@ -4,13 +4,15 @@ session contract (RunTurn, StreamTurn); a bounded cache that a restarted gateway
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
@@ -23,6 +25,12 @@ from services.manager.sessions import stream_of
 
 MAX_VIEWS = 4096
 """Sessions kept in the cache; one evicted is read from the manager again on its next request."""
+WATCH_SECONDS = 600.0
+"""The deadline of one WatchSessions stream; the next is opened at once."""
+WATCH_RETRY_SECONDS = (0.5, 10.0)
+"""The wait before watching again after a failed stream: the first, doubled up to the second."""
+
+log = structlog.get_logger()
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
@@ -47,6 +55,9 @@ class SessionView:
     next_turn: int
     conversation: list[LoggedMessage]
     stream: list[int]
+    announced: bool = False
+    """Made from the session's opening (WatchSessions), not read from its record: it assumes no turn
+    ran yet, which its first turn confirms."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +90,8 @@ class GatewaySessions:
         self.rpc_timeout = rpc_timeout
         self.capacity = capacity
         self._views: OrderedDict[str, SessionView] = OrderedDict()
+        self._announced: OrderedDict[str, manager_pb2.OpenedSession] = OrderedDict()
+        """Sessions opened that no request has reached yet."""
 
     def __len__(self) -> int:
         return len(self._views)
@@ -88,7 +101,9 @@ class GatewaySessions:
         tells nothing about other sessions."""
         view = self._views.get(session_id)
         if view is None and key:
-            view = await self._load(session_id)
+            opened = self._announced.pop(session_id, None)
+            view = self._keep(SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True)) if opened \
+                else await self._load(session_id)
         if view is None or not key or not hmac.compare_digest(view.key.encode(), key.encode()):
             raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
                                "authentication_error", "invalid_api_key")
@@ -102,12 +117,41 @@ class GatewaySessions:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
             raise http_error(exc) from exc
-        view = self._view_of(reply)
+        return self._keep(self._view_of(reply))
+
+    def _keep(self, view: SessionView) -> SessionView:
         # A request for the same session may have loaded it meanwhile and run a turn since.
-        view = self._views.setdefault(session_id, view)
+        view = self._views.setdefault(view.session_id, view)
         while len(self._views) > self.capacity:
             self._views.popitem(last=False)
         return view
+
+    async def follow(self) -> None:
+        """Learns of sessions as they open (WatchSessions), so a harness's first request needs no
+        GetSession before its turn; one opened while no stream was open is read on first use."""
+        wait = WATCH_RETRY_SECONDS[0]
+        while True:
+            try:
+                async for reply in self.manager.WatchSessions(manager_pb2.WatchSessionsRequest(), **call_options(WATCH_SECONDS)):
+                    wait = WATCH_RETRY_SECONDS[0]
+                    self.announce(reply.sessions)
+                continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the manager announces no sessions: each is read on its first request")
+                    return
+                log.warning("watching the sessions that open failed; watching again", code=exc.code().name, after_seconds=wait)
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, WATCH_RETRY_SECONDS[1])
+
+    def announce(self, sessions: Iterable[manager_pb2.OpenedSession]) -> None:
+        for opened in sessions:
+            if opened.session_id not in self._views:
+                self._announced[opened.session_id] = opened
+        while len(self._announced) > self.capacity:
+            self._announced.popitem(last=False)
 
     def _view_of(self, reply: manager_pb2.GetSessionResponse) -> SessionView:
         """A session's view from the manager's record: a turn still running is the one to ask for
@@ -165,6 +209,11 @@ class GatewaySessions:
             view.next_turn += 1
             if len(stream) != reply.stream_tokens:
                 self.forget(view.session_id)
+                if view.announced:
+                    # Turn 0 had run before (through the contract): what came back is that turn.
+                    raise GatewayError(409, f"session {view.session_id!r} had run turns this gateway did not know of: send the "
+                                            "request again", "invalid_request_error", "FAILED_PRECONDITION")
+            view.announced = False
         return TurnResult(reply.status, generated, reply.stream_tokens)
 
     async def set_reward(self, view: SessionView, reward: float, turn: int | None) -> None:

@@ -15,6 +15,7 @@ from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.gateway_process import GatewayProcess
 from services.manager.server import ManagerServicer, watch_leases
+from services.manager.session_feed import SessionFeed
 from services.manager.state import ManagerState
 from services.manager.stored_versions import StoredVersions
 
@@ -28,6 +29,7 @@ class RunningManager:
     journal: Journal | NoJournal
     journaling: asyncio.Task[None]
     stored_versions: StoredVersions
+    session_feed: SessionFeed
     gateway: GatewayProcess | None = None
 
     @property
@@ -81,5 +83,5 @@ async def start(config: ManagerConfig) -> RunningManager:
     dispatcher.dispatch()
     gateway = await GatewayProcess.start(config, server.address) if config.gateway_port is not None else None
     await server.set_serving(True)
-    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions, gateway)
+    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions, servicer.session_feed, gateway)
 

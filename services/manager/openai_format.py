@@ -4,9 +4,10 @@ and versions; and OpenAI-style errors."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
+
+import orjson
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
@@ -21,6 +22,17 @@ class GatewayError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request") -> None:
         super().__init__(message)
         self.status, self.kind, self.code = status, kind, code
+
+
+def encode(body: Any) -> bytes:
+    """A body as JSON. orjson: the standard encoder was a twentieth of the gateway's CPU per turn,
+    formatting the extension's logprobs. A non-finite float (a logprob of -inf) is written as null."""
+    return orjson.dumps(body)
+
+
+def event(body: Any) -> bytes:
+    """One server-sent event carrying `body`."""
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -69,21 +81,21 @@ def chat_message(parsed: ParsedTurn | None, text: str) -> dict[str, Any]:
 
 
 def chat_chunk(model: str, completion_id: str, delta: dict[str, Any], finish: str | None = None,
-               rlmesh: dict[str, Any] | None = None, usage: dict[str, int] | None = None) -> str:
+               rlmesh: dict[str, Any] | None = None, usage: dict[str, int] | None = None) -> bytes:
     body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     if rlmesh is not None:
         body["rlmesh"] = rlmesh
     if usage is not None:
         body["usage"] = usage
-    return f"data: {json.dumps(body)}\n\n"
+    return event(body)
 
 
-def usage_chunk(model: str, completion_id: str, usage: dict[str, int]) -> str:
+def usage_chunk(model: str, completion_id: str, usage: dict[str, int]) -> bytes:
     """The stream's last chunk when the client asked for usage (`stream_options.include_usage`)."""
     body = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": [],
             "usage": usage}
-    return f"data: {json.dumps(body)}\n\n"
+    return event(body)
 
 
 def text_completion(model: str, completion_id: str, text: str, finish: str, usage: dict[str, int],
@@ -92,12 +104,12 @@ def text_completion(model: str, completion_id: str, text: str, finish: str, usag
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": usage, "rlmesh": rlmesh}
 
 
-def text_chunk(model: str, completion_id: str, text: str, finish: str | None = None, rlmesh: dict[str, Any] | None = None) -> str:
+def text_chunk(model: str, completion_id: str, text: str, finish: str | None = None, rlmesh: dict[str, Any] | None = None) -> bytes:
     body: dict[str, Any] = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model,
                             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
     if rlmesh is not None:
         body["rlmesh"] = rlmesh
-    return f"data: {json.dumps(body)}\n\n"
+    return event(body)
 
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"

@@ -16,10 +16,11 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.prometheus import Families
 from services.manager.config import ManagerConfig
 from services.manager.conversations import conversation_from_proto, conversation_to_proto
+from services.manager.session_feed import SessionFeed
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
 from services.manager.records import Instance, SampleRequest
-from services.manager.sessions import Limits, Session, TurnState
+from services.manager.sessions import Limits, Session, TurnState, stream_of
 from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
 from services.manager.turns import TurnRunner
 from services.manager.registry import WrongIncarnation
@@ -100,6 +101,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.config = config
         self.journal = journal
         self.turns = TurnRunner(state, dispatcher, changes, journal)
+        self.session_feed: SessionFeed[manager_pb2.WatchSessionsResponse] = SessionFeed()
 
     def _changed(self) -> None:
         self.dispatcher.dispatch()
@@ -251,6 +253,10 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         )
         log.info("sessions opened", batch_id=request.batch_id, task=request.task, sessions=len(opened))
         self._durable()
+        if self.session_feed:
+            self.session_feed.publish(manager_pb2.WatchSessionsResponse(sessions=[
+                manager_pb2.OpenedSession(session_id=s.session_id, key=s.key, sampling=s.sampling, token_ids=stream_of(s.segments))
+                for s in opened]))
         return manager_pb2.OpenSessionsResponse(sessions=[
             manager_pb2.SessionHandle(session_id=s.session_id, prompt_id=s.prompt_id, index=int(s.session_id.rsplit("/", 1)[1]),
                                       key=s.key)
@@ -302,6 +308,11 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         session = self.state.sessions.get(request.session_id)
         return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key, sampling=session.sampling,
                                               conversation=conversation_to_proto(session.conversation))
+
+    async def WatchSessions(self, request, context):
+        with self.session_feed.watch() as opened:
+            while True:
+                yield await opened.get()
 
     async def GetStatus(self, request, context):
         now = time.monotonic()

@@ -18,6 +18,8 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.rpc import open_channel
+from services.manager.gateway_sessions import GatewaySessions
+from services.manager.openai_format import GatewayError
 from services.trainer.trajectories import parts_of
 from tests.support import build_mesh, stop_mesh
 
@@ -229,3 +231,52 @@ async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on
     assert models == [first.model_extra["rlmesh"]["token_ids"], second.model_extra["rlmesh"]["token_ids"]]
     [part] = parts_of(trajectory)
     assert [t for t, m in zip(part.response_ids, part.mask) if m] == models[0] + models[1]
+
+
+class CountingStub:
+    """The manager's stub, counting the GetSession calls made through it."""
+
+    def __init__(self, stub) -> None:
+        self._stub = stub
+        self.loads = 0
+
+    def GetSession(self, *args, **kwargs):
+        self.loads += 1
+        return self._stub.GetSession(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+
+async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is_refused_not_replayed(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    tokenizer = load_hf_tokenizer(chat_model_dir)
+    stub = CountingStub(manager)
+    sessions = GatewaySessions(stub, tokenizer, turn_timeout=60, rpc_timeout=10)
+    following = asyncio.create_task(sessions.follow())
+    try:
+        # The gateway process follows the sessions too: wait for this watcher beside it.
+        while len(mesh.manager.session_feed) < 2:
+            await asyncio.sleep(0.05)
+        fresh, ran_elsewhere = await open_sessions(manager, chat_model_dir, 2, "announced")
+        for _ in range(100):
+            if ran_elsewhere.session_id in sessions._announced:
+                break
+            await asyncio.sleep(0.05)
+        view = await sessions.authorized(fresh.session_id, fresh.key)
+        assert view.announced and view.next_turn == 0 and view.stream == [] and stub.loads == 0
+        user = [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=tokenizer.encode("Count."))]
+        result = await sessions.run(view, user, None, view.sampling, [])
+        assert result.segment is not None and view.next_turn == 1 and not view.announced
+        assert view.stream == mesh.manager.state.sessions.get(fresh.session_id).part_tokens()
+
+        # Turn 0 of the other ran through the contract: the gateway's first request must not get it back as its own.
+        await manager.RunTurn(manager_pb2.RunTurnRequest(session_id=ran_elsewhere.session_id, turn=0, append=user), timeout=60)
+        stale = await sessions.authorized(ran_elsewhere.session_id, ran_elsewhere.key)
+        with pytest.raises(GatewayError) as refused:
+            await sessions.run(stale, user + user, None, stale.sampling, [])
+        assert refused.value.status == 409 and "did not know of" in str(refused.value)
+        again = await sessions.authorized(ran_elsewhere.session_id, ran_elsewhere.key)
+        assert stub.loads == 1 and again.next_turn == 1 and not again.announced
+    finally:
+        following.cancel()
