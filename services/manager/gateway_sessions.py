@@ -102,8 +102,10 @@ class GatewaySessions:
         view = self._views.get(session_id)
         if view is None and key:
             opened = self._announced.pop(session_id, None)
-            view = self._keep(SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True)) if opened \
-                else await self._load(session_id)
+            if opened is not None:
+                view = self._keep(SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True))
+            else:
+                view = await self._load(session_id)
         if view is None or not key or not hmac.compare_digest(view.key.encode(), key.encode()):
             raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
                                "authentication_error", "invalid_api_key")
@@ -135,7 +137,6 @@ class GatewaySessions:
                 async for reply in self.manager.WatchSessions(manager_pb2.WatchSessionsRequest(), **call_options(WATCH_SECONDS)):
                     wait = WATCH_RETRY_SECONDS[0]
                     self.announce(reply.sessions)
-                continue
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue

@@ -253,7 +253,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         )
         log.info("sessions opened", batch_id=request.batch_id, task=request.task, sessions=len(opened))
         self._durable()
-        if self.session_feed:
+        if self.session_feed:  # someone watches (the gateway)
             self.session_feed.publish(manager_pb2.WatchSessionsResponse(sessions=[
                 manager_pb2.OpenedSession(session_id=s.session_id, key=s.key, sampling=s.sampling, token_ids=stream_of(s.segments))
                 for s in opened]))

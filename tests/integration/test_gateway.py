@@ -3,8 +3,9 @@ instance: the trajectory the trainer receives holds exactly the tokens the engin
 their logprobs and versions, model tokens apart from the rest), tool results render through the
 chat template, an edited history is recorded as a break and trains as separate samples, streaming
 works, text completions extend the stream token for token, a prompt past the session's room ends
-it `truncated_context` with a reply instead of an error, a key reaches its own session only, and a
-killed gateway process comes back and goes on where it was."""
+it `truncated_context` with a reply instead of an error, a key reaches its own session only, a
+killed gateway process comes back and goes on where it was, and the gateway knows sessions as they
+open without reading them, yet never passes off a turn run elsewhere as its own."""
 
 import asyncio
 import os
@@ -21,7 +22,7 @@ from rlmesh.rpc import open_channel
 from services.manager.gateway_sessions import GatewaySessions
 from services.manager.openai_format import GatewayError
 from services.trainer.trajectories import parts_of
-from tests.support import build_mesh, stop_mesh
+from tests.support import build_mesh, stop_mesh, wait_for
 
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
 
@@ -255,14 +256,10 @@ async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is
     sessions = GatewaySessions(stub, tokenizer, turn_timeout=60, rpc_timeout=10)
     following = asyncio.create_task(sessions.follow())
     try:
-        # The gateway process follows the sessions too: wait for this watcher beside it.
-        while len(mesh.manager.session_feed) < 2:
-            await asyncio.sleep(0.05)
+        # The gateway process follows the sessions too: this watcher is the second.
+        await wait_for(lambda: len(mesh.manager.session_feed) == 2, what="the test's watcher beside the gateway's")
         fresh, ran_elsewhere = await open_sessions(manager, chat_model_dir, 2, "announced")
-        for _ in range(100):
-            if ran_elsewhere.session_id in sessions._announced:
-                break
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: ran_elsewhere.session_id in sessions._announced, what="the sessions announced")
         view = await sessions.authorized(fresh.session_id, fresh.key)
         assert view.announced and view.next_turn == 0 and view.stream == [] and stub.loads == 0
         user = [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=tokenizer.encode("Count."))]
