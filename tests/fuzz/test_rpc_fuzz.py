@@ -116,8 +116,11 @@ def tidy(harness: Harness, rpc: Rpc, request, outcome: Outcome) -> None:
 
 
 def may_wait(harness: Harness, rpc: Rpc, request) -> bool:
-    """A rollout stream of a batch the manager holds waits for its groups: that is its contract
-    (the parked batch's are never generated). Every other call must be answered at once."""
+    """A rollout stream of a batch the manager holds waits for its groups (the parked batch's are
+    never generated), and a watch of opening sessions streams until its deadline: that is their
+    contract. Every other call must be answered at once."""
+    if rpc.key == "manager.WatchSessions":
+        return True
     return rpc.key == "manager.StreamRollouts" and request.message.batch_id in harness.mesh.manager.state.batches
 
 
