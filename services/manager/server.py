@@ -16,10 +16,10 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.prometheus import Families
 from services.manager.config import ManagerConfig
 from services.manager.conversations import conversation_from_proto, conversation_to_proto
-from services.manager.session_feed import SessionFeed
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
 from services.manager.records import Instance, SampleRequest
+from services.manager.session_feed import SessionFeed
 from services.manager.sessions import Limits, Session, TurnState, stream_of
 from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
 from services.manager.turns import TurnRunner
