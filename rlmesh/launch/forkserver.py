@@ -62,9 +62,10 @@ class ServerSide:
                 self.send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def _spawn(self, request: dict) -> None:
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._become_service(request)
+            self._become_service(request, server)
         self._children.add(pid)
         self.send({"pid": pid})
 
@@ -76,15 +77,20 @@ class ServerSide:
             os.kill(pid, request["signal"])
         self.send({"sent": alive})
 
-    def _become_service(self, request: dict) -> NoReturn:
+    def _become_service(self, request: dict, server: int) -> NoReturn:
         """In the child: its own session, network namespace, environment and log, then `python -m module`."""
-        run_as_main(lambda: self._prepare_service(request), request["module"], request["args"])
+        run_as_main(lambda: self._prepare_service(request, server), request["module"], request["args"])
 
-    def _prepare_service(self, request: dict) -> None:
+    def _prepare_service(self, request: dict, server: int) -> None:
         os.setsid()
         die_with_parent()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if os.getppid() != server:
+            # The server died between the fork and the kernel's watch, so no SIGTERM will come:
+            # end as that SIGTERM would have ended it.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         # Standard input (the requests of a server the launcher started) is replaced below.
         for fd in {self._wake_read, self._wake_write, self._control, self._requests} - {0}:
             os.close(fd)

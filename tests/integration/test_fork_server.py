@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launch.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
+from rlmesh.launch.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError, process_alive
 from rlmesh.launch.netns import NETNS_DIR, netns_problem
 from rlmesh.launch.processes import process_name
 from tests.support import parent_pid, wait_until
@@ -120,3 +120,32 @@ def test_when_the_server_dies_its_services_get_sigterm_and_read_as_ended(server,
     assert process.wait(30) == -signal.SIGTERM
     with pytest.raises(ForkServerError, match="stopped|cannot fork"):
         spawn(server, tmp_path, "0")
+
+
+SLOW_WATCH = """
+import time
+import rlmesh.launch.forkserver as forkserver
+watch = forkserver.die_with_parent
+def slow_watch(*args):
+    time.sleep(1.0)
+    watch(*args)
+forkserver.die_with_parent = slow_watch
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["own", "warm"])
+def test_a_service_whose_server_dies_before_the_kernel_watches_still_ends(tmp_path, warm, warm_fork_server):
+    # The server is killed while its new service is still before the kernel's watch (a second's
+    # sleep there, patched in): no SIGTERM will come, and the service must end by itself.
+    (tmp_path / "forkmod.py").write_text(REPORTING_MODULE)
+    (tmp_path / "slow_watch.py").write_text(SLOW_WATCH)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}"}
+    forks = ForkServer(["slow_watch"], env, tmp_path / "forkserver.log", warm_fork_server.socket if warm else None)
+    try:
+        forks.wait_ready(60)
+        process, report = spawn(forks, tmp_path, "sleep")
+        os.kill(forks.pid, signal.SIGKILL)
+        wait_until(lambda: not process_alive(process.pid), 30, "the service to end")
+        assert not report.exists()
+    finally:
+        forks.close()
