@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from rlmesh.launch.netns import enter_netns
-from rlmesh.lifecycle import die_with_parent, name_process
+from rlmesh.lifecycle import die_with_parent, name_process, parent_lives
 
 FORK_SERVER_NAME = "rlmesh-forksrv"
 """The server's /proc/<pid>/comm; a service it forks takes its own name when it starts."""
@@ -86,7 +86,7 @@ class ServerSide:
         die_with_parent()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        if os.getppid() != server:
+        if not parent_lives(server):
             # The server died between the fork and the kernel's watch, so no SIGTERM will come:
             # end as that SIGTERM would have ended it.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -32,7 +32,7 @@ def encode(body: Any) -> bytes:
 
 def event(body: Any) -> bytes:
     """One server-sent event carrying `body`."""
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+    return b"data: " + encode(body) + b"\n\n"
 
 
 def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
