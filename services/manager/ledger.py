@@ -199,6 +199,10 @@ class RequestLedger:
         instance = self.instances.get(request.instance_id or "")
         quarantine = breaker.request_failed(instance, self.clock()) if instance else 0.0
         if breaker.sample_failed(request, instance):
+            if request.session_id and self.sessions is not None:
+                self.detach(request)
+                self.sessions.turn_failed(request, reason)
+                return Failure(quarantine, batch_failed=False)
             self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row on "
                                       f"{len(request.failed_on)} instances, the last on instance {request.instance_id}: {reason}")
             return Failure(quarantine, batch_failed=True)

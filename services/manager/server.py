@@ -298,8 +298,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         session, dropped = self.state.close_session(request.session_id, request.status, request.detail)
         if dropped is not None:
             self.dispatcher.cancel([dropped])
-        log.info("session closed", session_id=session.session_id, status=manager_pb2.SessionStatus.Name(session.status),
-                 turns=session.turns, detail=session.detail or None)
+        # One line per episode would flood an agent run's logs: the counts are in the metrics.
+        log.debug("session closed", session_id=session.session_id, status=manager_pb2.SessionStatus.Name(session.status),
+                  turns=session.turns, detail=session.detail or None)
         await self.turns.flushed()
         self._changed()
         return manager_pb2.CloseSessionResponse(status=session.status)
@@ -354,6 +355,11 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         families.gauge("token_staleness_max", "Largest lag, in versions, of the oldest token of a sample held.", max(staleness, default=0))
         families.gauge("token_staleness_mean", "Mean lag, in versions, of the oldest token of the samples held.",
                        sum(staleness) / len(staleness) if staleness else 0.0)
+        sessions = self.state.sessions
+        families.gauge("open_sessions", "Multi-turn sessions open.", sessions.open_count)
+        for status_value, closed in sorted(sessions.closed_by_status.items()):
+            families.counter("closed_sessions", "Multi-turn sessions closed, by status.", closed,
+                             status=manager_pb2.SessionStatus.Name(status_value).removeprefix("SESSION_STATUS_").lower())
         families.gauge("instances", "Rollout instances registered.", len(status.instances))
         for instance in status.instances:
             labels = {"instance": instance.instance_id}
@@ -374,10 +380,11 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
         try:
             state.measure(now)
             dispatcher.migrate()
-            for session, dropped in state.sessions.reap(now):
-                log.warning("session reaped at its deadline", session_id=session.session_id, detail=session.detail)
-                if dropped is not None:
-                    dispatcher.cancel([dropped])
+            reaped = state.sessions.reap(now)
+            if reaped:
+                log.warning("sessions reaped at a deadline", sessions=len(reaped), first=reaped[0][0].session_id,
+                            detail=reaped[0][0].detail)
+                dispatcher.cancel([dropped for _, dropped in reaped if dropped is not None])
                 changes.notify()
             for instance in state.release_quarantines(now):
                 log.info("quarantine over; the instance gets work again", instance_id=instance.instance_id)

@@ -184,7 +184,7 @@ class Sessions:
         segments = self._appended(session, append, keep_tokens, turn)
         limits = session.limits
         if limits.max_turns and turn >= limits.max_turns:
-            self.close(session, TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) were run")
+            self.close(session, TRUNCATED_TURNS, f"max_turns ({limits.max_turns}) were run", settle=False)
             return TurnState(session.status, stream_tokens=len(session.part_tokens()))
         stream = stream_of(session.segments + segments)
         if not stream:
@@ -195,7 +195,8 @@ class Sessions:
             room = limits.max_total_tokens - len(stream)
             if room <= 0:
                 self.close(session, TRUNCATED_CONTEXT,
-                           f"turn {turn} would start at {len(stream)} tokens, max_total_tokens is {limits.max_total_tokens}")
+                           f"turn {turn} would start at {len(stream)} tokens, max_total_tokens is {limits.max_total_tokens}",
+                           settle=False)
                 return TurnState(session.status, stream_tokens=len(session.part_tokens()))
             params.max_tokens = min(params.max_tokens, room)
         now = self.clock()
@@ -260,12 +261,23 @@ class Sessions:
         from): the session ends with the error; the batch goes on."""
         session = self.sessions.get(request.session_id)
         if session is not None and session.turn is request:
-            self.close(session, ENVIRONMENT_ERROR, f"an instance refused turn {session.turns - 1}: {reason}")
+            self.close(session, ENVIRONMENT_ERROR, f"an instance refused turn {session.turns - 1}: {reason}", settle=False)
+
+    def turn_failed(self, request: SampleRequest, reason: str) -> None:
+        """A turn failed attempt after attempt (an error on every instance it tried, such as running
+        out of memory on a long context): the session ends with the error; the batch goes on."""
+        session = self.sessions.get(request.session_id)
+        if session is not None and session.turn is request:
+            self.close(session, ENVIRONMENT_ERROR, f"turn {session.turns - 1} failed {request.failures_in_a_row} times in a row "
+                                                   f"on {len(request.failed_on)} instances: {reason}", settle=False)
 
     def set_reward(self, session_id: str, reward: float, turn: int | None) -> None:
         session = self.get(session_id)
         if reward != reward or abs(reward) == float("inf"):
             raise InvalidArgument(f"session {session_id!r}: reward must be a finite number, got {reward}")
+        if self.settled(session):
+            raise FailedPrecondition(f"session {session_id!r} was closed ({manager_pb2.SessionStatus.Name(session.status)}) and its "
+                                     f"group may be delivered: no reward is taken after its close")
         if turn is None:
             session.reward = reward
             return
@@ -273,36 +285,58 @@ class Sessions:
             raise InvalidArgument(f"session {session_id!r} has run {session.turns} turns: no turn {turn} to reward")
         session.turn_rewards = {**session.turn_rewards, turn: reward}
 
-    def close(self, session: Session, status: int, detail: str = "") -> SampleRequest | None:
-        """Ends an open session (its running turn is dropped) and marks its group slot done;
-        returns the dropped turn, to cancel on its instance. A closed session keeps its first status."""
+    def close(self, session: Session, status: int, detail: str = "", settle: bool = True) -> SampleRequest | None:
+        """Ends an open session (its running turn is dropped); returns the dropped turn, to cancel on
+        its instance. A closed session keeps its first status. `settle`: its group slot is done too.
+        The manager ends a session itself (a limit, a turn refused or failing) without settling it:
+        its episode may still be scoring what it did, and its owner's close settles it."""
         if status not in CLOSING_STATUSES:
             raise InvalidArgument(f"status must be one of {sorted(manager_pb2.SessionStatus.Name(s) for s in CLOSING_STATUSES)}, "
                                   f"got {manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status}")
-        if not session.is_open:
-            return None
-        dropped = session.turn
-        if dropped is not None:
-            self.ledger.drop_turn(dropped)
-            session.turn = None
-        session.status = status
-        session.detail = detail
-        self.closed_by_status[status] = self.closed_by_status.get(status, 0) + 1
-        batch = self.batches.get(session.batch_id)
-        if batch is not None:
-            slot = next(r for r in batch.groups[session.prompt_id] if r.request_id == session.session_id)
-            slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids):]
-            slot.finish_reason = common_pb2.FINISH_REASON_STOP
-            batch.sample_finished(session.prompt_id, self.clock())
-        self.turn_ended(session.session_id)
+        dropped = None
+        if session.is_open:
+            dropped = session.turn
+            if dropped is not None:
+                self.ledger.drop_turn(dropped)
+                session.turn = None
+            session.status = status
+            session.detail = detail
+            session.idle_since = self.clock()
+            self.closed_by_status[status] = self.closed_by_status.get(status, 0) + 1
+            self.turn_ended(session.session_id)
+        if settle:
+            self._settle(session)
         return dropped
+
+    def _slot(self, session: Session) -> SampleRequest | None:
+        batch = self.batches.get(session.batch_id)
+        if batch is None:
+            return None
+        return next(r for r in batch.groups[session.prompt_id] if r.request_id == session.session_id)
+
+    def settled(self, session: Session) -> bool:
+        """Closed and its group slot done: what it holds may be delivered."""
+        slot = self._slot(session)
+        return not session.is_open and (slot is None or slot.done)
+
+    def _settle(self, session: Session) -> None:
+        slot = self._slot(session)
+        if slot is None or slot.done:
+            return
+        slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids):]
+        slot.finish_reason = common_pb2.FINISH_REASON_STOP
+        self.batches[session.batch_id].sample_finished(session.prompt_id, self.clock())
 
     def reap(self, now: float) -> list[tuple[Session, SampleRequest | None]]:
         """Closes the open sessions past a deadline (whole session, the running turn's, or the
-        environment step's since the last turn): a session nobody closes frees its capacity."""
+        environment step's since the last turn), and settles those the manager ended whose owner
+        did not close them within the step deadline: a session nobody closes frees its capacity."""
         reaped = []
         for session in list(self.sessions.values()):
             if not session.is_open:
+                if not self.settled(session) and deadline_passed(session, now):
+                    self._settle(session)
+                    reaped.append((session, None))
                 continue
             if session.turn is not None and session.turn_started is None and session.turn.attempt:
                 session.turn_started = now

@@ -62,7 +62,8 @@ async def run_steps(mesh: MeshClient, spec: EpisodeSpec, session_id: str, prompt
         reply = await mesh.run_turn(manager_pb2.RunTurnRequest(session_id=session_id, turn=turn, append=append),
                                     config.turn_deadline_seconds + config.step_deadline_seconds)
         if reply.status != OPEN:
-            return reply.status, ""
+            # The manager ended it at a limit; the close settles it, so its group can be delivered.
+            return await mesh.close_session(session_id, reply.status), ""
         action = action_of(spec, reply.generated)
         result: StepResult = as_step_result(await call(environment.step, action, config.step_deadline_seconds))
         # The trajectory's reward is the sum of its turns' (trajectory_reward).

@@ -3,18 +3,24 @@ canonical stream, the trajectory delivered once with exactly the sampled tokens 
 match a forward pass of the model over the stream), and bad calls answered with their status."""
 
 import asyncio
+import urllib.request
 
 import grpc
 import pytest
+import structlog
 import torch
 
+from rlmesh.common.v1 import common_pb2
+from rlmesh.launch.ports import free_port
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.rpc import open_channel
+from services.manager.config import ManagerConfig
+from services.manager.main import start as start_manager
 from services.manager.sessions import stream_of
 from services.manager.trajectories import segment_from_proto
-from tests.support import build_mesh, sampling, stop_mesh
+from tests.support import build_mesh, loopback, sampling, stop_mesh
 
 ENV = manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
@@ -115,3 +121,28 @@ async def test_bad_session_calls_get_a_status_that_says_what_is_wrong(grpc_mesh,
         assert session.session.status == manager_pb2.SESSION_STATUS_OPEN and session.session.turns == 0
     finally:
         await channel.close()
+
+
+async def test_closing_sessions_logs_no_line_per_episode_and_counts_them_in_the_metrics():
+    server = loopback(role="manager")
+    server.metrics_port = free_port()
+    manager = await start_manager(ManagerConfig(server=server, max_staleness=0))
+    channel = open_channel(manager.server.address)
+    stub = manager_pb2_grpc.ManagerServiceStub(channel)
+    try:
+        opened = await stub.OpenSessions(manager_pb2.OpenSessionsRequest(
+            batch_id="b", policy_version=0, sampling=common_pb2.SamplingParams(max_tokens=4, temperature=1.0),
+            prompts=[manager_pb2.Prompt(prompt_id="p", token_ids=[1, 2], n=3)]), timeout=10)
+        with structlog.testing.capture_logs() as logs:
+            for handle, status in zip(opened.sessions, (manager_pb2.SESSION_STATUS_DONE, manager_pb2.SESSION_STATUS_DONE,
+                                                        manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR)):
+                await stub.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=status), timeout=5)
+        assert not [line for line in logs if line["log_level"] not in ("debug",)], logs
+        scrape = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                                                         timeout=10).read().decode())
+        assert 'rlmesh_manager_closed_sessions_total{status="done"} 2.0' in scrape
+        assert 'rlmesh_manager_closed_sessions_total{status="environment_error"} 1.0' in scrape
+        assert "rlmesh_manager_open_sessions 0.0" in scrape
+    finally:
+        await channel.close()
+        await manager.stop()

@@ -236,3 +236,58 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
     state_of_turn = restored.run_turn(session.session_id, 1, [env(8)], None, None)
     assert state_of_turn.running.token_ids == [9]
     assert restored.queue[0] is state_of_turn.running
+
+
+def test_a_reward_sent_after_the_manager_truncated_a_session_counts_until_its_owner_closes_it():
+    state = mesh()
+    truncated, other = open_group(state, limits=Limits(max_turns=1))
+    state.run_turn(truncated.session_id, 0, [], None, None)
+    generate(state, [7])
+    assert state.run_turn(truncated.session_id, 1, [env(8)], None, None).status == TRUNCATED_TURNS
+    state.close_session(other.session_id, DONE, "")
+    # The agent is still scoring its episode: the group waits for its owner's close.
+    assert state.take_ready("b") == ([], 1)
+    state.sessions.set_reward(truncated.session_id, 1.0, None)
+    state.close_session(truncated.session_id, DONE, "")
+    assert truncated.status == TRUNCATED_TURNS and truncated.reward == 1.0
+    [group], _ = state.take_ready("b")
+    assert [r.request_id for r in group] == [truncated.session_id, other.session_id]
+    # Once its owner closed it, its group may be on its way: a late reward is refused, never lost.
+    with pytest.raises(FailedPrecondition, match="closed .*TRUNCATED_TURNS.*no reward"):
+        state.sessions.set_reward(truncated.session_id, 0.5, None)
+    assert truncated.reward == 1.0
+
+
+def test_a_truncated_session_its_owner_never_closes_is_settled_at_its_step_deadline():
+    clock = ManualClock()
+    state = mesh(clock=clock)
+    [session] = state.open_sessions("b", 0, [("p", [1, 2], 1)], sampling(), Limits(max_turns=1, step_deadline_seconds=5))
+    state.run_turn(session.session_id, 0, [], None, None)
+    generate(state, [7])
+    state.run_turn(session.session_id, 1, [env(8)], None, None)
+    clock.now = 4
+    assert state.sessions.reap(clock.now) == [] and state.take_ready("b") == ([], 1)
+    clock.now = 6
+    [(reaped, dropped)] = state.sessions.reap(clock.now)
+    assert reaped is session and dropped is None and session.status == TRUNCATED_TURNS
+    [group], _ = state.take_ready("b")
+    assert group[0].request_id == session.session_id
+
+
+def test_a_turn_failing_again_and_again_ends_its_session_not_its_batch():
+    state = mesh(("a", "b", "c", "d", "e"))
+    failing, other = open_group(state)
+    state.run_turn(failing.session_id, 0, [], None, None)
+    for _ in range(4):
+        [assignment] = state.assign()
+        failure = state.request_failed(assignment.request.request_id, assignment.attempt, "CUDA out of memory")
+    assert not failure.batch_failed and not state.batches["b"].error
+    assert failing.status == manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR and "CUDA out of memory" in failing.detail
+    assert not state.queue and failing.turn is None
+    # The batch's other sessions go on.
+    state.run_turn(other.session_id, 0, [], None, None)
+    generate(state, [9])
+    state.close_session(other.session_id, DONE, "")
+    state.close_session(failing.session_id, manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR, "")
+    [group], _ = state.take_ready("b")
+    assert len(group) == 2
