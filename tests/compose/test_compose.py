@@ -2,7 +2,9 @@
 and share their dependency layers, the mesh trains and its reward rises, a stranger's
 PublishVersion is refused (authorization on by default), a killed rollout
 container is restarted and training goes on, three scaled instances get unique ids and all
-receive work, and `down -v` leaves nothing behind. Starts a Docker engine if none answers."""
+receive work, and `down -v` leaves nothing behind; then a multi-turn job whose episodes are an agent
+command reaching the manager's gateway (examples/agent-command) trains in a fresh mesh. Starts a
+Docker engine if none answers."""
 
 from __future__ import annotations
 
@@ -194,3 +196,22 @@ def test_down_leaves_nothing(mesh, compose_env):
     for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
         left = run(["docker", *kind, "-q", "--filter", label], compose_env).stdout.split()
         assert not left, f"docker {' '.join(kind)}: {left} left after down -v"
+
+
+def test_a_multi_turn_job_with_an_agent_command_trains_through_the_managers_gateway(mesh):
+    """examples/agent-command in containers, in a fresh mesh: every episode's harness (a process
+    in the trainer's container) holds its conversation with the policy through the manager's
+    gateway on the compose network, reports its reward, and ends `done`."""
+    agent = ("-f", "docker-compose.yml", "-f", "examples/agent-command/compose.yml")
+    OPERATOR_SECRET.clear()
+    mesh(*agent, "up", "-d", timeout=900)
+    try:
+        wait_until(lambda: training_step(mesh) >= 3, 600, "3 training steps of the agent job", interval=1.0)
+        lines = mesh(*agent, "exec", "-T", "trainer", "cat", "/runs/agent-command/metrics.jsonl").stdout.splitlines()
+        steps = [record for record in map(json.loads, lines) if "loss" in record]
+        assert len(steps) >= 3
+        for record in steps:
+            assert record["episodes/count"] == 16 and record["episodes/ended/done"] == 16, record
+            assert record["episodes/turns"] == 3 and record["episodes/tokens/model"] > 0, record
+    finally:
+        mesh(*agent, "down", "-v", "--remove-orphans", check=False)

@@ -127,3 +127,21 @@ def test_the_tls_file_applies_to_every_profile(profiles, tmp_path):
     services = render(profiles, "docker-compose.tls.yml")["services"]
     for name in ("manager", "weights"):
         assert services[name]["environment"][f"RLMESH_{name.upper()}_SERVER__TLS__CA_FILE"] == "/certs/ca.pem"
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-vllm"])
+def test_the_trainer_points_agents_at_the_managers_gateway(profile):
+    """Agent commands and verifiers environments reach their sessions on the manager's OpenAI
+    gateway: the manager serves it on a published port with the policy's tokenizer mounted, and
+    every trainer is given its address on the compose network."""
+    services = render(profile)["services"]
+    manager = services["manager"]
+    port = manager["environment"]["RLMESH_MANAGER_GATEWAY_PORT"]
+    assert any(str(p["target"]) == port and str(p["published"]) == port for p in manager["ports"])
+    model_dir = manager["environment"]["RLMESH_MANAGER_MODEL_DIR"]
+    assert any(v["source"] == "models" and model_dir.startswith(v["target"] + "/") and v.get("read_only") for v in manager["volumes"])
+    trainers = [s for name, s in services.items() if name.startswith("trainer")]
+    assert trainers
+    for trainer in trainers:
+        assert trainer["environment"]["RLMESH_TRAINER_GATEWAY_ADDRESS"] == f"manager:{port}"
+        assert trainer["environment"]["RLMESH_TRAINER_MODEL_DIR"] == model_dir

@@ -282,3 +282,20 @@ def test_the_service_monitor_scrapes_every_service(scratch):
         assert scraped == set(SERVICE_PORTS), overlay
     assert not any(obj["kind"] == "ServiceMonitor" for obj in render("cpu", (), scratch)), \
         "the ServiceMonitor needs the operator's CRDs: only the monitoring component may add it"
+
+
+def test_the_trainer_points_agents_at_the_managers_gateway_through_its_service(rendered):
+    """Agent commands and verifiers environments reach their sessions on the manager's OpenAI
+    gateway: the manager serves it on a named port its Service publishes, with the policy's
+    tokenizer mounted, and the trainer is given that address."""
+    _, _, objects = rendered
+    manager = container(objects, "manager")
+    port = int(env(manager)["RLMESH_MANAGER_GATEWAY_PORT"]["value"])
+    assert {"containerPort": port, "name": "gateway"} in manager["ports"]
+    service_ports = {p["name"]: p for p in find(objects, "Service", "manager")["spec"]["ports"]}
+    assert service_ports["gateway"]["port"] == port and service_ports["gateway"]["targetPort"] == "gateway"
+    model_dir = env(manager)["RLMESH_MANAGER_MODEL_DIR"]["value"]
+    pod = find(objects, "Deployment", "manager")["spec"]["template"]["spec"]
+    assert volume_behind(pod, manager, model_dir + "/config.json")["persistentVolumeClaim"]["claimName"] == "models"
+    assert model_dir == env(container(objects, "trainer"))["RLMESH_TRAINER_MODEL_DIR"]["value"]
+    assert env(container(objects, "trainer"))["RLMESH_TRAINER_GATEWAY_ADDRESS"]["value"] == f"manager:{port}"

@@ -158,3 +158,16 @@ def test_the_async_example_job_sets_three_values_and_leaves_the_rest_to_defaults
     tuned = [f"{section}.{key}" for section, values in given.items() for key in values]
     assert tuned == ["algorithm.max_staleness", "algorithm.steps", "mesh.rollout_instances"]
     assert job.algorithm.max_staleness == 4 and job == load_job(None, {"algorithm.max_staleness": 4})[0]
+
+
+def test_the_agent_command_examples_compose_config_runs_its_job():
+    """examples/agent-command's trainer config for containers holds the job's task and algorithm."""
+    from rlmesh.config import load_config
+    from services.trainer.config import TrainerConfig
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "agent-command"
+    job, _ = load_job(folder / "job.toml")
+    config = load_config(TrainerConfig, folder / "compose-trainer.toml", overrides={"model_dir": "/models/policy"})
+    assert config.tasks == job.tasks and config.python_path == ["/jobs/agent-command"]
+    given = tomllib.loads((folder / "job.toml").read_text())["algorithm"]
+    assert {key: getattr(config, key) for key in given} == given
