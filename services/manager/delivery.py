@@ -3,13 +3,17 @@ position it resumes at), and acknowledgement; delivered batches' timings stay fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from rlmesh.micro_batch import group_tokens, pack
+from rlmesh.micro_batch import group_tokens, pack, trajectory_tokens
 from services.manager.journaled import Records
 from services.manager.ledger import RequestLedger
 from services.manager.records import Batch, SampleRequest
+
+if TYPE_CHECKING:
+    from services.manager.sessions import Session
 
 FINISHED_BATCHES_KEPT = 64
 Taken = tuple[list[list[SampleRequest]], int]
@@ -18,6 +22,13 @@ Taken = tuple[list[list[SampleRequest]], int]
 
 def group_size(group: list[SampleRequest]) -> int:
     return group_tokens(len(group[0].prompt_token_ids), (len(r.token_ids) for r in group))
+
+
+def session_group_size(group: list[SampleRequest], sessions: Mapping[str, Session]) -> int:
+    """A group of multi-turn sessions weighs what its trajectories train as: every part of a
+    broken history, its context and its response (a sample slot holds only the last part)."""
+    return sum(trajectory_tokens(sessions[r.request_id].segments) if r.request_id in sessions
+               else len(r.prompt_token_ids) + len(r.token_ids) for r in group)
 
 
 class Delivery:
@@ -88,17 +99,24 @@ class Delivery:
         return batch
 
     def _resend(self, batch: Batch, position: int, most: int, max_tokens: int) -> Taken:
-        again = pack([batch.groups[p] for p in batch.sent[position:]], most, max_tokens, group_size)
+        again = pack([batch.groups[p] for p in batch.sent[position:]], most, max_tokens, self._sizer(batch))
         return again, len(batch.groups) - position - len(again)
 
     def _take(self, batch: Batch, most: int, max_tokens: int) -> Taken:
-        taken = pack([batch.groups[p] for p in batch.ready], most, max_tokens, group_size)
+        taken = pack([batch.groups[p] for p in batch.ready], most, max_tokens, self._sizer(batch))
         if taken:
             batch.sent += [batch.ready.popleft() for _ in taken]
         self.delivered_groups += len(taken)
         if batch.remaining == 0 and taken:
             self._delivered(batch)
         return taken, batch.remaining
+
+    def _sizer(self, batch: Batch) -> Callable[[list[SampleRequest]], int]:
+        """What a group of the batch weighs against a budget."""
+        sessions = self.ledger.sessions
+        if not batch.sessions or sessions is None:
+            return group_size
+        return lambda group: session_group_size(group, sessions.sessions)
 
     def _delivered(self, batch: Batch) -> None:
         """Every group was sent: the timing the stage balance needs is kept after the batch is forgotten."""

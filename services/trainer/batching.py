@@ -31,6 +31,9 @@ class TrainingSample:
     token_advantages: list[float] | None = None
     """Per response token, its advantage (per-turn credit: each turn's from its group); when set it
     replaces `advantage`."""
+    sample_id: str = ""
+    """Which sample it is (`<batch>/<prompt>/<index>`, a session's id for a trajectory's part), for
+    errors that must name it."""
 
 
 @dataclass(slots=True)

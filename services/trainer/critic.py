@@ -16,7 +16,7 @@ from services.trainer.algorithms.losses import clipped_value_loss
 from services.trainer.batching import MicroBatch
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import RankInfo
-from services.trainer.optimizing import mini_batch_step
+from services.trainer.optimizing import clipped_norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,17 @@ class ShardedCritic:
         if self.snapshot is not None:
             copy_shards(self.model, self.snapshot)
 
-    def optimizer_step(self) -> float:
-        """Steps on the mini-batch's gradients, normalised by its response tokens; returns their norm."""
+    def clip_gradients(self) -> float:
+        """Normalises the mini-batch's gradients by its response tokens and clips them; returns
+        their norm (the policy steps both models only when both norms are finite)."""
         count, self.pending_tokens = self.pending_tokens, 0.0
-        return mini_batch_step(self.model, self.optimizer, count, self.config.max_grad_norm)
+        return clipped_norm(self.model, count, self.config.max_grad_norm)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops the accumulated gradients (a refused step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_tokens = 0.0

@@ -84,7 +84,9 @@ class ScoredGroup:
 
     @property
     def tokens(self) -> int:
-        return group_tokens(len(self.samples[0].prompt_ids), (len(s.response_ids) for s in self.samples))
+        """What the group weighs against a micro-batch's budget: every sample as trained, its own
+        context and response (a broken trajectory's parts differ in context)."""
+        return sum(group_tokens(len(s.prompt_ids), [len(s.response_ids)]) for s in self.samples)
 
 
 @dataclass(slots=True)

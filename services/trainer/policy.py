@@ -19,8 +19,10 @@ bf16 copies for the forward and backward and reduces the gradients in fp32."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.critic import CriticSums, ShardedCritic, whiten
 from services.trainer.distributed import RankInfo
 from services.trainer.evaluation import EvalRequest, EvalResponses, generate_responses
-from services.trainer.optimizing import mini_batch_step
+from services.trainer.optimizing import NonFiniteUpdate, clipped_norm, sample_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,8 @@ class ShardedPolicy:
         """Positions the model takes (0: not known): a multi-turn episode's whole stream must fit."""
         self.pending_count = 0.0
         """Sequences or tokens (every rank's) trained on since the last optimizer step."""
+        self.pending_samples: list[str] = []
+        """The samples trained on since the last optimizer step, by id: a refused step names them."""
         self.step_begun = False
         """BeginStep was sent at least once (the decoupled and tis losses need it every step)."""
         self.stepped_in_step = False
@@ -211,7 +215,8 @@ class ShardedPolicy:
 
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
         """Forward and backward of this rank's share of the micro-batch (the critic's too, with
-        one); gradients accumulate."""
+        one); gradients accumulate. A loss that is not finite (on any rank) refuses the mini-batch's
+        step: NonFiniteUpdate on every rank, naming the samples, the gradients cleared."""
         config = self.config
         share = self.share(samples)
         from_snapshot = self._proximal_from_snapshot()
@@ -224,6 +229,8 @@ class ShardedPolicy:
                                "must carry its reference_logprobs")
         own_reference = self.reference is not None and not given
         critic_sums = CriticSums()
+        nonfinite = [0.0] * len(samples)
+        """Per sample of the micro-batch, 1 where its loss is not finite (summed over the ranks)."""
         if share:
             batch = build_micro_batch(share, self.pad_id).to(self.rank.device)
             proximal = None
@@ -250,6 +257,9 @@ class ShardedPolicy:
             sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
                     totals.capped_tokens, totals.behaviour_kl]
             weight_max = totals.importance_weight_max
+            # This rank's rows are the micro-batch's samples rank, rank + world_size, ...
+            for row in totals.nonfinite_rows:
+                nonfinite[self.rank.rank + row * self.rank.world_size] = 1.0
         else:
             # More ranks than samples: FSDP's all-gathers and reduce-scatters need every rank, so
             # this one runs the same forwards and a backward that contributes nothing.
@@ -271,13 +281,21 @@ class ShardedPolicy:
         loss.backward()
         if value_loss is not None:
             value_loss.backward()
-        summed = torch.tensor(sums + critic_sums.as_list(), dtype=torch.float64)
+        critic_figures = critic_sums.as_list()
+        summed = torch.tensor(sums + critic_figures + nonfinite, dtype=torch.float64)
         largest = torch.tensor([weight_max], dtype=torch.float64)
         if self.rank.world_size > 1:
             dist.all_reduce(summed, group=self.rank.control)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.rank.control)
-        loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = summed.tolist()[:8]
-        critic = CriticSums(*summed.tolist()[8:]) if self.critic is not None else None
+        figures = summed.tolist()
+        loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = figures[:8]
+        critic_end = 8 + len(critic_figures)
+        critic = CriticSums(*figures[8:critic_end]) if self.critic is not None else None
+        names = [getattr(sample, "sample_id", "") or f"micro-batch sample {index}" for index, sample in enumerate(samples)]
+        self.pending_samples += names
+        if not math.isfinite(loss_sum) or (critic is not None and not math.isfinite(critic.value_loss)):
+            poisoned = [names[i] for i, flag in enumerate(figures[critic_end:]) if flag]
+            self._refuse("non-finite loss", poisoned or names)
         if critic is not None:
             self.critic.pending_tokens += critic.tokens
         self.pending_count += count
@@ -307,16 +325,37 @@ class ShardedPolicy:
 
     def optimizer_step(self) -> float:
         """Normalises the accumulated gradients by the mini-batch's size (sequences or tokens),
-        clips their norm (over every rank's shards), steps, clears; returns the norm before clipping."""
+        clips their norm (over every rank's shards), steps, clears; returns the norm before clipping.
+        A gradient that is not finite (the policy's or the critic's) never reaches either optimizer:
+        NonFiniteUpdate on every rank, naming the mini-batch's samples, the gradients cleared."""
         count, self.pending_count = self.pending_count, 0.0
         self._wait_for_readers()
+        norm = clipped_norm(self.model, count, self.config.max_grad_norm)
+        critic_norm = self.critic.clip_gradients() if self.critic is not None else 0.0
+        if not math.isfinite(norm):
+            self._refuse(f"the policy's gradient (norm {norm}) is not finite", self.pending_samples)
+        if not math.isfinite(critic_norm):
+            self._refuse(f"the critic's gradient (norm {critic_norm}) is not finite", self.pending_samples)
         # During the critic's warm-up the policy's gradients are measured and dropped.
-        learning = self.critic is None or self.training_step >= self.config.critic_warmup_steps
-        norm = mini_batch_step(self.model, self.optimizer, count, self.config.max_grad_norm, apply=learning)
+        if self.critic is None or self.training_step >= self.config.critic_warmup_steps:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         if self.critic is not None:
-            self.critic.optimizer_step()
+            self.critic.step()
+        self.pending_samples = []
         self.stepped_in_step = True
         return norm
+
+    def _refuse(self, what: str, samples: list[str]) -> NoReturn:
+        """Refuses the mini-batch's optimizer step: its gradients are cleared, the weights and the
+        optimizers' state stay as they are. Every rank decides it alike (on all-reduced figures)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic is not None:
+            self.critic.clear()
+        self.pending_count = 0.0
+        self.pending_samples = []
+        raise NonFiniteUpdate(f"step {self.training_step}: {what} in samples {sample_names(samples)}: the optimizer step is "
+                              "refused, the weights and the optimizer state are unchanged")
 
     def evaluate(self, request: EvalRequest) -> EvalResponses:
         """Held-out responses; every rank runs the same generation (FSDP forwards need every rank),

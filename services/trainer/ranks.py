@@ -25,6 +25,7 @@ from services.trainer.checkpoint import BackgroundCheckpoints, TrainerState
 from services.trainer.distributed import RankInfo, TorchThread
 from services.trainer.evaluation import EvalRequest, EvalResponses
 from services.trainer.handoff import PackedShards, PublishError, ShardHandoff
+from services.trainer.optimizing import NonFiniteUpdate
 from services.trainer.policy import MicroBatchStats, ShardedPolicy
 
 log = structlog.get_logger()
@@ -193,10 +194,10 @@ class RankGroup:
             case BeginStep(step):
                 return await thread.run(policy.begin_step, step)
             case Train(samples):
-                stats: MicroBatchStats = await thread.run(policy.backward, samples)
+                stats: MicroBatchStats = await self._refusable(policy.backward, samples)
                 return stats
             case OptimizerStep():
-                return await thread.run(policy.optimizer_step)
+                return await self._refusable(policy.optimizer_step)
             case Evaluate(request):
                 responses: EvalResponses = await thread.run(policy.evaluate, request)
                 return responses
@@ -209,6 +210,14 @@ class RankGroup:
             case Stop():
                 return None
         raise TypeError(f"unknown command {command!r}")
+
+    async def _refusable(self, train, *args) -> Any:
+        """Runs a training command; a step refused for a non-finite loss or gradient (which every
+        rank decides alike) is a CollectiveFailure: the job ends, naming the step and its samples."""
+        try:
+            return await self.thread.run(train, *args)
+        except NonFiniteUpdate as exc:
+            raise CollectiveFailure(str(exc)) from exc
 
     def _checkpoint(self, state: TrainerState, export_hf: bool) -> Path:
         """In the background; the one holding the HF export (the run's last) is written at once."""

@@ -15,7 +15,7 @@ from services.trainer.batching import TrainingSample
 from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
 from services.trainer.reference import ReferenceWorker
-from services.trainer.trajectories import MASKED_STATUSES, figures_of, parts_of, trajectory_reward
+from services.trainer.trajectories import MASKED_STATUSES, figures_of, parts_of, trajectory_reward, transcript_ids
 
 
 class GroupScorer:
@@ -56,14 +56,14 @@ class GroupScorer:
                      for index, sample in enumerate(group.samples)]
             keyed.append((record, items))
         scored = await self._score_groups(keyed) if keyed else []
-        for group, (record, _), results in zip(groups, keyed, scored):
+        for group, (record, items), results in zip(groups, keyed, scored):
             results = self._shape_rewards(record, group, results)
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
             # The advantage is the estimator's, over the groups the sample is trained with (`group_advantages.py`).
             samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
                                       temperature, list(result.token_rewards) if result.token_rewards is not None else None,
-                                      reward=result.reward)
-                       for sample, result in zip(group.samples, results)]
+                                      reward=result.reward, sample_id=item.sample_id)
+                       for sample, result, item in zip(group.samples, results, items)]
             accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
         await self.attach_reference(accepted)
         return accepted
@@ -71,12 +71,12 @@ class GroupScorer:
     async def _score_episodes(self, batch_id: str, record: PromptRecord, group: manager_pb2.Group) -> ScoredGroup:
         """A group of multi-turn episodes: the failed ones masked out, each other trajectory's parts
         trained on its model tokens with the trajectory's reward (the environment's, or the task's
-        reward over the final transcript)."""
+        reward over its whole transcript, every part of a broken history included)."""
         task = self.mixture.by_name[record.task]
         kept = [s.session for s in group.samples if s.session.status not in MASKED_STATUSES]
         if task.reward is not None:
             items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self.transcript(trajectory), record.prompt.metadata,
-                                [t for part in parts_of(trajectory) for t in part.response_ids])
+                                transcript_ids(trajectory))
                      for index, trajectory in enumerate(kept)]
             results = await task.reward.score(items) if items else []
         else:
@@ -84,9 +84,11 @@ class GroupScorer:
         temperature = task.config.sampling.temperature
         samples, owners, versions = [], [], []
         for owner, (trajectory, result) in enumerate(zip(kept, results)):
-            for part in parts_of(trajectory):
+            parts = parts_of(trajectory)
+            for number, part in enumerate(parts, 1):
+                name = trajectory.session_id if len(parts) == 1 else f"{trajectory.session_id} part {number}"
                 samples.append(TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, temperature, reward=result.reward,
-                                              response_mask=part.mask, token_turns=part.turns))
+                                              response_mask=part.mask, token_turns=part.turns, sample_id=name))
                 owners.append(owner)
                 versions.append(part.weight_versions)
         turn_rewards = [dict(t.turn_rewards) for t in kept] if task.config.environment.credit == "turn" else None
@@ -96,9 +98,9 @@ class GroupScorer:
         return scored
 
     def transcript(self, trajectory: manager_pb2.SessionTrajectory) -> str:
-        """Everything after the episode's opening context (the model's turns and what answered them), as text."""
-        parts = parts_of(trajectory)
-        return self.tokenizer.decode(parts[-1].response_ids, skip_special_tokens=True) if parts else ""
+        """The trajectory's model output (`transcript_ids`: every part's, in order) as text, as a
+        response's (held-out evaluation decodes its episodes the same way)."""
+        return self.completion(transcript_ids(trajectory))
 
     async def attach_reference(self, groups: list[ScoredGroup]) -> None:
         """The reference worker's log-probabilities for the groups' samples that have none (placement:

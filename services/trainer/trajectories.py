@@ -46,6 +46,8 @@ class EpisodeFigures:
     """By source: model, environment, template."""
     parts: int = 1
     turn_rewards: dict[int, float] = field(default_factory=dict)
+    breaks: dict[str, int] = field(default_factory=dict)
+    """Parts started after the first, by the cause of their break ("unnamed" when none was named)."""
 
 
 def trajectory_reward(trajectory: manager_pb2.SessionTrajectory) -> float:
@@ -81,6 +83,13 @@ def parts_of(trajectory: manager_pb2.SessionTrajectory) -> list[Part]:
     return parts
 
 
+def transcript_ids(trajectory: manager_pb2.SessionTrajectory) -> list[int]:
+    """The trajectory's model output as its reward sees it, in training and in held-out evaluation:
+    every part's tokens from its first model token to its last, in order (within a part, what
+    answered the model's turns too; never the prompt or a history the harness re-rendered)."""
+    return [token for part in parts_of(trajectory) for token in part.response_ids]
+
+
 def turn_credit(groups_turn_rewards: list[list[dict[int, float]]],
                 estimator: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[list[dict[int, float]]]:
     """Per-turn credit: for each turn index, the estimator's advantages over the group's rewards of
@@ -100,8 +109,12 @@ def figures_of(trajectory: manager_pb2.SessionTrajectory) -> EpisodeFigures:
     tokens = {name: 0 for name in SOURCE_NAMES.values()}
     for segment in trajectory.segments:
         tokens[SOURCE_NAMES.get(segment.source, "template")] += len(segment.token_ids)
+    breaks: dict[str, int] = {}
+    for segment in trajectory.segments:
+        if segment.starts_part:
+            breaks[segment.break_cause or "unnamed"] = breaks.get(segment.break_cause or "unnamed", 0) + 1
     return EpisodeFigures(STATUS_NAMES.get(trajectory.status, "open"), trajectory.turns, trajectory.environment_seconds, tokens,
-                          1 + sum(s.starts_part for s in trajectory.segments), dict(trajectory.turn_rewards))
+                          1 + sum(breaks.values()), dict(trajectory.turn_rewards), breaks)
 
 
 def turn_reward_means(episodes: list[EpisodeFigures], prefix: str) -> dict[str, float]:

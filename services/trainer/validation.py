@@ -20,7 +20,8 @@ from rlmesh.tasks.build import Task, TaskMixture
 from services.trainer.episode_process import EpisodeProcess
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec
 from services.trainer.mesh import MeshClient
-from services.trainer.trajectories import MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, turn_reward_means
+from services.trainer.trajectories import (MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, transcript_ids,
+                                           turn_reward_means)
 from services.trainer.pipeline import prompt_seed
 
 log = structlog.get_logger()
@@ -191,18 +192,38 @@ class BackgroundValidation:
     async def _read(self, batch: PinnedBatch) -> list[float]:
         """A batch's responses, scored by its task's reward, in round order (response k of prompt i
         at k * prompts + i)."""
-        held_out = batch.held_out
-        responses: dict[str, list[list[int]]] = {}
-        episodes: dict[str, list[manager_pb2.SessionTrajectory]] = {}
-        async for groups in self.mesh.rollouts(batch.batch_id, len(batch.prompt_ids), 1, 0, self.timeout_seconds):
-            for group in groups:
-                responses[group.prompt_id] = [list(s.token_ids) for s in group.samples]
-                episodes[group.prompt_id] = [s.session for s in group.samples if s.HasField("session")]
-        batch.episodes.extend(figures_of(t) for trajectories in episodes.values() for t in trajectories)
+        groups: dict[str, manager_pb2.Group] = {}
+        async for replies in self.mesh.rollouts(batch.batch_id, len(batch.prompt_ids), 1, 0, self.timeout_seconds):
+            for group in replies:
+                groups[group.prompt_id] = group
+        return await score_held_out(batch, groups, self.completion)
+
+
+async def score_held_out(batch: PinnedBatch, groups: dict[str, manager_pb2.Group],
+                         completion: Callable[[list[int]], str]) -> list[float]:
+    """A batch's groups (by prompt id) scored by its task's reward, in round order (response k of
+    prompt i at k * prompts + i); its episodes, if any, filed on the batch. An episode is scored on
+    its model output as training scores it (`transcript_ids`); one that failed (deadline,
+    environment_error) counts 0, unscored: evaluation counts what the policy achieved."""
+    held_out = batch.held_out
+    samples = {pid: list(group.samples) for pid, group in groups.items()}
+    batch.episodes.extend(figures_of(s.session) for group in samples.values() for s in group if s.HasField("session"))
+    order = [(pid, k, text, prompt) for k in range(batch.samples)
+             for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)]
+    rewards = [0.0] * len(order)
+    scored = []
+    for index, (pid, k, text, prompt) in enumerate(order):
+        sample = samples[pid][k]
+        episode = sample.session if sample.HasField("session") else None
+        if episode is not None and episode.status in MASKED_STATUSES:
+            continue
         if held_out.task.reward is None:
-            # An episode that failed earns nothing here: evaluation counts what the policy achieved.
-            return [0.0 if episodes[pid][k].status in MASKED_STATUSES else trajectory_reward(episodes[pid][k])
-                    for k in range(batch.samples) for pid in batch.prompt_ids]
-        items = [RewardItem(f"{batch.batch_id}/{pid}/{k}", text, self.completion(responses[pid][k]), prompt.metadata, responses[pid][k])
-                 for k in range(batch.samples) for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)]
-        return [r.reward for r in await held_out.task.reward.score(items)]
+            rewards[index] = trajectory_reward(episode) if episode is not None else 0.0
+            continue
+        response = transcript_ids(episode) if episode is not None else list(sample.token_ids)
+        scored.append((index, RewardItem(f"{batch.batch_id}/{pid}/{k}", text, completion(response), prompt.metadata, response)))
+    if scored:
+        results = await held_out.task.reward.score([item for _, item in scored])
+        for (index, _), result in zip(scored, results):
+            rewards[index] = result.reward
+    return rewards

@@ -1,6 +1,7 @@
 """The proximal policy on two FSDP ranks (a gloo process group): micro-batches trained after an
 optimizer step of a training step are scored with the parameters of the step's start, gathered
-afresh from every rank's shards, including on a rank whose share of a micro-batch is empty.
+afresh from every rank's shards, including on a rank whose share of a micro-batch is empty. A NaN
+in one rank's share refuses the step on every rank alike, naming the sample.
 
 The ranks run tests/integration/test_policy_losses_worker.py."""
 
@@ -56,3 +57,17 @@ def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(rank_runn
     assert stats.tokens == int(mask.sum())
     assert stats.importance_weight_mean == pytest.approx(float(weights.mean()), rel=1e-5)
     assert stats.importance_weight_max == pytest.approx(float(weights.max()), rel=1e-5)
+
+
+def test_a_nan_in_one_ranks_share_is_refused_alike_on_every_rank(rank_runner, model_dir, tmp_path):
+    spec = {"model_dir": str(model_dir), "output_dir": str(tmp_path), "result": str(tmp_path / "refused-{rank}.pt"), "refuse": True}
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    rank_runner.run(WORKER, [str(spec_path)], 2, tmp_path, timeout=120)
+    results = [torch.load(spec["result"].format(rank=r), weights_only=False) for r in (0, 1)]
+    # Rank 0's share (samples 0 and 2) is finite: it refuses too, with the same message.
+    assert results[0]["refused"] == results[1]["refused"]
+    assert "step 7: non-finite loss in samples b/p0/1:" in results[0]["refused"]
+    assert all(r["unchanged"] for r in results)
+    # Still in step: the next micro-batch trains and steps on both ranks.
+    assert results[0]["norm"] == results[1]["norm"] and results[0]["norm"] > 0

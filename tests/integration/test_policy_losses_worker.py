@@ -1,11 +1,12 @@
 """Trainer ranks for tests/integration/test_policy_losses.py (no tests here): under torchrun, each
 rank builds the sharded policy with the `tis` loss and two mini-batches per step, trains two
 training steps with a held-out evaluation between them, and records the proximal log-probabilities
-its share of every micro-batch was scored with, and the step-start parameters of step 2.
+its share of every micro-batch was scored with, and the step-start parameters of step 2. With
+`refuse` in the spec, a micro-batch with a NaN in one rank's share instead: what each rank raised.
 
     python -m tests.integration.test_policy_losses_worker SPEC.json
 
-SPEC: model_dir, output_dir, result (a file name with {rank})."""
+SPEC: model_dir, output_dir, result (a file name with {rank}), refuse (optional)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rlmesh.logging import configure_logging
 from services.trainer.config import TrainerConfig
 from services.trainer.distributed import init_distributed, shutdown_distributed
 from services.trainer.evaluation import EvalRequest
+from services.trainer.optimizing import NonFiniteUpdate
 from services.trainer.policy import ShardedPolicy
 from tests.support import micro_batches
 
@@ -61,7 +63,36 @@ def run(spec: dict) -> None:
     shutdown_distributed()
 
 
+def refuse(spec: dict) -> None:
+    """Sample 1 (rank 1's share) has a NaN advantage: every rank refuses the step alike, naming it,
+    its weights unchanged, and the ranks stay in step for the next micro-batch."""
+    rank = init_distributed("gloo", 120.0)
+    config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=1, group_size=4,
+                           micro_batch_groups=1, mini_batches_per_step=1, learning_rate=1e-2)
+    policy = ShardedPolicy(config, rank)
+    poisoned, clean = micro_batches(Path(spec["model_dir"]), 2)
+    for index, sample in enumerate(poisoned):
+        sample.sample_id = f"b/p0/{index}"
+    poisoned[1].advantage = float("nan")
+    policy.begin_step(7)
+    before = policy.full_parameters()
+    result: dict = {}
+    try:
+        policy.backward(poisoned)
+    except NonFiniteUpdate as exc:
+        result["refused"] = str(exc)
+    result["unchanged"] = all(torch.equal(before[name], tensor) for name, tensor in policy.full_parameters().items())
+    policy.backward(clean)
+    result["norm"] = policy.optimizer_step()
+    torch.save(result, spec["result"].format(rank=rank.rank))
+    shutdown_distributed()
+
+
 if __name__ == "__main__":
     configure_logging("warning")
     torch.set_num_threads(1)
-    run(json.loads(Path(sys.argv[1]).read_text()))
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("refuse"):
+        refuse(spec)
+    else:
+        run(spec)

@@ -38,7 +38,8 @@ def test_one_part_trains_the_model_tokens_and_masks_the_rest():
 def test_an_edited_history_trains_each_part_once():
     trajectory = manager_pb2.SessionTrajectory(segments=[
         context([1, 2]), model([10, 11], 0), context([3]), model([12], 1),
-        context([7, 8], starts_part=True, reused_prefix_tokens=3), model([13], 2)])
+        context([7, 8], starts_part=True, reused_prefix_tokens=3, break_cause="content_mismatch"), model([13], 2)])
+    assert figures_of(trajectory).parts == 2 and figures_of(trajectory).breaks == {"content_mismatch": 1}
     first, second = parts_of(trajectory)
     assert first.response_ids == [10, 11, 3, 12] and first.mask == [1, 1, 0, 1]
     # The kept prefix (1, 2, 10) is context in the new part: 10 is not trained twice.

@@ -1,8 +1,8 @@
 """Advantage estimators, registered by name. An outcome estimator turns the rewards of the groups
-trained together (a micro-batch's, one tensor per group) into one advantage per sample; a critic
-estimator (`gae`) turns per-token rewards and a value model's values into per-token advantages
-and returns. Pure tensor functions, computed in float64: rewards a few ulps apart in float32
-would otherwise lose their centring."""
+trained together (a micro-batch's, one tensor per group, of any size from 1: masking can leave one
+sample) into one advantage per sample; a critic estimator (`gae`) turns per-token rewards and a
+value model's values into per-token advantages and returns. Pure tensor functions, computed in
+float64: rewards a few ulps apart in float32 would otherwise lose their centring."""
 
 from __future__ import annotations
 
@@ -64,10 +64,14 @@ def grpo(groups: list[torch.Tensor]) -> list[torch.Tensor]:
 @outcome_estimator("rloo")
 def rloo(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     """REINFORCE leave-one-out: a sample's reward less the mean reward of the other samples of its
-    group, r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) (r_i - mean)."""
+    group, r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) (r_i - mean). A sample alone in its
+    group has no other to compare with: 0."""
     advantages = []
     for rewards in groups:
         values = rewards.double()
+        if len(values) < 2:
+            advantages.append(torch.zeros_like(rewards))
+            continue
         others = (values.sum() - values) / (len(values) - 1)
         advantages.append((values - others).to(rewards.dtype))
     return advantages

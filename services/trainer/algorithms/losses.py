@@ -117,6 +117,8 @@ class LossTotals:
     """Tokens whose pi_prox / pi_behav exceeds importance_cap (their weight truncated to it, or dropped)."""
     behaviour_kl: float
     """Summed k3 estimate of KL(pi_behav || pi_prox): how far the sampler is from the proximal policy."""
+    nonfinite_rows: tuple[int, ...] = ()
+    """The sequences whose loss is not finite (a NaN or infinite input): their step must be refused."""
 
 
 def policy_loss(
@@ -159,11 +161,12 @@ def policy_loss(
     if reference_logprobs is not None and kl_coef > 0:
         token_loss = token_loss + kl_coef * k3_kl(logprobs, reference_logprobs)
     lengths = mask.sum(dim=-1)
+    row_losses = masked(token_loss, mask).sum(dim=-1)
     if aggregation == "sequence-mean":
-        total = ((token_loss * mask).sum(dim=-1) / lengths.clamp(min=1)).sum()
+        total = (row_losses / lengths.clamp(min=1)).sum()
         count = torch.tensor(float(mask.shape[0]), device=mask.device)
     elif aggregation == "token-mean":
-        total = (token_loss * mask).sum()
+        total = row_losses.sum()
         count = lengths.sum()
     else:
         raise ValueError(f"unknown loss aggregation {aggregation!r}: expected sequence-mean or token-mean")
@@ -176,17 +179,23 @@ def policy_loss(
         masked_weights = torch.where(mask > 0, raw_weight, torch.zeros_like(raw_weight))
         weight_max = masked_weights.max() if masked_weights.numel() else masked_weights.new_zeros(())
         # One transfer of every figure: on a GPU each float() would wait for the device on its own.
-        figures = torch.stack([
-            total.detach(), count.to(mask.dtype), mask.sum(), (was_clipped * mask).sum(),
-            (k3_kl(logprobs, kl_anchor) * mask).sum(), (raw_weight * mask).sum(), weight_max,
-            (over_cap.to(mask.dtype) * mask).sum(), (k3_kl(behaviour_logprobs, proximal) * mask).sum(),
-        ]).tolist()
+        figures = torch.cat([torch.stack([
+            total.detach(), count.to(mask.dtype), mask.sum(), masked(was_clipped, mask).sum(),
+            masked(k3_kl(logprobs, kl_anchor), mask).sum(), masked(raw_weight, mask).sum(), weight_max,
+            masked(over_cap.to(mask.dtype), mask).sum(), masked(k3_kl(behaviour_logprobs, proximal), mask).sum(),
+        ]), (~torch.isfinite(row_losses.detach())).to(mask.dtype)]).tolist()
         (loss_sum, count_value, tokens, clipped_tokens, kl, importance_weight_sum, importance_weight_max, capped_tokens,
-         behaviour_kl) = figures
+         behaviour_kl) = figures[:9]
         totals = LossTotals(loss=loss_sum, count=count_value, tokens=tokens, clipped_tokens=clipped_tokens, kl=kl,
                             importance_weight=importance_weight_sum, importance_weight_max=importance_weight_max,
-                            capped_tokens=capped_tokens, behaviour_kl=behaviour_kl)
+                            capped_tokens=capped_tokens, behaviour_kl=behaviour_kl,
+                            nonfinite_rows=tuple(row for row, flag in enumerate(figures[9:]) if flag))
     return total, totals
+
+
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` weighted by `mask`, 0 off it whatever they hold there (0 times an infinity would be NaN)."""
+    return torch.where(mask > 0, values * mask, torch.zeros_like(values))
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
