@@ -195,9 +195,11 @@ bench: setup
 	$(PY) -m bench.rewards
 	$(PY) -m bench.agentic
 	$(PY) -m bench.gateway
+	$(PY) -m bench.soak
 
 # At least 10,000 requests generated from the contracts over every RPC of the four services, plus
-# the targeted cases (a bounded run is part of `make test`); figures in bench/results/fuzz.json.
+# the targeted cases, and 10,000 generated HTTP requests to the OpenAI gateway (bounded runs of both
+# are part of `make test`); figures in bench/results/fuzz.json (the gateway's under "gateway").
 .PHONY: fuzz
 fuzz: setup
 	RLMESH_FUZZ_REQUESTS=10000 RLMESH_FUZZ_RESULTS=bench/results/fuzz.json $(PY) -m pytest tests/fuzz -q

@@ -88,3 +88,15 @@ def test_up_refuses_vllm_on_cpu_for_a_head_size_its_attention_lacks(tmp_path, mo
     assert result.returncode == 2
     assert f"rollout.engine.kind = vllm: the vllm engine cannot serve {model_dir} on CPU: its attention head size is 16" in result.stderr
     assert not run_dir.exists()
+
+
+def test_init_model_takes_a_short_warm_up_for_a_chat_model_of_ones_own_only(tmp_path):
+    result = run("init-model", "--kind", "tiny-increment", "--warmup-iterations", "3", "--model-dir", str(tmp_path / "m"))
+    assert result.returncode == 2 and "--warmup-iterations applies to --kind tiny-chat" in result.stderr
+    assert not (tmp_path / "m").exists()
+    result = run("init-model", "--kind", "tiny-chat", "--warmup-iterations", "0", "--model-dir", str(tmp_path / "m"))
+    assert result.returncode == 2 and "must be at least 1" in result.stderr
+    result = run("init-model", "--kind", "tiny-chat", "--warmup-iterations", "2", "--model-dir", str(tmp_path / "chat"))
+    assert result.returncode == 0, result.stderr
+    assert "chat_template" in (tmp_path / "chat" / "tokenizer_config.json").read_text() or (tmp_path / "chat" / "chat_template.jinja").exists()
+    assert (tmp_path / "chat" / "config.json").exists()
