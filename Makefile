@@ -166,6 +166,12 @@ test-vllm: setup setup-vllm
 test-large: setup
 	$(PY) -m pytest tests -m large
 
+# Jobs at the default step size that take a 2-core machine a quarter of an hour (pytest marker `long`,
+# deselected from `make test`): a Python `openai` harness per episode, 16 prompts x 8 episodes a step.
+.PHONY: test-long
+test-long: setup
+	$(PY) -m pytest tests -m long
+
 # The GPU check on a CUDA host (bench/gpu): engine parity with HF, GRPO steps at the Qwen2.5-0.5B
 # and -1.5B shapes, the weight path, decode tokens/s and a 30-step job on the GPU; figures in
 # bench/results/gpu.json and gpu.log. `make test` runs the same script on the CPU at small shapes;

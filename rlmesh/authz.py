@@ -52,6 +52,7 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_MANAGER}/StreamTurn": _SESSION_RUNNERS,
     f"/{_MANAGER}/SetSessionReward": _SESSION_RUNNERS,
     f"/{_MANAGER}/CloseSession": frozenset({"trainer"}),
+    f"/{_MANAGER}/StartSession": frozenset({"trainer"}),
     f"/{_MANAGER}/GetSession": _SESSION_RUNNERS,
     # Every opening session's key: the manager's own gateway only.
     f"/{_MANAGER}/WatchSessions": frozenset({"manager"}),
@@ -69,11 +70,13 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_WEIGHTS}/UploadShards": frozenset({"trainer"}),
     f"/{_WEIGHTS}/GetStatus": frozenset({"trainer", "manager"}) | _STATUS_READERS,
     f"/{_TRAINER}/GetTrainingStatus": _STATUS_READERS,
-    f"/{_REWARD}/Score": frozenset({"trainer"}),
-    f"/{_ENVIRONMENT}/Reset": frozenset({"trainer"}),
-    f"/{_ENVIRONMENT}/Step": frozenset({"trainer"}),
-    f"/{_ENVIRONMENT}/Close": frozenset({"trainer"}),
 }
+
+USER_CONTRACTS = frozenset({_REWARD, _ENVIRONMENT})
+"""Contracts the user's code serves (a remote verifier, a remote environment): outside the mesh,
+so in no role's table. A call to one carries the credential its task configures
+(`reward.remote_credential`, `environment.remote_credential`) or none, never a role's secret or
+certificate (docs/security.md)."""
 
 
 def service_of(method: str) -> str:

@@ -1,11 +1,13 @@
 """Bearer secrets, one per role: `rlmesh secrets` and `rlmesh up` write them (mode 0600) with the
-verifiers file servers check them against, which holds only their SHA-256 digests."""
+verifiers file servers check them against, which holds only their SHA-256 digests; and the tokens
+tasks configure for the user's services, which never get a role's."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -77,6 +79,22 @@ def read_secret(path: str | Path) -> str:
     if not secret:
         raise ConfigError(f"the secret file {path} is empty")
     return secret
+
+
+def user_service_token(reference: str | None, what: str) -> str:
+    """The bearer token a task configures for a user's service (`env:NAME` or `file:PATH`; None:
+    no token, ""). ConfigError naming `what` and the reference when it cannot be read."""
+    if not reference:
+        return ""
+    source, _, name = reference.partition(":")
+    if source == "env":
+        token = os.environ.get(name, "").strip()
+        if not token:
+            raise ConfigError(f"{what} = {reference!r}: the environment variable {name} is not set or empty")
+        return token
+    if source == "file":
+        return read_secret(name)
+    raise ConfigError(f"{what} = {reference!r} must be env:NAME or file:PATH")
 
 
 def service_auth_settings(prefix: str, directory: str | Path, role: Role) -> dict[str, str]:

@@ -117,6 +117,7 @@ class _Identity:
     channel_credentials: grpc.ChannelCredentials | None = None
     secret_of: Callable[[str], str] | None = None
     """The bearer secret to present on a call of a method (full name); None: present none."""
+    tls_files: TlsFiles | None = None
 
 
 _identity = _Identity()
@@ -125,6 +126,12 @@ _identity = _Identity()
 def use_tls(files: TlsFiles | None) -> None:
     """Every channel this process opens from now on uses mutual TLS with these files (None: plaintext)."""
     _identity.channel_credentials = TlsCredentials.load(files).channel() if files is not None else None
+    _identity.tls_files = files
+
+
+def mesh_tls() -> TlsFiles | None:
+    """The TLS files this process calls the mesh with (None: plaintext): the mesh's CA is in them."""
+    return _identity.tls_files
 
 
 def use_secret(secret: str | Callable[[str], str]) -> None:
@@ -155,6 +162,39 @@ class _CallWithSecret:
         if _identity.secret_of is not None and (secret := _identity.secret_of(self._method)):
             metadata = (*(metadata or ()), (AUTHORIZATION_KEY, f"Bearer {secret}"))
         return self._call(*args, metadata=metadata, **kwargs)
+
+
+class _ChannelWithToken:
+    """A grpc.aio channel whose stubs' calls carry one fixed bearer token (a user service's)."""
+
+    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
+        self._channel = channel
+        self._token = token
+
+    def _wrap(self, call: Any) -> Any:
+        header = (AUTHORIZATION_KEY, f"Bearer {self._token}")
+        return lambda *args, metadata=None, **kwargs: call(*args, metadata=(*(metadata or ()), header), **kwargs)
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._channel.unary_unary(method, *args, **kwargs))
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._channel.unary_stream(method, *args, **kwargs))
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._channel.stream_unary(method, *args, **kwargs))
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(self._channel.stream_stream(method, *args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._channel, name)
+
+    async def __aenter__(self) -> _ChannelWithToken:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self._channel.close()
 
 
 class _ChannelWithSecret:
@@ -193,6 +233,15 @@ def open_channel(address: str, max_message_mb: int = 64, keepalive: Keepalive = 
     else:
         channel = grpc.aio.insecure_channel(address, options=options)
     return _ChannelWithSecret(channel)  # type: ignore[return-value]
+
+
+def open_user_channel(address: str, bearer_token: str = "", max_message_mb: int = 64,
+                      keepalive: Keepalive = KEEPALIVE) -> grpc.aio.Channel:
+    """A channel to a user's service (a remote verifier or environment), outside the mesh: it
+    carries none of this process's mesh identity (no role's secret, no client certificate), only
+    `authorization: Bearer <bearer_token>` when a token is given (the task's own credential)."""
+    channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb, keepalive))
+    return _ChannelWithToken(channel, bearer_token) if bearer_token else channel  # type: ignore[return-value]
 
 
 def call_options(timeout: float) -> dict[str, Any]:

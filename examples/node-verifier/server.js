@@ -26,54 +26,51 @@ const { values: args } = parseArgs({
     port: { type: "string", default: process.env.PORT || "50061" },
     // Comma-separated task names this verifier accepts; empty accepts every task.
     tasks: { type: "string", default: process.env.TASKS || "" },
-    // The mesh's verifiers.json (`rlmesh secrets`): only the trainer's bearer secret is accepted.
-    verifiers: { type: "string", default: process.env.VERIFIERS_FILE || "" },
+    // A file holding the bearer token callers must present (the task's reward.remote_credential).
+    "token-file": { type: "string", default: process.env.TOKEN_FILE || "" },
     // Serve anyone, with no credential: a verifier on one trusted machine only.
     insecure: { type: "boolean", default: process.env.INSECURE === "true" },
   },
 });
 const tasks = new Set(args.tasks.split(",").map((t) => t.trim()).filter(Boolean));
 
-// rlmesh authorizes every call by the caller's role (docs/security.md); Score is the trainer's.
-const ALLOWED_ROLES = new Set(["trainer"]);
-let roleOfDigest = null;
+// This server is the user's, outside the mesh (docs/security.md): the trainer calls it with the
+// token its task configures (reward.remote_credential), never a mesh role's secret.
+let token = null;
 if (!args.insecure) {
-  if (!args.verifiers) {
-    console.error("no --verifiers FILE (the mesh's verifiers.json from `rlmesh secrets`): every call is authorized "
-      + "by its caller's role; --insecure serves anyone");
+  if (!args["token-file"]) {
+    console.error("no --token-file FILE (the bearer token the task's reward.remote_credential names): every call must "
+      + "carry it; --insecure serves anyone");
     process.exit(2);
   }
   try {
-    const table = JSON.parse(fs.readFileSync(args.verifiers, "utf8"));
-    roleOfDigest = new Map(Object.entries(table).map(([role, digest]) => [digest, role]));
+    token = fs.readFileSync(args["token-file"], "utf8").trim();
   } catch (error) {
-    console.error(`cannot read the verifiers file ${args.verifiers}: ${error.message}`);
+    console.error(`cannot read the token file ${args["token-file"]}: ${error.message}`);
+    process.exit(2);
+  }
+  if (!token) {
+    console.error(`the token file ${args["token-file"]} is empty`);
     process.exit(2);
   }
 }
 
-// A status error when the call's credential is missing or not an allowed role's, else null.
-function refusal(call) {
-  if (roleOfDigest === null) {
+// A status error when the call does not carry the token, else null (compared in constant time).
+function refusal(call, method) {
+  if (token === null) {
     return null;
   }
   const header = call.metadata.get("authorization")[0];
-  if (typeof header !== "string" || !header.startsWith("Bearer ")) {
-    return { code: grpc.status.UNAUTHENTICATED, details: "Score needs a credential: `authorization: Bearer <secret>` with the trainer's secret" };
-  }
-  const digest = crypto.createHash("sha256").update(header.slice("Bearer ".length)).digest("hex");
-  const role = roleOfDigest.get(digest);
-  if (role === undefined) {
-    return { code: grpc.status.UNAUTHENTICATED, details: "Score needs a credential: the bearer secret presented is no role's" };
-  }
-  if (!ALLOWED_ROLES.has(role)) {
-    return { code: grpc.status.PERMISSION_DENIED, details: `Score is not open to the ${role} role (allowed: trainer)` };
+  const presented = Buffer.from(typeof header === "string" && header.startsWith("Bearer ") ? header.slice("Bearer ".length) : "");
+  const expected = Buffer.from(token);
+  if (presented.length !== expected.length || !crypto.timingSafeEqual(presented, expected)) {
+    return { code: grpc.status.UNAUTHENTICATED, details: `${method} needs a credential: \`authorization: Bearer <token>\` with this server's token` };
   }
   return null;
 }
 
 function score(call, callback) {
-  const refused = refusal(call);
+  const refused = refusal(call, "Score");
   if (refused !== null) {
     callback(refused);
     return;

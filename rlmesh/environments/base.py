@@ -13,6 +13,8 @@ from rlmesh.tool_calls import ToolCall
 
 Message = dict[str, Any]
 ROLES = ("system", "user", "assistant", "tool")
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest reward the manager can store: rewards travel as float32."""
 
 
 class EnvironmentFailure(RuntimeError):
@@ -109,6 +111,21 @@ def as_messages(value: Any, where: str) -> list[Message]:
     return messages
 
 
+def checked_reward(reward: Any, where: str) -> float:
+    """A reward as the manager stores it (float32); EnvironmentFailure naming `where` for anything
+    else (NaN, an infinity, a number beyond float32's range, a bool, text)."""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+        raise EnvironmentFailure(f"{where} gave reward={reward!r}, not a finite number")
+    try:
+        value = float(reward)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise EnvironmentFailure(f"{where} gave reward={reward!r}, not a finite number within float32's range "
+                                 f"(magnitude at most {FLOAT32_MAX:.7g})")
+    return value
+
+
 def as_step_result(value: Any) -> StepResult:
     """A StepResult from what `step` returned; EnvironmentFailure for anything else."""
     if isinstance(value, StepResult):
@@ -124,9 +141,7 @@ def as_step_result(value: Any) -> StepResult:
     if not isinstance(done, bool):
         raise EnvironmentFailure(f"step returned done={done!r}, not a bool")
     if reward is not None:
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise EnvironmentFailure(f"step returned reward={reward!r}, not a finite number")
-        reward = float(reward)
+        reward = checked_reward(reward, "step")
     messages = [] if observation is None or (done and not observation) else as_observation(observation, "step")
     if not done and not messages:
         raise EnvironmentFailure("step returned no observation for an episode that is not done")

@@ -22,9 +22,15 @@ def environment_factory(config: EnvironmentConfig, task: str, search_path: Seque
     if config.command or config.verifiers:
         return None
     if config.remote:
+        from rlmesh.config import ConfigError
+        from rlmesh.credentials import user_service_token
         from rlmesh.environments.remote import EnvironmentChannel
 
-        channel = EnvironmentChannel(config.remote, task, config.step_deadline_seconds)
+        try:
+            token = user_service_token(config.remote_credential, "environment.remote_credential")
+        except ConfigError as exc:
+            raise EnvironmentLoadError(str(exc)) from exc
+        channel = EnvironmentChannel(config.remote, task, config.step_deadline_seconds, token)
         return channel.episode
     if config.builtin:
         from rlmesh.environments.calculator import CalculatorEnvironment

@@ -1,6 +1,7 @@
 """An environment served behind `rlmesh.environment.v1.EnvironmentService`, in any language: one
-client per episode over a channel its task shares, every call under a deadline, and every refusal
-or malformed answer an EnvironmentFailure that ends the episode."""
+client per episode over a channel its task shares, every call under a deadline and with the task's
+own credential (never a mesh role's), and every refusal or malformed answer an EnvironmentFailure
+that ends the episode."""
 
 from __future__ import annotations
 
@@ -12,22 +13,24 @@ import grpc
 
 from rlmesh.environment.v1 import environment_pb2, environment_pb2_grpc
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Tokens
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc import call_options, open_user_channel
 
 
 class EnvironmentChannel:
     """The channel of one task's environment service, opened on first use (a grpc.aio channel
-    belongs to the event loop it was made in)."""
+    belongs to the event loop it was made in); `bearer_token` (the task's
+    environment.remote_credential) goes with every call when given."""
 
-    def __init__(self, address: str, task: str, timeout_seconds: float) -> None:
+    def __init__(self, address: str, task: str, timeout_seconds: float, bearer_token: str = "") -> None:
         self.address, self.task, self.timeout = address, task, timeout_seconds
+        self.bearer_token = bearer_token
         self._channel: grpc.aio.Channel | None = None
         self._stub: environment_pb2_grpc.EnvironmentServiceStub | None = None
 
     @property
     def stub(self) -> environment_pb2_grpc.EnvironmentServiceStub:
         if self._stub is None:
-            self._channel = open_channel(self.address)
+            self._channel = open_user_channel(self.address, self.bearer_token)
             self._stub = environment_pb2_grpc.EnvironmentServiceStub(self._channel)
         return self._stub
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from rlmesh.gateway_client import KEY_HEADER, trust_environment
 from rlmesh.tasks.base import PromptSource, TaskPrompt
 
 HARNESS_ID = "rlmesh_verifiers"
@@ -109,12 +110,15 @@ class VerifiersEpisodes:
         self._serving: Any = None
         self._starting = asyncio.Lock()
 
-    async def run(self, index: int, base_url: str, model: str, deadline_seconds: float) -> VerifiersOutcome:
-        """One episode of row `index`, its model calls sent to `base_url`."""
+    async def run(self, index: int, base_url: str, model: str, deadline_seconds: float, key: str = "") -> VerifiersOutcome:
+        """One episode of row `index`, its model calls sent to `base_url` with the session's `key`."""
         import verifiers.v1 as vf
 
         await self._start()
-        context = vf.ModelContext(model=model, client=vf.EvalClientConfig(base_url=base_url, api_key_var="RLMESH_VERIFIERS_NO_KEY"))
+        # verifiers sets the bearer key of its upstream calls from an environment variable, one for
+        # the process: each episode's own key goes in the gateway's key header instead.
+        client = vf.EvalClientConfig(base_url=base_url, api_key_var="RLMESH_VERIFIERS_NO_KEY", headers={KEY_HEADER: key} if key else {})
+        context = vf.ModelContext(model=model, client=client)
         (slot,) = self.environment.slots(self.tasks[index], 1)
         try:
             episode = await asyncio.wait_for(self.environment.run_slot(slot, context), deadline_seconds)
@@ -129,6 +133,9 @@ class VerifiersEpisodes:
     async def _start(self) -> None:
         async with self._starting:
             if self._serving is None:
+                # The clients verifiers makes trust what SSL_CERT_FILE names: with the mesh's TLS, the
+                # gateway's CA beside the usual roots.
+                os.environ.update(trust_environment())
                 serving = self.environment.serving()
                 await serving.__aenter__()
                 self._serving = serving

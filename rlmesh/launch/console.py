@@ -79,7 +79,8 @@ def describe_mesh(plan: LaunchPlan) -> str:
     return (f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
             f"rollout {', '.join(plan.rollout_address(i) for i in range(mesh.rollout_instances))}"
             + (f" (up to {mesh.instance_cap}{', autoscaled' if mesh.autoscale else ''})" if mesh.instance_cap > mesh.rollout_instances else "")
-            + f", trainer {plan.trainer_address}, OpenAI gateway http://{plan.gateway_address}/sessions/<session>/v1"
+            + f", trainer {plan.trainer_address}, OpenAI gateway {'https' if plan.tls_dir is not None else 'http'}://"
+            + f"{plan.gateway_address}/sessions/<session>/v1"
             + (f" ({mesh.trainer_ranks} FSDP ranks)" if mesh.trainer_ranks > 1 else "") + f"; logs in {plan.log_dir}"
             + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
             + (f"; every call authorized by role, secrets in {plan.secrets_dir}" if plan.secrets_dir is not None

@@ -1,5 +1,6 @@
 """A reward computed by a verifier behind `rlmesh.reward.v1.RewardService`, in any language: every
-call has a deadline, transient failures are retried with backoff, big batches are split."""
+call has a deadline and carries the task's own credential (never a mesh role's), transient
+failures are retried with backoff, big batches are split."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import structlog
 
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.base import RewardItem, RewardResult
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc import call_options, open_user_channel
 
 log = structlog.get_logger()
 
@@ -27,10 +28,11 @@ class RemoteRewardError(RuntimeError):
 
 class RemoteReward:
     """Client of one verifier for one task. `max_batch_size` > 0 splits a batch into calls of at
-    most that many items, sent concurrently."""
+    most that many items, sent concurrently; `bearer_token` (the task's reward.remote_credential)
+    goes with every call when given."""
 
     def __init__(self, address: str, task: str, timeout_seconds: float, attempts: int, backoff_seconds: float,
-                 max_batch_size: int = 0) -> None:
+                 max_batch_size: int = 0, bearer_token: str = "") -> None:
         if timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         if attempts < 1:
@@ -43,6 +45,7 @@ class RemoteReward:
         self.attempts = attempts
         self.backoff = backoff_seconds
         self.max_batch_size = max_batch_size
+        self.bearer_token = bearer_token
         # Opened on first use: a grpc.aio channel belongs to the event loop it was created in.
         self._channel: grpc.aio.Channel | None = None
         self._stub: reward_pb2_grpc.RewardServiceStub | None = None
@@ -76,7 +79,7 @@ class RemoteReward:
 
     async def _score_chunk(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         if self._stub is None:
-            self._channel = open_channel(self.address)
+            self._channel = open_user_channel(self.address, self.bearer_token)
             self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
         request = self._request(items)
         for attempt in range(1, self.attempts + 1):

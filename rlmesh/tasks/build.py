@@ -119,11 +119,13 @@ def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
 
         return PythonReward(load_callable(reward.function, search_path), reward.batched, reward.function)
     if reward.remote:
+        from rlmesh.credentials import user_service_token
         from rlmesh.rewards.remote import RemoteReward
 
         # The guard's deadline covers every attempt of the call.
         return RemoteReward(reward.remote, config.name, timeout_seconds=reward.timeout_seconds / reward.attempts,
-                            attempts=reward.attempts, backoff_seconds=0.2)
+                            attempts=reward.attempts, backoff_seconds=0.2,
+                            bearer_token=user_service_token(reward.remote_credential, "reward.remote_credential"))
     if builtin == "increment":
         from rlmesh.rewards.builtin import IncrementReward
 
@@ -138,6 +140,7 @@ def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
 def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_path: Sequence[str] = ()) -> Task:
     """Builds and checks a task: the dataset is read, the reward loaded and a few prompts rendered
     with the model's tokenizer, so a bad task stops the job at start with its name in the message."""
+    from rlmesh.config import ConfigError
     from rlmesh.environments.factory import EnvironmentLoadError, environment_factory
     from rlmesh.environments.verifiers_adapter import VerifiersError
     from rlmesh.rewards.python import RewardLoadError
@@ -151,7 +154,7 @@ def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_pat
         # A multi-turn task's environment gives its rewards, unless the task names a reward of its own.
         inner = _reward(config, search_path) if environment is None or config.reward.given else None
         factory = environment_factory(environment, config.name, search_path) if environment is not None else None
-    except (DatasetError, RewardLoadError, EnvironmentLoadError, VerifiersError) as exc:
+    except (DatasetError, RewardLoadError, EnvironmentLoadError, VerifiersError, ConfigError) as exc:
         raise TaskError(f"task {config.name!r}: {exc}") from exc
     for prompt in [source.prompt_at(0), *source.held_out(1)]:
         renderer.token_ids(prompt)

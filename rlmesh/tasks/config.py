@@ -3,6 +3,7 @@ field mapping), how they are rendered, the reward, sampling settings and held-ou
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,6 +12,28 @@ from pydantic import Field, model_validator
 from rlmesh.config import StrictModel
 
 BUILTIN_REWARDS = ("increment", "math")
+CREDENTIAL_SOURCES = ("env:", "file:")
+AGENTS_PER_CORE = 2
+"""An agent command's episodes at once per CPU core, by default: each is a process, whose start is
+CPU work (a Python harness with the `openai` client takes about a CPU second) while the rest of its
+episode mostly waits on the model's turns."""
+ENVIRONMENT_EPISODES_PER_CORE = 256
+"""An environment's episodes at once per CPU core, by default: each is a coroutine of the episode
+driver waiting on the model's turns, its sync calls bounded by `threads`."""
+
+
+def check_credential(reference: str | None, where: str) -> None:
+    """A credential reference names where its bearer token is: `env:NAME` or `file:PATH`."""
+    if reference is not None and (not reference.startswith(CREDENTIAL_SOURCES) or not reference.split(":", 1)[1]):
+        raise ValueError(f"{where} {reference!r} must be env:NAME (an environment variable) or file:PATH (a file holding the token)")
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity, which a container's cpuset limits)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class DatasetConfig(StrictModel):
@@ -69,6 +92,10 @@ class RewardConfig(StrictModel):
     """The function takes lists (one entry per sample) and returns a list."""
     remote: str | None = None
     """host:port of a verifier serving rlmesh.reward.v1.RewardService (any language)."""
+    remote_credential: str | None = None
+    """The bearer token the remote verifier is called with (`authorization: Bearer <token>`):
+    `env:NAME` (an environment variable of the trainer) or `file:PATH` (a file holding it, relative
+    to the job file). None: its calls carry no credential. It never gets a mesh role's secret."""
     timeout_seconds: float = Field(default=30.0, gt=0)
     """Deadline of scoring one sample (a per-sample function) or one batch (a batched function, a
     remote verifier: every attempt included, each getting timeout_seconds / attempts); past it
@@ -90,6 +117,9 @@ class RewardConfig(StrictModel):
             raise ValueError(f"function {self.function!r} must be written module:function or file.py:function")
         if self.batched and not self.function:
             raise ValueError("batched applies to a Python function only")
+        if self.remote_credential and not self.remote:
+            raise ValueError("remote_credential is the remote verifier's: give remote too")
+        check_credential(self.remote_credential, "remote_credential")
         return self
 
     @property
@@ -121,7 +151,11 @@ class EnvironmentConfig(StrictModel):
     calculator's baseline: the model answers directly)."""
     remote: str | None = None
     """host:port of a service serving `rlmesh.environment.v1.EnvironmentService` in any language
-    (protos/); it is called with the trainer's credentials."""
+    (protos/); it is called with `remote_credential`, never a mesh role's."""
+    remote_credential: str | None = None
+    """The bearer token the remote environment is called with (`authorization: Bearer <token>`):
+    `env:NAME` (an environment variable of the trainer) or `file:PATH` (a file holding it, relative
+    to the job file). None: its calls carry no credential."""
     verifiers: str | None = None
     """An environment written for verifiers (0.4, `verifiers.v1`): the id of its taskset, a module
     importable from the job's folder (or installed) that exports one `vf.Taskset`. It runs
@@ -133,10 +167,23 @@ class EnvironmentConfig(StrictModel):
     command: str | None = None
     """A black-box agent: this command (split like a shell would, run in the job's folder) is run
     once per episode with OPENAI_BASE_URL set to its session on the manager's gateway and
-    OPENAI_API_KEY to the session's key (plus RLMESH_SESSION_ID, and RLMESH_ROW: the dataset row as
-    JSON). It reports its reward by POSTing {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as
+    OPENAI_API_KEY to the session's key (plus RLMESH_SESSION_ID, RLMESH_ROW_FILE: a file holding the
+    dataset row as JSON, and RLMESH_ROW: the same JSON, when it is under 64 KiB). Its process group
+    is killed when it exits or at the episode's deadline. It reports its reward by POSTing {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as
     the JSON line {"reward": x} last on its stdout; or the task's reward scores the final
     transcript. Exit 0 ends the episode `done`, any other exit `environment_error`."""
+    agent_rewards: bool | None = None
+    """Whether the episode's agent may report rewards: a POST to $OPENAI_BASE_URL/rlmesh/reward
+    (any code holding the session's key can make it, the agent's tools included) or an agent
+    command's stdout line {"reward": x}. Refused, the gateway answers 403 and the stdout line is
+    ignored. None: allowed only to an agent command of a task without a reward of its own. With
+    `credit = "turn"` an agent's per-turn rewards drive the advantages directly."""
+    on_break: Literal["split", "refuse"] = "split"
+    """What the gateway does with a chat request whose history does not extend its session's (a
+    break: the harness edited, removed or inserted a message, or rewrote the model's turn beyond
+    what matching forgives; docs/agents.md). `split`: the trajectory gets a new part from the last
+    model turn both agree on (each part trains as a sample of its own). `refuse`: HTTP 409 naming
+    the first message that differs, so the agent can keep its trajectory whole."""
     credit: Literal["trajectory", "turn"] = "trajectory"
     """`trajectory`: every model token of an episode gets the episode's advantage (its reward: the
     sum of its turns'). `turn`: each turn's tokens get the advantage of that turn's reward among the
@@ -157,7 +204,16 @@ class EnvironmentConfig(StrictModel):
     environment error or a deadline (each is masked out of its group, not scored)."""
     error_window: int = Field(default=64, ge=1)
     threads: int = Field(default=64, ge=1)
-    """Worker threads running sync environment methods (episodes of all steps share them)."""
+    """Worker threads running sync environment methods (episodes of all steps share them). A call
+    past its deadline keeps its thread (Python cannot stop one): it is written off and replaced, up
+    to `threads` written off at once, so hung steps never starve later episodes."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """Episodes of this task that run at once (training and held-out ones together); the others wait
+    for a slot, and their deadlines (step, episode) start only when they do: an agent's first call
+    is timed from its start. None: 2 per CPU core for an agent command (each is a process, whose
+    start is CPU work: a Python harness with the `openai` client takes about a CPU second, and the
+    rest of its episode mostly waits on the model), 256 per core for an environment (an episode is
+    a coroutine waiting on the model's turns, its sync calls bounded by `threads`)."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> "EnvironmentConfig":
@@ -168,7 +224,17 @@ class EnvironmentConfig(StrictModel):
             raise ValueError("verifiers_args are a verifiers taskset's fields: give verifiers too")
         if self.python and ":" not in self.python:
             raise ValueError(f"python {self.python!r} must be written module:Class or file.py:Class")
+        if self.remote_credential and not self.remote:
+            raise ValueError("remote_credential is the remote environment's: give remote too")
+        check_credential(self.remote_credential, "remote_credential")
         return self
+
+    @property
+    def concurrency(self) -> int:
+        """How many of the task's episodes run at once (max_concurrent, or its default from the cores)."""
+        if self.max_concurrent is not None:
+            return self.max_concurrent
+        return cpu_cores() * (AGENTS_PER_CORE if self.command else ENVIRONMENT_EPISODES_PER_CORE)
 
 
 TASK_KINDS = ("increment", "word_problems", "dataset", "verifiers")
@@ -211,6 +277,10 @@ class TaskConfig(StrictModel):
                              "the verifiers taskset's rows")
         if self.eval.path and self.eval.split:
             raise ValueError(f"task {self.name!r}: give eval.path or eval.split, not both")
+        if self.environment is not None and self.environment.agent_rewards is None:
+            # A task that scores its episodes (its reward, an environment's step rewards, a
+            # verifiers taskset's) takes none from code its agents run.
+            self.environment.agent_rewards = bool(self.environment.command) and not self.reward.given
         return self
 
     @property
@@ -236,6 +306,11 @@ class TaskConfig(StrictModel):
         if self.environment is not None and self.environment.python and ".py:" in self.environment.python:
             file, name = self.environment.python.rsplit(":", 1)
             update["environment"] = self.environment.model_copy(update={"python": f"{absolute(file)}:{name}"})
+        for section in ("reward", "environment"):
+            current = update.get(section, getattr(self, section))
+            reference = getattr(current, "remote_credential", None)
+            if reference and reference.startswith("file:"):
+                update[section] = current.model_copy(update={"remote_credential": f"file:{absolute(reference[5:])}"})
         return self.model_copy(update=update)
 
     def missing_file(self) -> str:

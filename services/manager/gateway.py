@@ -9,23 +9,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import structlog
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from rlmesh.chat_turns import ENVIRONMENT, ChatTurns, RenderError, caching_encoder, text_encoder
+from rlmesh.chat_turns import ENVIRONMENT, ChatTurns, RenderError, TurnEncoder, caching_encoder, text_encoder
 from rlmesh.common.v1 import common_pb2
+from rlmesh.gateway_client import KEY_HEADER
 from rlmesh.manager.v1 import manager_pb2
+from rlmesh.stop_strings import cut_at_stop, without_partial_stop
 from rlmesh.tool_calls import ParsedTurn
+from services.manager import gateway_requests as checks
 from services.manager import openai_format as wire
-from services.manager.conversations import ConversationError, TurnPlan, plan_turn
+from services.manager.conversations import ConversationError, TurnPlan, after_completion, describe_break, plan_turn
 from services.manager.gateway_sessions import GatewaySessions, SessionView, TurnResult, model_turn
 from services.manager.openai_format import GatewayError
 
@@ -33,6 +37,12 @@ log = structlog.get_logger()
 
 SESSION_HEADER = "x-rlmesh-session"
 MAX_BODY_BYTES = 8 << 20
+ROUTE_ERRORS = {
+    404: "no such route: the gateway serves POST <base>/chat/completions, POST <base>/completions, GET <base>/models and "
+         "POST <base>/rlmesh/reward, <base> being /sessions/<id>/v1, /sessions/<id>/key/<key>/v1 or /v1 (with the "
+         f"{SESSION_HEADER} header); and GET /healthz",
+    405: "{method} is not allowed on this route (POST for completions and rewards, GET for models and /healthz)",
+}
 
 
 class JsonReply(JSONResponse):
@@ -62,10 +72,17 @@ class PlannedTurn:
     segments: list[manager_pb2.Segment]
     turn: int
     sampling: common_pb2.SamplingParams
+    tools: bool = False
+    """The request offered tools: only then are the model's calls read from its text."""
 
 
-def environment_segment(token_ids: list[int]) -> manager_pb2.Segment:
-    return manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=token_ids)
+def environment_segment(token_ids: list[int], break_cause: str = "") -> manager_pb2.Segment:
+    return manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=token_ids, break_cause=break_cause)
+
+
+def refused_break(where: str) -> GatewayError:
+    return GatewayError(409, f"{where}: this session refuses breaks (the task's environment.on_break is \"refuse\"); send a history "
+                             "that extends the session's", "invalid_request_error", "history_break")
 
 
 @dataclass(slots=True)
@@ -82,6 +99,7 @@ class Gateway:
         self.sessions = sessions
         self.tokenizer = tokenizer
         self._encode = caching_encoder(text_encoder(tokenizer))
+        self._turn_encoder = TurnEncoder(tokenizer)
         self.model_name = model_name
         self._locks: dict[str, SessionLock] = {}
 
@@ -111,9 +129,10 @@ class Gateway:
 
     def sampling(self, session: SessionView, body: dict[str, Any]) -> common_pb2.SamplingParams:
         """The session's sampling (the task's temperature and stop tokens: the trainer's logprobs are
-        at them), the request's max_tokens bounded by its own."""
+        at them), the request's max_tokens bounded by its own, and the request's stop strings."""
         params = common_pb2.SamplingParams()
         params.CopyFrom(session.sampling)
+        params.stop.extend(checks.stop_strings(body))
         requested = body.get("max_completion_tokens") or body.get("max_tokens")
         if requested is not None:
             if not isinstance(requested, int) or isinstance(requested, bool) or requested < 1:
@@ -128,14 +147,19 @@ class Gateway:
             raise GatewayError(400, "messages must be a list of message objects")
         if body.get("n", 1) != 1:
             raise GatewayError(400, "n must be 1: a session is one trajectory")
-        turns = ChatTurns(self.tokenizer, body.get("tools") or None, self._encode)
+        tools = body.get("tools") or None
+        turns = ChatTurns(self.tokenizer, tools, self._turn_encoder)
         try:
             plan = plan_turn(session.conversation, messages, turns)
         except (ConversationError, RenderError) as exc:
             raise GatewayError(400, str(exc)) from exc
+        if plan.cause and session.refuse_breaks:
+            raise refused_break(describe_break(plan, messages))
         segments = [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT if p.source == ENVIRONMENT
                                         else manager_pb2.SEGMENT_SOURCE_TEMPLATE, token_ids=p.token_ids) for p in plan.pieces]
-        return PlannedTurn(plan, segments, session.next_turn, self.sampling(session, body))
+        if plan.cause and segments:
+            segments[0].break_cause = plan.cause
+        return PlannedTurn(plan, segments, session.next_turn, self.sampling(session, body), tools is not None)
 
     async def run_chat(self, session: SessionView, planned: PlannedTurn,
                        progress: Callable[[list[int]], None] | None = None) -> tuple[TurnResult, dict[str, Any], ParsedTurn | None]:
@@ -146,14 +170,17 @@ class Gateway:
         result = await self.sessions.run(session, planned.segments, plan.keep_tokens, planned.sampling, before, progress)
         if result.segment is None:
             return result, wire.chat_message(None, ""), None
-        message, parsed, logged = model_turn(self.tokenizer, session.session_id, planned.turn, result.segment, result.stream_tokens)
+        message, parsed, logged = model_turn(self.tokenizer, session.session_id, planned.turn, result.segment, result.stream_tokens,
+                                             planned.sampling.stop, tools=planned.tools)
         session.conversation = [*before, logged]
         return result, message, parsed
 
     async def complete(self, session: SessionView, body: dict[str, Any]) -> tuple[TurnResult, int]:
         """Runs the turn a (text) completion asks for: its prompt must extend the session's stream
         (tokens compared, or text compared against the stream's decoding); where it does not, the
-        common prefix is kept and the rest starts a new part."""
+        common prefix is kept and the rest starts a new part (`edited_prompt`). The chat
+        conversation is kept up to its last model turn the stream still holds: a chat request
+        after it breaks there (`mixed_endpoints`)."""
         prompt = body.get("prompt")
         stream = session.stream
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
@@ -170,17 +197,25 @@ class Gateway:
         if not rest:
             raise GatewayError(400, "the prompt adds nothing to the session's stream: the model's next turn needs new tokens")
         keep = None if common == len(stream) else common
+        if keep is not None and session.refuse_breaks:
+            raise refused_break(f"the prompt differs from the session's stream at token {common} (edited_prompt)")
         turn = session.next_turn
-        result = await self.sessions.run(session, [environment_segment(rest)], keep, self.sampling(session, body), [])
+        conversation = after_completion(session.conversation, common)
+        result = await self.sessions.run(session, [environment_segment(rest, "" if keep is None else "edited_prompt")], keep,
+                                         self.sampling(session, body), conversation)
+        if result.segment is not None:
+            session.conversation = conversation
         return result, turn
 
-    def text_of(self, segment: manager_pb2.Segment) -> str:
-        return self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
+    def text_of(self, segment: manager_pb2.Segment, stop: Sequence[str] = ()) -> str:
+        """A turn's text, ending before its stop string (its tokens include it)."""
+        return cut_at_stop(self.tokenizer.decode(list(segment.token_ids), skip_special_tokens=True), stop)
 
-    def partial_text(self, token_ids: list[int]) -> str:
-        """A turn's text so far, for streaming: "" while its last token ends in the middle of a character."""
+    def partial_text(self, token_ids: list[int], stop: Sequence[str] = ()) -> str:
+        """A turn's text so far, for streaming: "" while its last token ends in the middle of a
+        character, and without an ending that may yet become a stop string."""
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return "" if text.endswith("\ufffd") else text
+        return "" if text.endswith("\ufffd") else without_partial_stop(text, stop)
 
     def usage(self, result: TurnResult) -> dict[str, int]:
         completion = len(result.segment.token_ids) if result.segment else 0
@@ -194,19 +229,37 @@ def create_app(gateway: Gateway) -> Starlette:
     new_id = Ids()
 
     async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        log.info("request refused", status=exc.status, code=exc.code, error=str(exc), path=request.url.path)
-        return JsonReply(wire.error_body(str(exc), exc.kind, exc.code), status_code=exc.status)
+        # Never the URL: its path may carry the session's key. The session id is bound to the log.
+        log.info("request refused", status=exc.status, code=exc.code, error=str(exc),
+                 endpoint=getattr(request.scope.get("endpoint"), "__name__", ""))
+        # A body refused unread: the connection cannot carry another request after it.
+        headers = {"connection": "close"} if exc.status == 413 else None
+        return JsonReply(wire.error_body(str(exc), exc.kind, exc.code, exc.param), status_code=exc.status, headers=headers)
+
+    async def no_route(request: Request, exc: HTTPException) -> JSONResponse:
+        # An OpenAI-style error like every other refusal; the path is not repeated (it may carry a key).
+        message = ROUTE_ERRORS[exc.status_code].format(method=request.method) if exc.status_code in ROUTE_ERRORS else exc.detail
+        return JsonReply(wire.error_body(message, "invalid_request_error", "unknown_route"), status_code=exc.status_code,
+                         headers=exc.headers)
 
     async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+        """The request's JSON object, refused (413) as soon as it is known to pass MAX_BODY_BYTES:
+        from its Content-Length before reading, or once the bytes read pass it."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise GatewayError(413, f"the request body ({declared} bytes) is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise GatewayError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+            chunks.append(chunk)
         try:
-            body = orjson.loads(raw)
+            body = orjson.loads(b"".join(chunks))
         except orjson.JSONDecodeError as exc:
             raise GatewayError(400, f"the body is not JSON: {exc}") from exc
         if not isinstance(body, dict):
-            raise GatewayError(400, "the body must be a JSON object")
+            raise GatewayError(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body
 
     async def session_of(request: Request) -> SessionView:
@@ -218,14 +271,17 @@ def create_app(gateway: Gateway) -> Starlette:
         if not session_id:
             raise GatewayError(400, f"name the session in the base URL (/sessions/<id>/v1) or the {SESSION_HEADER} header")
         # The key in the base URL (/sessions/<id>/key/<key>/v1) wins over a bearer key: a harness
-        # that takes one setting sends whatever key it was configured with.
+        # that takes one setting sends whatever key it was configured with. Then the key's header:
+        # a client whose bearer key is set for another endpoint (verifiers' interception).
         authorization = request.headers.get("authorization", "")
-        key = request.path_params.get("key") or (authorization[7:].strip() if authorization.lower().startswith("bearer ") else "")
+        key = (request.path_params.get("key") or request.headers.get(KEY_HEADER)
+               or (authorization[7:].strip() if authorization.lower().startswith("bearer ") else ""))
         return await gateway.sessions.authorized(session_id, key)
 
     async def chat_completions(request: Request):
         session = await session_of(request)
         body = await body_of(request)
+        checks.check_chat(body)
         completion_id = f"chatcmpl-{new_id()}"
         model = gateway.model_name
         unlock = await gateway.hold(session.session_id)
@@ -266,7 +322,7 @@ def create_app(gateway: Gateway) -> Starlette:
                 if not update.done():
                     update.cancel()
                     break
-                text = gateway.partial_text(update.result()) if stream_content else ""
+                text = gateway.partial_text(update.result(), planned.sampling.stop) if stream_content else ""
                 if text.startswith(sent) and len(text) > len(sent):
                     yield wire.chat_chunk(model, completion_id, {"content": text[len(sent):]})
                     sent = text
@@ -292,6 +348,7 @@ def create_app(gateway: Gateway) -> Starlette:
     async def completions(request: Request):
         session = await session_of(request)
         body = await body_of(request)
+        checks.check_completion(body)
         completion_id = f"cmpl-{new_id()}"
         unlock = await gateway.hold(session.session_id)
         try:
@@ -299,7 +356,7 @@ def create_app(gateway: Gateway) -> Starlette:
         finally:
             unlock()
         rlmesh = wire.extension(session.session_id, turn, result.segment, result.status, result.stream_tokens)
-        text = gateway.text_of(result.segment) if result.segment else ""
+        text = gateway.text_of(result.segment, checks.stop_strings(body)) if result.segment else ""
         finish = wire.finish_reason(result.segment, None)
         if not body.get("stream"):
             return JsonReply(wire.text_completion(gateway.model_name, completion_id, text, finish, gateway.usage(result), rlmesh))
@@ -318,12 +375,12 @@ def create_app(gateway: Gateway) -> Starlette:
     async def reward(request: Request):
         """A black-box agent reports its episode's reward: {"reward": x} (final) or {"reward": x, "turn": k}."""
         session = await session_of(request)
-        body = await body_of(request)
-        value, turn = body.get("reward"), body.get("turn")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (turn is not None and (not isinstance(turn, int) or turn < 0)):
-            raise GatewayError(400, "give {\"reward\": <number>} and optionally {\"turn\": <turn index>}")
-        await gateway.sessions.set_reward(session, float(value), turn)
-        return JsonReply({"session_id": session.session_id, "reward": float(value), "turn": turn})
+        if session.refuse_agent_rewards:
+            raise GatewayError(403, "this task does not take rewards from its agents (environment.agent_rewards is false: the task "
+                                    "scores its episodes itself)", "permission_error", "agent_rewards_refused")
+        value, turn = checks.reward_of(await body_of(request))
+        await gateway.sessions.set_reward(session, value, turn)
+        return JsonReply({"session_id": session.session_id, "reward": value, "turn": turn})
 
     async def health(request: Request):
         return JsonReply({"status": "serving", "sessions_cached": str(len(gateway.sessions))})
@@ -335,5 +392,5 @@ def create_app(gateway: Gateway) -> Starlette:
                    Route(f"{prefix}/completions", completions, methods=["POST"]), Route(f"{prefix}/models", models, methods=["GET"])]
         if prefix != "/v1":
             routes.append(Route(f"{prefix}/rlmesh/reward", reward, methods=["POST"]))
-    return Starlette(routes=routes, exception_handlers={GatewayError: gateway_error})
+    return Starlette(routes=routes, exception_handlers={GatewayError: gateway_error, HTTPException: no_route})
 

@@ -9,6 +9,7 @@ import asyncio
 import errno
 import os
 import socket
+import ssl
 import subprocess
 import sys
 
@@ -50,6 +51,14 @@ async def bind(host: str, port: int) -> socket.socket:
         return listening
 
 
+def tls_client_context(ca_file: str) -> ssl.SSLContext:
+    # The gateway's own process, reached at the address it was handed: its certificate must be the
+    # mesh CA's, whatever host name it was issued for.
+    context = ssl.create_default_context(cafile=ca_file)
+    context.check_hostname = False
+    return context
+
+
 class GatewayProcess:
     """The gateway's process, its listening socket and the task that starts it again."""
 
@@ -59,6 +68,9 @@ class GatewayProcess:
         self.listening = listening
         host, port = listening.getsockname()[:2]
         self.address = f"{host}:{port}"
+        self._client_tls = tls_client_context(config.server.tls.ca_file) if config.server.tls else None
+        """How the health check reaches a gateway serving HTTPS (the mesh's TLS): its CA's certificates only."""
+        self.scheme = "https" if self._client_tls else "http"
         self.process: asyncio.subprocess.Process | WarmHelper | None = None
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
@@ -75,7 +87,7 @@ class GatewayProcess:
             raise
         gateway._watch = asyncio.create_task(gateway._keep_running(), name="gateway-process")
         log.info("gateway listening", address=gateway.address, pid=gateway.process.pid,
-                 base_url=f"http://{gateway.address}/sessions/<session id>/v1")
+                 base_url=f"{gateway.scheme}://{gateway.address}/sessions/<session id>/v1")
         return gateway
 
     async def _spawn(self) -> None:
@@ -100,7 +112,7 @@ class GatewayProcess:
     async def healthy(self) -> bool:
         host, port = self.address.rsplit(":", 1)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 1.0)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port), ssl=self._client_tls), 1.0)
         except (OSError, TimeoutError):
             return False
         try:

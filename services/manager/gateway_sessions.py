@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,14 +18,22 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rpc import call_options
+from rlmesh.stop_strings import cut_at_stop
 from rlmesh.tool_calls import ParsedTurn, parse_tool_calls
 from services.manager import openai_format as wire
-from services.manager.conversations import LoggedMessage, conversation_from_proto, conversation_to_proto, message_key
+from services.manager.conversations import (COMPLETIONS_KEY, LoggedMessage, conversation_from_proto, conversation_to_proto,
+                                             logged_model_turn)
 from services.manager.openai_format import GatewayError
 from services.manager.sessions import stream_of
 
 MAX_VIEWS = 4096
 """Sessions kept in the cache; one evicted is read from the manager again on its next request."""
+UNVERIFIED_VIEWS = 256
+"""Views read for requests that presented a wrong key, kept apart from the good ones."""
+UNKNOWN_SECONDS = 2.0
+"""How long a session id the manager did not know is refused without asking it again. A session
+that opens meanwhile is announced at once (WatchSessions), which clears it; without a watch its
+harness waits this long at most."""
 WATCH_SECONDS = 600.0
 """The deadline of one WatchSessions stream; the next is opened at once."""
 WATCH_RETRY_SECONDS = (0.5, 10.0)
@@ -58,6 +67,10 @@ class SessionView:
     announced: bool = False
     """Made from the session's opening (WatchSessions), not read from its record: it assumes no turn
     ran yet, which its first turn confirms."""
+    refuse_agent_rewards: bool = False
+    """The task scores its episodes itself: the harness may not report a reward (SessionLimits)."""
+    refuse_breaks: bool = False
+    """A request whose history does not extend the session's is refused, not a new part (SessionLimits)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +83,62 @@ class TurnResult:
     stream_tokens: int
 
 
+def _same_key(expected: str, presented: str) -> bool:
+    return hmac.compare_digest(expected.encode(), presented.encode())
+
+
+class ExpiringSet:
+    """Strings remembered for `seconds` each, at most `capacity` of them (the oldest go first)."""
+
+    def __init__(self, seconds: float, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds, self.capacity, self._clock = seconds, capacity, clock
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def add(self, item: str) -> None:
+        now = self._clock()
+        self._until.pop(item, None)
+        self._until[item] = now + self.seconds
+        # Every entry lives as long, so the oldest expire first.
+        while self._until and (len(self._until) > self.capacity or next(iter(self._until.values())) <= now):
+            self._until.popitem(last=False)
+
+    def known(self, item: str) -> bool:
+        until = self._until.get(item)
+        if until is None:
+            return False
+        if until > self._clock():
+            return True
+        del self._until[item]
+        return False
+
+    def forget(self, item: str) -> None:
+        self._until.pop(item, None)
+
+
 def model_turn(tokenizer: Any, session_id: str, turn: int, segment: manager_pb2.Segment,
-               end: int) -> tuple[dict[str, Any], ParsedTurn, LoggedMessage]:
-    """A model turn as the harness sees it (its assistant message and parsed tool calls) and as the
-    conversation logs it (ending at `end` tokens of the part)."""
-    text = tokenizer.decode(list(segment.token_ids), skip_special_tokens=True)
-    parsed = parse_tool_calls(text, f"call_{session_id.rsplit('/', 1)[-1]}_{turn}")
+               end: int, stop: Sequence[str] = (), tools: bool | None = None) -> tuple[dict[str, Any], ParsedTurn, LoggedMessage]:
+    """A model turn as the harness sees it (its assistant message and parsed tool calls, its text
+    ending before a stop string) and as the conversation logs it (ending at `end` tokens of the part).
+    `tools`: whether its request offered tools (only then are calls read from its text); None when
+    not known (a turn read back from the record): its log then matches the turn as text and as calls."""
+    text = cut_at_stop(tokenizer.decode(list(segment.token_ids), skip_special_tokens=True), stop)
+    parsed = parse_tool_calls(text, f"call_{session_id.rsplit('/', 1)[-1]}_{turn}") if tools is not False else ParsedTurn(text, [], 0)
     message = wire.chat_message(parsed, text)
     stop_text = "" if segment.finish_reason == common_pb2.FINISH_REASON_LENGTH else tokenizer.decode(list(segment.token_ids[-1:]))
-    return message, parsed, LoggedMessage(message_key(message), end, stop_text)
+    if tools is None and parsed.tool_calls:
+        return message, parsed, logged_model_turn({"role": "assistant", "content": text}, end, stop_text, echoed=message)
+    return message, parsed, logged_model_turn(message, end, stop_text)
+
+
+def ran_elsewhere(view: SessionView, refusal: str = "") -> GatewayError:
+    if refusal:
+        return GatewayError(409, f"{refusal} (session {view.session_id!r} may have run turns this gateway did not know of)",
+                            "invalid_request_error", "FAILED_PRECONDITION")
+    return GatewayError(409, f"session {view.session_id!r} had run turns this gateway did not know of: send the request again",
+                        "invalid_request_error", "FAILED_PRECONDITION")
 
 
 class GatewaySessions:
@@ -91,22 +151,42 @@ class GatewaySessions:
         self.capacity = capacity
         self._views: OrderedDict[str, SessionView] = OrderedDict()
         self._announced: OrderedDict[str, manager_pb2.OpenedSession] = OrderedDict()
-        """Sessions opened that no request has reached yet."""
+        """Sessions opened that no request with their key has reached yet."""
+        self._unverified: OrderedDict[str, SessionView] = OrderedDict()
+        """Views read for a request whose key was wrong: kept apart, so they evict no good view."""
+        self._unknown = ExpiringSet(UNKNOWN_SECONDS, capacity)
+        """Session ids the manager did not know of a moment ago."""
 
     def __len__(self) -> int:
         return len(self._views)
 
     async def authorized(self, session_id: str, key: str) -> SessionView:
         """The session `key` opens. The same answer for an unknown session and a wrong key: a key
-        tells nothing about other sessions."""
+        tells nothing about other sessions. Only a view whose key was presented is kept among the
+        views (a caller without it evicts none); an unknown id is remembered a moment, so a
+        stranger's requests do not each cost a GetSession."""
         view = self._views.get(session_id)
         if view is None and key:
-            opened = self._announced.pop(session_id, None)
-            if opened is not None:
-                view = self._keep(SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True))
-            else:
-                view = await self._load(session_id)
-        if view is None or not key or not hmac.compare_digest(view.key.encode(), key.encode()):
+            view = self._unverified.pop(session_id, None)
+            if view is None:
+                opened = self._announced.get(session_id)
+                if opened is not None:
+                    view = SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True,
+                                       refuse_agent_rewards=opened.refuse_agent_rewards, refuse_breaks=opened.refuse_breaks)
+                elif not self._unknown.known(session_id):
+                    view = await self._load(session_id)
+            if view is not None:
+                if _same_key(view.key, key):
+                    self._announced.pop(session_id, None)
+                    view = self._keep(view)
+                elif not view.announced:
+                    self._unverified[session_id] = view
+                    while len(self._unverified) > UNVERIFIED_VIEWS:
+                        self._unverified.popitem(last=False)
+                    view = None
+                else:
+                    view = None
+        if view is None or not key or not _same_key(view.key, key):
             raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
                                "authentication_error", "invalid_api_key")
         self._views.move_to_end(session_id)
@@ -117,9 +197,10 @@ class GatewaySessions:
             reply = await self.manager.GetSession(manager_pb2.GetSessionRequest(session_id=session_id), **call_options(self.rpc_timeout))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
+                self._unknown.add(session_id)
                 return None
             raise http_error(exc) from exc
-        return self._keep(self._view_of(reply))
+        return self._view_of(reply)
 
     def _keep(self, view: SessionView) -> SessionView:
         # A request for the same session may have loaded it meanwhile and run a turn since.
@@ -137,6 +218,7 @@ class GatewaySessions:
                 async for reply in self.manager.WatchSessions(manager_pb2.WatchSessionsRequest(), **call_options(WATCH_SECONDS)):
                     wait = WATCH_RETRY_SECONDS[0]
                     self.announce(reply.sessions)
+                    self.drop(reply.forgotten)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue
@@ -147,8 +229,17 @@ class GatewaySessions:
             await asyncio.sleep(wait)
             wait = min(2 * wait, WATCH_RETRY_SECONDS[1])
 
+    def drop(self, session_ids: Iterable[str]) -> None:
+        """The manager forgot these sessions (their batch was delivered or cancelled): nothing of
+        them is kept, so the gateway holds only what the sessions alive need."""
+        for session_id in session_ids:
+            self._views.pop(session_id, None)
+            self._announced.pop(session_id, None)
+            self._unverified.pop(session_id, None)
+
     def announce(self, sessions: Iterable[manager_pb2.OpenedSession]) -> None:
         for opened in sessions:
+            self._unknown.forget(opened.session_id)
             if opened.session_id not in self._views:
                 self._announced[opened.session_id] = opened
         while len(self._announced) > self.capacity:
@@ -164,11 +255,13 @@ class GatewaySessions:
         index = next((i for i in range(len(segments) - 1, -1, -1)
                       if segments[i].source == manager_pb2.SEGMENT_SOURCE_MODEL and segments[i].turn == last_turn), None)
         running = trajectory.status == manager_pb2.SESSION_STATUS_OPEN and trajectory.turns > 0 and index is None
-        if index is not None and conversation and not conversation[-1].is_model_turn:
+        # After turns through /v1/completions the last is no chat turn: chat requests break at the mark.
+        if index is not None and conversation and not conversation[-1].is_model_turn and conversation[-1].key != COMPLETIONS_KEY:
             _, _, logged = model_turn(self.tokenizer, trajectory.session_id, last_turn, segments[index], len(stream_of(segments[:index + 1])))
             conversation.append(logged)
         return SessionView(trajectory.session_id, reply.key, reply.sampling, last_turn if running else trajectory.turns,
-                           conversation, stream_of(segments))
+                           conversation, stream_of(segments), refuse_agent_rewards=reply.refuse_agent_rewards,
+                           refuse_breaks=reply.refuse_breaks)
 
     def forget(self, session_id: str) -> None:
         """Drops a view that may no longer match the manager's record: the next request reads it again."""
@@ -197,6 +290,9 @@ class GatewaySessions:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self.forget(view.session_id)
+                if view.announced:
+                    # Turn 0 may have run before (through the contract) from other tokens: the manager refused these.
+                    raise ran_elsewhere(view, exc.details() or "") from exc
             raise http_error(exc) from exc
         generated = reply.generated if reply.HasField("generated") else None
         if generated is None:
@@ -212,8 +308,7 @@ class GatewaySessions:
                 self.forget(view.session_id)
                 if view.announced:
                     # Turn 0 had run before (through the contract): what came back is that turn.
-                    raise GatewayError(409, f"session {view.session_id!r} had run turns this gateway did not know of: send the "
-                                            "request again", "invalid_request_error", "FAILED_PRECONDITION")
+                    raise ran_elsewhere(view)
             view.announced = False
         return TurnResult(reply.status, generated, reply.stream_tokens)
 

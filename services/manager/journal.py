@@ -262,7 +262,7 @@ class Journal:
                 [
                     (s.session_id, s.batch_id, s.prompt_id, s.key, s.sampling.SerializeToString(), s.policy_version,
                      json.dumps(asdict(s.limits)), trajectory(s).SerializeToString(),
-                     json.dumps([(m.key, m.end, m.stop_text) for m in s.conversation]))
+                     json.dumps([(m.key, m.end, m.stop_text, m.content_key, m.calls_key) for m in s.conversation]))
                     for s in (sessions[i] for i in changed.written[SESSION] if i in sessions)
                 ],
             )

@@ -17,11 +17,13 @@ STATUS_NAMES = {s: manager_pb2.SessionStatus.Name(s).removeprefix("SESSION_STATU
 
 
 class GatewayError(Exception):
-    """A request the gateway refuses: its HTTP status and OpenAI's error type and code."""
+    """A request the gateway refuses: its HTTP status, OpenAI's error type and code, and the field at
+    fault (OpenAI's `param`), when one is."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request") -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "invalid_request",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
+        self.status, self.kind, self.code, self.param = status, kind, code, param
 
 
 def encode(body: Any) -> bytes:
@@ -35,8 +37,8 @@ def event(body: Any) -> bytes:
     return b"data: " + encode(body) + b"\n\n"
 
 
-def error_body(message: str, kind: str, code: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 def finish_reason(segment: manager_pb2.Segment | None, parsed: ParsedTurn | None) -> str:

@@ -102,6 +102,12 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.journal = journal
         self.turns = TurnRunner(state, dispatcher, changes, journal)
         self.session_feed: SessionFeed[manager_pb2.WatchSessionsResponse] = SessionFeed()
+        state.sessions.forgotten = self._sessions_forgotten
+
+    def _sessions_forgotten(self, session_ids: list[str]) -> None:
+        # The gateway drops its views of them: what it keeps is bounded by the sessions alive.
+        if self.session_feed:
+            self.session_feed.publish(manager_pb2.WatchSessionsResponse(forgotten=session_ids))
 
     def _changed(self) -> None:
         self.dispatcher.dispatch()
@@ -249,13 +255,15 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
             request.sampling,
             Limits(limits.max_turns, limits.max_total_tokens, limits.turn_deadline_seconds, limits.step_deadline_seconds,
-                   limits.session_deadline_seconds),
+                   limits.session_deadline_seconds, wait_for_start=limits.wait_for_start,
+                   refuse_agent_rewards=limits.refuse_agent_rewards, refuse_breaks=limits.refuse_breaks),
         )
         log.info("sessions opened", batch_id=request.batch_id, task=request.task, sessions=len(opened))
         self._durable()
         if self.session_feed:  # someone watches (the gateway)
             self.session_feed.publish(manager_pb2.WatchSessionsResponse(sessions=[
-                manager_pb2.OpenedSession(session_id=s.session_id, key=s.key, sampling=s.sampling, token_ids=stream_of(s.segments))
+                manager_pb2.OpenedSession(session_id=s.session_id, key=s.key, sampling=s.sampling, token_ids=stream_of(s.segments),
+                                          refuse_agent_rewards=s.limits.refuse_agent_rewards, refuse_breaks=s.limits.refuse_breaks)
                 for s in opened]))
         return manager_pb2.OpenSessionsResponse(sessions=[
             manager_pb2.SessionHandle(session_id=s.session_id, prompt_id=s.prompt_id, index=int(s.session_id.rsplit("/", 1)[1]),
@@ -305,10 +313,17 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self._changed()
         return manager_pb2.CloseSessionResponse(status=session.status)
 
+    async def StartSession(self, request, context):
+        session = self.state.sessions.start(request.session_id)
+        await self.turns.flushed()
+        return manager_pb2.StartSessionResponse(status=session.status)
+
     async def GetSession(self, request, context):
         session = self.state.sessions.get(request.session_id)
         return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key, sampling=session.sampling,
-                                              conversation=conversation_to_proto(session.conversation))
+                                              conversation=conversation_to_proto(session.conversation),
+                                              refuse_agent_rewards=session.limits.refuse_agent_rewards,
+                                              refuse_breaks=session.limits.refuse_breaks)
 
     async def WatchSessions(self, request, context):
         with self.session_feed.watch() as opened:
@@ -360,6 +375,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         for status_value, closed in sorted(sessions.closed_by_status.items()):
             families.counter("closed_sessions", "Multi-turn sessions closed, by status.", closed,
                              status=manager_pb2.SessionStatus.Name(status_value).removeprefix("SESSION_STATUS_").lower())
+        for cause, breaks in sorted(sessions.breaks_by_cause.items()):
+            families.counter("gateway_breaks", "Histories that did not extend their session's (each started a new part), by cause.",
+                             breaks, cause=cause)
         families.gauge("instances", "Rollout instances registered.", len(status.instances))
         for instance in status.instances:
             labels = {"instance": instance.instance_id}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from rlmesh.common.v1 import common_pb2
@@ -41,6 +41,7 @@ class Segment:
     starts_part: bool = False
     reused_prefix_tokens: int = 0
     turn: int = 0
+    break_cause: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,12 @@ class Limits:
     turn_deadline_seconds: float = 0.0
     step_deadline_seconds: float = 0.0
     session_deadline_seconds: float = 0.0
+    wait_for_start: bool = False
+    """The deadlines do not run until the episode starts (Sessions.start, or its first turn)."""
+    refuse_agent_rewards: bool = False
+    """The gateway refuses the rewards the session's harness reports."""
+    refuse_breaks: bool = False
+    """The gateway refuses a chat history that breaks the session's, instead of starting a part."""
 
     def problem(self) -> str:
         for name in ("turn_deadline_seconds", "step_deadline_seconds", "session_deadline_seconds"):
@@ -64,7 +71,7 @@ class Limits:
 @dataclass(slots=True)
 class Session(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds", "conversation"})
+        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds", "conversation", "limits"})
     KIND: ClassVar[str] = SESSION
 
     session_id: str
@@ -143,8 +150,12 @@ class Sessions:
         self.batches = batches
         self.clock = clock
         self.closed_by_status: dict[int, int] = {}
+        self.breaks_by_cause: dict[str, int] = {}
+        """Parts started, by the cause their caller named ("unnamed" when it named none)."""
         self.turn_ended: Callable[[str], None] = lambda session_id: None
         """Told the session id whenever a session's running turn ends (finished, or cut by its close)."""
+        self.forgotten: Callable[[list[str]], None] = lambda session_ids: None
+        """Told the ids of the sessions forgotten with their batch."""
         ledger.sessions = self
 
     def open(self, batch: Batch, limits: Limits) -> list[Session]:
@@ -167,12 +178,25 @@ class Sessions:
             raise NotFound(f"session {session_id!r} is unknown (never opened, or its batch was delivered and acknowledged)")
         return session
 
+    def start(self, session_id: str) -> Session:
+        """The session's episode begins: one opened to wait for it (limits.wait_for_start) has its
+        deadlines run from now; starting it again changes nothing."""
+        session = self.get(session_id)
+        if session.is_open and session.limits.wait_for_start:
+            session.limits = replace(session.limits, wait_for_start=False)
+            session.opened_at = session.idle_since = self.clock()
+        return session
+
     def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
                  sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None) -> TurnState:
         """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands.
         `conversation`: the gateway's record of the messages before it, kept with the turn."""
-        session = self.get(session_id)
+        session = self.start(session_id)
         if turn == session.turns - 1:
+            differs = self._asked_otherwise(session, turn, append, keep_tokens)
+            if differs:
+                raise FailedPrecondition(f"session {session_id!r}: turn {turn} was asked for with {differs}: a retried call must ask "
+                                         f"for the same turn, and the next is turn {session.turns}")
             return self.turn_state(session, turn)
         if turn != session.turns:
             raise FailedPrecondition(f"session {session_id!r} has run {session.turns} turns: the next is turn {session.turns}, not {turn}")
@@ -201,6 +225,9 @@ class Sessions:
             params.max_tokens = min(params.max_tokens, room)
         now = self.clock()
         session.segments += segments
+        if segments and segments[0].starts_part:
+            cause = segments[0].break_cause or "unnamed"
+            self.breaks_by_cause[cause] = self.breaks_by_cause.get(cause, 0) + 1
         session.environment_seconds += max(0.0, now - session.idle_since)
         session.turns = turn + 1
         session.turn_started = None
@@ -220,15 +247,35 @@ class Sessions:
         segment = session.turn_segment(turn)
         return TurnState(session.status, segment=segment, stream_tokens=len(session.part_tokens()))
 
+    def _asked_otherwise(self, session: Session, turn: int, append: list[Segment], keep_tokens: int | None) -> str:
+        """How a call for a turn already started asks for it otherwise than the call that started it
+        ("" when it asks for the same: a retry): other segments to append or another keep_tokens."""
+        started = [s for s in session.segments if s.turn == turn and s.source != MODEL]
+        slot = self._slot(session)
+        if turn == 0 and started and started[0] is session.segments[0] and slot is not None and slot.prompt_token_ids:
+            started = started[1:]  # the prompt the session opened with
+        asked = [(s.source, list(s.token_ids)) for s in append if s.token_ids]
+        if asked != [(s.source, s.token_ids) for s in started]:
+            return (f"other segments to append ({sum(len(t) for _, t in asked)} tokens; it started with "
+                    f"{sum(len(s.token_ids) for s in started)})")
+        kept = started[0].reused_prefix_tokens if started and started[0].starts_part else None
+        if kept != keep_tokens:
+            return f"keep_tokens {keep_tokens} (it started with {kept})"
+        return ""
+
     @staticmethod
     def _appended(session: Session, append: list[Segment], keep_tokens: int | None, turn: int) -> list[Segment]:
-        """The caller's segments, validated, the first starting a new part when the history was edited."""
+        """The caller's segments, validated, the first starting a new part (with the break's cause the
+        caller named) when the history was edited."""
         for index, segment in enumerate(append):
             if segment.source not in (ENVIRONMENT, TEMPLATE):
                 raise InvalidArgument(f"append[{index}]: source must be ENVIRONMENT or TEMPLATE: only the engine adds model tokens")
             if segment.logprobs or segment.weight_versions or segment.instance_ids or segment.starts_part:
                 raise InvalidArgument(f"append[{index}]: logprobs, weight_versions, instance_ids and starts_part belong to model "
                                       f"segments and breaks; leave them empty")
+            if segment.break_cause and (keep_tokens is None or len(segment.break_cause) > 64):
+                raise InvalidArgument(f"append[{index}]: break_cause names why a history broke: give it with keep_tokens, in at "
+                                      f"most 64 characters")
         segments = [Segment(s.source, list(s.token_ids), turn=turn) for s in append if s.token_ids]
         if keep_tokens is None:
             return segments
@@ -239,6 +286,7 @@ class Sessions:
             raise InvalidArgument("keep_tokens (an edited history) needs segments to append after the kept tokens")
         segments[0].starts_part = True
         segments[0].reused_prefix_tokens = keep_tokens
+        segments[0].break_cause = next((s.break_cause for s in append if s.break_cause), "")
         return segments
 
     def turn_finished(self, request: SampleRequest) -> None:
@@ -347,11 +395,17 @@ class Sessions:
 
     def forget(self, batch: Batch) -> None:
         """The batch was acknowledged or cancelled: its sessions go, with any turn still running."""
+        forgotten = []
         for group in batch.groups.values():
             for slot in group:
                 session = self.sessions.pop(slot.request_id, None)
-                if session is not None and session.turn is not None:
+                if session is None:
+                    continue
+                forgotten.append(session.session_id)
+                if session.turn is not None:
                     self.ledger.drop_turn(session.turn)
+        if forgotten:
+            self.forgotten(forgotten)
 
     def restore(self, sessions: list[Session], turns: list[SampleRequest]) -> None:
         """Takes over what the journal kept; deadlines count again from now (the old clock is gone),
@@ -374,6 +428,8 @@ class Sessions:
 def deadline_passed(session: Session, now: float) -> str:
     """Which of the session's deadlines passed ("" if none)."""
     limits = session.limits
+    if limits.wait_for_start:
+        return ""
     if limits.session_deadline_seconds and now - session.opened_at > limits.session_deadline_seconds:
         return f"open for more than session_deadline_seconds ({limits.session_deadline_seconds:g})"
     if session.turn is not None:

@@ -11,14 +11,14 @@ def segment_to_proto(segment: Segment) -> manager_pb2.Segment:
     return manager_pb2.Segment(
         source=segment.source, token_ids=segment.token_ids, logprobs=segment.logprobs, weight_versions=segment.weight_versions,
         finish_reason=segment.finish_reason, instance_ids=segment.instance_ids, starts_part=segment.starts_part,
-        reused_prefix_tokens=segment.reused_prefix_tokens, turn=segment.turn,
+        reused_prefix_tokens=segment.reused_prefix_tokens, turn=segment.turn, break_cause=segment.break_cause,
     )
 
 
 def segment_from_proto(message: manager_pb2.Segment) -> Segment:
     return Segment(message.source, list(message.token_ids), list(message.logprobs), list(message.weight_versions),
                    message.finish_reason, list(message.instance_ids), message.starts_part, message.reused_prefix_tokens,
-                   message.turn)
+                   message.turn, message.break_cause)
 
 
 def trajectory(session: Session) -> manager_pb2.SessionTrajectory:

@@ -51,6 +51,8 @@ class Sampling:
     stop_token_ids: frozenset[int] = frozenset()
     seed: int = 0
     """0 lets the engine choose."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the response ends at the token with which its text first contains one (rlmesh/stop_strings.py)."""
 
 
 @dataclass(slots=True)

@@ -30,8 +30,13 @@ class PrefixCache:
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
-    def keep(self, key: str, covered: list[int], version: int, row: int) -> None:
-        """Keeps the KV cache of the batch's `row` (a finished turn, covering `covered`) under `key`."""
+    def keep(self, key: str, covered: list[int], version: int, row: int, computed_by: int | None) -> None:
+        """Keeps the KV cache of the batch's `row` (a finished turn, covering `covered`) under `key`
+        and the served `version`, only if that version computed all of it (`computed_by`, None when
+        several did): a turn decoded on through a switch leaves nothing, and its key's older entry goes."""
+        if computed_by != version:
+            self.forget(key)
+            return
         nbytes = len(covered) * self.bytes_per_token
         if not self.budget_bytes or nbytes > self.budget_bytes:
             return
@@ -43,7 +48,8 @@ class PrefixCache:
 
     def take(self, key: str, context: list[int], version: int) -> int | None:
         """The tokens a request of `key` with this context may skip (its kept prefix, then handed
-        to the request's prefill), or None when nothing kept serves it."""
+        to the request's prefill), or None when nothing kept serves it: only an entry computed by
+        the served `version` does."""
         prefix = self.entries.get(key) if key else None
         if (prefix is None or prefix.version != version or len(context) <= len(prefix.token_ids)
                 or context[:len(prefix.token_ids)] != prefix.token_ids):

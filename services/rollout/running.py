@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlmesh.stop_strings import StopMatcher
 from services.rollout.engine import Chunk, ChunkStream, EngineRequest, Finish
 
 
@@ -19,9 +20,14 @@ class DecodingSequence:
     finish: Finish = Finish.NONE
     device: torch.device = torch.device("cpu")
     """Where its generator draws: the engine's device, where sampling runs."""
+    stop: StopMatcher | None = None
+    """Its stop strings, when it has any."""
     pending: Chunk = field(init=False)
     generator: torch.Generator | None = field(init=False)
     """Own generator only for seeded requests: their tokens then do not depend on batch-mates."""
+    kv_version: int | None = None
+    """The weight version that computed every entry of its KV cache; None before its prefill, or
+    once another version decoded it further (update_mode continue: the weights switched under it)."""
 
     def __post_init__(self) -> None:
         self.pending = Chunk(self.request.request_id)

@@ -16,6 +16,7 @@ from rlmesh.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc import status_code_of
 from rlmesh.sampling import sampling_problem
+from rlmesh.stop_strings import stop_problem
 from rlmesh.transfer.auth import UnprovenPayload
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
@@ -43,12 +44,16 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> Sampling:
     problem = sampling_problem(params.temperature, params.top_p, params.max_tokens, params.seed)
     if problem:
         raise InvalidArgument(f"sampling.{problem}")
+    problem = stop_problem(params.stop)
+    if problem:
+        raise InvalidArgument(f"sampling.stop: {problem}")
     return Sampling(
         temperature=params.temperature,
         top_p=params.top_p or 1.0,
         max_tokens=params.max_tokens,
         stop_token_ids=frozenset(params.stop_token_ids),
         seed=params.seed,
+        stop=tuple(params.stop),
     )
 
 

@@ -137,6 +137,9 @@ class SyntheticEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self.config.vocab_size, 2**31)
+        if request.sampling.stop:
+            raise InvalidArgument(f"request {request.request_id}: the synthetic engine's tokens are no text: stop strings cannot be "
+                                  "matched (use stop_token_ids)")
         self._requests_seen += 1
         if self.config.fail_after_requests is not None and self._requests_seen > self.config.fail_after_requests:
             raise RuntimeError(f"synthetic fault: requests after the first {self.config.fail_after_requests} fail")

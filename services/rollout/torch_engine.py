@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import serving_config, weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.payload import name_mismatch
+from rlmesh.stop_strings import StopMatcher, tokenizer_decoder
 from services.rollout.engine import (
     Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, check_pin, validate_request,
 )
@@ -69,6 +70,9 @@ class TorchEngine(TensorParallelEngine):
         self._stream_interval = stream_interval
         self._device = engine_device(device, tensor_parallel_size)
         check_model_dir(model_dir)
+        self._model_dir = str(model_dir)
+        self._decode_text: Callable[[list[int]], str] | None = None
+        """The model's tokenizer's decoding, loaded for the first request with stop strings."""
         config = serving_config(model_dir, serving_dtype(dtype))
         self._shape = ModelShape.from_hf_config(config, f"model folder {model_dir}")
         self._dtype = weights_dtype(config)
@@ -134,7 +138,8 @@ class TorchEngine(TensorParallelEngine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self._vocab_size, self._max_positions)
-        sequence = DecodingSequence(request, ChunkStream(asyncio.get_running_loop()), device=self._device)
+        stop = await self._stop_matcher(request.sampling.stop) if request.sampling.stop else None
+        sequence = DecodingSequence(request, ChunkStream(asyncio.get_running_loop()), device=self._device, stop=stop)
         request_id = request.request_id
         with self._cond:
             if self._stopped:
@@ -155,6 +160,14 @@ class TorchEngine(TensorParallelEngine):
         finally:
             if sequence.finish is Finish.NONE:
                 self.abort([request_id])
+
+    async def _stop_matcher(self, stops: tuple[str, ...]) -> StopMatcher:
+        if self._decode_text is None:
+            try:
+                self._decode_text = await asyncio.to_thread(tokenizer_decoder, self._model_dir)
+            except FileNotFoundError as exc:
+                raise InvalidArgument(f"stop strings need the model's tokenizer: {exc}") from exc
+        return StopMatcher(self._decode_text, stops)
 
     def abort(self, request_ids: list[str] | None = None) -> int:
         with self._cond:
@@ -378,7 +391,7 @@ class TorchEngine(TensorParallelEngine):
         for index, row in enumerate(self._batch.rows):
             if row.finish in (Finish.STOP, Finish.LENGTH) and row.request.cache_key:
                 # Every token of its context but the last sampled one, which was never fed.
-                self.prefix_cache.keep(row.request.cache_key, row.context()[:-1], self._version, index)
+                self.prefix_cache.keep(row.request.cache_key, row.context()[:-1], self._version, index, row.kv_version)
         if len(keep) < len(self._batch):
             self._group.run("keep", keep)
             self._batch.keep(keep)
@@ -409,6 +422,8 @@ class TorchEngine(TensorParallelEngine):
                 fresh.append(sequence)
                 continue
             logits = self._group.run("prefill_prefixed", key, torch.tensor([context[reused:]]))
+            # The kept prefix is the served version's (PrefixCache.take): all of its KV cache is.
+            sequence.kv_version = self._version
             self._batch.join([sequence], self._sample([sequence], logits.float(), self._version, emitted))
         if fresh:
             self._prefill_together(fresh, emitted)
@@ -420,9 +435,15 @@ class TorchEngine(TensorParallelEngine):
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in inputs])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = self._group.run("prefill", ids, mask, positions)
+        for sequence in joining:
+            sequence.kv_version = self._version
         self._batch.join(joining, self._sample(joining, logits.float(), self._version, emitted))
 
     def _decode(self, emitted: list[tuple[DecodingSequence, Chunk]]) -> None:
+        for sequence in self._batch.rows:
+            # update_mode continue: a row prefilled before a switch now adds KV of the new version.
+            if sequence.kv_version != self._version:
+                sequence.kv_version = None
         logits = self._group.run("decode", self._batch.next_tokens)
         self._batch.next_tokens = self._sample(self._batch.rows, logits.float(), self._version, emitted)
 
@@ -437,7 +458,8 @@ class TorchEngine(TensorParallelEngine):
             sequence.pending.token_ids.append(token)
             sequence.pending.logprobs.append(logprob)
             sequence.pending.weight_versions.append(version)
-            if token in sequence.request.sampling.stop_token_ids:
+            if token in sequence.request.sampling.stop_token_ids or (
+                    sequence.stop is not None and sequence.stop.reached(sequence.request.continued_token_ids, sequence.token_ids)):
                 emitted.append((sequence, sequence.take_chunk(Finish.STOP)))
             elif len(sequence.token_ids) >= sequence.request.remaining_tokens:
                 emitted.append((sequence, sequence.take_chunk(Finish.LENGTH)))

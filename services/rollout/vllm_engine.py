@@ -186,7 +186,10 @@ class VllmEngine(Engine):
             ignore_eos=True,
             seed=(sampling.seed + len(request.continued_token_ids)) if sampling.seed else None,
             logprobs=0,
-            detokenize=False,
+            # vLLM matches stop strings on its detokenized text (special tokens skipped, as the
+            # torch engine does); the response's tokens stay as sampled, the text is not used.
+            stop=list(sampling.stop) or None,
+            detokenize=bool(sampling.stop),
             output_kind=RequestOutputKind.DELTA,
         )
         request_id = request.request_id

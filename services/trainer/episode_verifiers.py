@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlmesh.environments.base import checked_reward
 from rlmesh.environments.verifiers_adapter import INDEX_FIELD, VerifiersEpisodes
+from rlmesh.gateway_client import session_base_url
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.mesh import MeshClient
@@ -25,9 +27,11 @@ async def run_verifiers(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2
     config = spec.config
     if not gateway_address:
         raise RuntimeError("a verifiers environment needs the manager's gateway: its address is not configured")
-    base_url = f"http://{gateway_address}/sessions/{handle.session_id}/key/{handle.key}/v1"
+    # The key in a header of its own, not in the URL: verifiers may quote the URL in an error, which
+    # would carry it into the session's detail and the logs.
+    base_url = session_base_url(gateway_address, handle.session_id)
     try:
-        outcome = await episodes.run(prompt.metadata[INDEX_FIELD], base_url, spec.task, config.episode_deadline_seconds)
+        outcome = await episodes.run(prompt.metadata[INDEX_FIELD], base_url, spec.task, config.episode_deadline_seconds, handle.key)
     except TimeoutError:
         reason = f"the verifiers episode ran longer than episode_deadline_seconds ({config.episode_deadline_seconds:g})"
         return await mesh.close_session(handle.session_id, DEADLINE, reason), reason
@@ -37,5 +41,5 @@ async def run_verifiers(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2
     if outcome.timed_out:
         reason = "the verifiers episode hit its rollout timeout"
         return await mesh.close_session(handle.session_id, DEADLINE, reason), reason
-    await mesh.set_session_reward(handle.session_id, outcome.reward)
+    await mesh.set_session_reward(handle.session_id, checked_reward(outcome.reward, "the verifiers taskset"))
     return await mesh.close_session(handle.session_id, DONE), ""

@@ -1,8 +1,10 @@
 """The episode driver: runs a batch's multi-turn episodes (in the episode process, or in rank 0), each
 one session at the manager: the environment's reset, then turn after turn (the model's, then the
 environment's step) until the environment is done or a limit or deadline ends it; or an agent
-command, or a verifiers environment, against the session's gateway URL. An environment that raises,
-hangs or returns garbage ends its episode as an error, which is counted and masked, never scored."""
+command, or a verifiers environment, against the session's gateway URL. At most a task's
+`max_concurrent` episodes run at once; a session's deadlines start with its episode. An environment
+that raises, hangs or returns garbage, or a call of the episode's that fails, ends its episode as
+an error, which is counted and masked, never scored."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import asyncio
 import inspect
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,12 @@ from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episode_agents import run_agent
 from services.trainer.episode_steps import run_steps
 from services.trainer.episode_verifiers import run_verifiers
+from services.trainer.environment_threads import EnvironmentThreads
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
 
+OPEN = manager_pb2.SESSION_STATUS_OPEN
 DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE
 ENVIRONMENT_ERROR = manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR
 FAILED = frozenset({DEADLINE, ENVIRONMENT_ERROR})
@@ -93,7 +96,10 @@ class EpisodeSpec:
                                          turn_deadline_seconds=config.turn_deadline_seconds,
                                          session_deadline_seconds=config.episode_deadline_seconds,
                                          # The manager's bound on the environment's step leaves the driver time to close first.
-                                         step_deadline_seconds=2 * config.step_deadline_seconds)
+                                         step_deadline_seconds=2 * config.step_deadline_seconds,
+                                         # The driver starts each session when its episode gets a place (max_concurrent).
+                                         wait_for_start=True, refuse_agent_rewards=config.agent_rewards is False,
+                                         refuse_breaks=config.on_break == "refuse")
 
 
 def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], context_length: int,
@@ -122,8 +128,9 @@ async def open_sessions(mesh: MeshClient, spec: EpisodeSpec, batch_id: str, vers
 
 class EpisodeDriver:
     """Runs episodes in this process's event loop. Episodes wait on the manager's turns
-    almost all their time, so hundreds run at once as asyncio tasks; the user's sync environment
-    code runs in a thread pool of its own, async code on the loop under a deadline."""
+    almost all their time, so hundreds run at once as asyncio tasks (a task's `max_concurrent` at
+    most; the others wait for a place); the user's sync environment code runs on threads of its own
+    (EnvironmentThreads), async code on the loop under a deadline."""
 
     def __init__(self, mesh: MeshClient, threads: int, on_failure: Callable[[BaseException], Awaitable[None]],
                  gateway_address: str = "") -> None:
@@ -131,7 +138,9 @@ class EpisodeDriver:
         self.gateway_address = gateway_address
         """The manager's OpenAI gateway, where agent commands are pointed."""
         self.on_failure = on_failure
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="environment")
+        self.threads = EnvironmentThreads(threads)
+        self.places: dict[str, asyncio.Semaphore] = {}
+        """By task: its places for episodes running at once (environment.max_concurrent)."""
         self.errors: dict[str, EpisodeErrors] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None
@@ -169,19 +178,27 @@ class EpisodeDriver:
                 await self.on_failure(exc)
 
     async def call(self, method: Callable[..., Any], argument: Any, deadline: float) -> Any:
-        """The environment's method under its deadline: sync in the pool, async on the loop."""
+        """The environment's method under its deadline: sync on a thread, async on the loop."""
         if inspect.iscoroutinefunction(method):
             return await asyncio.wait_for(method(argument), deadline)
-        future = asyncio.get_running_loop().run_in_executor(self.executor, method, argument)
-        result = await asyncio.wait_for(future, deadline)
+        result = await self.threads.call(method, argument, deadline=deadline)
         return await result if inspect.isawaitable(result) else result
 
     async def run_episode(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt) -> tuple[int, str]:
-        """One episode to its end; returns the status its session was closed with and why."""
+        """One episode to its end, once the task has a place for it; returns the status its session
+        was closed with and why."""
+        places = self.places.setdefault(spec.task, asyncio.Semaphore(spec.config.concurrency))
+        async with places:
+            return await self._run_started(spec, handle, prompt)
+
+    async def _run_started(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt) -> tuple[int, str]:
         config = spec.config
         session_id = handle.session_id
         environment = None
         try:
+            status = await self.mesh.start_session(session_id)
+            if status != OPEN:
+                return status, "the session ended before its episode started"
             if config.command:
                 return await run_agent(self.mesh, spec, handle, prompt, self.gateway_address)
             if config.verifiers:
@@ -192,10 +209,14 @@ class EpisodeDriver:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 # Its batch was cancelled (a validation given up, a run stopping): nobody reads it.
                 return manager_pb2.SESSION_STATUS_UNSPECIFIED, ""
-            raise
+            # One session's call failing (a manager too busy to answer in time, a refusal) ends its episode, not the job.
+            reason = f"a call to the manager failed: {exc.code().name}: {exc.details()}"
+            log.warning("episode failed", session_id=session_id, reason=reason)
+            return await self._end(session_id, DEADLINE if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else ENVIRONMENT_ERROR,
+                                   reason), reason
         except TimeoutError:
             reason = f"the environment took longer than step_deadline_seconds ({config.step_deadline_seconds:g})"
-            return await self.mesh.close_session(session_id, DEADLINE, reason), reason
+            return await self._end(session_id, DEADLINE, reason), reason
         except (EnvironmentFailure, RenderError) as exc:
             reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything
@@ -204,7 +225,17 @@ class EpisodeDriver:
             if environment is not None:
                 await self._close(environment, spec, session_id)
         log.warning("episode failed", session_id=session_id, reason=reason)
-        return await self.mesh.close_session(session_id, ENVIRONMENT_ERROR, reason[:2000]), reason
+        return await self._end(session_id, ENVIRONMENT_ERROR, reason), reason
+
+    async def _end(self, session_id: str, status: int, reason: str) -> int:
+        """Closes a failed episode's session; returns the status it ended with. A close that fails
+        too leaves the session to the manager's reaper, and the episode counts as `status`."""
+        try:
+            return await self.mesh.close_session(session_id, status, reason[:2000])
+        except grpc.aio.AioRpcError as exc:
+            log.warning("closing a failed episode's session failed: the manager reaps it at its deadline", session_id=session_id,
+                        error=f"{exc.code().name}: {exc.details()}")
+            return status
 
     def _verifiers_of(self, spec: EpisodeSpec) -> VerifiersEpisodes:
         if spec.task not in self.verifiers:
@@ -223,7 +254,7 @@ class EpisodeDriver:
             if inspect.iscoroutinefunction(close):
                 await asyncio.wait_for(close(), spec.config.step_deadline_seconds)
             else:
-                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self.executor, close), spec.config.step_deadline_seconds)
+                await self.threads.call(close, deadline=spec.config.step_deadline_seconds)
         except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything
             log.warning("closing an episode's environment failed", session_id=session_id, error=f"{type(exc).__name__}: {exc}")
 
@@ -233,4 +264,3 @@ class EpisodeDriver:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for episodes in self.verifiers.values():
             await episodes.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -178,6 +178,12 @@ class MeshClient:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     await outage.wait(exc, "RunTurn")
 
+    async def start_session(self, session_id: str) -> int:
+        """The session's episode begins (its deadlines run from now); returns its status (OPEN, or
+        how it already ended)."""
+        reply = await self._call_manager(self.manager.StartSession, manager_pb2.StartSessionRequest(session_id=session_id))
+        return reply.status
+
     async def set_session_reward(self, session_id: str, reward: float, turn: int | None = None) -> None:
         await self._call_manager(self.manager.SetSessionReward,
                                  manager_pb2.SetSessionRewardRequest(session_id=session_id, reward=reward, turn=turn))

@@ -152,4 +152,6 @@ def episode_metrics(episodes: list[EpisodeFigures]) -> dict[str, float]:
         values[f"episodes/tokens/{source}"] = mean([float(e.tokens.get(source, 0)) for e in episodes])
     for status in STATUS_NAMES.values():
         values[f"episodes/ended/{status}"] = float(sum(e.status == status for e in episodes))
+    for cause in sorted({cause for e in episodes for cause in e.breaks}):
+        values[f"gateway/breaks/{cause}"] = float(sum(e.breaks.get(cause, 0) for e in episodes))
     return values | turn_reward_means(episodes, "episodes/")

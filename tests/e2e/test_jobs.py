@@ -1,7 +1,7 @@
 """Jobs run by `rlmesh up --job` as real processes: the user's own example task trains (its
 held-out reward rises) with a secret per role made for the run, a two-task mixture reports each
-task's reward with one task scored by the Node verifier over gRPC (which takes the trainer's
-secret only), and a reward that always fails stops the job saying why (a run with --insecure)."""
+task's reward with one task scored by the Node verifier over gRPC (which takes a token of its own,
+named by the task, and refuses the trainer's secret), and a reward that always fails stops the job saying why (a run with --insecure)."""
 
 import json
 import shutil
@@ -59,13 +59,15 @@ def test_the_example_task_from_its_own_files_trains(tmp_path):
 
 @pytest.fixture
 def node_verifier(tmp_path):
-    """The Node verifier, checking callers against the secrets the run will be given."""
+    """The Node verifier, checking callers against a token of its own (the task's remote_credential
+    names its file); the run's secrets are made beforehand, to show the verifier gets none of them."""
     node = shutil.which("node")
     assert node, "node is needed for the example verifier"
     secrets = create_secrets(tmp_path / "secrets")
+    (tmp_path / "verifier.token").write_text("the-verifiers-own-token\n")
     port = free_port()
     process = subprocess.Popen([node, "server.js", "--host", "127.0.0.1", "--port", str(port),
-                                "--verifiers", str(secrets / "verifiers.json")], cwd=NODE_VERIFIER,
+                                "--token-file", str(tmp_path / "verifier.token")], cwd=NODE_VERIFIER,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert process.stdout.readline().strip() == f"listening on {port}"
@@ -88,8 +90,8 @@ def score_as(address: str, secret: str | None) -> grpc.StatusCode:
 def test_a_mixture_reports_each_task_and_the_node_verifier_scores_one(tmp_path, node_verifier):
     node_verifier, secrets = node_verifier
     assert score_as(node_verifier, None) == grpc.StatusCode.UNAUTHENTICATED
-    assert score_as(node_verifier, read_secret(secret_path(secrets, "operator"))) == grpc.StatusCode.PERMISSION_DENIED
-    assert score_as(node_verifier, read_secret(secret_path(secrets, "trainer"))) == grpc.StatusCode.OK
+    assert score_as(node_verifier, read_secret(secret_path(secrets, "trainer"))) == grpc.StatusCode.UNAUTHENTICATED
+    assert score_as(node_verifier, "the-verifiers-own-token") == grpc.StatusCode.OK
     job = tmp_path / "job.toml"
     job.write_text(f"""
 [[tasks]]
@@ -104,6 +106,7 @@ kind = "dataset"
 weight = 1.0
 prompt.template = "{{number}}="
 reward.remote = "{node_verifier}"
+reward.remote_credential = "file:verifier.token"
 dataset.path = "{EXAMPLE / 'train.jsonl'}"
 dataset.fields = {{ answer = "complement" }}
 eval.path = "{EXAMPLE / 'held_out.jsonl'}"

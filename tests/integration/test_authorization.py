@@ -1,5 +1,5 @@
 """The authorization matrix on real servers, with bearer secrets and with mutual TLS: for every RPC
-of every contract, no credential gets UNAUTHENTICATED, each role the table does not name gets
+of every mesh contract (the contracts users serve are in no role's table), no credential gets UNAUTHENTICATED, each role the table does not name gets
 PERMISSION_DENIED, and the roles it names get through; no refused call changed any state. With
 authorization turned off a service serves anyone and says so; without a way to learn roles, none starts."""
 
@@ -21,9 +21,7 @@ from google.protobuf.message import Message
 
 from rlmesh.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
-from rlmesh.environment.v1 import environment_pb2, environment_pb2_grpc
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc import GrpcServer, use_tls
 from rlmesh.tls import ROLE_OF_NAME, create_certificates
@@ -37,7 +35,7 @@ from tests.support import (
     Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_requests, wait_for,
 )
 
-CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2, reward_pb2, environment_pb2)
+CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2)
 CALL_TIMEOUT = 2.0
 """An authorized call may wait for more (a bidirectional stream given one message): running into
 the deadline shows it got past authorization."""
@@ -65,22 +63,6 @@ def contract_rpcs() -> list[Rpc]:
                                 message_factory.GetMessageClass(method.input_type),
                                 message_factory.GetMessageClass(method.output_type), method.client_streaming, method.server_streaming))
     return sorted(rpcs, key=lambda rpc: rpc.path == LAST)
-
-
-class Verifier(reward_pb2_grpc.RewardServiceServicer):
-    async def Score(self, request, context):
-        return reward_pb2.ScoreResponse()
-
-
-class Environment(environment_pb2_grpc.EnvironmentServiceServicer):
-    async def Reset(self, request, context):
-        return environment_pb2.ResetResponse()
-
-    async def Step(self, request, context):
-        return environment_pb2.StepResponse(done=True)
-
-    async def Close(self, request, context):
-        return environment_pb2.CloseResponse()
 
 
 def call(channel: grpc.Channel, rpc: Rpc, metadata: tuple = ()) -> tuple[grpc.StatusCode, str]:
@@ -144,17 +126,11 @@ async def start_servers(model_dir, tls: dict[str, TlsFiles] | None) -> Servers:
     mesh = await build_mesh(model_dir, "grpc", tls=tls)
     trainer = GrpcServer(loopback(tls and tls["trainer"]), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(TrainingStatus(total_steps=1, output_dir="runs/x")), trainer.server)
-    reward = GrpcServer(loopback(tls and tls["trainer"]), [reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name])
-    reward_pb2_grpc.add_RewardServiceServicer_to_server(Verifier(), reward.server)
-    environment = GrpcServer(loopback(tls and tls["trainer"]), [environment_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name])
-    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(Environment(), environment.server)
-    for server in (trainer, reward, environment):
-        await server.start()
+    await trainer.start()
     addresses = {"rlmesh.manager.v1.ManagerService": mesh.manager.server.address, "rlmesh.weights.v1.WeightsService": mesh.weights.server.address,
                  "rlmesh.rollout.v1.RolloutService": mesh.rollouts[0].server.address,
-                 "rlmesh.trainer.v1.TrainerService": trainer.address, "rlmesh.reward.v1.RewardService": reward.address,
-                 "rlmesh.environment.v1.EnvironmentService": environment.address}
-    return Servers(mesh, [trainer, reward, environment], addresses)
+                 "rlmesh.trainer.v1.TrainerService": trainer.address}
+    return Servers(mesh, [trainer], addresses)
 
 
 async def stop_servers(servers: Servers) -> None:

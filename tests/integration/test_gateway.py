@@ -5,23 +5,31 @@ chat template, an edited history is recorded as a break and trains as separate s
 works, text completions extend the stream token for token, a prompt past the session's room ends
 it `truncated_context` with a reply instead of an error, a key reaches its own session only, a
 killed gateway process comes back and goes on where it was, and the gateway knows sessions as they
-open without reading them, yet never passes off a turn run elsewhere as its own."""
+open without reading them, yet never passes off a turn run elsewhere as its own. A stop string ends
+the turn at the engine (its tokens kept, its text cut before the string), a task that scores itself
+refuses its agents' rewards, and with the mesh's TLS the gateway serves HTTPS to an agent given the
+mesh's CA."""
 
 import asyncio
 import os
 import signal
+import sys
 import time
 
+import httpx
 import openai
 import pytest
 
 from rlmesh.common.v1 import common_pb2
+from rlmesh.gateway_client import session_base_url, trust_environment
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
-from rlmesh.rpc import open_channel
+from rlmesh.rpc import open_channel, use_tls
+from rlmesh.tls import create_certificates
 from services.manager.gateway_sessions import GatewaySessions
 from services.manager.openai_format import GatewayError
 from services.trainer.trajectories import parts_of
+from tests.integration.test_authorization import roleless_certificate
 from tests.support import build_mesh, stop_mesh, wait_for
 
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
@@ -138,7 +146,7 @@ async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_
     [trajectory] = await trajectories(manager, "edits")
     breaks = [s for s in trajectory.segments if s.starts_part]
     # Nothing before the edit is shared but the user's first message: the new part starts from scratch.
-    assert len(breaks) == 1 and breaks[0].reused_prefix_tokens == 0
+    assert len(breaks) == 1 and breaks[0].reused_prefix_tokens == 0 and breaks[0].break_cause == "content_mismatch"
     parts = parts_of(trajectory)
     assert len(parts) == 2
     first_ids = first.model_extra["rlmesh"]["token_ids"] + second.model_extra["rlmesh"]["token_ids"]
@@ -168,6 +176,9 @@ async def test_text_completions_extend_the_stream_token_for_token_and_an_overflo
         # A prompt past max_total_tokens: a reply (not an HTTP 400) that ends the session.
         overflow = await client.completions.create(model="tiny", prompt=prompt_ids + second_turn["token_ids"] + [5] * 80)
     assert overflow.choices[0].finish_reason == "length" and overflow.model_extra["rlmesh"]["session_status"] == "truncated_context"
+    # The episode's owner settles it (the manager closed it first: that status stays).
+    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+                               timeout=10)
     [trajectory] = await trajectories(manager, "text")
     assert trajectory.status == manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT and "max_total_tokens is 80" in trajectory.detail
     models = [s for s in trajectory.segments if s.source == MODEL]
@@ -189,7 +200,7 @@ async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
         with pytest.raises(openai.AuthenticationError):
             await client.models.list()
     async with client_for(mesh, mine) as client:
-        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        with pytest.raises(openai.BadRequestError, match="n: must be 1"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
         assert (await client.models.list()).data[0].object == "model"
     # The key in the base URL: one setting points a harness at its session, whatever bearer key it sends.
@@ -277,3 +288,110 @@ async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is
         assert stub.loads == 1 and again.next_turn == 1 and not again.announced
     finally:
         following.cancel()
+
+
+async def test_a_stop_string_ends_the_turn_at_its_token_and_the_text_before_it(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    tokenizer = load_hf_tokenizer(chat_model_dir)
+    greedy = common_pb2.SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END_TOKEN)])
+    reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
+        batch_id="stops", policy_version=0, task="react", sampling=greedy, prompts=[manager_pb2.Prompt(prompt_id="p", n=2)],
+        limits=manager_pb2.SessionLimits(max_turns=4)), timeout=10)
+    free_handle, stopped_handle = reply.sessions
+    async with client_for(mesh, free_handle) as client:
+        free = await client.completions.create(model="tiny", prompt="Count: 1 2")
+    free_tokens, text = free.model_extra["rlmesh"]["token_ids"], free.choices[0].text
+    stop = text[1:3]
+    assert len(stop) == 2, text
+    async with client_for(mesh, stopped_handle) as client:
+        stopped = await client.completions.create(model="tiny", prompt="Count: 1 2", stop=[stop])
+    # The engine ended the turn at the token with which the text first held the stop string; the
+    # turn keeps that token (what was sampled is what is trained), the text ends before the string.
+    end = next(i for i in range(len(free_tokens)) if stop in tokenizer.decode(free_tokens[:i + 1], skip_special_tokens=True))
+    assert stopped.model_extra["rlmesh"]["token_ids"] == free_tokens[:end + 1]
+    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    session = mesh.manager.state.sessions.get(stopped_handle.session_id)
+    assert [list(s.token_ids) for s in session.segments if s.source == MODEL] == [free_tokens[:end + 1]]
+
+
+async def test_a_task_that_scores_itself_refuses_its_agents_rewards(gateway_mesh, chat_model_dir):
+    mesh, manager = gateway_mesh
+    [allowed] = await open_sessions(manager, chat_model_dir, 1, "agent-scored")
+    refused = manager_pb2.OpenSessionsRequest(batch_id="task-scored", policy_version=0, task="harness",
+                                              sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
+                                              prompts=[manager_pb2.Prompt(prompt_id="p", n=1)],
+                                              limits=manager_pb2.SessionLimits(max_turns=2, refuse_agent_rewards=True))
+    [scored] = (await manager.OpenSessions(refused, timeout=10)).sessions
+    async with httpx.AsyncClient(base_url=f"http://{mesh.manager.gateway_address}", timeout=30) as client:
+        answer = await client.post(f"/sessions/{scored.session_id}/v1/rlmesh/reward", json={"reward": 1.0},
+                                   headers={"authorization": f"Bearer {scored.key}"})
+        assert answer.status_code == 403 and "agent_rewards" in answer.json()["error"]["message"]
+        answer = await client.post(f"/sessions/{allowed.session_id}/v1/rlmesh/reward", json={"reward": 0.25},
+                                   headers={"authorization": f"Bearer {allowed.key}"})
+        assert answer.status_code == 200
+    assert mesh.manager.state.sessions.get(allowed.session_id).reward == 0.25
+    assert mesh.manager.state.sessions.get(scored.session_id).reward is None
+
+
+AGENT = """
+import openai
+reply = openai.OpenAI(max_retries=0).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
+print(reply.model_extra["rlmesh"]["session_id"])
+"""
+
+
+async def test_with_mesh_tls_the_gateway_serves_https_to_an_agent_given_the_mesh_ca(chat_model_dir, tmp_path):
+    files = create_certificates(tmp_path / "tls")
+    # The test process hosts the services: its calls carry a certificate naming no role, and its roles' secrets.
+    use_tls(roleless_certificate(tmp_path / "tls"))
+    try:
+        mesh = await build_mesh(chat_model_dir, "grpc", tls=files, gateway=True)
+        channel = open_channel(mesh.manager_address)
+        try:
+            [handle] = await open_sessions(manager_pb2_grpc.ManagerServiceStub(channel), chat_model_dir, 1, "tls")
+            address = mesh.manager.gateway_address
+            # What an agent command is given, and nothing else: its base URL, its key, the CA bundle to trust.
+            environment = {**os.environ, **trust_environment(), "OPENAI_BASE_URL": session_base_url(address, handle.session_id),
+                           "OPENAI_API_KEY": handle.key}
+            assert environment["OPENAI_BASE_URL"].startswith("https://")
+            agent = await asyncio.create_subprocess_exec(sys.executable, "-c", AGENT, env=environment, stdout=asyncio.subprocess.PIPE,
+                                                         stderr=asyncio.subprocess.PIPE)
+            out, err = await agent.communicate()
+            assert agent.returncode == 0 and out.decode().strip() == handle.session_id, err.decode()[-2000:]
+            async with httpx.AsyncClient(timeout=10) as client:
+                with pytest.raises(httpx.HTTPError):
+                    await client.get(f"http://{address}/healthz")
+        finally:
+            await channel.close()
+            await stop_mesh(mesh)
+    finally:
+        use_tls(None)
+
+
+async def test_the_gateway_keeps_nothing_of_the_sessions_of_a_delivered_batch(gateway_mesh, chat_model_dir):
+    """What the gateway holds is bounded by the sessions alive: once their batch is acknowledged,
+    the manager tells it (WatchSessions) and it drops their views, those never asked for included."""
+    mesh, manager = gateway_mesh
+    handles = await open_sessions(manager, chat_model_dir, 3, "forgotten")
+    health = f"http://{mesh.manager.gateway_address}/healthz"
+
+    async def cached() -> int:
+        async with httpx.AsyncClient(timeout=10) as http:
+            return int((await http.get(health)).json()["sessions_cached"])
+
+    for handle in handles[:2]:
+        async with client_for(mesh, handle) as client:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
+    assert await cached() == 2
+    for handle in handles:
+        await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+                                   timeout=10)
+    assert len(await trajectories(manager, "forgotten")) == 3
+    await manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id="forgotten"), timeout=10)
+    deadline = time.monotonic() + 20
+    while await cached():
+        assert time.monotonic() < deadline, "the gateway kept the views of a delivered batch's sessions"
+        await asyncio.sleep(0.1)
+    async with client_for(mesh, handles[2]) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])

@@ -1,8 +1,8 @@
 """Agents and environments in Node against a real manager and torch instance: the Node harness (the
 official `openai` npm package) run as a task's agent command through the gateway, its trajectory
 holding exactly the tokens the engine sampled with their logprobs and versions and the reward it
-reported; and the Node environment serving the environment contract, checked against the trainer's
-secret, driving episodes to their end."""
+reported; and the Node environment serving the environment contract, called with the token its
+task configures (no mesh role's secret), driving episodes to their end."""
 
 import asyncio
 import json
@@ -22,7 +22,6 @@ from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episodes import EpisodeDriver, EpisodeSpec
 from services.trainer.trajectories import parts_of, trajectory_reward
-from tests.support import TEST_SECRETS
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_HARNESS = ROOT / "examples" / "node-harness"
@@ -83,12 +82,16 @@ async def test_the_node_harness_as_an_agent_command_trains_exactly_the_tokens_it
         assert trajectory_reward(trajectory) == pytest.approx(report["reward"])
 
 
+ENVIRONMENT_TOKEN = "the-node-environments-own-token"
+
+
 @pytest.fixture
-def node_environment():
+def node_environment(tmp_path):
     assert shutil.which("node"), "node is needed for the Node environment"
     port = free_port()
+    (tmp_path / "environment.token").write_text(ENVIRONMENT_TOKEN + "\n")
     process = subprocess.Popen(["node", "server.js", "--host", "127.0.0.1", "--port", str(port),
-                                "--verifiers", str(TEST_SECRETS / "verifiers.json")], cwd=NODE_ENVIRONMENT,
+                                "--token-file", str(tmp_path / "environment.token")], cwd=NODE_ENVIRONMENT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert process.stdout.readline().strip() == f"listening on {port}"
@@ -100,7 +103,7 @@ def node_environment():
 
 async def test_the_node_environment_drives_episodes_over_the_environment_contract(chat_mesh, chat_model_dir, node_environment):
     _, client = chat_mesh
-    channel = EnvironmentChannel(node_environment, "agents", timeout_seconds=10)
+    channel = EnvironmentChannel(node_environment, "agents", timeout_seconds=10, bearer_token=ENVIRONMENT_TOKEN)
     config = EnvironmentConfig(remote=node_environment, max_turns=3)
     driver = EpisodeDriver(client, threads=2, on_failure=lambda exc: asyncio.sleep(0))
     handles = await open_group(client, chat_model_dir, "node-environment", 2)

@@ -124,6 +124,8 @@ def test_garbage_observations_are_environment_failures(value, message):
 
 @pytest.mark.parametrize("value, message", [
     (("ok", float("nan"), False), "finite number"), (("ok", 1.0, "yes"), "not a bool"), ((None, 0.0, False), "no observation"),
+    (("ok", 1e39, False), "within float32's range"), (("ok", -float("inf"), False), "within float32's range"),
+    (("ok", 10 ** 400, False), "within float32's range"),
     ({"reward": 1, "bogus": 2}, "keys"), ("text", r"give \(observation, reward, done\)"),
 ])
 def test_garbage_steps_are_environment_failures(value, message):

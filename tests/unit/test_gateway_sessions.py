@@ -1,7 +1,8 @@
 """A gateway process's view of a session read from the manager's record (after the gateway was
-started again): a finished last turn joins the recorded conversation at the stream's end, a turn
-still running is the one asked for next, and a closed session's next turn is past its last. A
-session's turns go one at a time, and no lock outlives its last user."""
+started again): a finished last turn joins the recorded conversation at the stream's end (unless
+it ran through /v1/completions), a turn still running is the one asked for next, and a closed
+session's next turn is past its last. A session's turns go one at a time, and no lock outlives
+its last user."""
 
 import asyncio
 
@@ -11,7 +12,7 @@ from transformers import AutoTokenizer
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from services.manager.conversations import LoggedMessage, conversation_to_proto, message_key
+from services.manager.conversations import COMPLETIONS_KEY, LoggedMessage, conversation_to_proto, message_key
 from services.manager.gateway import Gateway
 from services.manager.gateway_sessions import GatewaySessions
 
@@ -43,6 +44,15 @@ def test_a_finished_turn_joins_the_recorded_conversation_where_the_stream_ends(s
     assert first == USER
     assert model.key == message_key({"role": "assistant", "content": "five"})
     assert model.end == 3 + len(answer) and model.stop_text == IM_END_TOKEN
+
+
+def test_a_turn_run_through_completions_is_no_chat_turn_of_the_recorded_conversation(sessions):
+    stop = sessions.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+    mark = LoggedMessage(COMPLETIONS_KEY)
+    view = sessions._view_of(record([manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7]),
+                                     manager_pb2.Segment(source=MODEL, token_ids=[8, stop], turn=0,
+                                                         finish_reason=common_pb2.FINISH_REASON_STOP)], turns=1, conversation=(mark,)))
+    assert view.next_turn == 1 and view.conversation == [mark]
 
 
 def test_a_turn_still_running_is_the_one_asked_for_again(sessions):

@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.manager.v1 import manager_pb2
+from services.manager.conversations import LoggedMessage
 from services.manager.journal import Journal
 from services.manager.sessions import (DEADLINE, DONE, ENVIRONMENT, MODEL, OPEN, TEMPLATE, TRUNCATED_CONTEXT, TRUNCATED_TURNS,
                                        Limits, Segment, stream_of)
 from services.manager.state import ManagerState
+from services.manager.trajectories import trajectory
 from tests.support import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -91,6 +93,36 @@ def test_a_retried_call_gets_the_same_turn_never_a_second_one():
     assert [s.token_ids for s in session.segments] == [[1, 2, 3], [5], [7]]
     with pytest.raises(FailedPrecondition, match="next is turn 1, not 3"):
         state.run_turn(session.session_id, 3, [], None, None)
+
+
+def test_a_call_for_a_started_turn_that_asks_for_other_tokens_is_refused_not_given_that_turn():
+    """A retry must be the same request: one with another body (after a gateway's 5xx, say) would
+    otherwise get the reply to the first."""
+    state = mesh()
+    session, _ = open_group(state)
+    state.run_turn(session.session_id, 0, [env(5)], None, None)
+    with pytest.raises(FailedPrecondition, match="turn 0 was asked for with other segments to append"):
+        state.run_turn(session.session_id, 0, [env(6)], None, None)
+    generate(state, [7])
+    with pytest.raises(FailedPrecondition, match="keep_tokens 2 .it started with None"):
+        state.run_turn(session.session_id, 0, [env(5)], 2, None)
+    assert state.run_turn(session.session_id, 0, [env(5)], None, None).segment.token_ids == [7]
+    state.run_turn(session.session_id, 1, [env(9)], 3, None)
+    with pytest.raises(FailedPrecondition, match="keep_tokens None .it started with 3"):
+        state.run_turn(session.session_id, 1, [env(9)], None, None)
+    assert state.run_turn(session.session_id, 1, [env(9)], 3, None).running is session.turn
+
+
+def test_a_break_keeps_the_cause_its_caller_named_and_is_counted():
+    state = mesh()
+    session, other = open_group(state)
+    state.run_turn(session.session_id, 0, [], None, None)
+    generate(state, [7, 8])
+    state.run_turn(session.session_id, 1, [Segment(ENVIRONMENT, [50], break_cause="content_mismatch")], 4, None)
+    assert session.segments[-1].starts_part and trajectory(session).segments[-1].break_cause == "content_mismatch"
+    assert state.sessions.breaks_by_cause == {"content_mismatch": 1}
+    with pytest.raises(InvalidArgument, match="break_cause names why a history broke"):
+        state.run_turn(other.session_id, 0, [Segment(ENVIRONMENT, [50], break_cause="edited_message")], None, None)
 
 
 def test_the_next_turn_goes_to_the_instance_that_served_the_last():
@@ -219,7 +251,8 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
     state.run_turn(session.session_id, 0, [env(4)], None, None)
     generate(state, [7])
     state.sessions.set_reward(session.session_id, 0.25, 0)
-    state.run_turn(session.session_id, 1, [env(8)], None, None)
+    conversation = [LoggedMessage("user"), LoggedMessage("model", 5, "<|im_end|>", "content", "calls"), LoggedMessage("tool")]
+    state.run_turn(session.session_id, 1, [env(8)], None, None, conversation)
     [assignment] = state.assign()
     state.record_chunk(assignment.request.request_id, assignment.attempt, [9], [-1.0], [0], NONE)
     state.close_session(other.session_id, DONE, "")
@@ -231,6 +264,7 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
     again = restored.sessions.get(session.session_id)
     assert [s.token_ids for s in again.segments] == [[1, 2, 3], [4], [7], [8]]
     assert again.turns == 2 and again.turn_rewards == {0: 0.25} and again.key == session.key
+    assert again.conversation == conversation
     assert restored.sessions.get(other.session_id).status == DONE
     # The running turn continues from its token, as the retried call of turn 1 finds it.
     state_of_turn = restored.run_turn(session.session_id, 1, [env(8)], None, None)

@@ -566,3 +566,48 @@ async def test_a_sessions_next_turn_prefills_only_its_new_tokens_and_samples_the
     finally:
         await cached.stop()
         await plain.stop()
+
+
+@pytest.mark.parametrize("mode_engine", ["continue"], indirect=True)
+async def test_a_turn_decoded_across_a_switch_keeps_no_prefix_cache_of_mixed_versions(mode_engine, model_dir, new_weights):
+    """update_mode continue: a turn that went on decoding through a switch holds KV of both versions;
+    none of it is kept for the session's next turn, which is prefilled whole on the new weights and
+    matches an engine that never cached; a turn run wholly on the new version is kept and reused."""
+    engine, updater = mode_engine
+    run = engine._group.run
+
+    def switch_mid_turn(op, *args):
+        # The turn decodes its first tokens on version 0, then waits for the switch to be committed.
+        if op == "decode" and engine.generated_tokens >= 3 and engine.weight_version == 0:
+            deadline = time.monotonic() + 10
+            while engine._swap is None:
+                assert time.monotonic() < deadline, "the switch was never committed"
+                time.sleep(0.001)
+        return run(op, *args)
+
+    engine._group.run = switch_mid_turn
+    ids, eos = prompts(model_dir, ["5555=", "7="])
+    sampling = Sampling(temperature=0, max_tokens=8)
+    first = asyncio.create_task(engine_output(engine, EngineRequest("t0", ids[0], sampling, cache_key="session")))
+    await wait_for_tokens(engine, 3)
+    await begin_push(updater, 1, new_weights)
+    await updater.commit(1)
+    tokens, _, versions, _ = await first
+    assert versions[0] == 0 and versions[-1] == 1, "the turn spans the switch"
+    assert list(engine.prefix_cache) == [], "a turn whose KV is partly version 0's is not kept under version 1"
+    second_prompt = ids[0] + tokens + ids[1]
+    second = await engine_output(engine, EngineRequest("t1", second_prompt, sampling, cache_key="session"))
+    assert engine.prefix_cache.hits == 0 and set(second[2]) == {1}
+    plain = TorchEngine(model_dir, max_batch_size=8, seed=1, prefix_cache_bytes=0)
+    await plain.start()
+    try:
+        plain.stage_weights(1, new_weights)
+        await plain.commit_staged(1)
+        full = await engine_output(plain, EngineRequest("t1", second_prompt, sampling))
+    finally:
+        await plain.stop()
+    assert second[0] == full[0] and second[1] == pytest.approx(full[1], abs=1e-3)
+    # The second turn ran wholly on version 1: kept, and the third turn reuses it.
+    assert list(engine.prefix_cache) == ["session"]
+    third = await engine_output(engine, EngineRequest("t2", second_prompt + second[0] + ids[1], sampling, cache_key="session"))
+    assert engine.prefix_cache.hits == 1 and set(third[2]) == {1}
