@@ -34,6 +34,8 @@ RESULTS = os.environ.get("RLMESH_FUZZ_RESULTS", "")
 """Where the figures go: the file's "gateway" section (the RPC fuzz keeps the rest)."""
 BOUNDED_REQUESTS = 300
 ANSWER_SECONDS = 30.0
+STRANGERS = frozenset({"session:wrong-key", "session:no-key", "session:unknown", "session:malformed"})
+"""Requests presenting no key of the session they name: no answer but /healthz's may be a success."""
 """A request not answered (to its last byte) within this is a hang."""
 SESSIONS_AT_ONCE = 4
 ROTATE_EVERY = 40
@@ -172,6 +174,8 @@ class Figures:
         if status >= 500 or status == 0:
             self.breaks("server_errors" if status else "unanswered", request, body.decode(errors="replace"))
             return
+        if status < 400 and request.kind in STRANGERS and not request.path.startswith("/healthz"):
+            self.breaks("stranger_served", request, f"{status}: {body[:300]!r}")
         if status >= 400:
             self._check_refusal(request, status, body)
         elif body.startswith(b"data: "):
@@ -200,6 +204,7 @@ class Figures:
             "requests": sum(self.statuses.values()), "seconds": round(time.monotonic() - self.started, 1), "seed": self.seed,
             "server_errors": self.broken["server_errors"], "hangs": self.broken["hangs"], "unanswered": self.broken["unanswered"],
             "without_message": self.broken["without_message"], "misnamed_field": self.broken["misnamed_field"],
+            "strangers_served": self.broken["stranger_served"],
             "stream_errors": self.broken["stream_errors"], "gateway_restarts": gateway_restarts,
             "slowest_answer_seconds": round(self.slowest, 2), "oversize_bytes_sent_at_most": self.oversize_sent_max,
             "stream_events": self.stream_events, "setup_calls": setup_calls,
