@@ -150,71 +150,46 @@ def use_server_identity(config: ServerConfig) -> None:
 
 
 class _CallWithSecret:
-    """A stub's multicallable whose calls also carry the process's bearer secret for the method."""
+    """A stub's multicallable whose calls also carry a bearer secret for the method."""
 
-    __slots__ = ("_call", "_method")
+    __slots__ = ("_call", "_method", "_secret_of")
 
-    def __init__(self, call: Any, method: str) -> None:
+    def __init__(self, call: Any, method: str, secret_of: Callable[[str], str]) -> None:
         self._call = call
         self._method = method
+        self._secret_of = secret_of
 
     def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
-        if _identity.secret_of is not None and (secret := _identity.secret_of(self._method)):
+        if secret := self._secret_of(self._method):
             metadata = (*(metadata or ()), (AUTHORIZATION_KEY, f"Bearer {secret}"))
         return self._call(*args, metadata=metadata, **kwargs)
 
 
-class _ChannelWithToken:
-    """A grpc.aio channel whose stubs' calls carry one fixed bearer token (a user service's)."""
-
-    def __init__(self, channel: grpc.aio.Channel, token: str) -> None:
-        self._channel = channel
-        self._token = token
-
-    def _wrap(self, call: Any) -> Any:
-        header = (AUTHORIZATION_KEY, f"Bearer {self._token}")
-        return lambda *args, metadata=None, **kwargs: call(*args, metadata=(*(metadata or ()), header), **kwargs)
-
-    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._wrap(self._channel.unary_unary(method, *args, **kwargs))
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._wrap(self._channel.unary_stream(method, *args, **kwargs))
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._wrap(self._channel.stream_unary(method, *args, **kwargs))
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._wrap(self._channel.stream_stream(method, *args, **kwargs))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._channel, name)
-
-    async def __aenter__(self) -> _ChannelWithToken:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self._channel.close()
+def _mesh_secret(method: str) -> str:
+    """The secret this process presents on a mesh call of `method`, read at each call ("" for none)."""
+    return _identity.secret_of(method) if _identity.secret_of is not None else ""
 
 
 class _ChannelWithSecret:
-    """A grpc.aio channel whose stubs' calls carry the bearer secret: wrapping the multicallables
-    a stub makes once costs a call a tuple, where a client interceptor would wrap every message."""
+    """A grpc.aio channel whose stubs' calls carry a bearer secret (`secret_of` the method's: the
+    process's mesh role's, or a user service's own token): wrapping the multicallables a stub makes
+    once costs a call a tuple, where a client interceptor would wrap every message."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, secret_of: Callable[[str], str] = _mesh_secret) -> None:
         self._channel = channel
+        self._secret_of = secret_of
 
     def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
-        return _CallWithSecret(self._channel.unary_unary(method, *args, **kwargs), method)
+        return _CallWithSecret(self._channel.unary_unary(method, *args, **kwargs), method, self._secret_of)
 
     def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
-        return _CallWithSecret(self._channel.unary_stream(method, *args, **kwargs), method)
+        return _CallWithSecret(self._channel.unary_stream(method, *args, **kwargs), method, self._secret_of)
 
     def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
-        return _CallWithSecret(self._channel.stream_unary(method, *args, **kwargs), method)
+        return _CallWithSecret(self._channel.stream_unary(method, *args, **kwargs), method, self._secret_of)
 
     def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _CallWithSecret:
-        return _CallWithSecret(self._channel.stream_stream(method, *args, **kwargs), method)
+        return _CallWithSecret(self._channel.stream_stream(method, *args, **kwargs), method, self._secret_of)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._channel, name)
@@ -241,7 +216,7 @@ def open_user_channel(address: str, bearer_token: str = "", max_message_mb: int 
     carries none of this process's mesh identity (no role's secret, no client certificate), only
     `authorization: Bearer <bearer_token>` when a token is given (the task's own credential)."""
     channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_mb, keepalive))
-    return _ChannelWithToken(channel, bearer_token) if bearer_token else channel  # type: ignore[return-value]
+    return _ChannelWithSecret(channel, lambda method: bearer_token) if bearer_token else channel  # type: ignore[return-value]
 
 
 def call_options(timeout: float) -> dict[str, Any]:

@@ -114,13 +114,18 @@ def trained_tokens(trajectories: list[manager_pb2.SessionTrajectory]) -> int:
     return sum(len(p.prompt_ids) + len(p.response_ids) for t in trajectories for p in parts_of(t))
 
 
-@settings(max_examples=60, deadline=None)
-@given(groups=st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=5))
-def test_a_trajectory_weighs_what_the_trainer_trains_of_every_part(groups):
+def session_groups(groups) -> tuple[ManagerState, list]:
+    """A manager holding batch "b": a group of sessions per entry of `groups`, one per turns list."""
     state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
     state.register("a", "127.0.0.1:1", 0, 10_000, now=0)
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=100)
-    sessions = state.open_sessions("b", 0, [(f"p{i}", SESSION_PROMPT, len(g)) for i, g in enumerate(groups)], sampling, Limits())
+    return state, state.open_sessions("b", 0, [(f"p{i}", SESSION_PROMPT, len(g)) for i, g in enumerate(groups)], sampling, Limits())
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=5))
+def test_a_trajectory_weighs_what_the_trainer_trains_of_every_part(groups):
+    state, sessions = session_groups(groups)
     by_prompt = iter(sessions)
     for group in groups:
         for session_turns in group:
@@ -135,10 +140,7 @@ def test_a_trajectory_weighs_what_the_trainer_trains_of_every_part(groups):
 @given(groups=st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=6), most=st.integers(1, 4),
        max_tokens=st.integers(1, 200))
 def test_no_micro_batch_of_broken_trajectories_exceeds_its_budget_on_either_side(groups, most, max_tokens):
-    state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
-    state.register("a", "127.0.0.1:1", 0, 10_000, now=0)
-    sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=100)
-    sessions = state.open_sessions("b", 0, [(f"p{i}", SESSION_PROMPT, len(g)) for i, g in enumerate(groups)], sampling, Limits())
+    state, sessions = session_groups(groups)
     by_prompt = iter(sessions)
     for group in groups:
         for session_turns in group:
