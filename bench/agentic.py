@@ -18,7 +18,7 @@ from bench.training_runs import TrainingRun, run_up
 from rlmesh.logging import configure_logging
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from services.rollout.engine import EngineRequest, Sampling
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.torch.engine import TorchEngine
 
 TARGET_SPEEDUP = 2.0
 TARGET_OF_CEILING = 0.95

@@ -232,7 +232,7 @@ async def torch_engine_knee(model_dir: Path, max_tokens: int = 48) -> dict[str, 
     batch beyond which a decode step costs more than a lone sequence's; the synthetic instance is
     given the same knee."""
     from services.rollout.engine import EngineRequest, Sampling
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.torch.engine import TorchEngine
 
     torch.set_num_threads(1)
     engine = TorchEngine(model_dir, max_batch_size=MAX_BATCH)

@@ -24,13 +24,13 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.credentials import read_secret, service_auth_settings
+from rlmesh.rpc.credentials import read_secret, service_auth_settings
 from rlmesh.launch.netns import netns_problem
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, mesh_processes, spawn_service, stop_children
 from rlmesh.launch.state import STATE_FILE, run_secret
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import AUTHORIZATION_KEY, channel_options
+from rlmesh.rpc.channels import AUTHORIZATION_KEY, channel_options
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -370,7 +370,7 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
     rng = random.Random(seed)
     steps = WARMUP_STEPS + faults * steps_between_faults + TAIL_STEPS
     base_port = free_port()
-    command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--rollout-instances", str(instances),
+    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--rollout-instances", str(instances),
                "--base-port", str(base_port), "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
                "--set", "algorithm.checkpoint_every=100000", "--set", "tasks.0.eval.prompts=16"]
     kinds = dict(FAULT_WEIGHTS)

@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlmesh.authz import Role
+from rlmesh.rpc.authz import Role
 from rlmesh.common.v1 import common_pb2
-from rlmesh.credentials import create_secrets, peer_secrets, service_auth_settings
+from rlmesh.rpc.credentials import create_secrets, peer_secrets, service_auth_settings
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel, use_secret
+from rlmesh.rpc.channels import call_options, open_channel, use_secret
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

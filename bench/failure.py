@@ -10,7 +10,7 @@ import signal
 
 from bench.common import BenchMesh, InstanceSpec, StepResult, check_exactly_once, write_result
 from rlmesh.common.v1 import common_pb2
-from services.manager.admission import per_sample_sampling
+from services.manager.domain.admission import per_sample_sampling
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 
 INSTANCES = 3

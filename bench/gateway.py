@@ -23,7 +23,7 @@ from rlmesh.launch.ports import free_port
 from rlmesh.logging import configure_logging
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from rlmesh.rpc import call_options
+from rlmesh.rpc.channels import call_options
 
 TARGET_RATIO = 0.8
 RELAY_TARGET_RATIO = 0.9

@@ -16,7 +16,7 @@ import torch
 from bench.common import BenchMesh, InstanceSpec, check_exactly_once, write_result
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from services.manager.config import ManagerConfig
 
 INSTANCES = 3
@@ -63,7 +63,7 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
     """The default model's architecture on the torch engine, one thread, a full batch."""
     from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
     from services.rollout.engine import EngineRequest, Sampling
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.torch.engine import TorchEngine
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:

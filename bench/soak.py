@@ -19,7 +19,7 @@ from rlmesh.launch.ports import free_port
 from rlmesh.logging import configure_logging
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from rlmesh.rpc import call_options
+from rlmesh.rpc.channels import call_options
 
 TARGET_GROWTH = 0.02
 """The share by which either process's memory may grow from the first `--baseline-sessions` to the end."""

@@ -45,7 +45,7 @@ def run_up(output_dir: Path, steps: int, settings: list[str], flags: list[str] =
     its ports starts again from scratch on others."""
     for attempt in range(1, START_ATTEMPTS + 1):
         output_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(free_base_port()),
+        command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--base-port", str(free_base_port()),
                    "--output-dir", str(output_dir), *flags]
         if model_dir is not None:
             command += ["--model-dir", str(model_dir)]

@@ -25,11 +25,11 @@ from bench.common import BenchAuth, write_result
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.common.v1 import common_pb2
-from rlmesh.credentials import read_secret, secret_path
+from rlmesh.rpc.credentials import read_secret, secret_path
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options, open_channel, use_secret
+from rlmesh.rpc.channels import call_options, open_channel, use_secret
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 TRAINER_RANKS = 2
@@ -160,7 +160,7 @@ class TrainerRanks:
 
 
 def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction: float, secrets: Path) -> None:
-    from rlmesh.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
+    from rlmesh.transfer.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 
     torch.set_num_threads(1)
     use_secret(read_secret(secret_path(secrets, "trainer")))
@@ -365,9 +365,9 @@ def real_step_delta() -> dict[str, float]:
     from rlmesh.models.loading import load_causal_lm
     from rlmesh.models.qwen2_tiny import create_default_model
     from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
-    from rlmesh.payload import pack
+    from rlmesh.transfer.payload import pack
     from rlmesh.tasks.increment import make_problem, reward
-    from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
+    from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
     from services.trainer.algorithms.advantages import group_advantages
     from services.trainer.algorithms.losses import policy_loss
     from services.weights.encoding import EncodedPayload

@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from rlmesh.config import ConfigError, load_config
 from rlmesh.lifecycle import name_process
 from rlmesh.logging import configure_logging
-from rlmesh.rpc import stop_event_on_signals, use_server_identity
+from rlmesh.rpc.channels import use_server_identity
+from rlmesh.rpc.servers import stop_event_on_signals
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 

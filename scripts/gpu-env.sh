@@ -10,7 +10,7 @@
 # PYTHONPATH=/tmp/site:<repo root> (so `import rlmesh`, its generated modules in gen/rlmesh, and
 # `import services` work from any folder, and in every process rlmesh spawns: they inherit the
 # environment and run as `sys.executable -m services.X`), puts an `rlmesh` command in /tmp/bin
-# (python3 -m rlmesh.cli) first on PATH, and checks the imports.
+# (python3 -m rlmesh.cli.main) first on PATH, and checks the imports.
 
 _gpu_env() {
   local root site=/tmp/site bin=/tmp/bin py
@@ -27,7 +27,7 @@ _gpu_env() {
 
   export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
   mkdir -p "$bin"
-  printf '#!/bin/sh\nexec "%s" -m rlmesh.cli "$@"\n' "$py" > "$bin/rlmesh"
+  printf '#!/bin/sh\nexec "%s" -m rlmesh.cli.main "$@"\n' "$py" > "$bin/rlmesh"
   chmod +x "$bin/rlmesh"
   case ":$PATH:" in *":$bin:"*) ;; *) export PATH="$bin:$PATH" ;; esac
   export PYTHONUNBUFFERED=1
@@ -39,7 +39,7 @@ mods = ["grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "
         "structlog", "pydantic", "zstandard", "isal.isal_zlib", "cryptography.hazmat.primitives.poly1305",
         "transformers", "tokenizers", "safetensors", "huggingface_hub", "numpy", "torch",
         "prometheus_client", "rich", "tqdm", "matplotlib", "pyarrow", "math_verify", "datasets",
-        "rlmesh.cli", "rlmesh.launch.run", "rlmesh.common.v1.common_pb2_grpc",
+        "rlmesh.cli.main", "rlmesh.launch.run", "rlmesh.common.v1.common_pb2_grpc",
         "rlmesh.manager.v1.manager_pb2_grpc", "rlmesh.weights.v1.weights_pb2_grpc",
         "rlmesh.rollout.v1.rollout_pb2_grpc", "rlmesh.trainer.v1.trainer_pb2_grpc",
         "rlmesh.reward.v1.reward_pb2_grpc", "services.manager.main", "services.weights.main",
@@ -76,7 +76,7 @@ for dist in ("pytest", "pytest-timeout", "hypothesis", "tensorboard", "regex", "
         print(f"  have no {dist}")
 sys.exit(1 if failed else 0)
 EOF
-  echo "gpu-env: PYTHONPATH=$PYTHONPATH; $(command -v rlmesh) -> $py -m rlmesh.cli"
+  echo "gpu-env: PYTHONPATH=$PYTHONPATH; $(command -v rlmesh) -> $py -m rlmesh.cli.main"
 }
 
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then

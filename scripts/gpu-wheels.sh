@@ -35,8 +35,8 @@ WHEELS=(
   typing-inspection==0.4.5        #   pydantic
   typing-extensions==4.16.0       #   pydantic-core needs >= 4.16.0 (the image's version is unknown)
   zstandard==0.25.0               # rlmesh/transfer/codecs.py
-  isal==1.9.1                     # rlmesh/payload.py
-  cryptography==50.0.2            # rlmesh/tls.py, rlmesh/transfer/auth.py
+  isal==1.9.1                     # rlmesh/transfer/payload.py
+  cryptography==50.0.2            # rlmesh/rpc/tls.py, rlmesh/transfer/auth.py
   cffi==2.1.1                     #   cryptography
   pycparser==3.12                 #   cffi
   math-verify==0.9.0              # rlmesh/rewards/math.py (math tasks), tests

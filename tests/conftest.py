@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# As in `rlmesh up` (rlmesh/cli.py): a worker starts processes (fork, then exec) while its in-process
+# As in `rlmesh up` (rlmesh/cli/main.py): a worker starts processes (fork, then exec) while its in-process
 # servers' gRPC threads run. gRPC's fork handlers would restart its pollers in the child before the
 # exec, where closing the inherited descriptors makes a poller abort the child.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from hypothesis import settings
 
-from rlmesh.cli import WARM_FORK_SERVER_ENV
+from rlmesh.cli.main import WARM_FORK_SERVER_ENV
 from rlmesh.launch import ports as launch_ports
 from rlmesh.lifecycle import die_with_parent
 from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.builtin import ensure_model
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
-from services.trainer.distributed import RankInfo
+from services.trainer.ranks.distributed import RankInfo
 from tests.support import RankRunner, play_every_role, wait_until
 
 torch.set_num_threads(1)
@@ -42,10 +42,10 @@ settings.load_profile("suite")
 SLOWEST_FILES = (
     "e2e/test_gpu_check.py", "e2e/test_chaos.py", "vllm/test_vllm_rollout.py", "e2e/test_trainer_resume.py", "e2e/test_jobs.py",
     "e2e/test_episodes.py", "e2e/test_mesh_resume.py", "e2e/test_mesh_up.py", "vllm/test_vllm_families.py",
-    "e2e/test_elastic_launcher.py", "integration/test_tp_engine.py", "e2e/test_sync_equivalence.py",
-    "integration/test_cli_bad_input.py", "integration/test_model_families.py", "e2e/test_mesh_tls.py",
-    "integration/test_exactly_once.py", "integration/test_tp_rollout.py", "integration/test_fsdp_trainer.py",
-    "integration/test_reference_worker.py", "e2e/test_critic_resume.py", "e2e/test_dynamic_sampling.py",
+    "e2e/test_elastic_launcher.py", "integration/rollout/test_tp_engine.py", "e2e/test_sync_equivalence.py",
+    "integration/rlmesh/test_cli_bad_input.py", "integration/trainer/test_model_families.py", "e2e/test_mesh_tls.py",
+    "integration/manager/test_exactly_once.py", "integration/rollout/test_tp_rollout.py", "integration/trainer/test_fsdp_trainer.py",
+    "integration/trainer/test_reference_worker.py", "e2e/test_critic_resume.py", "e2e/test_dynamic_sampling.py",
 )
 """The files that take longest (the suite of 2026-11-27), longest first: the workers take files
 in this order as they run out of work, so no long one is left to start last while the others idle."""
@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _run_order(item: pytest.Item) -> tuple[int, int]:
     path = Path(str(item.path))
-    relative = f"{path.parent.name}/{path.name}"
+    relative = path.relative_to(Path(__file__).parent).as_posix()
     if relative in SLOWEST_FILES:
         return 0, SLOWEST_FILES.index(relative)
     return 1, next((rank for rank, name in enumerate(FIRST_DIRECTORIES) if name in path.parts), len(FIRST_DIRECTORIES))
@@ -120,7 +120,7 @@ def warm_fork_server():
     folder = Path(tempfile.mkdtemp(prefix="rlmesh-warm-"))
     socket = folder / "fork-server.sock"
     with (folder / "fork-server.log").open("ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "fork-server", "--socket", str(socket)],
+        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "fork-server", "--socket", str(socket)],
                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=die_with_parent)
     # It listens before its imports, which a run connecting meanwhile waits for.
     wait_until(lambda: socket.exists() or process.poll() is not None, 60, "the warm fork server to listen")

@@ -23,29 +23,29 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlmesh.authz import Role
+from rlmesh.rpc.authz import Role
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import AuthSettings, ServerConfig, TlsFiles
-from rlmesh.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
-from rlmesh.cli import WARM_FORK_SERVER_ENV
-from rlmesh.launch.forkserver import ForkServer
+from rlmesh.rpc.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
+from rlmesh.cli.main import WARM_FORK_SERVER_ENV
+from rlmesh.forking.forkserver import ForkServer
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, ServiceSpec, spawn
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
-from rlmesh.payload import pack, stream_chunks
+from rlmesh.transfer.payload import pack, stream_chunks
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import open_channel, use_secret
+from rlmesh.rpc.channels import open_channel, use_secret
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
-from services.rollout.torch_engine import TorchEngine
-from services.trainer.batching import TrainingSample
+from services.rollout.torch.engine import TorchEngine
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.mesh import MeshClient
 from services.weights.config import WeightsConfig
 from services.weights.main import start as start_weights
@@ -261,7 +261,7 @@ def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
 def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
     """A short run: held-out validation every 2 steps, of 4 prompts with one sampled response each
     (what the checks need: the figures are filed, not how good they are)."""
-    return [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--base-port", str(base_port),
+    return [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--base-port", str(base_port),
             "--model-dir", str(model_dir), "--output-dir", str(output_dir), "--secrets-dir", str(TEST_SECRETS),
             "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=4", "--set", "tasks.0.eval.samples=1"]
 
@@ -459,7 +459,7 @@ async def assert_serves_the_reference(instance, tag):
 
 # A version pushed to an instance, checked against HF ----------------------------------------------
 
-FAMILY_TRAINER_WORKER = "tests.integration.test_model_families_worker"
+FAMILY_TRAINER_WORKER = "tests.integration.trainer.model_families_worker"
 PUSHED_VERSION = 1
 GREEDY_MAX_TOKENS = 16
 HF_LOGPROB_ATOL = 1e-4
@@ -667,7 +667,7 @@ def suite_warm_fork_server() -> Path | None:
 
 # Trainer ranks ------------------------------------------------------------------------------------
 
-RANK_IMPORTS = ("services.trainer.main", "services.trainer.ranks", "torch.distributed.checkpoint.state_dict",
+RANK_IMPORTS = ("services.trainer.main", "services.trainer.ranks.commands", "torch.distributed.checkpoint.state_dict",
                 "transformers.initialization", "transformers.models.qwen2.modeling_qwen2",
                 "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3", "tests.support")
 """What a trainer rank's worker module imports, for the rank fork server to import once."""

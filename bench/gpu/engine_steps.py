@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from services.rollout.engine import EngineRequest, Sampling
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.torch.engine import TorchEngine
 
 PROMPT = [5, 6, 7, 8, 9]
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from services.rollout.engine import EngineRequest, Sampling
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.torch.engine import TorchEngine
 
 FP32_LOGPROB_TOLERANCE = 1e-4
 """Largest |engine - HF| logprob allowed in fp32 (the issue's bound)."""

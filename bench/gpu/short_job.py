@@ -25,7 +25,7 @@ CRITIC_FIGURES = ("critic/value_loss", "critic/explained_variance", "critic/valu
 def run_short_job(device: str, steps: int, output_dir: Path, settings: tuple[str, ...] = (), timeout: float = 300) -> dict:
     """Mean reward of the first and the last WINDOW steps, step seconds, and `rises`; with a critic,
     its figures at the last step and whether all are finite. `settings` are extra `--set` lines."""
-    command = [sys.executable, "-m", "rlmesh.cli", "up", "--steps", str(steps), "--output-dir", str(output_dir),
+    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--output-dir", str(output_dir),
                "--base-port", str(free_base_port()), "--set", f"rollout.engine.device={device}",
                "--set", f"trainer.distributed_backend={TRAINER_BACKENDS[device]}"]
     for setting in settings:

@@ -14,11 +14,11 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.trainer.batching import TrainingSample
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
-from services.trainer.distributed import init_distributed, shutdown_distributed
-from services.trainer.handoff import ShardHandoff, mesh_tag
-from services.trainer.policy import ShardedPolicy
+from services.trainer.ranks.distributed import init_distributed, shutdown_distributed
+from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
+from services.trainer.ranks.policy import ShardedPolicy
 
 log = structlog.get_logger()
 

@@ -18,14 +18,14 @@ from transformers import AutoConfig
 
 from bench.common import BenchAuth
 from bench.weights import Generation, raw_socket_gbps
-from rlmesh.authz import Role
+from rlmesh.rpc.authz import Role
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
-from rlmesh.payload import stream_chunks
-from rlmesh.rpc import call_options, open_channel
-from rlmesh.shards import SHM_DIR, LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
+from rlmesh.transfer.payload import stream_chunks
+from rlmesh.rpc.channels import call_options, open_channel
+from rlmesh.transfer.shards import SHM_DIR, LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlmesh.tool_calls import ToolCall
+from rlmesh.chat.tool_calls import ToolCall
 
 Message = dict[str, Any]
 ROLES = ("system", "user", "assistant", "tool")

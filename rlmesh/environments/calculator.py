@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult
-from rlmesh.tool_calls import tool_call_text
+from rlmesh.chat.tool_calls import tool_call_text
 
 TOOL_SYSTEM = "Tool: calculator(expression). Answer as \\boxed{n}."
 PLAIN_SYSTEM = "Answer as \\boxed{n}."

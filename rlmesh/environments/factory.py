@@ -23,7 +23,7 @@ def environment_factory(config: EnvironmentConfig, task: str, search_path: Seque
         return None
     if config.remote:
         from rlmesh.config import ConfigError
-        from rlmesh.credentials import user_service_token
+        from rlmesh.rpc.credentials import user_service_token
         from rlmesh.environments.remote import EnvironmentChannel
 
         try:

@@ -13,7 +13,7 @@ import grpc
 
 from rlmesh.environment.v1 import environment_pb2, environment_pb2_grpc
 from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Tokens
-from rlmesh.rpc import call_options, open_user_channel
+from rlmesh.rpc.channels import call_options, open_user_channel
 
 
 class EnvironmentChannel:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from rlmesh.gateway_client import KEY_HEADER, trust_environment
+from rlmesh.chat.gateway_client import KEY_HEADER, trust_environment
 from rlmesh.tasks.base import PromptSource, TaskPrompt
 
 HARNESS_ID = "rlmesh_verifiers"

@@ -14,7 +14,7 @@ import grpc
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.supervisor import Supervisor
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 
 POLL_SECONDS = 2.0
 

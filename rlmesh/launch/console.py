@@ -16,7 +16,7 @@ from tqdm import tqdm
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import describe_exit
 from rlmesh.launch.supervisor import Event, Notice, ServiceEnded
-from rlmesh.rpc import call_options
+from rlmesh.rpc.channels import call_options
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 
 POLL_SECONDS = 0.5

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlmesh.authz import Role
+from rlmesh.rpc.authz import Role
 from rlmesh.config import TlsFiles
-from rlmesh.credentials import secret_path, service_auth_settings
+from rlmesh.rpc.credentials import secret_path, service_auth_settings
 from rlmesh.job import Job, MeshSection
 from rlmesh.launch.netns import NetnsLayout, NetnsLink
 
@@ -90,7 +90,7 @@ class LaunchPlan:
     def security_settings(self, service: str) -> dict[str, str]:
         """The environment settings that give `service` its certificate, its role's bearer secret
         and the verifiers it checks its callers' secrets against (or turn authorization off)."""
-        from rlmesh.tls import ROLE_OF_NAME
+        from rlmesh.rpc.tls import ROLE_OF_NAME
 
         prefix = f"RLMESH_{service.upper()}_"
         settings = {}

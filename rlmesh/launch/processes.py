@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Protocol
 
 from rlmesh.entrypoint import service_process_name
-from rlmesh.launch.forkserver import ForkServer
+from rlmesh.forking.forkserver import ForkServer
 from rlmesh.lifecycle import die_with_parent
-from rlmesh.rpc import wait_healthy
+from rlmesh.rpc.channels import wait_healthy
 
 MESH_ID_ENV = "RLMESH_MESH_ID"
 """Set in every process of a mesh (to its output folder) so its processes can be found."""

@@ -11,14 +11,14 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from rlmesh.credentials import read_secret
+from rlmesh.rpc.credentials import read_secret
 from rlmesh.launch.autoscale import autoscale
 from rlmesh.launch.console import INSECURE_WARNING, INTERRUPTED, describe_mesh, follow_training, print_failure, print_summary, read_training_status
 from rlmesh.launch.netns import create_netns, remove_netns, sweep_netns
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.starter import JobRefused, ServiceStarter
 from rlmesh.launch.supervisor import Supervisor
-from rlmesh.rpc import open_channel, use_secret, use_tls
+from rlmesh.rpc.channels import open_channel, use_secret, use_tls
 from rlmesh.tasks.check import CHECK_FAILED
 from rlmesh.trainer.v1 import trainer_pb2_grpc
 

@@ -15,8 +15,8 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
 SERVICE_MODULES = ("services.manager", "services.weights", "services.rollout", "services.trainer")
 """What each service runs as `python -m`."""
-HELPER_MODULES = ("services.rollout.tp_worker", "services.trainer.reference", "services.trainer.episode_process",
-                  "services.manager.gateway_main")
+HELPER_MODULES = ("services.rollout.torch.tp_worker", "services.trainer.ranks.reference", "services.trainer.episodes.process",
+                  "services.manager.gateway.main")
 """What the services start as helpers (`python -m`), which a warm fork server forks for them."""
 MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
 """The manager's journal in the output folder: a restarted manager takes up its state from it."""

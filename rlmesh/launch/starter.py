@@ -10,8 +10,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from rlmesh.launch.forkserver import ForkServer, ForkServerError
-from rlmesh.launch.helpers import WARM_FORK_SERVER_ENV
+from rlmesh.forking.forkserver import ForkServer, ForkServerError
+from rlmesh.forking.helpers import WARM_FORK_SERVER_ENV
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import Child, ServiceSpec, service_environment, spawn
 from rlmesh.launch.services import HELPER_MODULES, SERVICE_MODULES, forked_modules

@@ -8,8 +8,8 @@ import json
 import os
 from pathlib import Path
 
-from rlmesh.authz import Role
-from rlmesh.credentials import secret_path
+from rlmesh.rpc.authz import Role
+from rlmesh.rpc.credentials import secret_path
 
 STATE_FILE = "mesh.json"
 """Written by `rlmesh up` in the output folder: its pid and the rollout instances, for `rlmesh scale`."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlmesh.payload import name_mismatch
+from rlmesh.transfer.payload import name_mismatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

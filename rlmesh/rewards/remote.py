@@ -13,7 +13,7 @@ import structlog
 
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.base import RewardItem, RewardResult
-from rlmesh.rpc import call_options, open_user_channel
+from rlmesh.rpc.channels import call_options, open_user_channel
 
 log = structlog.get_logger()
 

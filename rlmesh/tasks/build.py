@@ -119,7 +119,7 @@ def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
 
         return PythonReward(load_callable(reward.function, search_path), reward.batched, reward.function)
     if reward.remote:
-        from rlmesh.credentials import user_service_token
+        from rlmesh.rpc.credentials import user_service_token
         from rlmesh.rewards.remote import RemoteReward
 
         # The guard's deadline covers every attempt of the call.

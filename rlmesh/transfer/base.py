@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import bucket_ranges
+from rlmesh.transfer.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 
 

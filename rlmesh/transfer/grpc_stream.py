@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import STREAM_CHUNK_BYTES
+from rlmesh.transfer.payload import STREAM_CHUNK_BYTES
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options
+from rlmesh.rpc.channels import call_options
 from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender
 
 

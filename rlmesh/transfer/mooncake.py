@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import bucket_ranges
+from rlmesh.transfer.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.auth import sender_session
 from rlmesh.transfer.base import Frame, ReceiveBuffer, Superseded, TransferError, WeightSender, finish_in_thread

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
+from rlmesh.transfer.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
 from rlmesh.transfer.auth import PushSession, UnprovenPayload
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.codecs import BucketCodec

@@ -14,11 +14,11 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from services.manager.config import ManagerConfig
 from services.manager.instance_stream import InstanceStream
-from services.manager.records import Assignment, Instance, SampleRequest
-from services.manager.state import ManagerState
+from services.manager.domain.records import Assignment, Instance, SampleRequest
+from services.manager.domain.state import ManagerState
 
 log = structlog.get_logger()
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import grpc
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options
-from services.manager.records import Assignment
+from rlmesh.rpc.channels import call_options
+from services.manager.domain.records import Assignment
 
 TAKES_REQUESTS_FOR = 0.5
 """Share of its deadline during which a stream takes new requests; then the dispatcher opens

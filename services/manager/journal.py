@@ -13,12 +13,12 @@ from pathlib import Path
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from rlmesh.manager.v1 import manager_pb2
-from services.manager.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
-from services.manager.records import Batch, Instance, SampleRequest
-from services.manager.conversations import LoggedMessage
-from services.manager.sessions import Limits, Session
-from services.manager.state import ManagerState
-from services.manager.trajectories import take_progress, trajectory
+from services.manager.domain.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
+from services.manager.domain.records import Batch, Instance, SampleRequest
+from services.manager.domain.conversations import LoggedMessage
+from services.manager.domain.sessions import Limits, Session
+from services.manager.domain.state import ManagerState
+from services.manager.domain.trajectories import take_progress, trajectory
 
 FORMAT = 6
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 import structlog
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import GrpcServer
+from rlmesh.rpc.servers import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
-from services.manager.gateway_process import GatewayProcess
+from services.manager.gateway.process import GatewayProcess
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.session_feed import SessionFeed
-from services.manager.state import ManagerState
+from services.manager.domain.state import ManagerState
 from services.manager.stored_versions import StoredVersions
 
 

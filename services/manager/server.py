@@ -13,19 +13,19 @@ import structlog
 
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.prometheus import Families
+from rlmesh.rpc.prometheus import Families
 from services.manager.config import ManagerConfig
-from services.manager.conversations import conversation_from_proto, conversation_to_proto
+from services.manager.domain.conversations import conversation_from_proto, conversation_to_proto
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
-from services.manager.records import Instance, SampleRequest
+from services.manager.domain.records import Instance, SampleRequest
 from services.manager.session_feed import SessionFeed
-from services.manager.sessions import Limits, Session, TurnState, stream_of
-from services.manager.trajectories import segment_from_proto, segment_to_proto, trajectory
+from services.manager.domain.sessions import Limits, Session, TurnState, stream_of
+from services.manager.domain.trajectories import segment_from_proto, segment_to_proto, trajectory
 from services.manager.turns import TurnRunner
-from services.manager.registry import WrongIncarnation
-from services.manager.stage_balance import Balance
-from services.manager.state import ManagerState
+from services.manager.domain.registry import WrongIncarnation
+from services.manager.domain.stage_balance import Balance
+from services.manager.domain.state import ManagerState
 from services.manager.stored_versions import StoredVersions
 
 log = structlog.get_logger()

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from rlmesh.errors import FailedPrecondition, Unavailable
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 POLL_SECONDS = 0.05

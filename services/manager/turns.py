@@ -8,11 +8,11 @@ import asyncio
 from collections.abc import Callable
 
 from rlmesh.common.v1 import common_pb2
-from services.manager.conversations import LoggedMessage
+from services.manager.domain.conversations import LoggedMessage
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.journal import Journal, NoJournal
-from services.manager.sessions import Segment, TurnState
-from services.manager.state import ManagerState
+from services.manager.domain.sessions import Segment, TurnState
+from services.manager.domain.state import ManagerState
 
 
 class TurnRunner:

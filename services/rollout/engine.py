@@ -16,7 +16,7 @@ import torch
 from rlmesh.errors import Aborted, InvalidArgument
 
 if TYPE_CHECKING:
-    from services.rollout.rank import RankHandle
+    from services.rollout.torch.rank import RankHandle
 
 
 UpdateMode = Literal["continue", "pause", "abort-continue"]
@@ -52,7 +52,7 @@ class Sampling:
     seed: int = 0
     """0 lets the engine choose."""
     stop: tuple[str, ...] = ()
-    """Stop strings: the response ends at the token with which its text first contains one (rlmesh/stop_strings.py)."""
+    """Stop strings: the response ends at the token with which its text first contains one (rlmesh/chat/stop_strings.py)."""
 
 
 @dataclass(slots=True)

@@ -12,11 +12,11 @@ import structlog
 import torch
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import GrpcServer
+from rlmesh.rpc.servers import GrpcServer
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, TensorParallelEngine
 from services.rollout.membership import Membership
-from services.rollout.rank import RankTransfer, RankWeights
+from services.rollout.torch.rank import RankTransfer, RankWeights
 from services.rollout.server import RolloutServicer
 from services.rollout.weight_update import Backend, WeightUpdater
 
@@ -39,7 +39,7 @@ def build_engine(config: RolloutConfig) -> Engine:
         from services.rollout.vllm_engine import VllmEngine
 
         return VllmEngine(engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm, update_mode=engine.update_mode)
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.torch.engine import TorchEngine
 
     return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
                        transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode,

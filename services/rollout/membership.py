@@ -10,7 +10,7 @@ import grpc
 import structlog
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from services.rollout.engine import Engine
 
 log = structlog.get_logger()

@@ -12,15 +12,15 @@ import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, FailedPrecondition, InvalidArgument, PermissionDenied
-from rlmesh.prometheus import Families
+from rlmesh.rpc.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import status_code_of
+from rlmesh.rpc.servers import status_code_of
 from rlmesh.sampling import sampling_problem
-from rlmesh.stop_strings import stop_problem
+from rlmesh.chat.stop_strings import stop_problem
 from rlmesh.transfer.auth import UnprovenPayload
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
-from services.rollout.rank import RankPort
+from services.rollout.torch.rank import RankPort
 from services.rollout.weight_update import Backend, WeightUpdater
 
 log = structlog.get_logger()

@@ -14,11 +14,11 @@ import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
+from rlmesh.transfer.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
 from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError, finish_in_thread
 from services.rollout.engine import Engine, ParameterSpec, TensorParallelEngine, WeightLayout
-from services.rollout.rank import RankHandle, RankPort, RankWeights
+from services.rollout.torch.rank import RankHandle, RankPort, RankWeights
 
 log = structlog.get_logger()
 

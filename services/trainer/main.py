@@ -14,17 +14,19 @@ from pathlib import Path
 import structlog
 import torch
 
-from rlmesh.rpc import GrpcServer, open_channel, stop_event_on_signals, wait_healthy
+from rlmesh.rpc.channels import open_channel, wait_healthy
+
+from rlmesh.rpc.servers import GrpcServer, stop_event_on_signals
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2_grpc
 from services.trainer.config import TrainerConfig
-from services.trainer.distributed import RankInfo, TorchThread, die_with_agent, init_distributed, shutdown_distributed
-from services.trainer.handoff import ShardHandoff, mesh_tag
+from services.trainer.ranks.distributed import RankInfo, TorchThread, die_with_agent, init_distributed, shutdown_distributed
+from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
 from services.trainer.mesh import MeshClient
-from services.trainer.policy import ShardedPolicy
-from services.trainer.ranks import RankGroup
+from services.trainer.ranks.policy import ShardedPolicy
+from services.trainer.ranks.commands import RankGroup
 from services.trainer.server import TrainerServicer
-from services.trainer.trainer import GrpoTrainer, TrainingStatus
+from services.trainer.loop import GrpoTrainer, TrainingStatus
 
 log = structlog.get_logger()
 

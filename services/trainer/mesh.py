@@ -14,7 +14,7 @@ import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 log = structlog.get_logger()

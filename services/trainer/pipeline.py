@@ -15,8 +15,8 @@ from rlmesh.micro_batch import group_tokens, pack
 from rlmesh.rewards.base import RewardResult
 from rlmesh.sampling import MAX_SEED
 from rlmesh.tasks.base import TaskPrompt
-from services.trainer.batching import TrainingSample
-from services.trainer.checkpoint import PIPELINE_FILE
+from services.trainer.ranks.batching import TrainingSample
+from services.trainer.ranks.checkpoint import PIPELINE_FILE
 from services.trainer.trajectories import EpisodeFigures
 
 

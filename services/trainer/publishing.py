@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from services.trainer.mesh import MeshClient
-from services.trainer.ranks import CollectiveFailure, Publish, PublishResult, RankGroup
+from services.trainer.ranks.commands import CollectiveFailure, Publish, PublishResult, RankGroup
 
 log = structlog.get_logger()
 

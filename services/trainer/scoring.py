@@ -11,10 +11,10 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem, RewardResult
 from rlmesh.tasks.build import TaskMixture
 from services.trainer.algorithms.shaping import ShapingInput, shape
-from services.trainer.batching import TrainingSample
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
-from services.trainer.reference import ReferenceWorker
+from services.trainer.ranks.reference import ReferenceWorker
 from services.trainer.trajectories import MASKED_STATUSES, figures_of, parts_of, trajectory_reward, transcript_ids
 
 

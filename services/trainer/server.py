@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rlmesh.prometheus import Families
+from rlmesh.rpc.prometheus import Families
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.trainer.trainer import TrainingStatus
+from services.trainer.loop import TrainingStatus
 
 
 STEP_METRICS = {

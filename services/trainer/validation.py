@@ -17,8 +17,8 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
-from services.trainer.episode_process import EpisodeProcess
-from services.trainer.episodes import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.process import EpisodeProcess
+from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
 from services.trainer.mesh import MeshClient
 from services.trainer.trajectories import (MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, transcript_ids,
                                            turn_reward_means)

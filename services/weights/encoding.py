@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.payload import crc32, bucket_ranges
+from rlmesh.transfer.payload import crc32, bucket_ranges
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.codecs import BucketCodec, CompressionMode, CompressionReport
 from rlmesh.transfer.receiver import CODE_OF_MODE, payload_dtype

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass
 
 from rlmesh.lifecycle import background_process
-from rlmesh.rpc import GrpcServer
+from rlmesh.rpc.servers import GrpcServer
 from rlmesh.transfer.base import WeightSender
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.transfer.tcp import TcpSender

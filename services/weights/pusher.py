@@ -17,7 +17,7 @@ import structlog
 from rlmesh.errors import DomainError
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import call_options, open_channel
+from rlmesh.rpc.channels import call_options, open_channel
 from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, raw_frames
 from rlmesh.transfer.codecs import CompressionMode, CompressionReport, DeltaSchedule
 from rlmesh.transfer.receiver import CODE_OF_MODE

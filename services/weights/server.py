@@ -12,9 +12,9 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument
 from rlmesh.models.tp_layout import hf_parameter_shapes
-from rlmesh.payload import DTYPE_CODES, torch_dtype
-from rlmesh.prometheus import Families
-from rlmesh.shards import layout_from_proto, read_shared_memory
+from rlmesh.transfer.payload import DTYPE_CODES, torch_dtype
+from rlmesh.rpc.prometheus import Families
+from rlmesh.transfer.shards import layout_from_proto, read_shared_memory
 from rlmesh.transfer.receiver import CODE_OF_MODE
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher

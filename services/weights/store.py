@@ -16,8 +16,8 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, name_mismatch, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
-from rlmesh.shards import shard_views, validate_header
+from rlmesh.transfer.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, name_mismatch, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.transfer.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
 FULL_LAYOUT = 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlmesh.launch.ports import free_base_port
-from services.trainer.checkpoint import CRITIC
+from services.trainer.ranks.checkpoint import CRITIC
 from tests.support import step_records_written, trainer_pid, up_command, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -40,14 +40,14 @@ def service_pid(output_dir: Path, service: str) -> int:
 
 
 def scale(output_dir: Path, count: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlmesh.cli", "scale", "--run", str(output_dir), "--rollout-instances", str(count)],
+    return subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "scale", "--run", str(output_dir), "--rollout-instances", str(count)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def test_instances_and_the_weights_service_come_back_and_scale_while_training_goes_on(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     log = (tmp_path / "up.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "up", "--steps", "100000", "--rollout-instances", "1:3",
+    process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", "100000", "--rollout-instances", "1:3",
                                 "--base-port", str(free_base_port()), "--model-dir", str(model_dir), "--output-dir", str(output_dir),
                                 "--set", "algorithm.eval_every=100000", "--set", "tasks.0.eval.prompts=8"],
                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -101,7 +101,7 @@ def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_d
     output_dir = tmp_path / "run"
     log_path = tmp_path / "up.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli", "up", "--steps", "100000", "--rollout-instances", "1:2",
+        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", "100000", "--rollout-instances", "1:2",
                                     "--autoscale", "--base-port", str(free_base_port()), "--model-dir", str(model_dir),
                                     "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
                                     "--set", "tasks.0.eval.prompts=8", "--set", "rollout.engine.max_batch_size=8",

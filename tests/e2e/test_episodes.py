@@ -111,7 +111,7 @@ eval_every = 2
 
 def run_two_steps(job: Path, output: Path, model_dir: Path) -> Path:
     """`rlmesh up --job` for 2 steps; the run's folder once it finished."""
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output),
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output),
                              "--model-dir", str(model_dir), "--base-port", str(free_base_port()), "--steps", "2"],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.credentials import create_secrets, read_secret, secret_path
+from rlmesh.rpc.credentials import create_secrets, read_secret, secret_path
 from rlmesh.launch.ports import free_base_port, free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 
@@ -27,7 +27,7 @@ NODE_VERIFIER = ROOT / "examples" / "node-verifier"
 
 
 def up(job: Path, output_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output_dir),
+    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output_dir),
                "--base-port", str(free_base_port()), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 

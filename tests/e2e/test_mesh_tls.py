@@ -14,7 +14,7 @@ from rlmesh.config import TlsFiles
 from rlmesh.launch.ports import free_base_port
 from rlmesh.launch.processes import mesh_processes
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
-from rlmesh.rpc import call_options, check_health, open_channel, use_tls
+from rlmesh.rpc.channels import call_options, check_health, open_channel, use_tls
 from tests.support import GRPCURL, up_command
 
 pytestmark = pytest.mark.e2e

@@ -18,13 +18,13 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlmesh.launch.forkserver import FORK_SERVER_NAME
+from rlmesh.forking.forkserver import FORK_SERVER_NAME
 from rlmesh.launch.ports import free_base_port, free_port
 from rlmesh.launch.processes import mesh_processes, process_name
-from rlmesh.rpc import call_options, open_channel
-from rlmesh.shards import SHM_DIR
+from rlmesh.rpc.channels import call_options, open_channel
+from rlmesh.transfer.shards import SHM_DIR
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from services.trainer.handoff import SLOT_PREFIX, mesh_tag
+from services.trainer.ranks.handoff import SLOT_PREFIX, mesh_tag
 from tests.support import grpcurl_output, grpcurl_result, parent_pid, up_command
 
 pytestmark = pytest.mark.e2e
@@ -172,7 +172,7 @@ def test_prometheus_scrapes_every_service_and_the_values_move(live_mesh):
 
 
 def test_status_once_prints_the_mesh(live_mesh):
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--run", str(live_mesh.output_dir)],
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "status", "--once", "--run", str(live_mesh.output_dir)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -183,11 +183,11 @@ def test_status_once_prints_the_mesh(live_mesh):
 
 
 def test_status_names_what_it_cannot_reach(tmp_path):
-    missing = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--run", str(tmp_path)],
+    missing = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "status", "--once", "--run", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "no running mesh found" in missing.stderr
     port = free_port()
-    down = subprocess.run([sys.executable, "-m", "rlmesh.cli", "status", "--once", "--manager", f"127.0.0.1:{port}"],
+    down = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "status", "--once", "--manager", f"127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and f"manager 127.0.0.1:{port}: UNAVAILABLE" in down.stderr
 

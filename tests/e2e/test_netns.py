@@ -51,7 +51,7 @@ def test_sweep_removes_what_a_killed_mesh_left_and_keeps_a_live_mesh():
 
 
 def test_up_without_the_privileges_for_namespaces_says_so(tmp_path):
-    command = [sys.executable, "-m", "rlmesh.cli", "up", "--rollout-netns", "1", "--output-dir", str(tmp_path / "run")]
+    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--rollout-netns", "1", "--output-dir", str(tmp_path / "run")]
     if not netns_problem():
         # Root here: take away the two capabilities the namespaces need.
         command = ["setpriv", "--inh-caps=-all", "--bounding-set=-net_admin,-sys_admin", *command]

@@ -64,7 +64,7 @@ def test_a_python_openai_harness_at_the_default_step_size_finishes_with_no_episo
     # `python` is the interpreter the job's harness finds first on PATH: this one, with `openai` installed.
     environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     output = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli", "up", "--job", str(job), "--output-dir", str(output),
+    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output),
                              "--model-dir", str(model), "--base-port", str(free_base_port()), "--steps", str(STEPS)],
                             capture_output=True, text=True, timeout=2300, cwd=ROOT, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]

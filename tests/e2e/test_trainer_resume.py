@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from services.trainer.checkpoint import latest_checkpoint
+from services.trainer.ranks.checkpoint import latest_checkpoint
 from services.trainer.pipeline import load_pipeline
 from tests.support import step_records_written, trainer_pid, up_command, wait_until
 

@@ -18,9 +18,9 @@ from transformers import AutoConfig
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
-from rlmesh.payload import aligned, bucket_checksums, pack_layout
+from rlmesh.transfer.payload import aligned, bucket_checksums, pack_layout
 from rlmesh.rollout.v1 import rollout_pb2
-from rlmesh.shards import layout_to_proto
+from rlmesh.transfer.shards import layout_to_proto
 from rlmesh.weights.v1 import weights_pb2
 from tests.fuzz.harness import CRASH_CODES, Harness, Rpc, Wire, contract_rpcs
 from tests.fuzz.messages import MessageStrategies

@@ -16,14 +16,15 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlmesh.credentials import peer_secrets
+from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rollout.v1 import rollout_pb2
-from rlmesh.rpc import GrpcServer, channel_options
+from rlmesh.rpc.channels import channel_options
+from rlmesh.rpc.servers import GrpcServer
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
 from services.trainer.server import TrainerServicer
-from services.trainer.trainer import TrainingStatus
+from services.trainer.loop import TrainingStatus
 from tests.support import TEST_SECRETS, Mesh, build_mesh, loopback, stop_mesh
 
 CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}

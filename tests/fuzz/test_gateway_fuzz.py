@@ -24,7 +24,7 @@ import pytest
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
-from rlmesh.rpc import open_channel
+from rlmesh.rpc.channels import open_channel
 from tests.fuzz.gateway_requests import Generator, Request, Session
 from tests.support import build_mesh, stop_mesh
 

@@ -7,12 +7,12 @@ import pytest_asyncio
 
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.rollout.v1 import rollout_pb2_grpc
-from rlmesh.rpc import open_channel
+from rlmesh.rpc.channels import open_channel
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.torch.engine import TorchEngine
 from services.trainer.mesh import MeshClient
 from tests.support import TP, TpInstance, build_mesh, loopback, stop_mesh
 

@@ -14,7 +14,7 @@ import pytest_asyncio
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2_grpc
-from rlmesh.rpc import open_channel
+from rlmesh.rpc.channels import open_channel
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig

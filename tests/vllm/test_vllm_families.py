@@ -11,7 +11,7 @@ from pathlib import Path
 from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
-from rlmesh.rpc import open_channel
+from rlmesh.rpc.channels import open_channel
 from tests.support import (
     VLLM_START_SECONDS, DIGIT_PROMPTS, PUSHED_VERSION, Pushed, assert_served_as_hf, build_mesh, greedy_responses, published_tensors, stop_mesh,
     spawn_vllm_rollout, stop_process_group, trainer_rank_results, wait_registered,

@@ -19,11 +19,11 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
-from rlmesh.payload import pack
+from rlmesh.transfer.payload import pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
-from services.trainer.batching import TrainingSample, build_micro_batch, token_logprobs
+from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
 from tests.support import VLLM_ID, PairedInstances
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

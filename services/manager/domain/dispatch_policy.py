@@ -1,0 +1,155 @@
+"""Dispatch policies: which instance each queued request goes to. `balanced` weighs outstanding
+tokens against measured throughput (and lets stragglers migrate); `round_robin` is the baseline."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from services.manager.domain.records import Assignment, Instance, SampleRequest
+
+if TYPE_CHECKING:
+    from services.manager.domain.scheduling import RunningWork, Scheduler
+
+PolicyName = Literal["balanced", "round_robin"]
+MIGRATION_SPEEDUP = 1.5
+"""A straggler moves only to an instance at least this much faster per sequence; an instance this
+much slower than the fastest starts nothing near the end of the queue."""
+
+
+class DispatchPolicy(Protocol):
+    migrates: bool
+    """Whether stragglers move off slow instances near the end of a step."""
+
+    def assign(self, scheduler: Scheduler) -> list[Assignment]:
+        """Starts queued requests (exact-version ones first in the queue) on eligible instances."""
+        ...
+
+
+class Balanced:
+    """Picks the eligible instance expected to finish its work soonest, counting outstanding tokens
+    against measured throughput. A validation stays on the instance that started it, waiting for
+    its slots: the others never hold its version, and keep taking new versions for training. A
+    training request goes to no instance running background work (a validation) while another
+    instance may run it, waiting for that one's slots instead: background work then decodes
+    alone, at the lowest CPU priority. An instance running its saturation batch takes no training
+    request of a later step than the oldest it runs (see `beyond_saturation`). A sample that failed
+    on some instances goes to another when one may take it."""
+
+    migrates = True
+
+    def assign(self, scheduler: Scheduler) -> list[Assignment]:
+        ledger, instances = scheduler.ledger, scheduler.instances
+        assignments: list[Assignment] = []
+        free = sum(max(0, i.free_slots) for i in instances.values() if i.schedulable)
+        if not free or not ledger.queue:
+            return assignments
+        waiting: deque[SampleRequest] = deque()
+        rates = scheduler.rates()
+        fastest = max((i.sequence_tokens_per_second for i in instances.values() if i.schedulable), default=0.0)
+        fast_capacity = sum(
+            i.tokens_per_second for i in instances.values()
+            if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
+        )
+        # The queue's expected work matters only when some instance is much slower than the rest.
+        slow_present = any(
+            0 < i.sequence_tokens_per_second and i.sequence_tokens_per_second * MIGRATION_SPEEDUP < fastest
+            for i in instances.values() if i.schedulable
+        )
+        mean_length = ledger.mean_length
+        queued_tokens = sum(r.expected_remaining(mean_length) for r in ledger.queue if not r.exact_version) if slow_present else 0.0
+        work = scheduler.running_work()
+        # Whether an instance may run a request depends only on the request's version and kind: a
+        # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
+        may_run: dict[tuple[int, bool], list[Instance]] = {}
+        while ledger.queue and free:
+            request = ledger.queue.popleft()
+            kind = (request.policy_version, request.exact_version)
+            if kind not in may_run:
+                may_run[kind] = [i for i in instances.values() if scheduler.admission.may_run(i, request)]
+            candidates = [c for c in may_run[kind] if c.free_slots > 0]
+            if not candidates and (request.exact_version or not slow_present):
+                waiting.append(request)
+                continue
+            expected = request.expected_remaining(mean_length)
+            # The tail rule is about a training step's end; an exact-version request can only run
+            # where its version is served, which the fast instances may not be.
+            candidates = [
+                c for c in candidates
+                if request.exact_version or not too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
+            ]
+            if not request.exact_version:
+                queued_tokens -= expected
+                candidates = [c for c in candidates if not beyond_saturation(c, request, work)]
+            elif request.policy_version in work.holders:
+                candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
+            if not request.background and work.background and any(i.instance_id not in work.background for i in may_run[kind]):
+                candidates = [c for c in candidates if c.instance_id not in work.background]
+            if not candidates:
+                waiting.append(request)
+                continue
+            # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
+            candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
+            preferred = [c for c in candidates if c.instance_id == (request.migrate_to or request.affinity)]
+            instance = preferred[0] if preferred else min(
+                candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
+            )
+            assignments.append(ledger.start(request, instance))
+            work.started(request, instance.instance_id)
+            free -= 1
+        waiting.extend(ledger.queue)
+        ledger.queue = waiting
+        return assignments
+
+
+def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningWork) -> bool:
+    """Whether starting this training request would slow the stragglers of an earlier step: the
+    instance already runs its saturation batch (a larger batch gains no throughput, every sequence
+    just decodes slower) and the request is for a later step than the oldest it runs. The trainer
+    waits for that oldest step; a later one is needed only after it, so it fills just what the
+    knee leaves free. With no earlier step running, the instance fills up to its max batch."""
+    saturation = instance.saturation_batch_size
+    if not saturation or len(instance.running) < saturation:
+        return False
+    return request.policy_version > work.oldest_version.get(instance.instance_id, request.policy_version)
+
+
+def too_slow_for_the_tail(instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float) -> bool:
+    """Near the end of the queue a much slower instance should start nothing: the fast ones
+    would drain what is queued and finish this request sooner than it could."""
+    rate = instance.sequence_tokens_per_second
+    if rate <= 0 or fast_capacity <= 0 or rate * MIGRATION_SPEEDUP >= fastest:
+        return False
+    return queued_tokens / fast_capacity < expected / rate
+
+
+class RoundRobin:
+    """Strict turns, ignoring speed and load: the next request waits for the next instance's free slot."""
+
+    migrates = False
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def assign(self, scheduler: Scheduler) -> list[Assignment]:
+        ledger, instances = scheduler.ledger, scheduler.instances
+        assignments: list[Assignment] = []
+        order = sorted(instances)
+        while ledger.queue and order:
+            request = ledger.queue[0]
+            instance = instances[order[self.turn % len(order)]]
+            if not scheduler.admission.may_run(instance, request):
+                if not scheduler.eligible(request):
+                    break
+                self.turn += 1
+                continue
+            if instance.free_slots <= 0:
+                break
+            ledger.queue.popleft()
+            self.turn += 1
+            assignments.append(ledger.start(request, instance))
+        return assignments
+
+
+def dispatch_policy(name: PolicyName) -> DispatchPolicy:
+    return RoundRobin() if name == "round_robin" else Balanced()

@@ -1,0 +1,144 @@
+"""Scheduling: dispatch of queued requests through the dispatch policy (validations first), the
+failure of exact-version batches whose version is gone, and the planning of straggler migration."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.manager.domain.admission import Admission
+from services.manager.domain.dispatch_policy import MIGRATION_SPEEDUP, DispatchPolicy
+from services.manager.domain.ledger import RequestLedger
+from services.manager.domain.records import Assignment, Batch, Instance, SampleRequest
+
+MIGRATION_MIN_SECONDS = 0.25
+"""A straggler moves only when it is expected to run at least this long where it is."""
+MAX_MIGRATIONS = 2
+"""Per sample, so that no request bounces between instances."""
+
+
+@dataclass(slots=True)
+class RunningWork:
+    """What the instances run, as the dispatch policy weighs it."""
+
+    holders: dict[int, set[str]] = field(default_factory=dict)
+    """The instances running exact-version requests, by version."""
+    background: set[str] = field(default_factory=set)
+    """The instances running background work."""
+    oldest_version: dict[str, int] = field(default_factory=dict)
+    """By instance, the lowest policy version among the training requests it runs: the step whose
+    stragglers it decodes."""
+
+    def started(self, request: SampleRequest, instance_id: str) -> None:
+        if request.exact_version:
+            self.holders.setdefault(request.policy_version, set()).add(instance_id)
+        else:
+            self.oldest_version[instance_id] = min(self.oldest_version.get(instance_id, request.policy_version), request.policy_version)
+        if request.background:
+            self.background.add(instance_id)
+
+
+class Scheduler:
+    def __init__(self, instances: Mapping[str, Instance], batches: Mapping[str, Batch], ledger: RequestLedger,
+                 admission: Admission, policy: DispatchPolicy) -> None:
+        self.instances = instances
+        self.batches = batches
+        self.ledger = ledger
+        self.admission = admission
+        self.policy = policy
+
+    def assign(self) -> list[Assignment]:
+        """Dispatches queued requests, exact-version ones (a validation) first, then the others
+        oldest first: a validation never preempts a running sample, but it takes the slots that
+        free up before training does, so all of it runs while its instance holds its version (a
+        request arriving after the hold ended would be refused, the instance having switched).
+        Eligible instances hold the version they must, may run the request (staleness gate and
+        capacity rule, or exactly its version), are not draining and have a free slot; the policy
+        picks among them."""
+        self._fail_versions_gone()
+        if any(r.exact_version for r in self.ledger.queue):
+            # Stable: each kind keeps its order (continuations first).
+            self.ledger.queue = deque(sorted(self.ledger.queue, key=lambda r: not r.exact_version))
+        return self.policy.assign(self)
+
+    def eligible(self, request: SampleRequest) -> list[Instance]:
+        return [i for i in self.instances.values() if self.admission.may_run(i, request) and i.free_slots > 0]
+
+    def running_work(self) -> RunningWork:
+        """In one pass over the running requests."""
+        work = RunningWork()
+        for instance in self.instances.values():
+            for request_id in instance.running:
+                work.started(self.ledger.requests[request_id], instance.instance_id)
+        return work
+
+    def rates(self) -> dict[str, float]:
+        """Measured throughput per instance; one never measured counts as the pool's mean."""
+        measured = [i.tokens_per_second for i in self.instances.values() if i.tokens_per_second > 0]
+        default = sum(measured) / len(measured) if measured else 1.0
+        return {i.instance_id: i.tokens_per_second or default for i in self.instances.values()}
+
+    def _fail_versions_gone(self) -> None:
+        """An exact-version batch with a sample waiting for an instance fails once none can take it:
+        its evaluation is skipped. Its samples still running are let go (their next chunk ends their
+        stream), so they no longer hold their instance's switch back."""
+        queue = self.ledger.queue
+        versions = {r.policy_version for r in queue if r.exact_version}
+        gone = {v for v in versions if self.admission.version_gone(v, self.instances.values())}
+        if not gone:
+            return
+        failed = {r.batch_id for r in queue if r.exact_version and r.policy_version in gone}
+        for batch_id in sorted(failed):
+            batch = self.batches[batch_id]
+            batch.error = (f"version {batch.policy_version} is no longer served by any instance: evaluation of it is skipped "
+                           f"({batch.unfinished} of its samples unfinished; published version {self.admission.published_version})")
+            batch.version_gone = True
+            for group in batch.groups.values():
+                for request in group:
+                    if request.instance_id is not None:
+                        self.ledger.detach(request)
+        self.ledger.unqueue(failed)
+
+    def plan_migrations(self) -> list[SampleRequest]:
+        """Near the end of a step (nothing queued but exact-version samples, background work) an
+        instance with free slots takes over the requests expected to run longest on instances much
+        slower per sequence; the caller aborts each on its instance, and the abort's chunk brings
+        it back here to continue."""
+        if not self.policy.migrates or any(not r.exact_version for r in self.ledger.queue):
+            return []
+        planned: list[SampleRequest] = []
+        requests = self.ledger.requests
+        in_flight = [requests[r] for i in self.instances.values() for r in i.running if r in requests]
+        incoming: dict[str, int] = {}
+        for request in in_flight:
+            if request.migrate_to is not None:
+                incoming[request.migrate_to] = incoming.get(request.migrate_to, 0) + 1
+        targets = sorted(
+            (i for i in self.instances.values() if i.schedulable and i.sequence_tokens_per_second > 0),
+            key=lambda i: -i.sequence_tokens_per_second,
+        )
+        for target in targets:
+            free = target.free_slots - incoming.get(target.instance_id, 0)
+            if free <= 0:
+                continue
+            choices = []
+            for request in in_flight:
+                source = self.instances[request.instance_id] if request.instance_id else None
+                if (
+                    source is None or source is target or request.migrate_to is not None
+                    or request.migrations >= MAX_MIGRATIONS or not self.admission.may_run(target, request)
+                    or len(source.running) <= len(target.running)
+                ):
+                    continue
+                source_rate = source.sequence_tokens_per_second
+                if source_rate <= 0 or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source_rate:
+                    continue
+                seconds_left = request.expected_remaining(self.ledger.mean_length) / source_rate
+                if seconds_left >= MIGRATION_MIN_SECONDS:
+                    choices.append((seconds_left, request.request_id, request))
+            for _, _, request in sorted(choices, reverse=True)[:free]:
+                request.migrate_to = target.instance_id
+                request.migrations += 1
+                planned.append(request)
+        return planned
