@@ -56,7 +56,7 @@ class SlowEnvironment:
         return {{"text": "="}}, score, False
 '''
 
-JOB = '''
+JOB = """
 [[tasks]]
 name = "slow"
 kind = "increment"
@@ -67,7 +67,7 @@ eval.samples = 1
 [tasks.environment]
 python = "slow_env.py:SlowEnvironment"
 max_turns = 4
-'''
+"""
 
 
 def steady(run: TrainingRun) -> list[dict]:
@@ -89,7 +89,9 @@ def training(scratch: Path, steps: int) -> tuple[dict, dict, dict]:
         "async_step_seconds": async_seconds,
         "async_episodes_per_second": statistics.mean(r["episodes/count"] for r in async_steps) / async_seconds,
         "async_staleness_mean": statistics.mean(r["staleness_mean"] for r in async_steps),
-        "async_environment_seconds_per_episode": statistics.mean(r["episodes/environment_seconds"] for r in async_steps),
+        "async_environment_seconds_per_episode": statistics.mean(
+            r["episodes/environment_seconds"] for r in async_steps
+        ),
     }
     baseline = {
         "sync_step_seconds": sync_seconds,
@@ -99,8 +101,11 @@ def training(scratch: Path, steps: int) -> tuple[dict, dict, dict]:
     }
     speedup = sync_seconds / async_seconds
     ceiling = sync_seconds / train_alone
-    ratios = {"async_over_sync_throughput": speedup, "ceiling_trainer_alone_over_sync": ceiling,
-              "async_over_ceiling": speedup / ceiling}
+    ratios = {
+        "async_over_sync_throughput": speedup,
+        "ceiling_trainer_alone_over_sync": ceiling,
+        "async_over_ceiling": speedup / ceiling,
+    }
     return figures, baseline, ratios
 
 
@@ -110,10 +115,15 @@ async def prefill_seconds(engine: TorchEngine, prompt: list[int], follow_up: lis
     times = []
     for index in range(sessions):
         key = f"session-{index}"
-        first = [t async for chunk in engine.generate(EngineRequest(f"{key}-0", prompt, sampling, cache_key=key)) for t in chunk.token_ids]
+        first = [
+            t
+            async for chunk in engine.generate(EngineRequest(f"{key}-0", prompt, sampling, cache_key=key))
+            for t in chunk.token_ids
+        ]
         started = time.perf_counter()
-        async for _ in engine.generate(EngineRequest(f"{key}-1", prompt + first + follow_up, Sampling(temperature=0, max_tokens=1),
-                                                     cache_key=key)):
+        async for _ in engine.generate(
+            EngineRequest(f"{key}-1", prompt + first + follow_up, Sampling(temperature=0, max_tokens=1), cache_key=key)
+        ):
             times.append(time.perf_counter() - started)
             break
     return times
@@ -132,7 +142,10 @@ async def kv_reuse(scratch: Path, sessions: int, context_tokens: int) -> tuple[d
     finally:
         await reusing.stop()
         await plain.stop()
-    figures = {"second_turn_prefill_ms_with_reuse": 1000 * statistics.median(with_reuse), "prefix_hits": reusing.prefix_cache.hits}
+    figures = {
+        "second_turn_prefill_ms_with_reuse": 1000 * statistics.median(with_reuse),
+        "prefix_hits": reusing.prefix_cache.hits,
+    }
     baseline = {"second_turn_prefill_ms_without_reuse": 1000 * statistics.median(without)}
     ratios = {"prefill_with_over_without_reuse": statistics.median(with_reuse) / statistics.median(without)}
     return figures, baseline, ratios
@@ -147,16 +160,31 @@ def main() -> None:
     configure_logging(service="bench")
     figures, baseline, ratios = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="rlmesh-bench-agentic-") as scratch:
-        for part in (training(Path(scratch), args.steps), asyncio.run(kv_reuse(Path(scratch), args.kv_sessions, args.context_tokens))):
+        for part in (
+            training(Path(scratch), args.steps),
+            asyncio.run(kv_reuse(Path(scratch), args.kv_sessions, args.context_tokens)),
+        ):
             for collected, values in zip((figures, baseline, ratios), part):
                 collected |= values
     speedup, ceiling = ratios["async_over_sync_throughput"], ratios["ceiling_trainer_alone_over_sync"]
     met = speedup >= TARGET_SPEEDUP or (ceiling < TARGET_SPEEDUP and speedup >= TARGET_OF_CEILING * ceiling)
     targets = {f"async_over_sync >= {TARGET_SPEEDUP} (or >= {TARGET_OF_CEILING} of a ceiling below it)": met}
-    write_result("agentic", figures, baseline, ratios, targets,
-                 {"steps": args.steps, "turns_per_episode": 4, "environment_step_seconds": f"lognormal, median {STEP_MEDIAN_SECONDS}, "
-                  f"p99 {STEP_P99_SECONDS}", "async_max_staleness": 2, "kv_sessions": args.kv_sessions,
-                  "kv_context_tokens": args.context_tokens, "model": "the default job's tiny model; the tiny chat shape for KV reuse"})
+    write_result(
+        "agentic",
+        figures,
+        baseline,
+        ratios,
+        targets,
+        {
+            "steps": args.steps,
+            "turns_per_episode": 4,
+            "environment_step_seconds": f"lognormal, median {STEP_MEDIAN_SECONDS}, p99 {STEP_P99_SECONDS}",
+            "async_max_staleness": 2,
+            "kv_sessions": args.kv_sessions,
+            "kv_context_tokens": args.context_tokens,
+            "model": "the default job's tiny model; the tiny chat shape for KV reuse",
+        },
+    )
 
 
 if __name__ == "__main__":

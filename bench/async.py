@@ -85,7 +85,9 @@ def percentile(values: list[int], fraction: float) -> float:
 
 def busy_cpu_seconds() -> float:
     """CPU time all processes of the machine used since boot (/proc/stat: all but idle and iowait)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in Path("/proc/stat").read_text().split()[1:9])
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(v) for v in Path("/proc/stat").read_text().split()[1:9]
+    )
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
@@ -159,7 +161,11 @@ class TrainingRun:
     def window(self, window: Window) -> tuple[float, float, list[dict]]:
         """(start, end, step records) of the measured steps."""
         by_step = {r["step"]: r for r in self.records}
-        return by_step[window.first]["time"], by_step[window.last]["time"], [by_step[s] for s in range(window.first + 1, window.last + 1)]
+        return (
+            by_step[window.first]["time"],
+            by_step[window.last]["time"],
+            [by_step[s] for s in range(window.first + 1, window.last + 1)],
+        )
 
 
 @dataclass
@@ -238,10 +244,13 @@ async def torch_engine_knee(model_dir: Path, max_tokens: int = 48) -> dict[str, 
     engine = TorchEngine(model_dir, max_batch_size=MAX_BATCH)
     await engine.start()
     try:
+
         async def tokens_per_second(batch: int, tag: str) -> float:
             async def one(index: int) -> int:
                 # No stop tokens: every sequence runs max_tokens steps.
-                request = EngineRequest(f"{tag}-{index}", [1, 2, 3, 4, 5, 6, 10], Sampling(temperature=1.0, max_tokens=max_tokens))
+                request = EngineRequest(
+                    f"{tag}-{index}", [1, 2, 3, 4, 5, 6, 10], Sampling(temperature=1.0, max_tokens=max_tokens)
+                )
                 return sum([len(chunk.token_ids) async for chunk in engine.generate(request)])
 
             started = time.perf_counter()
@@ -263,19 +272,23 @@ def synthetic_instance(model_dir: Path, sigma: float, throughput: float, min_ste
     """The instance declares its knee as its saturation batch, as a deployment sets the torch
     engine's (`engine.saturation_batch_size`): a decode step of more sequences gains no throughput."""
     saturation = min(MAX_BATCH, math.ceil(throughput * min_step_seconds))
-    return InstanceSpec("synthetic-0", 1.0, {
-        # The instance checks every weight push against the model's parameters, as a real one would.
-        "ENGINE__MODEL_DIR": str(model_dir),
-        "ENGINE__MAX_BATCH_SIZE": str(MAX_BATCH),
-        "ENGINE__SATURATION_BATCH_SIZE": str(saturation),
-        "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": f"{throughput:.6g}",
-        "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": f"{min_step_seconds:.6g}",
-        "ENGINE__SYNTHETIC__LENGTH": "lognormal",
-        "ENGINE__SYNTHETIC__MEAN_TOKENS": str(MEAN_TOKENS),
-        "ENGINE__SYNTHETIC__SIGMA": f"{sigma:.6g}",
-        "ENGINE__SYNTHETIC__STREAM_INTERVAL": str(STREAM_INTERVAL),
-        "ENGINE__SYNTHETIC__VOCAB_SIZE": str(TINY_VOCABULARY),
-    })
+    return InstanceSpec(
+        "synthetic-0",
+        1.0,
+        {
+            # The instance checks every weight push against the model's parameters, as a real one would.
+            "ENGINE__MODEL_DIR": str(model_dir),
+            "ENGINE__MAX_BATCH_SIZE": str(MAX_BATCH),
+            "ENGINE__SATURATION_BATCH_SIZE": str(saturation),
+            "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": f"{throughput:.6g}",
+            "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": f"{min_step_seconds:.6g}",
+            "ENGINE__SYNTHETIC__LENGTH": "lognormal",
+            "ENGINE__SYNTHETIC__MEAN_TOKENS": str(MEAN_TOKENS),
+            "ENGINE__SYNTHETIC__SIGMA": f"{sigma:.6g}",
+            "ENGINE__SYNTHETIC__STREAM_INTERVAL": str(STREAM_INTERVAL),
+            "ENGINE__SYNTHETIC__VOCAB_SIZE": str(TINY_VOCABULARY),
+        },
+    )
 
 
 def trainer_config(model_dir: Path, output_dir: Path, steps: int, max_staleness: int) -> dict:
@@ -292,36 +305,58 @@ def trainer_config(model_dir: Path, output_dir: Path, steps: int, max_staleness:
         # after the last one, outside the measured window, on one held-out prompt.
         "eval_every": 1_000_000,
         "checkpoint_every": 1_000_000,
-        "tasks": [{"name": "increment", "kind": "increment", "sampling": {"max_tokens": MAX_TOKENS},
-                   "eval": {"prompts": 1, "samples": 1}}],
+        "tasks": [
+            {
+                "name": "increment",
+                "kind": "increment",
+                "sampling": {"max_tokens": MAX_TOKENS},
+                "eval": {"prompts": 1, "samples": 1},
+            }
+        ],
     }
 
 
-async def run_trainer(mesh: BenchMesh, model_dir: Path, steps: int,
-                      max_staleness: int) -> tuple[list[dict], list[tuple[float, int, int]]]:
+async def run_trainer(
+    mesh: BenchMesh, model_dir: Path, steps: int, max_staleness: int
+) -> tuple[list[dict], list[tuple[float, int, int]]]:
     """Starts the weights service and the trainer on the mesh, polls the manager until the trainer
     exits; returns its step records and the polls."""
     weights_address = f"127.0.0.1:{free_port()}"
-    weights = spawn_service("weights", "services.weights", weights_address, {
-        "RLMESH_WEIGHTS_SERVER__HOST": "127.0.0.1",
-        "RLMESH_WEIGHTS_SERVER__PORT": weights_address.rsplit(":", 1)[1],
-        "RLMESH_WEIGHTS_MANAGER_ADDRESS": mesh.manager_address,
-        "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "warning",
-        **mesh.auth.settings("RLMESH_WEIGHTS_", "weights"),
-    }, mesh.log_dir, str(mesh.log_dir))
+    weights = spawn_service(
+        "weights",
+        "services.weights",
+        weights_address,
+        {
+            "RLMESH_WEIGHTS_SERVER__HOST": "127.0.0.1",
+            "RLMESH_WEIGHTS_SERVER__PORT": weights_address.rsplit(":", 1)[1],
+            "RLMESH_WEIGHTS_MANAGER_ADDRESS": mesh.manager_address,
+            "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "warning",
+            **mesh.auth.settings("RLMESH_WEIGHTS_", "weights"),
+        },
+        mesh.log_dir,
+        str(mesh.log_dir),
+    )
     mesh.children.append(weights)
     await wait_started([weights])
     output_dir = mesh.log_dir / "trainer-output"
     config_path = mesh.log_dir / "trainer.json"
     config_path.write_text(json.dumps(trainer_config(model_dir, output_dir, steps, max_staleness)))
     trainer_address = f"127.0.0.1:{free_port()}"
-    trainer = spawn_service("trainer", "services.trainer", trainer_address, {
-        "RLMESH_TRAINER_SERVER__HOST": "127.0.0.1",
-        "RLMESH_TRAINER_SERVER__PORT": trainer_address.rsplit(":", 1)[1],
-        "RLMESH_TRAINER_MANAGER_ADDRESS": mesh.manager_address,
-        "RLMESH_TRAINER_WEIGHTS_ADDRESS": weights_address,
-        **mesh.auth.settings("RLMESH_TRAINER_", "trainer"),
-    }, mesh.log_dir, str(mesh.log_dir), args=["--config", str(config_path)])
+    trainer = spawn_service(
+        "trainer",
+        "services.trainer",
+        trainer_address,
+        {
+            "RLMESH_TRAINER_SERVER__HOST": "127.0.0.1",
+            "RLMESH_TRAINER_SERVER__PORT": trainer_address.rsplit(":", 1)[1],
+            "RLMESH_TRAINER_MANAGER_ADDRESS": mesh.manager_address,
+            "RLMESH_TRAINER_WEIGHTS_ADDRESS": weights_address,
+            **mesh.auth.settings("RLMESH_TRAINER_", "trainer"),
+        },
+        mesh.log_dir,
+        str(mesh.log_dir),
+        args=["--config", str(config_path)],
+    )
     mesh.children.append(trainer)
     deadline = time.monotonic() + TRAINER_TIMEOUT_SECONDS
     engine = []
@@ -355,7 +390,9 @@ class AsyncBench:
         await self.quiet.wait()
         with OtherProcesses() as others:
             async with BenchMesh([instance], {"MAX_STALENESS": str(max_staleness)}) as mesh:
-                records, engine = await run_trainer(mesh, self.model_dir, self.window.steps(max_staleness), max_staleness)
+                records, engine = await run_trainer(
+                    mesh, self.model_dir, self.window.steps(max_staleness), max_staleness
+                )
                 lengths = []
                 if probe:
                     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
@@ -367,13 +404,17 @@ class AsyncBench:
 
     async def calibrate(self, p99_over_p50: float, knee: dict[str, float] | None = None) -> Calibration:
         sigma = sigma_for(p99_over_p50)
-        run = await self.train(1, synthetic_instance(self.model_dir, sigma, FAST_THROUGHPUT, FAST_MIN_STEP_SECONDS), probe=True)
+        run = await self.train(
+            1, synthetic_instance(self.model_dir, sigma, FAST_THROUGHPUT, FAST_MIN_STEP_SECONDS), probe=True
+        )
         start, end, measured = run.window(self.window)
         calibration = Calibration(
             p99_over_p50=p99_over_p50,
             sigma=sigma,
             trainer_seconds_per_step=(end - start) / self.window.measured_steps,
-            response_tokens_per_step=statistics.mean(r["response_length"] for r in measured) * PROMPTS_PER_STEP * GROUP_SIZE,
+            response_tokens_per_step=statistics.mean(r["response_length"] for r in measured)
+            * PROMPTS_PER_STEP
+            * GROUP_SIZE,
             knee_batch=(knee or self.knee)["knee_batch"],
             probe_p50=percentile(run.probe_lengths, 0.5),
             probe_p99=percentile(run.probe_lengths, 0.99),
@@ -384,14 +425,18 @@ class AsyncBench:
         return calibration
 
     async def measure(self, calibration: Calibration, max_staleness: int) -> RunFigures:
-        instance = synthetic_instance(self.model_dir, calibration.sigma, calibration.throughput_tokens_per_second,
-                                      calibration.min_step_seconds)
+        instance = synthetic_instance(
+            self.model_dir, calibration.sigma, calibration.throughput_tokens_per_second, calibration.min_step_seconds
+        )
         figures = RunFigures.of(await self.train(max_staleness, instance), self.window, calibration)
-        print(f"  p99/p50 {calibration.p99_over_p50:g}, η = {max_staleness}: {figures.steps_per_hour:5.0f} steps/h, "
-              f"step {figures.step_seconds_mean:.3f} s, rollout wait {figures.rollout_wait_seconds_mean:.3f} s/step, "
-              f"staleness {figures.staleness_mean:.2f}, generation at {figures.generation_utilization:.0%} of capacity "
-              f"(below the knee {figures.below_knee_fraction:.0%} of the time); other processes "
-              f"{figures.other_processes_cores:.2f} cores", flush=True)
+        print(
+            f"  p99/p50 {calibration.p99_over_p50:g}, η = {max_staleness}: {figures.steps_per_hour:5.0f} steps/h, "
+            f"step {figures.step_seconds_mean:.3f} s, rollout wait {figures.rollout_wait_seconds_mean:.3f} s/step, "
+            f"staleness {figures.staleness_mean:.2f}, generation at {figures.generation_utilization:.0%} of capacity "
+            f"(below the knee {figures.below_knee_fraction:.0%} of the time); other processes "
+            f"{figures.other_processes_cores:.2f} cores",
+            flush=True,
+        )
         return figures
 
 
@@ -404,24 +449,30 @@ async def measure_drift(bench: AsyncBench, before: Calibration) -> dict[str, flo
         "trainer_seconds_per_step": after.trainer_seconds_per_step / before.trainer_seconds_per_step - 1,
         "knee_batch": after.knee_batch / before.knee_batch - 1,
     }
-    print(f"  again after the runs: the trainer alone {after.trainer_seconds_per_step:.3f} s/step "
-          f"({drift['trainer_seconds_per_step']:+.1%}), knee {after.knee_batch:.1f} ({drift['knee_batch']:+.1%})", flush=True)
+    print(
+        f"  again after the runs: the trainer alone {after.trainer_seconds_per_step:.3f} s/step "
+        f"({drift['trainer_seconds_per_step']:+.1%}), knee {after.knee_batch:.1f} ({drift['knee_batch']:+.1%})",
+        flush=True,
+    )
     return drift
 
 
 def print_calibration(knee: dict[str, float], calibration: Calibration) -> None:
-    print(f"calibration, p99/p50 {calibration.p99_over_p50:g} (sigma {calibration.sigma:.3f}): the trainer alone "
-          f"{calibration.trainer_seconds_per_step:.3f} s/step for {calibration.response_tokens_per_step:.0f} response tokens "
-          f"-> synthetic throughput {calibration.throughput_tokens_per_second:.0f} tok/s at a full batch; torch engine knee "
-          f"{knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} / {knee['lone_tokens_per_second']:.0f} tok/s) "
-          f"-> a lone sequence's step {1000 * calibration.min_step_seconds:.2f} ms; lengths generated: p50 {calibration.probe_p50:.0f}, "
-          f"p99 {calibration.probe_p99:.0f} (p99/p50 {calibration.probe_p99 / calibration.probe_p50:.2f}), "
-          f"longest {calibration.probe_max} of {PROBE_PROMPTS * PROBE_GROUP}; other processes {calibration.other_processes_cores:.2f} cores",
-          flush=True)
+    print(
+        f"calibration, p99/p50 {calibration.p99_over_p50:g} (sigma {calibration.sigma:.3f}): the trainer alone "
+        f"{calibration.trainer_seconds_per_step:.3f} s/step for {calibration.response_tokens_per_step:.0f} response tokens "
+        f"-> synthetic throughput {calibration.throughput_tokens_per_second:.0f} tok/s at a full batch; torch engine knee "
+        f"{knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} / {knee['lone_tokens_per_second']:.0f} tok/s) "
+        f"-> a lone sequence's step {1000 * calibration.min_step_seconds:.2f} ms; lengths generated: p50 {calibration.probe_p50:.0f}, "
+        f"p99 {calibration.probe_p99:.0f} (p99/p50 {calibration.probe_p99 / calibration.probe_p50:.2f}), "
+        f"longest {calibration.probe_max} of {PROBE_PROMPTS * PROBE_GROUP}; other processes {calibration.other_processes_cores:.2f} cores",
+        flush=True,
+    )
 
 
 def git_state() -> dict[str, object]:
     """The commit measured, and the files of the code that differ from it."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
 
@@ -448,42 +499,72 @@ async def main(window: Window) -> dict:
         runs[tail] = {eta: await bench.measure(calibrations[tail], eta) for eta in (0, best)}
     tail_ratios = {tail: runs[tail][best].steps_per_hour / runs[tail][0].steps_per_hour for tail in sorted(TAILS)}
     met = any(ratios[eta] >= TARGET_RATIO for eta in STALENESS if 0 < eta <= 4)
-    contended = [f"calibration p99/p50 {tail:g}" for tail, c in calibrations.items() if c.other_processes_cores >= QUIET_CORES]
-    contended += [f"p99/p50 {tail:g} η = {eta}" for tail, by_eta in runs.items() for eta, f in by_eta.items()
-                  if f.other_processes_cores >= QUIET_CORES]
+    contended = [
+        f"calibration p99/p50 {tail:g}" for tail, c in calibrations.items() if c.other_processes_cores >= QUIET_CORES
+    ]
+    contended += [
+        f"p99/p50 {tail:g} η = {eta}"
+        for tail, by_eta in runs.items()
+        for eta, f in by_eta.items()
+        if f.other_processes_cores >= QUIET_CORES
+    ]
     drifted = [name for name, change in drift.items() if abs(change) > DRIFT_TOLERANCE]
 
-    print(f"\nsteps per hour by η, p99/p50 {main_tail:g} ({window.measured_steps} steps after {window.warmup_steps} warm-up steps, "
-          f"same run; the trainer alone: {3600 / calibrations[main_tail].trainer_seconds_per_step:.0f} steps/h):")
+    print(
+        f"\nsteps per hour by η, p99/p50 {main_tail:g} ({window.measured_steps} steps after {window.warmup_steps} warm-up steps, "
+        f"same run; the trainer alone: {3600 / calibrations[main_tail].trainer_seconds_per_step:.0f} steps/h):"
+    )
     print(f"{'η':>3} {'steps/h':>8} {'vs η=0':>7} {'staleness':>10} {'wait s/step':>12} {'generation':>11}")
     for eta, figures in runs[main_tail].items():
-        print(f"{eta:>3} {figures.steps_per_hour:>8.0f} {ratios[eta]:>6.2f}x {figures.staleness_mean:>10.2f} "
-              f"{figures.rollout_wait_seconds_mean:>12.3f} {figures.generation_utilization:>10.0%}")
+        print(
+            f"{eta:>3} {figures.steps_per_hour:>8.0f} {ratios[eta]:>6.2f}x {figures.staleness_mean:>10.2f} "
+            f"{figures.rollout_wait_seconds_mean:>12.3f} {figures.generation_utilization:>10.0%}"
+        )
     print(f"\nthe length tail: η = {best} (the best above) against η = 0")
-    print(f"{'p99/p50':>8} {'generated':>10} {'η=0 steps/h':>12} {f'η={best} steps/h':>12} {'ratio':>6} {'trainer alone':>14}")
+    print(
+        f"{'p99/p50':>8} {'generated':>10} {'η=0 steps/h':>12} {f'η={best} steps/h':>12} {'ratio':>6} {'trainer alone':>14}"
+    )
     for tail in sorted(TAILS):
         calibration = calibrations[tail]
-        print(f"{tail:>8g} {calibration.probe_p99 / calibration.probe_p50:>10.2f} {runs[tail][0].steps_per_hour:>12.0f} "
-              f"{runs[tail][best].steps_per_hour:>12.0f} {tail_ratios[tail]:>5.2f}x {3600 / calibration.trainer_seconds_per_step:>9.0f} /h")
-    print(f"\ntarget: >= {TARGET_RATIO}x at some η <= 4: {'met' if met else 'not met'} (best {ratios[best]:.2f}x at η = {best}); "
-          f"{time.perf_counter() - started:.0f} s")
+        print(
+            f"{tail:>8g} {calibration.probe_p99 / calibration.probe_p50:>10.2f} {runs[tail][0].steps_per_hour:>12.0f} "
+            f"{runs[tail][best].steps_per_hour:>12.0f} {tail_ratios[tail]:>5.2f}x {3600 / calibration.trainer_seconds_per_step:>9.0f} /h"
+        )
+    print(
+        f"\ntarget: >= {TARGET_RATIO}x at some η <= 4: {'met' if met else 'not met'} (best {ratios[best]:.2f}x at η = {best}); "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     if contended:
-        print(f"measured while other processes used {QUIET_CORES} cores or more (not comparable): {', '.join(contended)}")
+        print(
+            f"measured while other processes used {QUIET_CORES} cores or more (not comparable): {', '.join(contended)}"
+        )
     if drifted:
-        print(f"the machine's speed changed under the p99/p50 {main_tail:g} runs (more than {DRIFT_TOLERANCE:.0%}; their ratios "
-              f"are not comparable): {', '.join(f'{name} {drift[name]:+.0%}' for name in drifted)}")
+        print(
+            f"the machine's speed changed under the p99/p50 {main_tail:g} runs (more than {DRIFT_TOLERANCE:.0%}; their ratios "
+            f"are not comparable): {', '.join(f'{name} {drift[name]:+.0%}' for name in drifted)}"
+        )
 
     return write_result(
         "async",
         figures={
             **{f"steps_per_hour_eta{eta}": runs[main_tail][eta].steps_per_hour for eta in STALENESS if eta},
             **{f"tail{tail:g}_steps_per_hour_eta{best}": runs[tail][best].steps_per_hour for tail in sorted(TAILS)},
-            "runs": {f"p99/p50 {tail:g}": {f"eta{eta}": asdict(f) for eta, f in by_eta.items()} for tail, by_eta in runs.items()},
+            "runs": {
+                f"p99/p50 {tail:g}": {f"eta{eta}": asdict(f) for eta, f in by_eta.items()}
+                for tail, by_eta in runs.items()
+            },
             "drift_after_main_runs": drift,
-            "calibration": {"torch_engine": bench.knee, **{
-                f"p99/p50 {tail:g}": {**asdict(c), "throughput_tokens_per_second": c.throughput_tokens_per_second,
-                                      "min_step_seconds": c.min_step_seconds}
-                for tail, c in calibrations.items()}},
+            "calibration": {
+                "torch_engine": bench.knee,
+                **{
+                    f"p99/p50 {tail:g}": {
+                        **asdict(c),
+                        "throughput_tokens_per_second": c.throughput_tokens_per_second,
+                        "min_step_seconds": c.min_step_seconds,
+                    }
+                    for tail, c in calibrations.items()
+                },
+            },
         },
         baseline={
             "steps_per_hour_eta0": baseline,
@@ -500,18 +581,21 @@ async def main(window: Window) -> dict:
             "machine_speed_drifted": drifted,
             "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             "wall_seconds": time.perf_counter() - started,
-            "prompts_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE, "micro_batch_groups": MICRO_BATCH_GROUPS,
-            "warmup_steps": window.warmup_steps, "measured_steps": window.measured_steps,
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "group_size": GROUP_SIZE,
+            "micro_batch_groups": MICRO_BATCH_GROUPS,
+            "warmup_steps": window.warmup_steps,
+            "measured_steps": window.measured_steps,
             "lengths": f"lognormal, mean {MEAN_TOKENS} tokens, capped at {MAX_TOKENS}; sigma = ln(p99/p50) / {Z99}",
             "rollout": f"1 synthetic instance, max batch {MAX_BATCH}, saturation batch its knee (rounded up), "
-                       f"{STREAM_INTERVAL}-token chunks",
+            f"{STREAM_INTERVAL}-token chunks",
             "trainer": "services.trainer, 1 rank, 1 thread, the built-in tiny-increment model, default schedule; loss ppo at "
-                       "η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before and after "
-                       "the measured window",
+            "η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before and after "
+            "the measured window",
             "calibration": "throughput = a step's response tokens / the trainer's step period with rollouts ready at once "
-                           "(fast engine, η = 1); min_step_seconds = the torch engine's knee (median of "
-                           f"{KNEE_ROUNDS} rounds) / throughput; the main tail's calibration and the knee measured again "
-                           "after its runs (drift_after_main_runs)",
+            "(fast engine, η = 1); min_step_seconds = the torch engine's knee (median of "
+            f"{KNEE_ROUNDS} rounds) / throughput; the main tail's calibration and the knee measured again "
+            "after its runs (drift_after_main_runs)",
         },
     )
 
@@ -521,17 +605,24 @@ if __name__ == "__main__":
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--measured-steps", type=int, default=24)
     parser.add_argument("--quick", action="store_true", help="8 measured steps instead of --measured-steps")
-    parser.add_argument("--knee-only", metavar="MODEL_DIR", nargs="?", const="",
-                        help="only measure the torch engine's knee (a value for rollout.engine.saturation_batch_size), "
-                             "on MODEL_DIR or the built-in model, and print it")
+    parser.add_argument(
+        "--knee-only",
+        metavar="MODEL_DIR",
+        nargs="?",
+        const="",
+        help="only measure the torch engine's knee (a value for rollout.engine.saturation_batch_size), "
+        "on MODEL_DIR or the built-in model, and print it",
+    )
     args = parser.parse_args()
     if args.knee_only is not None:
         model_dir = Path(args.knee_only) if args.knee_only else builtin_model()
         if not is_model_dir(model_dir):
             parser.error(f"--knee-only: {model_dir} is not a HF-format model folder (no config.json)")
         knee = asyncio.run(torch_engine_knee(model_dir))
-        print(f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} "
-              f"tok/s at {MAX_BATCH} / {knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
-              f"--set rollout.engine.saturation_batch_size={math.ceil(knee['knee_batch'])}")
+        print(
+            f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} "
+            f"tok/s at {MAX_BATCH} / {knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
+            f"--set rollout.engine.saturation_batch_size={math.ceil(knee['knee_batch'])}"
+        )
     else:
         asyncio.run(main(Window(args.warmup_steps, 8 if args.quick else args.measured_steps)))

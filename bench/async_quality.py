@@ -100,8 +100,11 @@ def held_out_curve(run: TrainingRun) -> tuple[list[float], list[float], list[int
     started = training_started(run)
     trained = {0: started} | {r["step"]: r["time"] for r in run.steps}
     evaluations = evaluations_by_step(run)
-    return ([trained[r["step"]] - started for r in evaluations], [r["eval/sampled_reward"] for r in evaluations],
-            [r["step"] for r in evaluations])
+    return (
+        [trained[r["step"]] - started for r in evaluations],
+        [r["eval/sampled_reward"] for r in evaluations],
+        [r["step"] for r in evaluations],
+    )
 
 
 def plot(runs: dict[tuple[str, int], TrainingRun], title: str, path: Path) -> None:
@@ -110,8 +113,13 @@ def plot(runs: dict[tuple[str, int], TrainingRun], title: str, path: Path) -> No
     colours = plt.get_cmap("tab10")
     for (loss, eta), run in runs.items():
         seconds, rewards, steps = held_out_curve(run)
-        style = {"linestyle": "-" if loss == "decoupled" else "--", "marker": "o" if loss == "decoupled" else "s",
-                 "markersize": 2.5, "color": colours(STALENESS.index(eta)), "label": f"{loss}, η = {eta}"}
+        style = {
+            "linestyle": "-" if loss == "decoupled" else "--",
+            "marker": "o" if loss == "decoupled" else "s",
+            "markersize": 2.5,
+            "color": colours(STALENESS.index(eta)),
+            "label": f"{loss}, η = {eta}",
+        }
         by_time.plot(seconds, rewards, **style)
         by_step.plot(steps, rewards, **style)
     by_time.set_xlabel("seconds since training started (each evaluation at the time its version was trained)")
@@ -127,15 +135,21 @@ def plot(runs: dict[tuple[str, int], TrainingRun], title: str, path: Path) -> No
 
 
 def print_table(rows: list[QualityFigures]) -> None:
-    print(f"\n{'loss':<10} {'η':>2} {'final':>6} {'last3':>6} {'train s':>8} {'stale':>6} {'viol':>5} "
-          f"{'w mean':>7} {'w max':>7} {'w max*':>7} {'capped':>7} {'b-KL':>8}")
+    print(
+        f"\n{'loss':<10} {'η':>2} {'final':>6} {'last3':>6} {'train s':>8} {'stale':>6} {'viol':>5} "
+        f"{'w mean':>7} {'w max':>7} {'w max*':>7} {'capped':>7} {'b-KL':>8}"
+    )
     for r in rows:
-        print(f"{r.loss:<10} {r.max_staleness:>2} {r.final_held_out:>6.3f} {r.last_evaluations_mean:>6.3f} "
-              f"{r.training_seconds:>8.1f} {r.staleness_mean:>6.2f} {r.staleness_violations:>5.0f} "
-              f"{r.importance_weight_mean:>7.4f} {r.importance_weight_max_mean:>7.3f} {r.importance_weight_max:>7.2f} "
-              f"{r.capped_fraction:>7.5f} {r.behaviour_kl:>8.5f}")
-    print("w max: mean over steps of each step's largest importance weight; w max*: the largest of the run; "
-          "capped: share of tokens over importance_cap; b-KL: KL(behaviour || proximal)")
+        print(
+            f"{r.loss:<10} {r.max_staleness:>2} {r.final_held_out:>6.3f} {r.last_evaluations_mean:>6.3f} "
+            f"{r.training_seconds:>8.1f} {r.staleness_mean:>6.2f} {r.staleness_violations:>5.0f} "
+            f"{r.importance_weight_mean:>7.4f} {r.importance_weight_max_mean:>7.3f} {r.importance_weight_max:>7.2f} "
+            f"{r.capped_fraction:>7.5f} {r.behaviour_kl:>8.5f}"
+        )
+    print(
+        "w max: mean over steps of each step's largest importance weight; w max*: the largest of the run; "
+        "capped: share of tokens over importance_cap; b-KL: KL(behaviour || proximal)"
+    )
 
 
 def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, tag: str | None, target_seeds: int) -> dict:
@@ -146,71 +160,105 @@ def main(steps: int, seed: int, settings: list[str], keep_dir: Path | None, tag:
     rows: list[QualityFigures] = []
     for loss in LOSSES:
         for eta in STALENESS:
-            run = run_up(work / f"{loss}-eta{eta}", steps, [f"algorithm.seed={seed}", f"algorithm.loss={loss}", *settings],
-                         ["--max-staleness", str(eta)])
+            run = run_up(
+                work / f"{loss}-eta{eta}",
+                steps,
+                [f"algorithm.seed={seed}", f"algorithm.loss={loss}", *settings],
+                ["--max-staleness", str(eta)],
+            )
             runs[loss, eta] = run
             rows.append(QualityFigures.of(loss, eta, run))
             row = rows[-1]
-            print(f"{loss} η={eta}: final held-out {row.final_held_out:.3f}, last {LAST_EVALUATIONS} "
-                  f"{row.last_evaluations_mean:.3f}, {row.training_seconds:.0f} s", flush=True)
+            print(
+                f"{loss} η={eta}: final held-out {row.final_held_out:.3f}, last {LAST_EVALUATIONS} "
+                f"{row.last_evaluations_mean:.3f}, {row.training_seconds:.0f} s",
+                flush=True,
+            )
     print_table(rows)
     largest = max(STALENESS)
     finals = {eta: [next(r for r in rows if r.name == f"decoupled_eta{eta}").final_held_out] for eta in (0, largest)}
     for extra in range(seed + 1, seed + target_seeds):
         for eta in (0, largest):
-            run = run_up(work / f"decoupled-eta{eta}-seed{extra}", steps,
-                         [f"algorithm.seed={extra}", "algorithm.loss=decoupled", *settings], ["--max-staleness", str(eta)])
+            run = run_up(
+                work / f"decoupled-eta{eta}-seed{extra}",
+                steps,
+                [f"algorithm.seed={extra}", "algorithm.loss=decoupled", *settings],
+                ["--max-staleness", str(eta)],
+            )
             finals[eta].append(run.summary["end"]["eval/sampled_reward"])
             print(f"decoupled η={eta}, seed {extra}: final held-out {finals[eta][-1]:.3f}", flush=True)
     gaps = [far - sync for far, sync in zip(finals[largest], finals[0])]
     mean_gap = statistics.mean(gaps)
-    print(f"\ndecoupled η={largest} minus η=0, final held-out, by seed from {seed}: {', '.join(f'{g:+.3f}' for g in gaps)}; "
-          f"mean {mean_gap:+.3f} (target >= -{TARGET_GAP})")
+    print(
+        f"\ndecoupled η={largest} minus η=0, final held-out, by seed from {seed}: {', '.join(f'{g:+.3f}' for g in gaps)}; "
+        f"mean {mean_gap:+.3f} (target >= -{TARGET_GAP})"
+    )
     name = f"async_quality-{tag}" if tag else "async_quality"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(runs, f"rlmesh, default job{''.join(', ' + s for s in settings)}, {steps} steps, seed {seed}: held-out reward",
-         RESULTS / f"{name}.png")
+    plot(
+        runs,
+        f"rlmesh, default job{''.join(', ' + s for s in settings)}, {steps} steps, seed {seed}: held-out reward",
+        RESULTS / f"{name}.png",
+    )
     by_name = {r.name: r for r in rows}
-    decoupled_far, decoupled_sync, ppo_sync = (by_name[f"decoupled_eta{largest}"], by_name["decoupled_eta0"],
-                                               by_name["ppo_eta0"])
+    decoupled_far, decoupled_sync, ppo_sync = (
+        by_name[f"decoupled_eta{largest}"],
+        by_name["decoupled_eta0"],
+        by_name["ppo_eta0"],
+    )
     start = runs["ppo", 0].summary["start"]["eval/sampled_reward"]
     return write_result(
         name,
-        figures={f"{r.name}_{key}": value for r in rows for key, value in vars(r).items()
-                 if key not in ("loss", "max_staleness")} | {"held_out_at_step_0": start}
-                | {f"decoupled_eta{eta}_final_held_out_by_seed": values for eta, values in finals.items()},
-        baseline={"decoupled_eta0_final_held_out": decoupled_sync.final_held_out,
-                  "decoupled_eta0_last_evaluations_mean": decoupled_sync.last_evaluations_mean,
-                  "ppo_eta0_final_held_out": ppo_sync.final_held_out,
-                  "ppo_eta0_last_evaluations_mean": ppo_sync.last_evaluations_mean},
+        figures={
+            f"{r.name}_{key}": value
+            for r in rows
+            for key, value in vars(r).items()
+            if key not in ("loss", "max_staleness")
+        }
+        | {"held_out_at_step_0": start}
+        | {f"decoupled_eta{eta}_final_held_out_by_seed": values for eta, values in finals.items()},
+        baseline={
+            "decoupled_eta0_final_held_out": decoupled_sync.final_held_out,
+            "decoupled_eta0_last_evaluations_mean": decoupled_sync.last_evaluations_mean,
+            "ppo_eta0_final_held_out": ppo_sync.final_held_out,
+            "ppo_eta0_last_evaluations_mean": ppo_sync.last_evaluations_mean,
+        },
         ratios={
             f"decoupled_eta{largest}_minus_decoupled_eta0_final_mean_of_{target_seeds}_seeds": mean_gap,
             f"decoupled_eta{largest}_minus_decoupled_eta0_final_by_seed": gaps,
-            f"decoupled_eta{largest}_minus_decoupled_eta0_final": decoupled_far.final_held_out - decoupled_sync.final_held_out,
+            f"decoupled_eta{largest}_minus_decoupled_eta0_final": decoupled_far.final_held_out
+            - decoupled_sync.final_held_out,
             f"decoupled_eta{largest}_minus_ppo_eta0_final": decoupled_far.final_held_out - ppo_sync.final_held_out,
-            f"decoupled_eta{largest}_minus_decoupled_eta0_last{LAST_EVALUATIONS}":
-                decoupled_far.last_evaluations_mean - decoupled_sync.last_evaluations_mean,
-            f"decoupled_eta{largest}_minus_ppo_eta0_last{LAST_EVALUATIONS}":
-                decoupled_far.last_evaluations_mean - ppo_sync.last_evaluations_mean,
-            f"decoupled_eta{largest}_training_seconds_over_decoupled_eta0":
-                decoupled_far.training_seconds / decoupled_sync.training_seconds,
+            f"decoupled_eta{largest}_minus_decoupled_eta0_last{LAST_EVALUATIONS}": decoupled_far.last_evaluations_mean
+            - decoupled_sync.last_evaluations_mean,
+            f"decoupled_eta{largest}_minus_ppo_eta0_last{LAST_EVALUATIONS}": decoupled_far.last_evaluations_mean
+            - ppo_sync.last_evaluations_mean,
+            f"decoupled_eta{largest}_training_seconds_over_decoupled_eta0": decoupled_far.training_seconds
+            / decoupled_sync.training_seconds,
             **{f"{r.name}_final_minus_decoupled_eta0": r.final_held_out - decoupled_sync.final_held_out for r in rows},
         },
         targets={
-            f"decoupled η={largest} final >= decoupled η=0 final - {TARGET_GAP}, mean over {target_seeds} seeds (the target)":
-                mean_gap >= -TARGET_GAP,
-            f"decoupled η={largest} final >= decoupled η=0 final - {TARGET_GAP}, seed {seed} alone (reported)":
-                decoupled_far.final_held_out >= decoupled_sync.final_held_out - TARGET_GAP,
-            f"decoupled η={largest} final >= ppo η=0 final - {TARGET_GAP} (reported)":
-                decoupled_far.final_held_out >= ppo_sync.final_held_out - TARGET_GAP,
+            f"decoupled η={largest} final >= decoupled η=0 final - {TARGET_GAP}, mean over {target_seeds} seeds (the target)": mean_gap
+            >= -TARGET_GAP,
+            f"decoupled η={largest} final >= decoupled η=0 final - {TARGET_GAP}, seed {seed} alone (reported)": decoupled_far.final_held_out
+            >= decoupled_sync.final_held_out - TARGET_GAP,
+            f"decoupled η={largest} final >= ppo η=0 final - {TARGET_GAP} (reported)": decoupled_far.final_held_out
+            >= ppo_sync.final_held_out - TARGET_GAP,
             "held-out reward rose in every run": all(r.final_held_out > start for r in rows),
             "no staleness violation in any run": all(r.staleness_violations == 0 for r in rows),
         },
-        settings={"steps": steps, "seed": seed, "target_seeds": list(range(seed, seed + target_seeds)), "staleness": STALENESS,
-                  "losses": LOSSES, "extra_settings": settings,
-                  "job": "the default (built-in increment task, tiny-increment model, 16 prompts x 8 samples per step, "
-                         "held-out evaluation every 10 steps) with extra_settings",
-                  "runs_dir": str(work), "plot": str(RESULTS / f"{name}.png")},
+        settings={
+            "steps": steps,
+            "seed": seed,
+            "target_seeds": list(range(seed, seed + target_seeds)),
+            "staleness": STALENESS,
+            "losses": LOSSES,
+            "extra_settings": settings,
+            "job": "the default (built-in increment task, tiny-increment model, 16 prompts x 8 samples per step, "
+            "held-out evaluation every 10 steps) with extra_settings",
+            "runs_dir": str(work),
+            "plot": str(RESULTS / f"{name}.png"),
+        },
     )
 
 
@@ -218,12 +266,22 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300, help="training steps of every run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                        help="a job field for every run alike, e.g. algorithm.importance_cap=4")
-    parser.add_argument("--target-seeds", type=int, default=TARGET_SEEDS,
-                        help="seeds (from --seed on) of the decoupled η = 0 and largest-η runs the target compares")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a job field for every run alike, e.g. algorithm.importance_cap=4",
+    )
+    parser.add_argument(
+        "--target-seeds",
+        type=int,
+        default=TARGET_SEEDS,
+        help="seeds (from --seed on) of the decoupled η = 0 and largest-η runs the target compares",
+    )
     parser.add_argument("--runs-dir", type=Path, help="where the runs' outputs go (default: a new temporary folder)")
-    parser.add_argument("--tag", help="results as async_quality-TAG.json / .png, so a try with other settings "
-                                      "keeps the default's")
+    parser.add_argument(
+        "--tag", help="results as async_quality-TAG.json / .png, so a try with other settings keeps the default's"
+    )
     args = parser.parse_args()
     main(args.steps, args.seed, args.set, args.runs_dir, args.tag, args.target_seeds)

@@ -76,9 +76,16 @@ async def main(seed: int, warmup_steps: int) -> dict:
             "balanced_makespan_over_ideal <= 1.15": balanced["makespan_over_ideal"] <= 1.15,
             "nothing lost or duplicated": balanced["lost"] == balanced["duplicated"] == 0,
         },
-        settings={"speeds": SPEEDS, "throughput_tokens_per_second": THROUGHPUT, "min_step_seconds": MIN_STEP_SECONDS,
-                  "max_batch_size": MAX_BATCH, "length": f"lognormal(mean {MEAN_TOKENS}, sigma {SIGMA}), capped at {MAX_TOKENS}",
-                  "samples": PROMPTS * GROUP_SIZE, "seed": seed, "warmup_steps": warmup_steps},
+        settings={
+            "speeds": SPEEDS,
+            "throughput_tokens_per_second": THROUGHPUT,
+            "min_step_seconds": MIN_STEP_SECONDS,
+            "max_batch_size": MAX_BATCH,
+            "length": f"lognormal(mean {MEAN_TOKENS}, sigma {SIGMA}), capped at {MAX_TOKENS}",
+            "samples": PROMPTS * GROUP_SIZE,
+            "seed": seed,
+            "warmup_steps": warmup_steps,
+        },
     )
 
 

@@ -24,21 +24,33 @@ from pathlib import Path
 import grpc
 
 from bench.common import write_result
-from rlmesh.rpc.credentials import read_secret, service_auth_settings
 from rlmesh.launch.netns import netns_problem
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, mesh_processes, spawn_service, stop_children
 from rlmesh.launch.state import STATE_FILE, run_secret
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.channels import AUTHORIZATION_KEY, channel_options
+from rlmesh.rpc.credentials import read_secret, service_auth_settings
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULT_WEIGHTS = {"kill_rollout": 3, "term_rollout": 2, "stop_rollout": 1, "kill_weights_mid_push": 2, "kill_manager": 1,
-                 "cut_network": 1, "broken_engine": 1}
+FAULT_WEIGHTS = {
+    "kill_rollout": 3,
+    "term_rollout": 2,
+    "stop_rollout": 1,
+    "kill_weights_mid_push": 2,
+    "kill_manager": 1,
+    "cut_network": 1,
+    "broken_engine": 1,
+}
 """How often each kind of fault is drawn, relatively (every kind at least once when there are enough faults)."""
-RECOVERY_WINDOW_SECONDS = {"kill_rollout": 10.0, "term_rollout": 10.0, "kill_weights_mid_push": 10.0, "kill_manager": 15.0,
-                           "broken_engine": 10.0}
+RECOVERY_WINDOW_SECONDS = {
+    "kill_rollout": 10.0,
+    "term_rollout": 10.0,
+    "kill_weights_mid_push": 10.0,
+    "kill_manager": 15.0,
+    "broken_engine": 10.0,
+}
 """Steps ending this long after a fault (after a manager's restart wait) count toward its cost (a
 stop or a cut counts its own length + 5 s)."""
 SHORT_CUT_SECONDS = 4.0
@@ -51,8 +63,13 @@ before the kill, the second needs the restarted manager."""
 REJOIN_TIMEOUT_SECONDS = 90.0
 QUARANTINE_TIMEOUT_SECONDS = 60.0
 """How long a broken instance may take to be quarantined once it joined the pool."""
-BROKEN_ENGINE = {"ENGINE__KIND": "synthetic", "ENGINE__SYNTHETIC__FAIL_AFTER_REQUESTS": "0",
-                 "ENGINE__SYNTHETIC__VOCAB_SIZE": str(1 << 24), "TRANSFER__MOONCAKE": "false", "SERVER__LOG_LEVEL": "warning"}
+BROKEN_ENGINE = {
+    "ENGINE__KIND": "synthetic",
+    "ENGINE__SYNTHETIC__FAIL_AFTER_REQUESTS": "0",
+    "ENGINE__SYNTHETIC__VOCAB_SIZE": str(1 << 24),
+    "TRANSFER__MOONCAKE": "false",
+    "SERVER__LOG_LEVEL": "warning",
+}
 """A rollout instance whose every request fails at once (INTERNAL) while its server stays up, as
 one whose engine core died under it; its vocabulary takes any prompt, so the failure is the engine's."""
 """How long an instance whose link came back may take to be in the manager's pool again."""
@@ -118,7 +135,9 @@ class Injector:
     def __init__(self, output_dir: Path, weights_address: str, stop_seconds: float, rng: random.Random) -> None:
         self.output_dir = output_dir
         # Plain (blocking) channels: the injector runs on the suite's own threads, not an event loop.
-        self.weights = weights_pb2_grpc.WeightsServiceStub(grpc.insecure_channel(weights_address, options=channel_options()))
+        self.weights = weights_pb2_grpc.WeightsServiceStub(
+            grpc.insecure_channel(weights_address, options=channel_options())
+        )
         self._manager: manager_pb2_grpc.ManagerServiceStub | None = None
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self.stop_seconds = stop_seconds
@@ -140,7 +159,9 @@ class Injector:
         """Known once `rlmesh up` wrote mesh.json (the manager's address depends on the namespaces)."""
         if self._manager is None:
             address = mesh_state(self.output_dir)["manager"]
-            self._manager = manager_pb2_grpc.ManagerServiceStub(grpc.insecure_channel(address, options=channel_options()))
+            self._manager = manager_pb2_grpc.ManagerServiceStub(
+                grpc.insecure_channel(address, options=channel_options())
+            )
         return self._manager
 
     @property
@@ -203,7 +224,9 @@ class Injector:
             return None
         name = self.rng.choice(sorted(links))
         device = links[name]
-        fault = Fault("cut_network", name, time.time(), lasted=SHORT_CUT_SECONDS if self.cuts_made % 2 else self.stop_seconds)
+        fault = Fault(
+            "cut_network", name, time.time(), lasted=SHORT_CUT_SECONDS if self.cuts_made % 2 else self.stop_seconds
+        )
         self.cuts_made += 1
         subprocess.run(["ip", "link", "set", device, "down"], check=True)
         timer = threading.Timer(fault.lasted, self._reconnect, (device, name, fault))
@@ -222,11 +245,23 @@ class Injector:
         address = f"127.0.0.1:{free_port()}"
         # The run's model: the instance takes the weights pushed to it, so it serves the version asked for.
         model_dir = json.loads((self.output_dir / "trainer.json").read_text())["model_dir"]
-        settings = {"SERVER__HOST": "127.0.0.1", "SERVER__PORT": address.rsplit(":", 1)[1], "INSTANCE_ID": name,
-                    "MANAGER_ADDRESS": state["manager"], "ENGINE__MODEL_DIR": model_dir, **BROKEN_ENGINE,
-                    **service_auth_settings("", secret.parent, "instance")}
-        child = spawn_service(name, "services.rollout", address, {f"RLMESH_ROLLOUT_{k}": v for k, v in settings.items()},
-                              self.output_dir / "logs", f"{self.output_dir}-chaos")
+        settings = {
+            "SERVER__HOST": "127.0.0.1",
+            "SERVER__PORT": address.rsplit(":", 1)[1],
+            "INSTANCE_ID": name,
+            "MANAGER_ADDRESS": state["manager"],
+            "ENGINE__MODEL_DIR": model_dir,
+            **BROKEN_ENGINE,
+            **service_auth_settings("", secret.parent, "instance"),
+        }
+        child = spawn_service(
+            name,
+            "services.rollout",
+            address,
+            {f"RLMESH_ROLLOUT_{k}": v for k, v in settings.items()},
+            self.output_dir / "logs",
+            f"{self.output_dir}-chaos",
+        )
         self.broken.append(child)
         fault = Fault("broken_engine", name, time.time())
         watcher = threading.Thread(target=self._watch_quarantine, args=(fault,), daemon=True)
@@ -239,7 +274,9 @@ class Injector:
         deadline = time.monotonic() + QUARANTINE_TIMEOUT_SECONDS + 60.0
         while not self._run_ended.is_set() and time.monotonic() < deadline:
             try:
-                reply = self.manager.ListInstances(manager_pb2.ListInstancesRequest(), timeout=2.0, metadata=self.metadata)
+                reply = self.manager.ListInstances(
+                    manager_pb2.ListInstancesRequest(), timeout=2.0, metadata=self.metadata
+                )
             except grpc.RpcError:
                 time.sleep(0.2)
                 continue
@@ -322,7 +359,9 @@ def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int
     short; for a multi-turn job, also the episodes that did not end `done` (an episode a fault cut
     would end otherwise: every one must survive its instance's or the manager's death)."""
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
-    submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" and r["step"] < steps for p in r["prompts"]}
+    submitted = {
+        (r["batch_id"], p) for r in ledger if r["event"] == "submitted" and r["step"] < steps for p in r["prompts"]
+    }
     received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
     accepted = [r for r in ledger if r["event"] == "accepted"]
     # A multi-turn group's trained samples leave its failed episodes out: its size is its episodes'.
@@ -340,7 +379,9 @@ def ledger_check(output_dir: Path, steps: int, group_size: int) -> dict[str, int
 def note_manager_waits(console: str, faults: list[Fault]) -> None:
     """Sets each manager kill's `lasted` to the wait the launcher announced before restarting it
     (it grows with restarts in a row), so the steps its outage stretched fall in its window."""
-    waits = [float(wait) for wait in re.findall(r"^manager exited \(.*?\); restarting in (\d+) s", console, re.MULTILINE)]
+    waits = [
+        float(wait) for wait in re.findall(r"^manager exited \(.*?\); restarting in (\d+) s", console, re.MULTILINE)
+    ]
     for fault, wait in zip((f for f in faults if f.kind == "kill_manager"), waits):
         fault.lasted = wait
 
@@ -355,12 +396,22 @@ def time_lost(output_dir: Path, faults: list[Fault]) -> float:
             window = fault.lasted + 5.0
         else:
             window = fault.lasted + RECOVERY_WINDOW_SECONDS[fault.kind]
-        fault.seconds_lost = sum(max(0.0, s["step_seconds"] - median) for s in steps if fault.at <= s["time"] <= fault.at + window)
+        fault.seconds_lost = sum(
+            max(0.0, s["step_seconds"] - median) for s in steps if fault.at <= s["time"] <= fault.at + window
+        )
     return median
 
 
-def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults: int, output_dir: Path,
-              model_dir: Path | None = None, instances: int = 3, job: Path | None = None) -> dict:
+def run_chaos(
+    faults: int,
+    seed: int,
+    stop_seconds: float,
+    steps_between_faults: int,
+    output_dir: Path,
+    model_dir: Path | None = None,
+    instances: int = 3,
+    job: Path | None = None,
+) -> dict:
     """Runs the mesh and applies a fault every `steps_between_faults` training steps (at a random
     moment within the step), lets training finish, and checks the ledger. Faults are paced by
     steps rather than seconds, so they all land before the run's last step however slow it gets.
@@ -370,9 +421,26 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
     rng = random.Random(seed)
     steps = WARMUP_STEPS + faults * steps_between_faults + TAIL_STEPS
     base_port = free_port()
-    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--rollout-instances", str(instances),
-               "--base-port", str(base_port), "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
-               "--set", "algorithm.checkpoint_every=100000", "--set", "tasks.0.eval.prompts=16"]
+    command = [
+        sys.executable,
+        "-m",
+        "rlmesh.cli.main",
+        "up",
+        "--steps",
+        str(steps),
+        "--rollout-instances",
+        str(instances),
+        "--base-port",
+        str(base_port),
+        "--output-dir",
+        str(output_dir),
+        "--set",
+        "algorithm.eval_every=100000",
+        "--set",
+        "algorithm.checkpoint_every=100000",
+        "--set",
+        "tasks.0.eval.prompts=16",
+    ]
     kinds = dict(FAULT_WEIGHTS)
     left_out = {}
     problem = netns_problem()
@@ -410,8 +478,12 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
                         planned.insert(len(applied) + 1, planned.pop(len(applied)))
                 else:
                     applied.append(fault)
-                    print(f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}" + (" (mid-push)" if fault.mid_push else "")
-                          + (f" for {fault.lasted:.0f} s" if fault.lasted else ""), flush=True)
+                    print(
+                        f"fault {len(applied)}/{faults}: {fault.kind} {fault.target}"
+                        + (" (mid-push)" if fault.mid_push else "")
+                        + (f" for {fault.lasted:.0f} s" if fault.lasted else ""),
+                        flush=True,
+                    )
             code = process.wait(timeout=3600)
         finally:
             injector.release()
@@ -429,8 +501,11 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
     for kind in kinds:
         of_kind = [f for f in applied if f.kind == kind]
         if of_kind:
-            by_kind[kind] = {"faults": len(of_kind), "mean_seconds_lost": statistics.mean(f.seconds_lost for f in of_kind),
-                             "max_seconds_lost": max(f.seconds_lost for f in of_kind)}
+            by_kind[kind] = {
+                "faults": len(of_kind),
+                "mean_seconds_lost": statistics.mean(f.seconds_lost for f in of_kind),
+                "max_seconds_lost": max(f.seconds_lost for f in of_kind),
+            }
     return {
         "faults_survived": len(applied),
         "faults_mid_push": sum(f.mid_push for f in applied),
@@ -439,10 +514,14 @@ def run_chaos(faults: int, seed: int, stop_seconds: float, steps_between_faults:
         "median_step_seconds": median_step,
         "restarts_reported": console.count(" restarted (pid "),
         "manager_restarts_reported": console.count("manager restarted (pid "),
-        "cuts_not_rejoined": sum(1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None and not f.outlasted_run),
+        "cuts_not_rejoined": sum(
+            1 for f in applied if f.kind == "cut_network" and f.rejoined_after is None and not f.outlasted_run
+        ),
         "max_rejoin_seconds": max((f.rejoined_after or 0.0 for f in applied if f.kind == "cut_network"), default=0.0),
         "broken_not_quarantined": sum(1 for f in applied if f.kind == "broken_engine" and f.quarantined_after is None),
-        "max_quarantine_seconds": max((f.quarantined_after or 0.0 for f in applied if f.kind == "broken_engine"), default=0.0),
+        "max_quarantine_seconds": max(
+            (f.quarantined_after or 0.0 for f in applied if f.kind == "broken_engine"), default=0.0
+        ),
         **checked,
         "by_kind": by_kind,
         "left_out": left_out,
@@ -454,10 +533,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop-seconds", type=float, default=30.0, help="how long a SIGSTOPped instance stays stopped, and a long network cut lasts")
+    parser.add_argument(
+        "--stop-seconds",
+        type=float,
+        default=30.0,
+        help="how long a SIGSTOPped instance stays stopped, and a long network cut lasts",
+    )
     parser.add_argument("--steps-between-faults", type=int, default=4)
     parser.add_argument("--output-dir", default="runs/chaos")
-    parser.add_argument("--job", type=Path, help="a job to run instead of the default one (examples/feedback/job.toml: multi-turn)")
+    parser.add_argument(
+        "--job", type=Path, help="a job to run instead of the default one (examples/feedback/job.toml: multi-turn)"
+    )
     args = parser.parse_args()
     output_dir = Path(args.output_dir).resolve()
     if output_dir.exists():
@@ -467,14 +553,34 @@ def main() -> None:
     for kind, values in result["by_kind"].items():
         figures[f"{kind}/faults"] = values["faults"]
         figures[f"{kind}/mean_seconds_lost"] = values["mean_seconds_lost"]
-    write_result("chaos-multi-turn" if args.job else "chaos", figures, {"median_step_seconds": result["median_step_seconds"]},
-                 {f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
-                  for kind, v in result["by_kind"].items()},
-                 {"samples_lost": 0, "samples_duplicated": 0, "cuts_not_rejoined": 0, "broken_not_quarantined": 0,
-                  "faults_survived": f">= {args.faults}"},
-                 {"faults": args.faults, "seed": args.seed, "stop_seconds": args.stop_seconds, "short_cut_seconds": SHORT_CUT_SECONDS,
-                  "instances": 3, "steps_between_faults": args.steps_between_faults, "fault_weights": FAULT_WEIGHTS,
-                  "left_out": result["left_out"], "job": str(args.job or "the default job"), "fault_list": result["faults"]})
+    write_result(
+        "chaos-multi-turn" if args.job else "chaos",
+        figures,
+        {"median_step_seconds": result["median_step_seconds"]},
+        {
+            f"{kind}/mean_lost_over_median_step": v["mean_seconds_lost"] / result["median_step_seconds"]
+            for kind, v in result["by_kind"].items()
+        },
+        {
+            "samples_lost": 0,
+            "samples_duplicated": 0,
+            "cuts_not_rejoined": 0,
+            "broken_not_quarantined": 0,
+            "faults_survived": f">= {args.faults}",
+        },
+        {
+            "faults": args.faults,
+            "seed": args.seed,
+            "stop_seconds": args.stop_seconds,
+            "short_cut_seconds": SHORT_CUT_SECONDS,
+            "instances": 3,
+            "steps_between_faults": args.steps_between_faults,
+            "fault_weights": FAULT_WEIGHTS,
+            "left_out": result["left_out"],
+            "job": str(args.job or "the default job"),
+            "fault_list": result["faults"],
+        },
+    )
 
 
 if __name__ == "__main__":

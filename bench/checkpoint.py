@@ -23,7 +23,9 @@ NO_CHECKPOINTS = 1_000_000
 WARMUP_STEPS = CHECKPOINT_EVERY
 """Steps left out at the start: the first checkpoint sets up the writer's thread and plans."""
 TARGET_RATIO = 0.9
-LARGER_MODEL = TinyModelSpec(hidden_size=512, intermediate_size=1536, layers=8, heads=8, kv_heads=4, warmup_iterations=10)
+LARGER_MODEL = TinyModelSpec(
+    hidden_size=512, intermediate_size=1536, layers=8, heads=8, kv_heads=4, warmup_iterations=10
+)
 """About 26 M parameters (the tiny model has 0.4 M): 0.3 GB of checkpoint with Adam's moments.
 The short warm-up is enough: this run measures time, not reward."""
 
@@ -52,8 +54,15 @@ class StepTimes:
         # A step's checkpoint record follows its step record: the window runs from the last record
         # of the warm-up's last step to the last record of the last measured step.
         ended = {r["step"]: r["time"] for r in run.records}
-        times = cls([], [], [], [], {"checkpoint": [], "following": [], "normal": []},
-                    ended[max(measured)] - ended[WARMUP_STEPS], checkpoint_bytes(run))
+        times = cls(
+            [],
+            [],
+            [],
+            [],
+            {"checkpoint": [], "following": [], "normal": []},
+            ended[max(measured)] - ended[WARMUP_STEPS],
+            checkpoint_bytes(run),
+        )
         for step in measured:
             seconds = steps[step]["step_seconds"]
             if step % checkpoint_every == 0:
@@ -107,17 +116,25 @@ def figures_of(model: str, with_checkpoints: StepTimes, without: StepTimes) -> t
             f"{model}_{reference}_normal_over_checkpoint_step": mean(steps) / mean(with_checkpoints.checkpoint_steps),
             f"{model}_{reference}_normal_over_following_step": mean(steps) / mean(with_checkpoints.following_steps),
             f"{model}_{reference}_normal_over_checkpoint_pair": mean(steps) / mean(pair),
-            f"{model}_{reference}_median_normal_over_checkpoint_step": median(steps) / median(with_checkpoints.checkpoint_steps),
-            f"{model}_{reference}_median_normal_over_following_step": median(steps) / median(with_checkpoints.following_steps),
+            f"{model}_{reference}_median_normal_over_checkpoint_step": median(steps)
+            / median(with_checkpoints.checkpoint_steps),
+            f"{model}_{reference}_median_normal_over_following_step": median(steps)
+            / median(with_checkpoints.following_steps),
         }
-    ratios[f"{model}_no_checkpoint_run_window_over_checkpoint_run_window"] = without.window_seconds / with_checkpoints.window_seconds
+    ratios[f"{model}_no_checkpoint_run_window_over_checkpoint_run_window"] = (
+        without.window_seconds / with_checkpoints.window_seconds
+    )
     targets = {
-        f"{model}: normal / checkpoint step >= {TARGET_RATIO} ({reference}, means)":
-            ratios[f"{model}_{reference}_normal_over_checkpoint_step"] >= TARGET_RATIO
+        f"{model}: normal / checkpoint step >= {TARGET_RATIO} ({reference}, means)": ratios[
+            f"{model}_{reference}_normal_over_checkpoint_step"
+        ]
+        >= TARGET_RATIO
         for reference in ("same_run", "no_checkpoint_run")
     } | {
-        f"{model}: normal / following step >= {TARGET_RATIO} ({reference}, means)":
-            ratios[f"{model}_{reference}_normal_over_following_step"] >= TARGET_RATIO
+        f"{model}: normal / following step >= {TARGET_RATIO} ({reference}, means)": ratios[
+            f"{model}_{reference}_normal_over_following_step"
+        ]
+        >= TARGET_RATIO
         for reference in ("same_run", "no_checkpoint_run")
     }
     return figures, baseline, ratios, targets
@@ -134,22 +151,39 @@ def main(steps: dict[str, int], seed: int, keep_dir: Path | None) -> dict:
         for checkpoint_every in (CHECKPOINT_EVERY, NO_CHECKPOINTS):
             # Held-out evaluation only before the first step and after the last, inline, so that no
             # measured step shares the machine with one.
-            run = run_up(work / f"{model}-every{checkpoint_every}", steps[model],
-                         [f"algorithm.seed={seed}", f"algorithm.checkpoint_every={checkpoint_every}",
-                          f"algorithm.eval_every={steps[model]}", "algorithm.validation=inline"], model_dir=model_dir)
+            run = run_up(
+                work / f"{model}-every{checkpoint_every}",
+                steps[model],
+                [
+                    f"algorithm.seed={seed}",
+                    f"algorithm.checkpoint_every={checkpoint_every}",
+                    f"algorithm.eval_every={steps[model]}",
+                    "algorithm.validation=inline",
+                ],
+                model_dir=model_dir,
+            )
             times[checkpoint_every] = StepTimes.of(run, checkpoint_every)
             print(f"{model}, checkpoint_every {checkpoint_every}: {run.process_seconds:.0f} s", flush=True)
         parts = figures_of(model, times[CHECKPOINT_EVERY], times[NO_CHECKPOINTS])
         for collected, part in zip((figures, baseline, ratios, targets), parts):
             collected |= part
     return write_result(
-        "checkpoint", figures, baseline, ratios, targets,
-        settings={"steps": steps, "seed": seed, "checkpoint_every": CHECKPOINT_EVERY, "warmup_steps": WARMUP_STEPS,
-                  "larger_model": asdict(LARGER_MODEL),
-                  "job": "the default (increment task, 16 prompts x 8 samples per step, max_staleness 1)",
-                  "step time": "step_seconds (rollout wait, training and publishing); a checkpoint step adds "
-                               "checkpoint_seconds; the last step (synchronous HF export) is left out",
-                  "runs_dir": str(work)},
+        "checkpoint",
+        figures,
+        baseline,
+        ratios,
+        targets,
+        settings={
+            "steps": steps,
+            "seed": seed,
+            "checkpoint_every": CHECKPOINT_EVERY,
+            "warmup_steps": WARMUP_STEPS,
+            "larger_model": asdict(LARGER_MODEL),
+            "job": "the default (increment task, 16 prompts x 8 samples per step, max_staleness 1)",
+            "step time": "step_seconds (rollout wait, training and publishing); a checkpoint step adds "
+            "checkpoint_seconds; the last step (synchronous HF export) is left out",
+            "runs_dir": str(work),
+        },
     )
 
 

@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlmesh.rpc.authz import Role
 from rlmesh.common.v1 import common_pb2
-from rlmesh.rpc.credentials import create_secrets, peer_secrets, service_auth_settings
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.rpc.authz import Role
 from rlmesh.rpc.channels import call_options, open_channel, use_secret
+from rlmesh.rpc.credentials import create_secrets, peer_secrets, service_auth_settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,7 +70,9 @@ class StepResult:
 class BenchMesh:
     """A manager process and synthetic rollout processes; logs go to a temporary folder."""
 
-    def __init__(self, instances: list[InstanceSpec], manager_settings: dict[str, str] | None = None, insecure: bool = False) -> None:
+    def __init__(
+        self, instances: list[InstanceSpec], manager_settings: dict[str, str] | None = None, insecure: bool = False
+    ) -> None:
         self.instances = instances
         self.manager_settings = manager_settings or {}
         self.log_dir = Path(tempfile.mkdtemp(prefix="rlmesh-bench-"))
@@ -95,19 +97,28 @@ class BenchMesh:
             **self.auth.settings("RLMESH_ROLLOUT_", "instance"),
             **{f"RLMESH_ROLLOUT_{k}": v for k, v in spec.settings.items()},
         }
-        child = spawn_service(spec.instance_id, "services.rollout", f"127.0.0.1:{port}", settings, self.log_dir, str(self.log_dir))
+        child = spawn_service(
+            spec.instance_id, "services.rollout", f"127.0.0.1:{port}", settings, self.log_dir, str(self.log_dir)
+        )
         self.children.append(child)
         self.instance_addresses[spec.instance_id] = child.address
         return child
 
     async def __aenter__(self) -> BenchMesh:
-        manager = spawn_service("manager", "services.manager", self.manager_address, {
-            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
-            "RLMESH_MANAGER_SERVER__PORT": self.manager_address.rsplit(":", 1)[1],
-            "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
-            **self.auth.settings("RLMESH_MANAGER_", "manager"),
-            **{f"RLMESH_MANAGER_{k}": v for k, v in self.manager_settings.items()},
-        }, self.log_dir, str(self.log_dir))
+        manager = spawn_service(
+            "manager",
+            "services.manager",
+            self.manager_address,
+            {
+                "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
+                "RLMESH_MANAGER_SERVER__PORT": self.manager_address.rsplit(":", 1)[1],
+                "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+                **self.auth.settings("RLMESH_MANAGER_", "manager"),
+                **{f"RLMESH_MANAGER_{k}": v for k, v in self.manager_settings.items()},
+            },
+            self.log_dir,
+            str(self.log_dir),
+        )
         self.children.append(manager)
         self.auth.use()
         await wait_started([manager])
@@ -132,24 +143,38 @@ class BenchMesh:
                 raise TimeoutError(f"{count} instances did not register within {timeout:.0f} s; logs in {self.log_dir}")
             await asyncio.sleep(0.1)
 
-    async def run_step(self, batch_id: str, prompts: int, group_size: int, sampling: common_pb2.SamplingParams,
-                       micro_batch_groups: int = 8) -> StepResult:
+    async def run_step(
+        self,
+        batch_id: str,
+        prompts: int,
+        group_size: int,
+        sampling: common_pb2.SamplingParams,
+        micro_batch_groups: int = 8,
+    ) -> StepResult:
         """Submits a batch and streams it back as the trainer does; the step's time runs from the
         submission to the last micro-batch received."""
         request = manager_pb2.SubmitPromptsRequest(
-            batch_id=batch_id, policy_version=0, sampling=sampling,
-            prompts=[manager_pb2.Prompt(prompt_id=f"p{i}", token_ids=[1, 2, 3, 4, 5, i % 7 + 1], n=group_size) for i in range(prompts)],
+            batch_id=batch_id,
+            policy_version=0,
+            sampling=sampling,
+            prompts=[
+                manager_pb2.Prompt(prompt_id=f"p{i}", token_ids=[1, 2, 3, 4, 5, i % 7 + 1], n=group_size)
+                for i in range(prompts)
+            ],
         )
         started = time.perf_counter()
         await self.manager.SubmitPrompts(request, **call_options(30))
         groups: list[manager_pb2.Group] = []
         stream = self.manager.StreamRollouts(
-            manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=micro_batch_groups), **call_options(600)
+            manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=micro_batch_groups),
+            **call_options(600),
         )
         async for reply in stream:
             groups += reply.groups
         elapsed = time.perf_counter() - started
-        await self.manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30))
+        await self.manager.AcknowledgeRollouts(
+            manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30)
+        )
         return StepResult(elapsed, groups)
 
 
@@ -179,7 +204,12 @@ def write_result(name: str, figures: dict, baseline: dict, ratios: dict, targets
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n== {name} ==")
-    for title, values in (("figures", figures), ("baseline (same run)", baseline), ("ratios", ratios), ("targets", targets)):
+    for title, values in (
+        ("figures", figures),
+        ("baseline (same run)", baseline),
+        ("ratios", ratios),
+        ("targets", targets),
+    ):
         print(f"{title}:")
         for key, value in values.items():
             print(f"  {key}: {value:.4g}" if isinstance(value, float) else f"  {key}: {value}")

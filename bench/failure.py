@@ -16,8 +16,14 @@ from services.rollout.synthetic_engine import SyntheticConfig, response_length
 INSTANCES = 3
 PROMPTS, GROUP_SIZE = 64, 8
 MAX_TOKENS = 1024
-SYNTHETIC = SyntheticConfig(throughput_tokens_per_second=2000, min_step_seconds=0.001, length="lognormal", mean_tokens=128, sigma=1.0,
-                            stream_interval=1)
+SYNTHETIC = SyntheticConfig(
+    throughput_tokens_per_second=2000,
+    min_step_seconds=0.001,
+    length="lognormal",
+    mean_tokens=128,
+    sigma=1.0,
+    stream_interval=1,
+)
 SETTINGS = {
     "ENGINE__MAX_BATCH_SIZE": "16",
     "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": str(SYNTHETIC.throughput_tokens_per_second),
@@ -34,7 +40,8 @@ def expected_lengths(sampling: common_pb2.SamplingParams) -> dict[tuple[str, int
     """Every sample's length as its seed fixes it, whichever instances generate it."""
     return {
         (f"p{p}", i): response_length(SYNTHETIC, per_sample_sampling(sampling, f"p{p}", i).seed, MAX_TOKENS)
-        for p in range(PROMPTS) for i in range(GROUP_SIZE)
+        for p in range(PROMPTS)
+        for i in range(GROUP_SIZE)
     }
 
 
@@ -52,8 +59,13 @@ async def run(sampling: common_pb2.SamplingParams, kill_at: float | None) -> tup
             killed = victim.name
         result = await step
         status = await mesh.status()
-    return result, {"killed": killed, "discarded_tokens": status.discarded_tokens, "requeued_samples": status.requeued_samples,
-                    "continued_tokens": status.continued_tokens, "instances_left": len(status.instances)}
+    return result, {
+        "killed": killed,
+        "discarded_tokens": status.discarded_tokens,
+        "requeued_samples": status.requeued_samples,
+        "continued_tokens": status.continued_tokens,
+        "instances_left": len(status.instances),
+    }
 
 
 def token_accounting(result: StepResult, lengths: dict[tuple[str, int], int]) -> tuple[int, int]:
@@ -91,11 +103,22 @@ async def main(seed: int) -> dict:
         baseline={"step_seconds_without_failure": calm.seconds, "tokens": calm.tokens},
         ratios={"step_time_with_kill_over_without": failed.seconds / calm.seconds},
         targets={
-            "0 regenerated, 0 lost, 0 duplicated": failed_status["discarded_tokens"] == lost == duplicated == missing == extra == 0,
+            "0 regenerated, 0 lost, 0 duplicated": failed_status["discarded_tokens"]
+            == lost
+            == duplicated
+            == missing
+            == extra
+            == 0,
             "step time <= 1.6x": failed.seconds / calm.seconds <= 1.6,
         },
-        settings={"instances": INSTANCES, "samples": PROMPTS * GROUP_SIZE, "killed": "instance-0 (SIGKILL) at half the step's tokens",
-                  "synthetic": SYNTHETIC.model_dump(), "max_batch_size": 16, "seed": seed},
+        settings={
+            "instances": INSTANCES,
+            "samples": PROMPTS * GROUP_SIZE,
+            "killed": "instance-0 (SIGKILL) at half the step's tokens",
+            "synthetic": SYNTHETIC.model_dump(),
+            "max_batch_size": 16,
+            "seed": seed,
+        },
     )
 
 

@@ -38,26 +38,42 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-async def open_batch(mesh: BenchMesh, batch_id: str, sessions: int, max_tokens: int, stop: int) -> list[manager_pb2.SessionHandle]:
+async def open_batch(
+    mesh: BenchMesh, batch_id: str, sessions: int, max_tokens: int, stop: int
+) -> list[manager_pb2.SessionHandle]:
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, stop_token_ids=[stop], seed=7)
-    reply = await mesh.manager.OpenSessions(manager_pb2.OpenSessionsRequest(
-        batch_id=batch_id, policy_version=0, sampling=sampling, task="bench",
-        prompts=[manager_pb2.Prompt(prompt_id="p", n=sessions)], limits=manager_pb2.SessionLimits(max_turns=MAX_TURNS)), **call_options(30))
+    reply = await mesh.manager.OpenSessions(
+        manager_pb2.OpenSessionsRequest(
+            batch_id=batch_id,
+            policy_version=0,
+            sampling=sampling,
+            task="bench",
+            prompts=[manager_pb2.Prompt(prompt_id="p", n=sessions)],
+            limits=manager_pb2.SessionLimits(max_turns=MAX_TURNS),
+        ),
+        **call_options(30),
+    )
     return list(reply.sessions)
 
 
 async def finish_batch(mesh: BenchMesh, batch_id: str, handles: list[manager_pb2.SessionHandle]) -> None:
     for handle in handles:
-        await mesh.manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id,
-                                                                        status=manager_pb2.SESSION_STATUS_DONE), **call_options(30))
-    async for _ in mesh.manager.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1),
-                                               **call_options(60)):
+        await mesh.manager.CloseSession(
+            manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+            **call_options(30),
+        )
+    async for _ in mesh.manager.StreamRollouts(
+        manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1), **call_options(60)
+    ):
         pass
-    await mesh.manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30))
+    await mesh.manager.AcknowledgeRollouts(
+        manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30)
+    )
 
 
-async def through_contract(mesh: BenchMesh, handles, turns: int, observation: list[int],
-                           until: asyncio.Event | None = None) -> tuple[int, float, list[float]]:
+async def through_contract(
+    mesh: BenchMesh, handles, turns: int, observation: list[int], until: asyncio.Event | None = None
+) -> tuple[int, float, list[float]]:
     """(tokens generated, seconds, per-turn latencies) of every session's turns through RunTurn;
     with `until`, each session stops after the turn during which it was set."""
     latencies: list[float] = []
@@ -68,8 +84,14 @@ async def through_contract(mesh: BenchMesh, handles, turns: int, observation: li
             if until is not None and until.is_set():
                 break
             started = time.perf_counter()
-            reply = await mesh.manager.RunTurn(manager_pb2.RunTurnRequest(session_id=handle.session_id, turn=turn, append=[
-                manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=observation)]), **call_options(120))
+            reply = await mesh.manager.RunTurn(
+                manager_pb2.RunTurnRequest(
+                    session_id=handle.session_id,
+                    turn=turn,
+                    append=[manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=observation)],
+                ),
+                **call_options(120),
+            )
             latencies.append(time.perf_counter() - started)
             tokens += len(reply.generated.token_ids)
         return tokens
@@ -79,7 +101,9 @@ async def through_contract(mesh: BenchMesh, handles, turns: int, observation: li
     return sum(counts), time.perf_counter() - started, latencies
 
 
-async def through_gateway(gateway: str, handles, turns: int, until: asyncio.Event | None = None) -> tuple[int, float, list[float]]:
+async def through_gateway(
+    gateway: str, handles, turns: int, until: asyncio.Event | None = None
+) -> tuple[int, float, list[float]]:
     """The same through the HTTP gateway: each request carries the conversation so far."""
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=len(handles))
@@ -113,9 +137,13 @@ async def measure(args: argparse.Namespace, tokenizer_dir: Path) -> tuple[dict, 
     stop = tokenizer.token_to_id(IM_END_TOKEN)
     observation = tokenizer.encode(USER_TEXT).ids
     gateway_port = free_port()
-    engine = {"ENGINE__SYNTHETIC__VOCAB_SIZE": str(tokenizer.get_vocab_size()), "ENGINE__SYNTHETIC__LENGTH": "fixed",
-              "ENGINE__SYNTHETIC__MEAN_TOKENS": str(args.turn_tokens), "ENGINE__MAX_BATCH_SIZE": str(args.sessions),
-              "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": str(args.engine_tokens_per_second)}
+    engine = {
+        "ENGINE__SYNTHETIC__VOCAB_SIZE": str(tokenizer.get_vocab_size()),
+        "ENGINE__SYNTHETIC__LENGTH": "fixed",
+        "ENGINE__SYNTHETIC__MEAN_TOKENS": str(args.turn_tokens),
+        "ENGINE__MAX_BATCH_SIZE": str(args.sessions),
+        "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": str(args.engine_tokens_per_second),
+    }
     instances = [InstanceSpec(f"synthetic-{i}", settings=engine) for i in range(args.instances)]
     manager = {"GATEWAY_PORT": str(gateway_port), "MODEL_DIR": str(tokenizer_dir)}
     contract_runs, gateway_runs = [], []
@@ -155,11 +183,16 @@ async def measure(args: argparse.Namespace, tokenizer_dir: Path) -> tuple[dict, 
         "turns_through_contract": len(contract_latency),
         "mean_turn_tokens": statistics.mean(t / (args.sessions * args.turns) for t, _, _ in contract_runs),
     }
-    ratios = {"gateway_over_contract_tokens_per_second": figures["gateway_tokens_per_second"] / baseline["contract_tokens_per_second"]}
+    ratios = {
+        "gateway_over_contract_tokens_per_second": figures["gateway_tokens_per_second"]
+        / baseline["contract_tokens_per_second"]
+    }
     return figures, baseline, ratios
 
 
-async def relay_beside_sessions(args: argparse.Namespace, tokenizer_dir: Path) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+async def relay_beside_sessions(
+    args: argparse.Namespace, tokenizer_dir: Path
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Tokens/s of the manager's single-turn relay (bench.relay's step on its fast synthetic engines)
     per round: alone, while the sessions run through the contract, and while they run through the
     gateway; the sessions turn until the relay's step is back. Also the sessions' turns per round."""
@@ -170,7 +203,9 @@ async def relay_beside_sessions(args: argparse.Namespace, tokenizer_dir: Path) -
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=relay.LENGTH + 1)
     rates: dict[str, list[float]] = {"alone": [], "grpc": [], "http": []}
     turns: dict[str, list[int]] = {"grpc": [], "http": []}
-    async with BenchMesh(relay.instance_specs(), {"GATEWAY_PORT": str(gateway_port), "MODEL_DIR": str(tokenizer_dir)}) as mesh:
+    async with BenchMesh(
+        relay.instance_specs(), {"GATEWAY_PORT": str(gateway_port), "MODEL_DIR": str(tokenizer_dir)}
+    ) as mesh:
         await mesh.run_step("relay-warmup", relay.PROMPTS // 4, relay.GROUP_SIZE, sampling)
         for round_ in range(args.relay_rounds + 1):
             for name in rates:
@@ -179,8 +214,11 @@ async def relay_beside_sessions(args: argparse.Namespace, tokenizer_dir: Path) -
                 handles, sessions = [], None
                 if name != "alone":
                     handles = await open_batch(mesh, batch_id, args.sessions, args.turn_tokens, stop)
-                    sessions = asyncio.create_task(through_contract(mesh, handles, MAX_TURNS, observation, until) if name == "grpc"
-                                                   else through_gateway(f"127.0.0.1:{gateway_port}", handles, MAX_TURNS, until))
+                    sessions = asyncio.create_task(
+                        through_contract(mesh, handles, MAX_TURNS, observation, until)
+                        if name == "grpc"
+                        else through_gateway(f"127.0.0.1:{gateway_port}", handles, MAX_TURNS, until)
+                    )
                     # The relay's step starts once the sessions' first turns are under way.
                     await asyncio.sleep(0.2)
                 result = await mesh.run_step(f"relay-{name}-{round_}", relay.PROMPTS, relay.GROUP_SIZE, sampling)
@@ -205,7 +243,12 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=32)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds, after one warm-up round")
-    parser.add_argument("--relay-rounds", type=int, default=5, help="rounds of the relay beside the sessions (each: alone, beside the contract, beside the gateway)")
+    parser.add_argument(
+        "--relay-rounds",
+        type=int,
+        default=5,
+        help="rounds of the relay beside the sessions (each: alone, beside the contract, beside the gateway)",
+    )
     parser.add_argument("--engine-tokens-per-second", type=float, default=20000.0)
     args = parser.parse_args()
     configure_logging(service="bench")
@@ -224,14 +267,33 @@ def main() -> None:
     relay_ratio = statistics.median(beside["http"]) / statistics.median(beside["grpc"])
     ratios["relay_beside_gateway_over_beside_contract"] = relay_ratio
     ratio = ratios["gateway_over_contract_tokens_per_second"]
-    write_result("gateway", figures, baseline, ratios, {f"gateway_over_contract_tokens_per_second >= {TARGET_RATIO}": ratio >= TARGET_RATIO,
-                                                        f"relay_beside_gateway_over_beside_contract >= {RELAY_TARGET_RATIO}":
-                                                            relay_ratio >= RELAY_TARGET_RATIO},
-                 {"sessions": args.sessions, "turns": args.turns, "turn_tokens": args.turn_tokens, "instances": args.instances,
-                  "rounds": args.rounds, "engine": "synthetic", "engine_tokens_per_second": args.engine_tokens_per_second,
-                  "gateway": "a process of its own beside the manager's (uvloop, httptools, Starlette)", "relay_rounds": args.relay_rounds,
-                  "relay": {"instances": relay.INSTANCES, "samples_per_round": relay.PROMPTS * relay.GROUP_SIZE,
-                            "tokens_per_sample": relay.LENGTH, "synthetic": relay.SYNTHETIC}})
+    write_result(
+        "gateway",
+        figures,
+        baseline,
+        ratios,
+        {
+            f"gateway_over_contract_tokens_per_second >= {TARGET_RATIO}": ratio >= TARGET_RATIO,
+            f"relay_beside_gateway_over_beside_contract >= {RELAY_TARGET_RATIO}": relay_ratio >= RELAY_TARGET_RATIO,
+        },
+        {
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "turn_tokens": args.turn_tokens,
+            "instances": args.instances,
+            "rounds": args.rounds,
+            "engine": "synthetic",
+            "engine_tokens_per_second": args.engine_tokens_per_second,
+            "gateway": "a process of its own beside the manager's (uvloop, httptools, Starlette)",
+            "relay_rounds": args.relay_rounds,
+            "relay": {
+                "instances": relay.INSTANCES,
+                "samples_per_round": relay.PROMPTS * relay.GROUP_SIZE,
+                "tokens_per_sample": relay.LENGTH,
+                "synthetic": relay.SYNTHETIC,
+            },
+        },
+    )
 
 
 if __name__ == "__main__":

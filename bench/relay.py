@@ -52,7 +52,9 @@ async def direct_rate(addresses: list[str], requests_per_instance: int) -> tuple
     try:
         stubs = [rollout_pb2_grpc.RolloutServiceStub(c) for c in channels]
         started = time.perf_counter()
-        counts = await asyncio.gather(*(one(stub, f"direct-{i}-{j}") for i, stub in enumerate(stubs) for j in range(requests_per_instance)))
+        counts = await asyncio.gather(
+            *(one(stub, f"direct-{i}-{j}") for i, stub in enumerate(stubs) for j in range(requests_per_instance))
+        )
         return sum(counts) / (time.perf_counter() - started), sum(counts)
     finally:
         for channel in channels:
@@ -71,8 +73,11 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
         engine = TorchEngine(model_dir, max_batch_size=requests)
         await engine.start()
         try:
+
             async def one(index: int) -> int:
-                request = EngineRequest(f"t{index}", [1, 2, 3, 4, 5, 6, 10], Sampling(temperature=1.0, max_tokens=max_tokens))
+                request = EngineRequest(
+                    f"t{index}", [1, 2, 3, 4, 5, 6, 10], Sampling(temperature=1.0, max_tokens=max_tokens)
+                )
                 return sum([len(chunk.token_ids) async for chunk in engine.generate(request)])
 
             await asyncio.gather(*(one(i) for i in range(16)))
@@ -83,7 +88,9 @@ async def torch_rate(requests: int = 256, max_tokens: int = 48) -> float:
             await engine.stop()
 
 
-async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None) -> list[float]:
+async def relay_rounds(
+    rounds: int, manager_settings: dict[str, str], direct_rates: list[float] | None = None
+) -> list[float]:
     """Tokens/s through the manager per round; with `direct_rates`, the engines called directly
     after each round go there."""
     rates = []
@@ -93,7 +100,9 @@ async def relay_rounds(rounds: int, manager_settings: dict[str, str], direct_rat
         for round_ in range(rounds):
             result = await mesh.run_step(f"relay-{round_}", PROMPTS, GROUP_SIZE, sampling)
             lost, duplicated = check_exactly_once(result, PROMPTS, GROUP_SIZE)
-            assert lost == duplicated == 0 and result.tokens == PROMPTS * GROUP_SIZE * LENGTH, "the relay lost or duplicated tokens"
+            assert lost == duplicated == 0 and result.tokens == PROMPTS * GROUP_SIZE * LENGTH, (
+                "the relay lost or duplicated tokens"
+            )
             rates.append(result.tokens / result.seconds)
             if direct_rates is not None:
                 rate, _ = await direct_rate(list(mesh.instance_addresses.values()), PROMPTS * GROUP_SIZE // INSTANCES)
@@ -109,7 +118,7 @@ async def authorization_rounds(rounds: int) -> tuple[list[float], list[float]]:
     meshes = {insecure: BenchMesh(instance_specs(), insecure=insecure) for insecure in (False, True)}
     async with meshes[False] as secured_mesh, meshes[True] as open_mesh:
         for open_first in [round_ % 2 == 1 for round_ in range(rounds + 1)]:
-            for mesh in ((open_mesh, secured_mesh) if open_first else (secured_mesh, open_mesh)):
+            for mesh in (open_mesh, secured_mesh) if open_first else (secured_mesh, open_mesh):
                 # Each call of this process presents the secrets of the mesh it drives.
                 mesh.auth.use()
                 result = await mesh.run_step(f"auth-{len(rates[mesh.auth.insecure])}", PROMPTS, GROUP_SIZE, sampling)
@@ -134,21 +143,42 @@ async def main(rounds: int) -> dict:
     direct = statistics.median(direct_rates)
     return write_result(
         "relay",
-        figures={"relay_tokens_per_second_median": relay, "relay_rounds": relay_rates,
-                 "journaled_relay_tokens_per_second_median": journaled, "journaled_relay_rounds": journaled_rates,
-                 "authorized_relay_tokens_per_second_median": authorized, "authorized_relay_rounds": authorized_rates},
-        baseline={"direct_tokens_per_second_median": direct, "direct_rounds": direct_rates,
-                  "torch_engine_tokens_per_second": torch_tokens_per_second,
-                  "insecure_relay_tokens_per_second_median": insecure, "insecure_relay_rounds": insecure_rates},
-        ratios={"relay_over_direct": relay / direct, "relay_over_torch_engine": relay / torch_tokens_per_second,
-                "journaled_over_in_memory_relay": journaled / relay, "authorized_over_insecure_relay": authorized / insecure},
-        targets={"relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10,
-                 "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8,
-                 "authorized_over_insecure_relay >= 0.95": authorized / insecure >= 0.95},
-        settings={"instances": INSTANCES, "samples_per_round": PROMPTS * GROUP_SIZE, "tokens_per_sample": LENGTH,
-                  "synthetic": SYNTHETIC, "rounds": rounds, "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
-                  "journal": f"SQLite WAL, synchronous=NORMAL, flushed every {ManagerConfig().journal_flush_seconds} s "
-                             "and before every reply that confirms something"},
+        figures={
+            "relay_tokens_per_second_median": relay,
+            "relay_rounds": relay_rates,
+            "journaled_relay_tokens_per_second_median": journaled,
+            "journaled_relay_rounds": journaled_rates,
+            "authorized_relay_tokens_per_second_median": authorized,
+            "authorized_relay_rounds": authorized_rates,
+        },
+        baseline={
+            "direct_tokens_per_second_median": direct,
+            "direct_rounds": direct_rates,
+            "torch_engine_tokens_per_second": torch_tokens_per_second,
+            "insecure_relay_tokens_per_second_median": insecure,
+            "insecure_relay_rounds": insecure_rates,
+        },
+        ratios={
+            "relay_over_direct": relay / direct,
+            "relay_over_torch_engine": relay / torch_tokens_per_second,
+            "journaled_over_in_memory_relay": journaled / relay,
+            "authorized_over_insecure_relay": authorized / insecure,
+        },
+        targets={
+            "relay_over_torch_engine >= 10": relay / torch_tokens_per_second >= 10,
+            "journaled_over_in_memory_relay >= 0.8": journaled / relay >= 0.8,
+            "authorized_over_insecure_relay >= 0.95": authorized / insecure >= 0.95,
+        },
+        settings={
+            "instances": INSTANCES,
+            "samples_per_round": PROMPTS * GROUP_SIZE,
+            "tokens_per_sample": LENGTH,
+            "synthetic": SYNTHETIC,
+            "rounds": rounds,
+            "torch_engine": "default tiny Qwen2, 256 requests x 48 tokens, 1 thread",
+            "journal": f"SQLite WAL, synchronous=NORMAL, flushed every {ManagerConfig().journal_flush_seconds} s "
+            "and before every reply that confirms something",
+        },
     )
 
 

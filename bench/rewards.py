@@ -81,8 +81,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="rlmesh-bench-rewards-") as scratch:
             instant = run_up(Path(scratch) / "instant", args.steps, common)
             # --insecure: the bench's verifier checks no secret (the Node verifier shows how one does).
-            remote = run_up(Path(scratch) / "remote", args.steps, common + [f"tasks.0.reward.remote={address}"],
-                            ["--insecure"])
+            remote = run_up(
+                Path(scratch) / "remote", args.steps, common + [f"tasks.0.reward.remote={address}"], ["--insecure"]
+            )
     finally:
         stop.set()
     instant_steps, remote_steps = steady_steps(instant), steady_steps(remote)
@@ -101,10 +102,22 @@ def main() -> None:
         "instant_reward_mean": statistics.mean(r["reward"] for r in instant_steps),
     }
     ratios = {"remote_over_instant_throughput": instant_seconds / remote_seconds}
-    targets = {f"remote_over_instant_throughput >= {TARGET_RATIO}": ratios["remote_over_instant_throughput"] >= TARGET_RATIO}
-    write_result("rewards", figures, baseline, ratios, targets,
-                 {"steps": args.steps, "verifier_delay_ms_per_sample": args.delay_ms, "warmup_steps_left_out": WARMUP_STEPS,
-                  "job": "the default job (increment task, tiny model)"})
+    targets = {
+        f"remote_over_instant_throughput >= {TARGET_RATIO}": ratios["remote_over_instant_throughput"] >= TARGET_RATIO
+    }
+    write_result(
+        "rewards",
+        figures,
+        baseline,
+        ratios,
+        targets,
+        {
+            "steps": args.steps,
+            "verifier_delay_ms_per_sample": args.delay_ms,
+            "warmup_steps_left_out": WARMUP_STEPS,
+            "job": "the default job (increment task, tiny model)",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -38,15 +38,32 @@ class TrainingRun:
         return [r for r in self.records if "eval/sampled_reward" in r]
 
 
-def run_up(output_dir: Path, steps: int, settings: list[str], flags: list[str] = (), model_dir: Path | None = None,
-           timeout: float = 3600) -> TrainingRun:
+def run_up(
+    output_dir: Path,
+    steps: int,
+    settings: list[str],
+    flags: list[str] = (),
+    model_dir: Path | None = None,
+    timeout: float = 3600,
+) -> TrainingRun:
     """Runs `rlmesh up` (the default job unless `settings`, job fields as FIELD=VALUE, say otherwise)
     to the end; its console output goes to `<output_dir>/console.log`. A mesh that could not bind
     its ports starts again from scratch on others."""
     for attempt in range(1, START_ATTEMPTS + 1):
         output_dir.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--base-port", str(free_base_port()),
-                   "--output-dir", str(output_dir), *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "rlmesh.cli.main",
+            "up",
+            "--steps",
+            str(steps),
+            "--base-port",
+            str(free_base_port()),
+            "--output-dir",
+            str(output_dir),
+            *flags,
+        ]
         if model_dir is not None:
             command += ["--model-dir", str(model_dir)]
         for setting in settings:
@@ -54,12 +71,16 @@ def run_up(output_dir: Path, steps: int, settings: list[str], flags: list[str] =
         console = output_dir / "console.log"
         started = time.monotonic()
         with console.open("w") as log:
-            result = subprocess.run(command, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            result = subprocess.run(
+                command, check=False, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
         seconds = time.monotonic() - started
         if result.returncode == 0:
             break
-        bind_failed = any(BIND_FAILED in service_log.read_text(errors="replace")
-                          for service_log in (output_dir / "logs").glob("*.log"))
+        bind_failed = any(
+            BIND_FAILED in service_log.read_text(errors="replace")
+            for service_log in (output_dir / "logs").glob("*.log")
+        )
         if not bind_failed or attempt == START_ATTEMPTS:
             tail = "\n".join(console.read_text().splitlines()[-30:])
             raise RuntimeError(f"`{' '.join(command)}` exited with {result.returncode}:\n{tail}")

@@ -42,7 +42,9 @@ def measure(scratch: Path, instances: int, args: argparse.Namespace) -> tuple[di
     """(figures, baseline, ratios) of one pair of runs, names prefixed with the instance count."""
     common = [f"algorithm.checkpoint_every={args.steps}"]
     flags = ["--max-staleness", str(args.max_staleness), "--rollout-instances", str(instances)]
-    validating = run_up(scratch / f"validating-{instances}", args.steps, common + [f"algorithm.eval_every={args.eval_every}"], flags)
+    validating = run_up(
+        scratch / f"validating-{instances}", args.steps, common + [f"algorithm.eval_every={args.eval_every}"], flags
+    )
     quiet = run_up(scratch / f"quiet-{instances}", args.steps, common + [f"algorithm.eval_every={args.steps}"], flags)
     during, outside = split_steps(validating)
     baseline_steps = [r for r in quiet.steps if WARMUP_STEPS < r["step"] < quiet.summary["steps"]]
@@ -64,7 +66,8 @@ def measure(scratch: Path, instances: int, args: argparse.Namespace) -> tuple[di
     }
     during_seconds = figures[f"{name}_step_seconds_during_validation"]
     ratios = {
-        f"{name}_no_validation_over_during (same run)": baseline[f"{name}_step_seconds_no_validation_running"] / during_seconds,
+        f"{name}_no_validation_over_during (same run)": baseline[f"{name}_step_seconds_no_validation_running"]
+        / during_seconds,
         f"{name}_run_without_over_during": baseline[f"{name}_step_seconds_run_without_validations"] / during_seconds,
     }
     return figures, baseline, ratios
@@ -83,10 +86,23 @@ def main() -> None:
         for instances in args.rollout_instances:
             for collected, part in zip((figures, baseline, ratios), measure(Path(scratch), instances, args)):
                 collected |= part
-    targets = {f"{name} >= {TARGET_RATIO}": value >= TARGET_RATIO for name, value in ratios.items() if "same run" in name}
-    write_result("validation", figures, baseline, ratios, targets,
-                 {"steps": args.steps, "eval_every": args.eval_every, "max_staleness": args.max_staleness,
-                  "rollout_instances": args.rollout_instances, "validation": "background"})
+    targets = {
+        f"{name} >= {TARGET_RATIO}": value >= TARGET_RATIO for name, value in ratios.items() if "same run" in name
+    }
+    write_result(
+        "validation",
+        figures,
+        baseline,
+        ratios,
+        targets,
+        {
+            "steps": args.steps,
+            "eval_every": args.eval_every,
+            "max_staleness": args.max_staleness,
+            "rollout_instances": args.rollout_instances,
+            "validation": "background",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -22,22 +22,31 @@ from pathlib import Path
 import torch
 
 from bench.common import BenchAuth, write_result
+from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
-from rlmesh.common.v1 import common_pb2
-from rlmesh.rpc.credentials import read_secret, secret_path
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes, tp_parameter_shapes
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import call_options, open_channel, use_secret
+from rlmesh.rpc.credentials import read_secret, secret_path
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
 TRAINER_RANKS = 2
 INSTANCES = 2
 TP = 2
 CHANGED_FRACTION = 0.02
-BENCH_MODEL = ModelShape(hidden_size=1024, num_heads=16, num_kv_heads=4, head_dim=64, intermediate_size=4096, vocab_size=32000,
-                         num_layers=33, tie_word_embeddings=True, attention_bias=True)
+BENCH_MODEL = ModelShape(
+    hidden_size=1024,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=4096,
+    vocab_size=32000,
+    num_layers=33,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 """About 535 M parameters: 1.0 GiB in bf16."""
 COLD_PUSHES = 3
 """Pushes after a weights-service start that allocate and fault in its buffers (the incoming, the
@@ -131,7 +140,9 @@ class TrainerRanks:
         self.processes = []
         for rank in range(world):
             parent, child = context.Pipe()
-            process = context.Process(target=_rank_main, args=(child, shape, rank, world, changed_fraction, secrets), daemon=True)
+            process = context.Process(
+                target=_rank_main, args=(child, shape, rank, world, changed_fraction, secrets), daemon=True
+            )
             process.start()
             self.pipes.append(parent)
             self.processes.append(process)
@@ -172,6 +183,7 @@ def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction:
 
     async def hand_off(address: str, message: weights_pb2.ShardsHeader) -> None:
         async with open_channel(address) as channel:
+
             async def parts():
                 yield weights_pb2.UploadShardsRequest(header=message)
 
@@ -187,12 +199,23 @@ def _rank_main(pipe, shape: ModelShape, rank: int, world: int, changed_fraction:
                     rows.step()
                     return_freed_memory()
                 prepared += 1
-                shards = {name: LocalShard(t, full_shapes[name], *fsdp_rows(full_shapes[name][0], world, rank)) for name, t in rows.rows.items()}
+                shards = {
+                    name: LocalShard(t, full_shapes[name], *fsdp_rows(full_shapes[name][0], world, rank))
+                    for name, t in rows.rows.items()
+                }
                 specs, total = shard_specs(shards)
                 slot = slot or SharedMemorySlot(f"rlmesh-bench-{os.getpid()}-rank{rank}", total)
                 crc = write_payload(shards, specs, slot.tensor)
-                header = weights_pb2.ShardsHeader(version=argument, rank=rank, world_size=world, layout=layout_to_proto(shape),
-                                                  shards=specs, total_bytes=total, shm_path=str(slot.path), payload_crc32=crc)
+                header = weights_pb2.ShardsHeader(
+                    version=argument,
+                    rank=rank,
+                    world_size=world,
+                    layout=layout_to_proto(shape),
+                    shards=specs,
+                    total_bytes=total,
+                    shm_path=str(slot.path),
+                    payload_crc32=crc,
+                )
                 pipe.send("ready")
             else:
                 try:
@@ -219,14 +242,26 @@ def ensure_bench_model(directory: Path, shape: ModelShape) -> Path:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     config = Qwen2Config(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim, max_position_embeddings=256, tie_word_embeddings=shape.tie_word_embeddings,
-        torch_dtype="bfloat16", bos_token_id=12, eos_token_id=12, pad_token_id=13,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=256,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        torch_dtype="bfloat16",
+        bos_token_id=12,
+        eos_token_id=12,
+        pad_token_id=13,
     )
     config.save_pretrained(directory)
     generator = torch.Generator().manual_seed(0)
-    tensors = {name: (torch.randn(dims, generator=generator) * 0.02).bfloat16() for name, dims in hf_parameter_shapes(shape).items()}
+    tensors = {
+        name: (torch.randn(dims, generator=generator) * 0.02).bfloat16()
+        for name, dims in hf_parameter_shapes(shape).items()
+    }
     save_file(tensors, str(directory / "model.safetensors"))
     save_tokenizer(build_char_tokenizer(), directory)
     del tensors
@@ -249,42 +284,66 @@ class Services:
 
 async def start_instances(model_dir: Path, log_dir: Path, auth: BenchAuth) -> Services:
     manager_address = f"127.0.0.1:{free_port()}"
-    manager = spawn_service("manager", "services.manager", manager_address, {
-        "RLMESH_MANAGER_SERVER__PORT": manager_address.rsplit(":", 1)[1], "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
-        **auth.settings("RLMESH_MANAGER_", "manager"),
-    }, log_dir, str(log_dir))
+    manager = spawn_service(
+        "manager",
+        "services.manager",
+        manager_address,
+        {
+            "RLMESH_MANAGER_SERVER__PORT": manager_address.rsplit(":", 1)[1],
+            "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+            **auth.settings("RLMESH_MANAGER_", "manager"),
+        },
+        log_dir,
+        str(log_dir),
+    )
     await wait_started([manager])
     instances = []
     for index in range(INSTANCES):
         port = free_port()
-        instances.append(spawn_service(f"rollout-{index}", "services.rollout", f"127.0.0.1:{port}", {
-            "RLMESH_ROLLOUT_SERVER__PORT": str(port),
-            "RLMESH_ROLLOUT_SERVER__LOG_LEVEL": "warning",
-            "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
-            "RLMESH_ROLLOUT_MANAGER_ADDRESS": manager_address,
-            "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
-            "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(TP),
-            "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": "16",
-            "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true",
-            "RLMESH_ROLLOUT_TRANSFER__TCP": "true",
-            "RLMESH_ROLLOUT_TRANSFER__CATCH_UP_DELAY_SECONDS": str(CATCH_UP_DELAY_SECONDS),
-            **auth.settings("RLMESH_ROLLOUT_", "instance"),
-        }, log_dir, str(log_dir)))
+        instances.append(
+            spawn_service(
+                f"rollout-{index}",
+                "services.rollout",
+                f"127.0.0.1:{port}",
+                {
+                    "RLMESH_ROLLOUT_SERVER__PORT": str(port),
+                    "RLMESH_ROLLOUT_SERVER__LOG_LEVEL": "warning",
+                    "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
+                    "RLMESH_ROLLOUT_MANAGER_ADDRESS": manager_address,
+                    "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
+                    "RLMESH_ROLLOUT_ENGINE__TENSOR_PARALLEL_SIZE": str(TP),
+                    "RLMESH_ROLLOUT_ENGINE__MAX_BATCH_SIZE": "16",
+                    "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true",
+                    "RLMESH_ROLLOUT_TRANSFER__TCP": "true",
+                    "RLMESH_ROLLOUT_TRANSFER__CATCH_UP_DELAY_SECONDS": str(CATCH_UP_DELAY_SECONDS),
+                    **auth.settings("RLMESH_ROLLOUT_", "instance"),
+                },
+                log_dir,
+                str(log_dir),
+            )
+        )
     await wait_started(instances, timeout=600)
     return Services(log_dir, auth, manager, instances)
 
 
 async def start_weights(services: Services, backend: str, compression: str) -> str:
     address = f"127.0.0.1:{free_port()}"
-    services.weights = spawn_service(f"weights-{backend}-{compression}", "services.weights", address, {
-        "RLMESH_WEIGHTS_SERVER__PORT": address.rsplit(":", 1)[1],
-        "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "info",
-        "RLMESH_WEIGHTS_MANAGER_ADDRESS": services.manager.address,
-        "RLMESH_WEIGHTS_BACKEND": backend,
-        "RLMESH_WEIGHTS_COMPRESSION": compression,
-        "RLMESH_WEIGHTS_POLL_INTERVAL_SECONDS": "0.05",
-        **services.auth.settings("RLMESH_WEIGHTS_", "weights"),
-    }, services.log_dir, str(services.log_dir))
+    services.weights = spawn_service(
+        f"weights-{backend}-{compression}",
+        "services.weights",
+        address,
+        {
+            "RLMESH_WEIGHTS_SERVER__PORT": address.rsplit(":", 1)[1],
+            "RLMESH_WEIGHTS_SERVER__LOG_LEVEL": "info",
+            "RLMESH_WEIGHTS_MANAGER_ADDRESS": services.manager.address,
+            "RLMESH_WEIGHTS_BACKEND": backend,
+            "RLMESH_WEIGHTS_COMPRESSION": compression,
+            "RLMESH_WEIGHTS_POLL_INTERVAL_SECONDS": "0.05",
+            **services.auth.settings("RLMESH_WEIGHTS_", "weights"),
+        },
+        services.log_dir,
+        str(services.log_dir),
+    )
     await wait_started([services.weights])
     return address
 
@@ -295,19 +354,24 @@ async def stop_weights(services: Services) -> None:
         services.weights = None
 
 
-async def wait_committed(stub: weights_pb2_grpc.WeightsServiceStub, services: Services, version: int,
-                         timeout: float = 600) -> weights_pb2.GetStatusResponse:
+async def wait_committed(
+    stub: weights_pb2_grpc.WeightsServiceStub, services: Services, version: int, timeout: float = 600
+) -> weights_pb2.GetStatusResponse:
     deadline = time.monotonic() + timeout
     while True:
         crashed = [c for c in services.children if c.process.poll() is not None]
         if crashed:
-            raise RuntimeError(f"{crashed[0].name} exited with code {crashed[0].process.returncode}; see {crashed[0].log_path}")
+            raise RuntimeError(
+                f"{crashed[0].name} exited with code {crashed[0].process.returncode}; see {crashed[0].log_path}"
+            )
         status = await stub.GetStatus(weights_pb2.GetStatusRequest(), **call_options(10))
         if len(status.instances) == INSTANCES and all(i.committed_version >= version for i in status.instances):
             return status
         failing = [i for i in status.instances if i.last_error]
         if time.monotonic() > deadline:
-            raise TimeoutError(f"version {version} not committed everywhere: {[(i.instance_id, i.last_error) for i in failing]}")
+            raise TimeoutError(
+                f"version {version} not committed everywhere: {[(i.instance_id, i.last_error) for i in failing]}"
+            )
         await asyncio.sleep(0.01)
 
 
@@ -327,7 +391,9 @@ class Generation:
         count = 0
         while True:
             count += 1
-            request = rollout_pb2.GenerateRequest(request_id=f"{worker}-{count}", prompt_token_ids=[1, 2, 3, 4, 10], sampling=sampling)
+            request = rollout_pb2.GenerateRequest(
+                request_id=f"{worker}-{count}", prompt_token_ids=[1, 2, 3, 4, 10], sampling=sampling
+            )
             async for reply in stub.Generate(request, **call_options(600)):
                 now = time.perf_counter()
                 self.stamps.extend([now] * len(reply.chunk.token_ids))
@@ -365,11 +431,11 @@ def real_step_delta() -> dict[str, float]:
     from rlmesh.models.loading import load_causal_lm
     from rlmesh.models.qwen2_tiny import create_default_model
     from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer
-    from rlmesh.transfer.payload import pack
     from rlmesh.tasks.increment import make_problem, reward
-    from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
+    from rlmesh.transfer.payload import pack
     from services.trainer.algorithms.advantages import group_advantages
     from services.trainer.algorithms.losses import policy_loss
+    from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
     from services.weights.encoding import EncodedPayload
     from services.weights.store import RankPayload
 
@@ -385,11 +451,21 @@ def real_step_delta() -> dict[str, float]:
     for problem in problems:
         prompt = tokenizer.encode(problem.prompt).ids
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([prompt] * 8), do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                 max_new_tokens=12, eos_token_id=eos, pad_token_id=pad)
-        responses = [row[len(prompt):] for row in out.tolist()]
+            out = model.generate(
+                input_ids=torch.tensor([prompt] * 8),
+                do_sample=True,
+                temperature=1.0,
+                top_k=None,
+                top_p=1.0,
+                max_new_tokens=12,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        responses = [row[len(prompt) :] for row in out.tolist()]
         responses = [r[: r.index(eos) + 1] if eos in r else r for r in responses]
-        rewards = torch.tensor([[reward(tokenizer.decode([t for t in r if t != eos]), problem.answer) for r in responses]])
+        rewards = torch.tensor(
+            [[reward(tokenizer.decode([t for t in r if t != eos]), problem.answer) for r in responses]]
+        )
         for response, advantage in zip(responses, group_advantages(rewards)[0].tolist()):
             samples.append(TrainingSample(prompt, response, [0.0] * len(response), advantage))
     batch = build_micro_batch(samples, pad)
@@ -406,7 +482,9 @@ def real_step_delta() -> dict[str, float]:
     for label, cast in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         old = RankPayload(*pack({n: t.to(cast) for n, t in before.items()}, 1, bucket_bytes=1 << 20))
         new = RankPayload(*pack({n: t.to(cast) for n, t in after.items()}, 2, bucket_bytes=1 << 20))
-        changed = sum(int((before[n].to(cast) != after[n].to(cast)).sum()) for n in before) / sum(t.numel() for t in before.values())
+        changed = sum(int((before[n].to(cast) != after[n].to(cast)).sum()) for n in before) / sum(
+            t.numel() for t in before.values()
+        )
         delta = EncodedPayload(new, "delta", old, 1)
         full = EncodedPayload(new, "zstd")
         for _ in delta.frames():
@@ -437,12 +515,21 @@ async def push_once(ranks: TrainerRanks, services: Services, stub, address: str,
     done = time.perf_counter()
     push = max(i.last_version_latency_ms for i in status.instances) / 1000
     link = status.instances[0]
-    return {"version": version, "handoff_seconds": handoff, "push_seconds": push, "end_to_end_seconds": done - started,
-            "stored_at": done - push, "done_at": done, "ratio": link.compression_ratio, "encode_ms": link.encode_ms}
+    return {
+        "version": version,
+        "handoff_seconds": handoff,
+        "push_seconds": push,
+        "end_to_end_seconds": done - started,
+        "stored_at": done - push,
+        "done_at": done,
+        "ratio": link.compression_ratio,
+        "encode_ms": link.encode_ms,
+    }
 
 
-async def generation_during_pushes(ranks: TrainerRanks, services: Services, stub, address: str, version: int,
-                                   pushes: int) -> tuple[dict[str, float], int]:
+async def generation_during_pushes(
+    ranks: TrainerRanks, services: Services, stub, address: str, version: int, pushes: int
+) -> tuple[dict[str, float], int]:
     """Tokens/s of every instance over all the push windows together, against the same instances
     over quiet windows between them (one push's window holds few decode steps: alone it is too
     coarse)."""
@@ -458,12 +545,18 @@ async def generation_during_pushes(ranks: TrainerRanks, services: Services, stub
             quiet.append((quiet_start, time.perf_counter()))
             push = await push_once(ranks, services, stub, address, version)
             pushing.append((push["stored_at"], push["done_at"]))
-            print(f"generation: {gen.rate(*quiet[-1]):.1f} tok/s before the push of version {version}, "
-                  f"{gen.rate(*pushing[-1]):.1f} during its {push['push_seconds']:.2f} s", flush=True)
+            print(
+                f"generation: {gen.rate(*quiet[-1]):.1f} tok/s before the push of version {version}, "
+                f"{gen.rate(*pushing[-1]):.1f} during its {push['push_seconds']:.2f} s",
+                flush=True,
+            )
     finally:
         await gen.stop()
-    return {"tokens_per_second_without_push": gen.pooled_rate(quiet), "tokens_per_second_during_push": gen.pooled_rate(pushing),
-            "seconds_of_push_windows": sum(end - start for start, end in pushing)}, version
+    return {
+        "tokens_per_second_without_push": gen.pooled_rate(quiet),
+        "tokens_per_second_during_push": gen.pooled_rate(pushing),
+        "seconds_of_push_windows": sum(end - start for start, end in pushing),
+    }, version
 
 
 async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], repeats: int) -> dict:
@@ -497,7 +590,9 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
                         pushes[-1]["raw_socket_gbps"] = raw[-1]
                     print(f"{name}: {json.dumps({k: round(v, 4) for k, v in pushes[-1].items()})}", flush=True)
                 if (backend, compression) == ("tcp", "none"):
-                    generation, version = await generation_during_pushes(ranks, services, stub, address, version, GENERATION_PUSHES)
+                    generation, version = await generation_during_pushes(
+                        ranks, services, stub, address, version, GENERATION_PUSHES
+                    )
                 measured = pushes[COLD_PUSHES:]
                 seconds = statistics.median(p["push_seconds"] for p in measured)
                 figures[f"{name}_gbps"] = nbytes / seconds / 1e9
@@ -511,7 +606,8 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
                 pair_ratios[name] = [round(r, 3) for r in pairs]
                 # From the trainer's hand-off on: the ingest (shared memory, resharding, checksums, encoding) included.
                 ratios[f"{name}_end_to_end_vs_raw_socket"] = statistics.median(
-                    nbytes / p["end_to_end_seconds"] / 1e9 / p["raw_socket_gbps"] for p in measured)
+                    nbytes / p["end_to_end_seconds"] / 1e9 / p["raw_socket_gbps"] for p in measured
+                )
                 baselines += raw
             finally:
                 await channel.close()
@@ -519,22 +615,42 @@ async def run(shape: ModelShape, model_dir: Path, modes: list[tuple[str, str]], 
     finally:
         ranks.close()
         await asyncio.to_thread(stop_children, services.children)
-    return {"figures": figures, "ratios": ratios, "generation": generation, "baseline_runs": baselines, "pair_ratios": pair_ratios,
-            "delivered_bytes": nbytes}
+    return {
+        "figures": figures,
+        "ratios": ratios,
+        "generation": generation,
+        "baseline_runs": baselines,
+        "pair_ratios": pair_ratios,
+        "delivered_bytes": nbytes,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=MEASURED_PUSHES, help="measured pushes per mode (median)")
     parser.add_argument("--small", action="store_true", help="a 64 MiB model instead of 1 GiB (a quick check)")
-    parser.add_argument("--modes", nargs="+", default=[f"{b}:{c}" for b, c in MODES], metavar="BACKEND:COMPRESSION",
-                        help="transports and link compressions to measure (default: all)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=[f"{b}:{c}" for b, c in MODES],
+        metavar="BACKEND:COMPRESSION",
+        help="transports and link compressions to measure (default: all)",
+    )
     args = parser.parse_args()
     modes = [tuple(mode.split(":", 1)) for mode in args.modes]
     shape = BENCH_MODEL
     if args.small:
-        shape = ModelShape(hidden_size=512, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048, vocab_size=32000,
-                           num_layers=4, tie_word_embeddings=True, attention_bias=True)
+        shape = ModelShape(
+            hidden_size=512,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=2048,
+            vocab_size=32000,
+            num_layers=4,
+            tie_word_embeddings=True,
+            attention_bias=True,
+        )
     model_dir = ensure_bench_model(Path(".rlmesh/bench") / f"qwen2-{model_bytes(shape) >> 20}mib", shape)
     result = asyncio.run(run(shape, model_dir, modes, args.repeats))
     figures, ratios, baselines = result["figures"], result["ratios"], result["baseline_runs"]
@@ -542,16 +658,32 @@ def main() -> None:
     generation = result["generation"]
     if generation:
         figures.update(generation)
-        ratios["generation_during_push_vs_without"] = generation["tokens_per_second_during_push"] / generation["tokens_per_second_without_push"]
+        ratios["generation_during_push_vs_without"] = (
+            generation["tokens_per_second_during_push"] / generation["tokens_per_second_without_push"]
+        )
     write_result(
         "weights",
         figures,
-        {"raw_socket_gbps": statistics.median(baselines), "raw_socket_gbps_runs": [round(b, 3) for b in baselines],
-         "ratio_of_each_pair": result["pair_ratios"]},
+        {
+            "raw_socket_gbps": statistics.median(baselines),
+            "raw_socket_gbps_runs": [round(b, 3) for b in baselines],
+            "ratio_of_each_pair": result["pair_ratios"],
+        },
         ratios,
-        {"tcp_none_vs_raw_socket": ">= 0.8", "tcp_delta_vs_raw_socket": ">= 5 (2 % changed)", "generation_during_push_vs_without": ">= 0.9"},
-        {"model_bytes": model_bytes(shape), "delivered_bytes": result["delivered_bytes"], "trainer_ranks": TRAINER_RANKS,
-         "instances": INSTANCES, "tensor_parallel": TP, "changed_fraction": CHANGED_FRACTION, "repeats": args.repeats},
+        {
+            "tcp_none_vs_raw_socket": ">= 0.8",
+            "tcp_delta_vs_raw_socket": ">= 5 (2 % changed)",
+            "generation_during_push_vs_without": ">= 0.9",
+        },
+        {
+            "model_bytes": model_bytes(shape),
+            "delivered_bytes": result["delivered_bytes"],
+            "trainer_ranks": TRAINER_RANKS,
+            "instances": INSTANCES,
+            "tensor_parallel": TP,
+            "changed_fraction": CHANGED_FRACTION,
+            "repeats": args.repeats,
+        },
     )
 
 

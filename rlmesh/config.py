@@ -48,13 +48,16 @@ class TlsFiles(StrictModel):
         return path
 
     @classmethod
-    def in_directory(cls, directory: str | Path, name: str) -> "TlsFiles":
+    def in_directory(cls, directory: str | Path, name: str) -> TlsFiles:
         """The files `rlmesh certs` writes for `name` (a service, or `client` for tools):
         ca.pem, NAME.pem, NAME-key.pem. Raises ConfigError naming a missing one."""
         directory = Path(directory)
         try:
-            return cls(ca_file=str(directory / "ca.pem"), cert_file=str(directory / f"{name}.pem"),
-                       key_file=str(directory / f"{name}-key.pem"))
+            return cls(
+                ca_file=str(directory / "ca.pem"),
+                cert_file=str(directory / f"{name}.pem"),
+                key_file=str(directory / f"{name}-key.pem"),
+            )
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
             raise ConfigError(f"TLS files of {name} in {directory}: {problems}") from exc
@@ -136,12 +139,14 @@ def load_config(
         except FileNotFoundError as exc:
             raise ConfigError(f"config file not found: {path}") from exc
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}") from exc
+            raise ConfigError(
+                f"config file {path} is not valid {'JSON' if str(path).endswith('.json') else 'TOML'}: {exc}"
+            ) from exc
     environ = os.environ if environ is None else environ
     if env_prefix:
         for name, value in environ.items():
             if name.startswith(env_prefix):
-                keys = name[len(env_prefix):].lower().split("__")
+                keys = name[len(env_prefix) :].lower().split("__")
                 _set_path(data, keys, value)
     for dotted, value in (overrides or {}).items():
         node = data

@@ -68,8 +68,11 @@ def run_service(
         description=f"Run the rlmesh {name} service. Settings come from --config (TOML), then "
         f"{env_prefix}SECTION__FIELD environment variables.",
     )
-    parser.add_argument("--config", default=os.environ.get(config_file_variable(name)),
-                        help=f"TOML file with this service's settings (default: ${config_file_variable(name)})")
+    parser.add_argument(
+        "--config",
+        default=os.environ.get(config_file_variable(name)),
+        help=f"TOML file with this service's settings (default: ${config_file_variable(name)})",
+    )
     args = parser.parse_args(argv)
     try:
         config = load_config(config_model, args.config, env_prefix=env_prefix)

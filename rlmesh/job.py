@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, model_validator
 from rlmesh.config import METRICS_PORT_OFFSET, ConfigError, StrictModel
 from rlmesh.settings.manager import ManagerSettings, StalenessSetting
 from rlmesh.settings.rollout import RolloutSettings
+from rlmesh.settings.tracking import TrackingSettings
 from rlmesh.settings.trainer import AlgorithmConfig, TrainerSettings
 from rlmesh.settings.weights import WeightsSettings
 from rlmesh.tasks.config import TaskConfig
@@ -118,15 +119,19 @@ class MeshSection(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _no_moved_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and (moved := [f"mesh.{key} moved to {new}" for key, new in MOVED_MESH_KEYS.items() if key in data]):
+        if isinstance(data, dict) and (
+            moved := [f"mesh.{key} moved to {new}" for key, new in MOVED_MESH_KEYS.items() if key in data]
+        ):
             raise ValueError("; ".join(moved))
         if isinstance(data, dict) and "registration_token" in data:
-            raise ValueError("mesh.registration_token was replaced by a bearer secret per role, on by default "
-                             "(mesh.secrets_dir; see docs/security.md)")
+            raise ValueError(
+                "mesh.registration_token was replaced by a bearer secret per role, on by default "
+                "(mesh.secrets_dir; see docs/security.md)"
+            )
         return data
 
     @model_validator(mode="after")
-    def _compatible(self) -> "MeshSection":
+    def _compatible(self) -> MeshSection:
         if self.tls_dir is not None and not self.tls:
             raise ValueError("tls_dir needs tls = true")
         if self.secrets_dir is not None and self.insecure:
@@ -135,14 +140,20 @@ class MeshSection(StrictModel):
         if cap < self.rollout_instances:
             raise ValueError(f"max_rollout_instances ({cap}) is below rollout_instances ({self.rollout_instances})")
         if self.autoscale and cap == self.rollout_instances:
-            raise ValueError("autoscale needs room: set max_rollout_instances above rollout_instances (--rollout-instances MIN:MAX)")
+            raise ValueError(
+                "autoscale needs room: set max_rollout_instances above rollout_instances (--rollout-instances MIN:MAX)"
+            )
         if self.rollout_netns > self.rollout_instances:
-            raise ValueError(f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start ({self.rollout_instances})")
+            raise ValueError(
+                f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start ({self.rollout_instances})"
+            )
         if self.rollout_netns > NETNS_MAX_INSTANCES:
             raise ValueError(f"rollout_netns: at most {NETNS_MAX_INSTANCES} instances run in network namespaces")
         if self.base_port + METRICS_PORT_OFFSET + 10 + cap > 65535:
-            raise ValueError(f"base_port leaves no room for every rollout instance's port and its metrics port "
-                             f"(+{METRICS_PORT_OFFSET}): at most {65535 - METRICS_PORT_OFFSET - 10 - cap}")
+            raise ValueError(
+                f"base_port leaves no room for every rollout instance's port and its metrics port "
+                f"(+{METRICS_PORT_OFFSET}): at most {65535 - METRICS_PORT_OFFSET - 10 - cap}"
+            )
         return self
 
 
@@ -153,7 +164,9 @@ class OutputSection(StrictModel):
 
 class Job(StrictModel):
     model: ModelSection = ModelSection()
-    tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
+    tasks: list[TaskConfig] = Field(
+        default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1
+    )
     """One [[tasks]] table per task; several are mixed by weight within every step."""
     algorithm: AlgorithmSection = AlgorithmSection()
     """What the trainer learns and in what steps: the loss, the step's shape, η."""
@@ -168,6 +181,8 @@ class Job(StrictModel):
     mesh: MeshSection = MeshSection()
     """The mesh's shape: how many processes of each service, where they listen, and security."""
     output: OutputSection = OutputSection()
+    tracking: TrackingSettings = TrackingSettings()
+    """Experiment trackers the run is reported to: Weights & Biases, MLflow (`rlmesh/settings/tracking.py`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -183,9 +198,14 @@ class Job(StrictModel):
 
     def missing_gpu(self) -> str:
         """Why this host cannot run the devices the job asks for ("" when it can)."""
-        wants_gpu = [setting for setting, wanted in (
-            ("rollout.engine.device = cuda", self.rollout.engine.device == "cuda"),
-            ("trainer.distributed_backend = nccl", self.trainer.distributed_backend == "nccl")) if wanted]
+        wants_gpu = [
+            setting
+            for setting, wanted in (
+                ("rollout.engine.device = cuda", self.rollout.engine.device == "cuda"),
+                ("trainer.distributed_backend = nccl", self.trainer.distributed_backend == "nccl"),
+            )
+            if wanted
+        ]
         if not wants_gpu:
             return ""
         import torch
@@ -195,19 +215,23 @@ class Job(StrictModel):
         return f"{wants_gpu[0]}, but torch {torch.__version__} sees no CUDA device on this host"
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Job":
+    def _consistent(self) -> Job:
         names = [t.name for t in self.tasks]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"task names must be unique; repeated: {duplicates}")
         lossy = sorted({self.weights.compression, *self.weights.link_compression.values()} & {"int8", "fp8"})
         if lossy:
-            raise ValueError(f"weights compression {lossy[0]} is lossy: only engines serving quantized weights take it, "
-                             f"and the torch and vllm engines serve the weights as pushed (use none, zstd or delta)")
+            raise ValueError(
+                f"weights compression {lossy[0]} is lossy: only engines serving quantized weights take it, "
+                f"and the torch and vllm engines serve the weights as pushed (use none, zstd or delta)"
+            )
         buffer = self.algorithm.overlong_buffer_tokens
         short = [f"{t.name} ({t.max_tokens})" for t in self.tasks if t.max_tokens < buffer]
         if short:
-            raise ValueError(f"algorithm.overlong_buffer_tokens ({buffer}) exceeds the max_tokens of task {', '.join(short)}")
+            raise ValueError(
+                f"algorithm.overlong_buffer_tokens ({buffer}) exceeds the max_tokens of task {', '.join(short)}"
+            )
         return self
 
 
@@ -272,7 +296,9 @@ def load_job(path: str | Path | None, overrides: dict[str, Any] | None = None) -
     try:
         job = Job.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
         where = f"job {path}" if path else "job"
         raise ConfigError(f"invalid {where}: {problems}") from exc
     tasks = [task.resolve_paths(base) for task in job.tasks]

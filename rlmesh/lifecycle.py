@@ -96,7 +96,9 @@ class SessionPriority:
             pass
         except OSError as exc:
             self.usable = False
-            log.warning("cannot change the session's CPU priority; background work runs at normal priority", error=str(exc))
+            log.warning(
+                "cannot change the session's CPU priority; background work runs at normal priority", error=str(exc)
+            )
 
 
 def background_process() -> None:

@@ -27,8 +27,12 @@ class RepeatLimiter:
     repeats on every request (an engine that died) then costs a few lines every few seconds, not a
     line per request."""
 
-    def __init__(self, window: float = REPEAT_WINDOW_SECONDS, limit: int = REPEATS_PER_WINDOW,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window: float = REPEAT_WINDOW_SECONDS,
+        limit: int = REPEATS_PER_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window, self.limit, self.clock = window, limit, clock
         self._seen: dict[tuple, tuple[float, int, int]] = {}
         """By event: (window start, lines written in it, lines dropped since the last written)."""

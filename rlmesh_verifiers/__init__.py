@@ -37,24 +37,50 @@ class InProcessChatHarness(NullHarness):
     async def setup(self, runtime: Runtime) -> None:
         chat_program()
 
-    async def launch(self, ctx: ModelContext, trace: Trace, runtime: Runtime, endpoint: str, secret: str,
-                     mcp_urls: dict[str, str], data: TaskData, tool_interception_url: str | None = None) -> ProgramResult:
+    async def launch(
+        self,
+        ctx: ModelContext,
+        trace: Trace,
+        runtime: Runtime,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        data: TaskData,
+        tool_interception_url: str | None = None,
+    ) -> ProgramResult:
         program = chat_program()
         system_prompt, prompt = self.resolve_prompt(data)
         # What the program's own main() parses from its command line, for the loop it runs.
-        args = argparse.Namespace(base_url=endpoint, api_key=secret, model=ctx.model, system_prompt=system_prompt or "",
-                                  prompt="", initial_messages_file="", mcp_config="",
-                                  tool_interception_url=tool_interception_url or "", bash=False, compaction=False,
-                                  summarize_at_tokens=None, edit=False, search=False, serper_key="")
+        args = argparse.Namespace(
+            base_url=endpoint,
+            api_key=secret,
+            model=ctx.model,
+            system_prompt=system_prompt or "",
+            prompt="",
+            initial_messages_file="",
+            mcp_config="",
+            tool_interception_url=tool_interception_url or "",
+            bash=False,
+            compaction=False,
+            summarize_at_tokens=None,
+            edit=False,
+            search=False,
+            serper_key="",
+        )
         client = AsyncOpenAI(base_url=endpoint, api_key=secret, timeout=httpx.Timeout(None, connect=5.0))
         tool_client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0)) if tool_interception_url else None
         try:
             async with AsyncExitStack() as servers_stack:
                 tools, dispatch, servers = [], {}, {}
                 if mcp_urls:
-                    config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()}}
-                    tools, dispatch, servers = await asyncio.wait_for(program["connect_mcp"](config, servers_stack, set()),
-                                                                      MCP_CONNECT_SECONDS)
+                    config = {
+                        "mcpServers": {
+                            name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()
+                        }
+                    }
+                    tools, dispatch, servers = await asyncio.wait_for(
+                        program["connect_mcp"](config, servers_stack, set()), MCP_CONNECT_SECONDS
+                    )
                 messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
                 if isinstance(prompt, str):
                     messages.append({"role": "user", "content": prompt})

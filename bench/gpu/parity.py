@@ -24,14 +24,18 @@ async def _collect(engine: TorchEngine, request: EngineRequest) -> tuple[list[in
     return tokens, logprobs
 
 
-async def _engine_runs(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], max_tokens: int,
-                       eos: int) -> tuple[list, list]:
+async def _engine_runs(
+    model_dir: Path, device: str, dtype: str, prompts: list[list[int]], max_tokens: int, eos: int
+) -> tuple[list, list]:
     """Each prompt alone (batch 1), then all prompts in one batch (left-padded, continuous batching)."""
     engine = TorchEngine(model_dir, max_batch_size=len(prompts), device=device, dtype=dtype)
     await engine.start()
     try:
+
         def request(i: int, prompt: list[int]) -> EngineRequest:
-            return EngineRequest(f"p{i}", prompt, Sampling(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset({eos})))
+            return EngineRequest(
+                f"p{i}", prompt, Sampling(temperature=0.0, max_tokens=max_tokens, stop_token_ids=frozenset({eos}))
+            )
 
         alone = [await _collect(engine, request(i, p)) for i, p in enumerate(prompts)]
         batched = await asyncio.gather(*(_collect(engine, request(i, p)) for i, p in enumerate(prompts)))
@@ -41,11 +45,19 @@ async def _engine_runs(model_dir: Path, device: str, dtype: str, prompts: list[l
 
 
 @torch.inference_mode()
-def _hf_reference(model, prompt: list[int], tokens: list[int], max_tokens: int, eos: int, pad: int, device: str) -> tuple[list[int], list[float]]:
+def _hf_reference(
+    model, prompt: list[int], tokens: list[int], max_tokens: int, eos: int, pad: int, device: str
+) -> tuple[list[int], list[float]]:
     """HF's greedy tokens for `prompt`, and its logprobs of the engine's `tokens` (one forward)."""
     ids = torch.tensor([prompt], device=device)
-    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
-                            eos_token_id=eos, pad_token_id=pad)[0, len(prompt):].tolist()
+    greedy = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )[0, len(prompt) :].tolist()
     full = torch.tensor([prompt + tokens], device=device)
     logits = model(input_ids=full).logits[0, len(prompt) - 1 : len(prompt) + len(tokens) - 1].float()
     chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens, device=device)[:, None]).flatten()
@@ -75,8 +87,16 @@ def check_parity(model_dir: Path, device: str, prompts: int = 6, max_tokens: int
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-        figures[dtype] = {"greedy_equal_alone": equal, "greedy_equal_batched": batched_equal, "tokens": generated,
-                          "max_logprob_difference": max(differences), "mean_logprob_difference": sum(differences) / len(differences)}
-    figures["holds"] = (figures["float32"]["greedy_equal_alone"] == prompts and figures["bfloat16"]["greedy_equal_alone"] == prompts
-                        and figures["float32"]["max_logprob_difference"] <= FP32_LOGPROB_TOLERANCE)
+        figures[dtype] = {
+            "greedy_equal_alone": equal,
+            "greedy_equal_batched": batched_equal,
+            "tokens": generated,
+            "max_logprob_difference": max(differences),
+            "mean_logprob_difference": sum(differences) / len(differences),
+        }
+    figures["holds"] = (
+        figures["float32"]["greedy_equal_alone"] == prompts
+        and figures["bfloat16"]["greedy_equal_alone"] == prompts
+        and figures["float32"]["max_logprob_difference"] <= FP32_LOGPROB_TOLERANCE
+    )
     return figures

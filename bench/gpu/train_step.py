@@ -14,8 +14,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.ranks.distributed import init_distributed, shutdown_distributed
 from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
 from services.trainer.ranks.policy import ShardedPolicy
@@ -42,8 +42,9 @@ def synthetic_samples(count: int, tokens: int, vocab_size: int, generator: torch
     return samples
 
 
-def measure_grpo_step(model_dir: Path, device: str, samples: int, tokens: int, micro_batch_samples: int,
-                      steps: int = 3) -> dict:
+def measure_grpo_step(
+    model_dir: Path, device: str, samples: int, tokens: int, micro_batch_samples: int, steps: int = 3
+) -> dict:
     """`steps` training steps of `samples` samples of `tokens` tokens each, `micro_batch_samples` per
     forward/backward, then the optimizer step and the publish's pack (on CUDA the copy to pinned
     memory, which lands in a worker thread while the next step computes, as in the trainer).
@@ -60,8 +61,9 @@ def measure_grpo_step(model_dir: Path, device: str, samples: int, tokens: int, m
             config = TrainerConfig(model_dir=str(model_dir), output_dir=output, distributed_backend=backend)
             policy = ShardedPolicy(config, rank)
             # Nothing is uploaded: only the pack (the copy out of the device) is measured.
-            handoff = ShardHandoff(None, policy.shape, rank.rank, rank.world_size, "stream", mesh_tag(output), 60.0,
-                                   policy.weights_dtype)
+            handoff = ShardHandoff(
+                None, policy.shape, rank.rank, rank.world_size, "stream", mesh_tag(output), 60.0, policy.weights_dtype
+            )
             generator = torch.Generator().manual_seed(config.seed)
             batch = synthetic_samples(samples, tokens, policy.shape.vocab_size, generator)
             if cuda:
@@ -72,7 +74,7 @@ def measure_grpo_step(model_dir: Path, device: str, samples: int, tokens: int, m
                 _synchronize(cuda)
                 started = time.perf_counter()
                 for first in range(0, samples, micro_batch_samples):
-                    policy.backward(batch[first:first + micro_batch_samples])
+                    policy.backward(batch[first : first + micro_batch_samples])
                 policy.optimizer_step()
                 # The last version's copy landed in the meantime; the staging buffer is free again.
                 if landing is not None:

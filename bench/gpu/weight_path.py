@@ -18,13 +18,13 @@ from transformers import AutoConfig
 
 from bench.common import BenchAuth
 from bench.weights import Generation, raw_socket_gbps
-from rlmesh.rpc.authz import Role
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import Child, spawn_service, stop_children, wait_started
 from rlmesh.models.loading import load_weights
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
-from rlmesh.transfer.payload import stream_chunks
+from rlmesh.rpc.authz import Role
 from rlmesh.rpc.channels import call_options, open_channel
+from rlmesh.transfer.payload import stream_chunks
 from rlmesh.transfer.shards import SHM_DIR, LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
@@ -38,7 +38,9 @@ class Publisher:
         shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
         full_shapes = hf_parameter_shapes(shape)
         tensors = load_weights(model_dir, full_shapes.keys())
-        shards = {name: LocalShard(tensors[name], dims, *fsdp_rows(dims[0], 1, 0)) for name, dims in full_shapes.items()}
+        shards = {
+            name: LocalShard(tensors[name], dims, *fsdp_rows(dims[0], 1, 0)) for name, dims in full_shapes.items()
+        }
         specs, self.nbytes = shard_specs(shards)
         self.slot = None
         if shutil.disk_usage(SHM_DIR).free > 2 * self.nbytes:
@@ -48,8 +50,15 @@ class Publisher:
             self.payload = torch.empty(self.nbytes, dtype=torch.uint8)
         crc = write_payload(shards, specs, self.payload)
         self.handoff = "shm" if self.slot is not None else "stream"
-        self._header = dict(rank=0, world_size=1, layout=layout_to_proto(shape), shards=specs, total_bytes=self.nbytes,
-                            shm_path=str(self.slot.path) if self.slot is not None else "", payload_crc32=crc)
+        self._header = dict(
+            rank=0,
+            world_size=1,
+            layout=layout_to_proto(shape),
+            shards=specs,
+            total_bytes=self.nbytes,
+            shm_path=str(self.slot.path) if self.slot is not None else "",
+            payload_crc32=crc,
+        )
 
     async def publish(self, stub: weights_pb2_grpc.WeightsServiceStub, version: int) -> None:
         header = weights_pb2.ShardsHeader(version=version, **self._header)
@@ -82,32 +91,67 @@ class Mesh:
         self.auth.use()
         quiet = {"SERVER__LOG_LEVEL": "warning"}
         manager = f"127.0.0.1:{free_port()}"
-        self._spawn("manager", "services.manager", manager, "RLMESH_MANAGER", "manager", {**quiet, "SERVER__PORT": _port(manager)})
+        self._spawn(
+            "manager",
+            "services.manager",
+            manager,
+            "RLMESH_MANAGER",
+            "manager",
+            {**quiet, "SERVER__PORT": _port(manager)},
+        )
         await wait_started(self.children)
         self.instance_address = f"127.0.0.1:{free_port()}"
-        self._spawn("rollout", "services.rollout", self.instance_address, "RLMESH_ROLLOUT", "instance", {
-            **quiet, "SERVER__PORT": _port(self.instance_address), "INSTANCE_ID": "rollout-0", "MANAGER_ADDRESS": manager,
-            "ENGINE__MODEL_DIR": str(self.model_dir), "ENGINE__DEVICE": self.device,
-            "ENGINE__MAX_BATCH_SIZE": str(self.max_batch_size), "ENGINE__STREAM_INTERVAL": "8",
-            "TRANSFER__MOONCAKE": "false", "TRANSFER__TCP": "true",
-        })
+        self._spawn(
+            "rollout",
+            "services.rollout",
+            self.instance_address,
+            "RLMESH_ROLLOUT",
+            "instance",
+            {
+                **quiet,
+                "SERVER__PORT": _port(self.instance_address),
+                "INSTANCE_ID": "rollout-0",
+                "MANAGER_ADDRESS": manager,
+                "ENGINE__MODEL_DIR": str(self.model_dir),
+                "ENGINE__DEVICE": self.device,
+                "ENGINE__MAX_BATCH_SIZE": str(self.max_batch_size),
+                "ENGINE__STREAM_INTERVAL": "8",
+                "TRANSFER__MOONCAKE": "false",
+                "TRANSFER__TCP": "true",
+            },
+        )
         self.weights_address = f"127.0.0.1:{free_port()}"
-        self._spawn("weights", "services.weights", self.weights_address, "RLMESH_WEIGHTS", "weights", {
-            **quiet, "SERVER__PORT": _port(self.weights_address), "MANAGER_ADDRESS": manager, "BACKEND": "tcp",
-            "COMPRESSION": "none", "POLL_INTERVAL_SECONDS": "0.05",
-        })
+        self._spawn(
+            "weights",
+            "services.weights",
+            self.weights_address,
+            "RLMESH_WEIGHTS",
+            "weights",
+            {
+                **quiet,
+                "SERVER__PORT": _port(self.weights_address),
+                "MANAGER_ADDRESS": manager,
+                "BACKEND": "tcp",
+                "COMPRESSION": "none",
+                "POLL_INTERVAL_SECONDS": "0.05",
+            },
+        )
         await wait_started(self.children, timeout=180)
 
     def _spawn(self, name: str, module: str, address: str, prefix: str, role: Role, settings: dict[str, str]) -> None:
         environment = {**{f"{prefix}_{k}": v for k, v in settings.items()}, **self.auth.settings(f"{prefix}_", role)}
         self.children.append(spawn_service(name, module, address, environment, self.log_dir, str(self.log_dir)))
 
-    async def committed(self, stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 120) -> weights_pb2.InstancePush:
+    async def committed(
+        self, stub: weights_pb2_grpc.WeightsServiceStub, version: int, timeout: float = 120
+    ) -> weights_pb2.InstancePush:
         deadline = time.monotonic() + timeout
         while True:
             crashed = [c for c in self.children if c.process.poll() is not None]
             if crashed:
-                raise RuntimeError(f"{crashed[0].name} exited with code {crashed[0].process.returncode}; see {crashed[0].log_path}")
+                raise RuntimeError(
+                    f"{crashed[0].name} exited with code {crashed[0].process.returncode}; see {crashed[0].log_path}"
+                )
             status = await stub.GetStatus(weights_pb2.GetStatusRequest(), **call_options(10))
             if status.instances and status.instances[0].committed_version >= version:
                 return status.instances[0]
@@ -150,8 +194,14 @@ async def _pushes(mesh: Mesh, publisher: Publisher, stub, first_version: int, co
         instance = await mesh.committed(stub, version)
         done = time.perf_counter()
         stored_to_served = instance.last_version_latency_ms / 1000
-        pushes.append({"version": version, "stored_to_served_seconds": stored_to_served, "end_to_end_seconds": done - started,
-                       "window": (started, done)})
+        pushes.append(
+            {
+                "version": version,
+                "stored_to_served_seconds": stored_to_served,
+                "end_to_end_seconds": done - started,
+                "window": (started, done),
+            }
+        )
     return pushes
 
 
@@ -167,8 +217,17 @@ async def _decode_rate(mesh: Mesh, batch: int, max_tokens: int, warm: float, win
         await generation.stop()
 
 
-async def _decode_during_pushes(mesh: Mesh, publisher: Publisher, stub, batch: int, max_tokens: int, first_version: int,
-                                pushes: int, warm: float, quiet: float) -> dict:
+async def _decode_during_pushes(
+    mesh: Mesh,
+    publisher: Publisher,
+    stub,
+    batch: int,
+    max_tokens: int,
+    first_version: int,
+    pushes: int,
+    warm: float,
+    quiet: float,
+) -> dict:
     """Tokens/s over all push windows (hand-off to commit: the push into the standby copy and
     its switch lie inside) against quiet windows between them."""
     generation = Generation([mesh.instance_address], concurrency=batch, max_tokens=max_tokens)
@@ -184,8 +243,13 @@ async def _decode_during_pushes(mesh: Mesh, publisher: Publisher, stub, batch: i
     finally:
         await generation.stop()
     without, during = generation.pooled_rate(quiet_windows), generation.pooled_rate(push_windows)
-    return {"batch": batch, "tokens_per_second_without_push": without, "tokens_per_second_during_push": during,
-            "ratio": during / without if without else 0.0, "push_window_seconds": sum(e - s for s, e in push_windows)}
+    return {
+        "batch": batch,
+        "tokens_per_second_without_push": without,
+        "tokens_per_second_during_push": during,
+        "ratio": during / without if without else 0.0,
+        "push_window_seconds": sum(e - s for s, e in push_windows),
+    }
 
 
 async def measure(model_dir: Path, device: str, pushes: int, decode_batches: list[int] | None, quick: bool) -> dict:
@@ -203,21 +267,32 @@ async def measure(model_dir: Path, device: str, pushes: int, decode_batches: lis
             results = await _pushes(mesh, publisher, stub, 1, pushes)
             stored_to_served = statistics.median(r["stored_to_served_seconds"] for r in results)
             baseline = copy_and_socket_seconds(publisher.nbytes, device)
-            figures.update({
-                "stored_to_served_seconds": stored_to_served,
-                "stored_to_served_all": [r["stored_to_served_seconds"] for r in results],
-                "end_to_end_seconds": statistics.median(r["end_to_end_seconds"] for r in results),
-                "baseline": baseline,
-                "ratio_to_baseline": stored_to_served / baseline["seconds"],
-            })
+            figures.update(
+                {
+                    "stored_to_served_seconds": stored_to_served,
+                    "stored_to_served_all": [r["stored_to_served_seconds"] for r in results],
+                    "end_to_end_seconds": statistics.median(r["end_to_end_seconds"] for r in results),
+                    "baseline": baseline,
+                    "ratio_to_baseline": stored_to_served / baseline["seconds"],
+                }
+            )
             if decode_batches:
                 warm, window = (0.25, 1.0) if quick else (2.0, 4.0)
                 max_tokens = 32 if quick else 128
                 figures["decode_tokens_per_second"] = {
-                    str(b): await _decode_rate(mesh, b, max_tokens, warm, window) for b in decode_batches}
+                    str(b): await _decode_rate(mesh, b, max_tokens, warm, window) for b in decode_batches
+                }
                 figures["decode_during_push"] = await _decode_during_pushes(
-                    mesh, publisher, stub, largest, max_tokens, pushes + 1, pushes=2 if quick else 4, warm=warm,
-                    quiet=0.75 if quick else 2.0)
+                    mesh,
+                    publisher,
+                    stub,
+                    largest,
+                    max_tokens,
+                    pushes + 1,
+                    pushes=2 if quick else 4,
+                    warm=warm,
+                    quiet=0.75 if quick else 2.0,
+                )
     finally:
         mesh.stop()
         publisher.close()

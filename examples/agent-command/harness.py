@@ -13,8 +13,12 @@ FOLLOW_UPS = ("Check it once more.", "Give the final answer.")
 
 
 def chat(connection: http.client.HTTPConnection, path: str, headers: dict, messages: list) -> dict:
-    connection.request("POST", path + "/chat/completions", json.dumps({"model": "policy", "messages": messages, "max_tokens": 12}),
-                       headers)
+    connection.request(
+        "POST",
+        path + "/chat/completions",
+        json.dumps({"model": "policy", "messages": messages, "max_tokens": 12}),
+        headers,
+    )
     reply = connection.getresponse()
     body = json.loads(reply.read())
     if reply.status != 200:

@@ -18,5 +18,7 @@ def score(completion: str, answer: str) -> RewardResult:
     numbers = BOXED_NUMBER.findall(completion)
     close = math.exp(-abs(float(numbers[-1]) - target) / max(1.0, abs(target))) if numbers else 0.0
     formatted = verdict.components["formatted"]
-    return RewardResult(verdict.reward + 0.1 * formatted + 0.3 * close,
-                        {"correct": verdict.reward, "formatted": formatted, "close": close})
+    return RewardResult(
+        verdict.reward + 0.1 * formatted + 0.3 * close,
+        {"correct": verdict.reward, "formatted": formatted, "close": close},
+    )

@@ -26,16 +26,18 @@ def stop_problem(stops: Sequence[str]) -> str:
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
     """`text` up to the first stop string in it (all of it when there is none)."""
     found = [index for index in (text.find(stop) for stop in stops if stop) if index >= 0]
-    return text[:min(found)] if found else text
+    return text[: min(found)] if found else text
 
 
 def without_partial_stop(text: str, stops: Sequence[str]) -> str:
     """What of a response's text so far can be shown: up to a stop string, and without an ending
     that may yet grow into one."""
     text = cut_at_stop(text, stops)
-    held = max((size for stop in stops for size in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:size])),
-               default=0)
-    return text[:len(text) - held]
+    held = max(
+        (size for stop in stops for size in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:size])),
+        default=0,
+    )
+    return text[: len(text) - held]
 
 
 class StopMatcher:
@@ -57,9 +59,9 @@ class StopMatcher:
         now contain a stop string."""
         if not self._stops:
             return False
-        window = list(recent[-self._window:])
+        window = list(recent[-self._window :])
         if len(window) < self._window and earlier:
-            window = list(earlier[-(self._window - len(window)):]) + window
+            window = list(earlier[-(self._window - len(window)) :]) + window
         text = self._decode(window)
         return any(stop in text for stop in self._stops)
 

@@ -51,10 +51,14 @@ def content_text(message: Mapping[str, Any]) -> str:
         for index, part in enumerate(content):
             kind = part.get("type", "text") if isinstance(part, Mapping) else type(part).__name__
             if kind != "text":
-                raise RenderError(f"a {message.get('role', '?')} message's content[{index}] is a part of type {kind!r}: "
-                                  "only text parts are rendered")
+                raise RenderError(
+                    f"a {message.get('role', '?')} message's content[{index}] is a part of type {kind!r}: "
+                    "only text parts are rendered"
+                )
             if not isinstance(part.get("text"), str):
-                raise RenderError(f"a {message.get('role', '?')} message's content[{index}] is a text part whose text is not a string")
+                raise RenderError(
+                    f"a {message.get('role', '?')} message's content[{index}] is a text part whose text is not a string"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise RenderError(f"a {message.get('role', '?')} message's content must be text or a list of text parts")
@@ -70,7 +74,9 @@ def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def caching_encoder(encode: Callable[[str], list[int]], entries: int = 4096, max_chars: int = 256) -> Callable[[str], list[int]]:
+def caching_encoder(
+    encode: Callable[[str], list[int]], entries: int = 4096, max_chars: int = 256
+) -> Callable[[str], list[int]]:
     """`encode` keeping the ids of short texts: the template's pieces between messages and the
     messages harnesses repeat come back every turn, and tokenizing them again would give the same ids."""
     cached = functools.lru_cache(maxsize=entries)(lambda text: tuple(encode(text)))
@@ -91,7 +97,9 @@ class TurnEncoder:
         self._tokenizer = tokenizer
         self._plain: Tokenizer | None = None
         if backend is not None:
-            specials = {token.content: index for index, token in backend.get_added_tokens_decoder().items() if token.special}
+            specials = {
+                token.content: index for index, token in backend.get_added_tokens_decoder().items() if token.special
+            }
             # A copy that reads special tokens' text as text: contents go through it; the template's
             # special tokens are cut out before and keep their ids.
             self._plain = Tokenizer.from_str(backend.to_str())
@@ -102,7 +110,9 @@ class TurnEncoder:
         else:
             specials = {token: tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
         self._special_ids = specials
-        self._specials = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) if specials else None
+        self._specials = (
+            re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) if specials else None
+        )
         self._max_cached_chars = max_cached_chars
         self._cached_run = functools.lru_cache(maxsize=entries)(self._run)
 
@@ -114,13 +124,15 @@ class TurnEncoder:
         for source, text in spans:
             if source == ENVIRONMENT:
                 if ANCHOR in text:
-                    raise RenderError("a message's content holds the text rlmesh marks its tokenization with "
-                                      "(\\x00rlmesh-anchor\\x00)")
+                    raise RenderError(
+                        "a message's content holds the text rlmesh marks its tokenization with "
+                        "(\\x00rlmesh-anchor\\x00)"
+                    )
                 run.append((source, text))
                 continue
             last = 0
             for match in self._specials.finditer(text) if self._specials else ():
-                run.append((TEMPLATE, text[last:match.start()]))
+                run.append((TEMPLATE, text[last : match.start()]))
                 pieces += self._run_pieces(run, opens)
                 opens, run, last = False, [], match.end()
                 pieces.append(Piece(TEMPLATE, [self._special_ids[match.group()]]))
@@ -140,9 +152,18 @@ class TurnEncoder:
         if not text:
             return []
         if self._plain is None:
-            return [Piece(source, list(self._tokenizer.encode(part, add_special_tokens=False,
-                                                              split_special_tokens=source == ENVIRONMENT)))
-                    for source, part in run if part]
+            return [
+                Piece(
+                    source,
+                    list(
+                        self._tokenizer.encode(
+                            part, add_special_tokens=False, split_special_tokens=source == ENVIRONMENT
+                        )
+                    ),
+                )
+                for source, part in run
+                if part
+            ]
         ids, offsets = self._cached_run(text, opens) if len(text) <= self._max_cached_chars else self._run(text, opens)
         if len(run) == 1:
             return [Piece(run[0][0], list(ids))]
@@ -151,11 +172,16 @@ class TurnEncoder:
         for index, boundary in enumerate(itertools.accumulate(len(part) for _, part in run[:-1])):
             cut = bisect.bisect_left(starts, boundary, cuts[-1])
             # A token reaching from template text into a content belongs to the content.
-            if cut > cuts[-1] and offsets[cut - 1][1] > boundary and run[index + 1][0] == ENVIRONMENT and run[index][0] != ENVIRONMENT:
+            if (
+                cut > cuts[-1]
+                and offsets[cut - 1][1] > boundary
+                and run[index + 1][0] == ENVIRONMENT
+                and run[index][0] != ENVIRONMENT
+            ):
                 cut -= 1
             cuts.append(cut)
         cuts.append(len(ids))
-        return [Piece(source, list(ids[cuts[index]:cuts[index + 1]])) for index, (source, _) in enumerate(run)]
+        return [Piece(source, list(ids[cuts[index] : cuts[index + 1]])) for index, (source, _) in enumerate(run)]
 
     def _run(self, text: str, opens: bool) -> tuple[list[int], list[tuple[int, int]]]:
         if opens:
@@ -169,7 +195,9 @@ class TurnEncoder:
 class ChatTurns:
     """One tokenizer's chat template, rendering what goes between the model's turns."""
 
-    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None, encoder: TurnEncoder | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None, encoder: TurnEncoder | None = None
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise RenderError("the model's tokenizer has no chat template: multi-turn sessions render messages with it")
         self.tokenizer = tokenizer
@@ -178,8 +206,9 @@ class ChatTurns:
 
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=self.tools, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                list(messages), tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
         except Exception as exc:  # noqa: BLE001 - a template raises whatever its author chose
             raise RenderError(f"the chat template cannot render these messages: {exc}") from exc
 
@@ -197,7 +226,9 @@ class ChatTurns:
                 continue
             found = text.find(_placeholder(index), position)
             if found < 0:
-                raise RenderError(f"the chat template dropped or changed a {messages[index].get('role', '?')} message's content")
+                raise RenderError(
+                    f"the chat template dropped or changed a {messages[index].get('role', '?')} message's content"
+                )
             spans += [(TEMPLATE, text[position:found]), (ENVIRONMENT, content)]
             position = found + len(_placeholder(index))
         spans.append((TEMPLATE, text[position:]))
@@ -209,7 +240,9 @@ class ChatTurns:
             raise RenderError("a session's first turn needs at least one message")
         return self._pieces(messages, lambda marked: self._render(marked, True), opens=True)
 
-    def after_model(self, history: Sequence[Mapping[str, Any]], stop_text: str, messages: Sequence[Mapping[str, Any]]) -> list[Piece]:
+    def after_model(
+        self, history: Sequence[Mapping[str, Any]], stop_text: str, messages: Sequence[Mapping[str, Any]]
+    ) -> list[Piece]:
         """What follows the model's last turn: the end of its turn the model did not write itself,
         the new messages and the next generation prompt. `history` is the conversation so far
         ending with the model's turn; `stop_text` what its last tokens already said of the
@@ -217,15 +250,17 @@ class ChatTurns:
         if not messages:
             raise RenderError("a turn needs at least one new message after the model's")
         # Contents as text (parts joined as a message's key joins them, none as ""): a template takes strings.
-        earlier = [*(m if isinstance(m.get("content"), str) else {**m, "content": content_text(m)} for m in history[:-1]),
-                   {"role": "assistant", "content": _SENTINEL}]
+        earlier = [
+            *(m if isinstance(m.get("content"), str) else {**m, "content": content_text(m)} for m in history[:-1]),
+            {"role": "assistant", "content": _SENTINEL},
+        ]
 
         def rest(marked: list[dict[str, Any]]) -> str:
             text = self._render([*earlier, *marked], True)
             after = text.rfind(_SENTINEL)
             if after < 0:
                 raise RenderError("the chat template dropped the assistant's turn")
-            tail = text[after + len(_SENTINEL):]
-            return tail[len(stop_text):] if stop_text and tail.startswith(stop_text) else tail
+            tail = text[after + len(_SENTINEL) :]
+            return tail[len(stop_text) :] if stop_text and tail.startswith(stop_text) else tail
 
         return self._pieces(messages, rest, opens=False)

@@ -42,7 +42,9 @@ def _type_name(annotation: Any) -> str:
     if origin in (Union, types.UnionType):
         return " \\| ".join(_type_name(arg) for arg in get_args(annotation))
     if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(arg) for arg in get_args(annotation))}]"
+        return (
+            f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(arg) for arg in get_args(annotation))}]"
+        )
     if annotation is type(None):
         return "none"
     return getattr(annotation, "__name__", str(annotation))
@@ -83,8 +85,10 @@ def _section(name: str, model: type[BaseModel], description: str | None, table: 
     plain = {key: field for key, field in model.model_fields.items() if _nested_model(field) is None}
     if plain:
         lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-        lines += [f"| `{key}` | {_type_name(field.annotation)} | {_default(field, name + '.' + key)} | {_cell(field.description)} |"
-                  for key, field in plain.items()]
+        lines += [
+            f"| `{key}` | {_type_name(field.annotation)} | {_default(field, name + '.' + key)} | {_cell(field.description)} |"
+            for key, field in plain.items()
+        ]
         lines.append("")
     for key, field in model.model_fields.items():
         nested = _nested_model(field)

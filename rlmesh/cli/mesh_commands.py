@@ -19,9 +19,9 @@ def call_with_credentials(args: argparse.Namespace, run: Path | None = None) -> 
     secret of --secret-file, else of $RLMESH_SECRET_FILE, else the operator's secret of the
     `rlmesh up` run `run`; False (after saying why) when a file is unusable."""
     from rlmesh.config import ConfigError, TlsFiles
-    from rlmesh.rpc.credentials import read_secret
     from rlmesh.launch.state import run_secret
     from rlmesh.rpc.channels import use_secret, use_tls
+    from rlmesh.rpc.credentials import read_secret
 
     secret_file = getattr(args, "secret_file", None) or os.environ.get(SECRET_FILE_VARIABLE)
     if not secret_file and run is not None:
@@ -38,20 +38,29 @@ def call_with_credentials(args: argparse.Namespace, run: Path | None = None) -> 
 
 
 def add_credential_arguments(parser: argparse.ArgumentParser, secret: bool = True) -> None:
-    parser.add_argument("--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present")
-    parser.add_argument("--tls-name", default="client", metavar="NAME",
-                        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client, the operator's)")
+    parser.add_argument(
+        "--tls-dir", metavar="DIR", help="call with mutual TLS: DIR holds ca.pem and the certificate to present"
+    )
+    parser.add_argument(
+        "--tls-name",
+        default="client",
+        metavar="NAME",
+        help="present DIR/NAME.pem with DIR/NAME-key.pem (default client, the operator's)",
+    )
     if secret:
-        parser.add_argument("--secret-file", metavar="FILE",
-                            help=f"present the bearer secret in FILE (default ${SECRET_FILE_VARIABLE}, else the operator's "
-                                 "secret of the `rlmesh up` run, found through its mesh.json)")
+        parser.add_argument(
+            "--secret-file",
+            metavar="FILE",
+            help=f"present the bearer secret in FILE (default ${SECRET_FILE_VARIABLE}, else the operator's "
+            "secret of the `rlmesh up` run, found through its mesh.json)",
+        )
 
 
 def status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rlmesh.launch.state import STATE_FILE, find_running_mesh
     from rlmesh.cli.status import MeshAddresses, read_once, render, watch
+    from rlmesh.launch.state import STATE_FILE, find_running_mesh
 
     if args.interval <= 0:
         print("rlmesh status: --interval must be above 0", file=sys.stderr)
@@ -62,8 +71,11 @@ def status(args: argparse.Namespace) -> int:
     else:
         run = run or find_running_mesh(Path("runs"))
         if run is None or not (run / STATE_FILE).is_file():
-            print(f"rlmesh status: no running mesh found in {args.run or 'runs/'} (rlmesh up writes {STATE_FILE} in its "
-                  "output folder); or name the services with --manager, --weights and --trainer", file=sys.stderr)
+            print(
+                f"rlmesh status: no running mesh found in {args.run or 'runs/'} (rlmesh up writes {STATE_FILE} in its "
+                "output folder); or name the services with --manager, --weights and --trainer",
+                file=sys.stderr,
+            )
             return 2
         addresses = MeshAddresses.of_run(run)
     if not call_with_credentials(args, run):
@@ -73,8 +85,11 @@ def status(args: argparse.Namespace) -> int:
     if args.once:
         snapshot = asyncio.run(read_once(addresses))
         if not snapshot.reachable:
-            print("rlmesh status: no service answered: " + "; ".join(f"{k} {v}" for k, v in sorted(snapshot.errors.items())),
-                  file=sys.stderr)
+            print(
+                "rlmesh status: no service answered: "
+                + "; ".join(f"{k} {v}" for k, v in sorted(snapshot.errors.items())),
+                file=sys.stderr,
+            )
             return 1
         console.print(render(snapshot))
         return 0
@@ -100,8 +115,9 @@ async def drain_instance(address: str, reason: str, timeout: float) -> int:
     from rlmesh.rpc.channels import call_options, open_channel
 
     async with open_channel(address) as channel:
-        reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(rollout_pb2.DrainRequest(reason=reason),
-                                                                         **call_options(timeout))
+        reply = await rollout_pb2_grpc.RolloutServiceStub(channel).Drain(
+            rollout_pb2.DrainRequest(reason=reason), **call_options(timeout)
+        )
     return reply.handed_back_requests
 
 
@@ -136,9 +152,11 @@ def certs(args: argparse.Namespace) -> int:
     print(f"CA: {directory / 'ca.pem'} (its key ca-key.pem signs more; keep it off the machines that run services)")
     for name, tls in files.items():
         print(f"{name}: {tls.cert_file} {tls.key_file}")
-    print(f"a service NAME takes its files from RLMESH_NAME_SERVER__TLS__CA_FILE, __CERT_FILE and __KEY_FILE;\n"
-          f"rlmesh health HOST:PORT --tls-dir {directory}; grpcurl -cacert {directory / 'ca.pem'} "
-          f"-cert {files['client'].cert_file} -key {files['client'].key_file} HOST:PORT list")
+    print(
+        f"a service NAME takes its files from RLMESH_NAME_SERVER__TLS__CA_FILE, __CERT_FILE and __KEY_FILE;\n"
+        f"rlmesh health HOST:PORT --tls-dir {directory}; grpcurl -cacert {directory / 'ca.pem'} "
+        f"-cert {files['client'].cert_file} -key {files['client'].key_file} HOST:PORT list"
+    )
     return 0
 
 
@@ -149,8 +167,10 @@ def secrets(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     try:
         if args.rotate:
-            print(f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; servers refuse the old one within "
-                  "a second: restart the processes of that role with the new one")
+            print(
+                f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; servers refuse the old one within "
+                "a second: restart the processes of that role with the new one"
+            )
             return 0
         create_secrets(directory)
     except (ConfigError, OSError) as exc:
@@ -159,7 +179,9 @@ def secrets(args: argparse.Namespace) -> int:
     print(f"verifiers (digests only, for every service): {directory / VERIFIERS_FILE}")
     for role in ROLES:
         print(f"{role}: {secret_path(directory, role)}")
-    print(f"a service NAME takes them from RLMESH_NAME_SERVER__AUTH__VERIFIERS_FILE and __SECRET_FILE (its role's);\n"
-          f"rlmesh status --secret-file {secret_path(directory, 'operator')}; grpcurl -plaintext "
-          f"-H \"authorization: Bearer $(cat {secret_path(directory, 'operator')})\" HOST:PORT rlmesh.manager.v1.ManagerService/GetStatus")
+    print(
+        f"a service NAME takes them from RLMESH_NAME_SERVER__AUTH__VERIFIERS_FILE and __SECRET_FILE (its role's);\n"
+        f"rlmesh status --secret-file {secret_path(directory, 'operator')}; grpcurl -plaintext "
+        f'-H "authorization: Bearer $(cat {secret_path(directory, "operator")})" HOST:PORT rlmesh.manager.v1.ManagerService/GetStatus'
+    )
     return 0

@@ -9,10 +9,10 @@ import os
 import sys
 import termios
 import tty
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 from rich.console import Console, Group
@@ -71,7 +71,11 @@ class MeshReader:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> MeshReader:
-        named = {"manager": self.addresses.manager, "weights": self.addresses.weights, "trainer": self.addresses.trainer}
+        named = {
+            "manager": self.addresses.manager,
+            "weights": self.addresses.weights,
+            "trainer": self.addresses.trainer,
+        }
         self._channels = {name: open_channel(address) for name, address in named.items() if address is not None}
         return self
 
@@ -94,7 +98,12 @@ class MeshReader:
         manager, weights, trainer = await asyncio.gather(
             call("manager", manager_pb2_grpc.ManagerServiceStub, "GetStatus", manager_pb2.GetStatusRequest()),
             call("weights", weights_pb2_grpc.WeightsServiceStub, "GetStatus", weights_pb2.GetStatusRequest()),
-            call("trainer", trainer_pb2_grpc.TrainerServiceStub, "GetTrainingStatus", trainer_pb2.GetTrainingStatusRequest()),
+            call(
+                "trainer",
+                trainer_pb2_grpc.TrainerServiceStub,
+                "GetTrainingStatus",
+                trainer_pb2.GetTrainingStatusRequest(),
+            ),
         )
         return Snapshot(manager, weights, trainer, errors)
 
@@ -122,29 +131,51 @@ def render(snapshot: Snapshot) -> Group:
     if trainer is not None:
         m = trainer.metrics
         phase = trainer_pb2.Phase.Name(trainer.phase).removeprefix("PHASE_").lower()
-        parts.append(Text.assemble(
-            ("trainer ", "bold"), f"step {trainer.step}/{trainer.total_steps}  {phase}  version {trainer.weight_version}  ",
-            f"reward {_figure(m, 'reward')}  kl {_figure(m, 'kl', 4)}  step {_figure(m, 'step_seconds')} s  ",
-            f"waited {_figure(m, 'rollout_wait_seconds')} s  staleness {_figure(m, 'staleness_mean', 2)} "
-            f"(max {_figure(m, 'staleness_max', 0)})",
-        ))
+        parts.append(
+            Text.assemble(
+                ("trainer ", "bold"),
+                f"step {trainer.step}/{trainer.total_steps}  {phase}  version {trainer.weight_version}  ",
+                f"reward {_figure(m, 'reward')}  kl {_figure(m, 'kl', 4)}  step {_figure(m, 'step_seconds')} s  ",
+                f"waited {_figure(m, 'rollout_wait_seconds')} s  staleness {_figure(m, 'staleness_mean', 2)} "
+                f"(max {_figure(m, 'staleness_max', 0)})",
+            )
+        )
         if trainer.error:
             parts.append(Text(f"trainer error: {trainer.error}", style="red"))
     manager = snapshot.manager
     if manager is not None:
-        parts.append(Text.assemble(
-            ("manager ", "bold"), f"published {manager.published_version}  η {manager.max_staleness}  ",
-            f"queued {manager.queued_samples}  running {manager.running_samples}  ready groups {manager.ready_groups}  ",
-            f"{manager.tokens_per_second:.0f} tok/s  migrated {manager.migrated_samples}  "
-            f"continued tokens {manager.continued_tokens}  requeued {manager.requeued_samples}  ",
-            authorization_text(manager.authorization),
-        ))
+        parts.append(
+            Text.assemble(
+                ("manager ", "bold"),
+                f"published {manager.published_version}  η {manager.max_staleness}  ",
+                f"queued {manager.queued_samples}  running {manager.running_samples}  ready groups {manager.ready_groups}  ",
+                f"{manager.tokens_per_second:.0f} tok/s  migrated {manager.migrated_samples}  "
+                f"continued tokens {manager.continued_tokens}  requeued {manager.requeued_samples}  ",
+                authorization_text(manager.authorization),
+            )
+        )
     pushes = {p.instance_id: p for p in snapshot.weights.instances} if snapshot.weights is not None else {}
     if snapshot.weights is not None:
-        parts.append(Text.assemble(("weights ", "bold"), f"latest version {snapshot.weights.latest_version}  "
-                                   f"{snapshot.weights.latest_bytes / 1e6:.1f} MB  backend {snapshot.weights.backend}"))
-    table = Table("instance", "version", "running", "tok/s", "tokens", "state", "push ms", "GB/s", "stored→served ms",
-                  title="rollout instances", title_justify="left")
+        parts.append(
+            Text.assemble(
+                ("weights ", "bold"),
+                f"latest version {snapshot.weights.latest_version}  "
+                f"{snapshot.weights.latest_bytes / 1e6:.1f} MB  backend {snapshot.weights.backend}",
+            )
+        )
+    table = Table(
+        "instance",
+        "version",
+        "running",
+        "tok/s",
+        "tokens",
+        "state",
+        "push ms",
+        "GB/s",
+        "stored→served ms",
+        title="rollout instances",
+        title_justify="left",
+    )
     for instance in manager.instances if manager is not None else ():
         push = pushes.get(instance.instance_id)
         if instance.quarantine_remaining_seconds:
@@ -156,10 +187,17 @@ def render(snapshot: Snapshot) -> Group:
         running = str(instance.running_requests)
         if instance.saturation_batch_size:
             running += f" (knee {instance.saturation_batch_size})"
-        table.add_row(instance.instance_id, str(instance.weight_version), running,
-                      f"{instance.tokens_per_second:.0f}", str(instance.generated_tokens), state,
-                      f"{push.last_push_ms:.1f}" if push else "-", f"{push.last_push_gbps:.2f}" if push else "-",
-                      f"{push.last_version_latency_ms:.1f}" if push else "-")
+        table.add_row(
+            instance.instance_id,
+            str(instance.weight_version),
+            running,
+            f"{instance.tokens_per_second:.0f}",
+            str(instance.generated_tokens),
+            state,
+            f"{push.last_push_ms:.1f}" if push else "-",
+            f"{push.last_push_gbps:.2f}" if push else "-",
+            f"{push.last_version_latency_ms:.1f}" if push else "-",
+        )
     parts.append(table)
     for name, error in sorted(snapshot.errors.items()):
         parts.append(Text(f"{name} unreachable: {error}", style="yellow"))
@@ -188,6 +226,7 @@ async def watch(addresses: MeshAddresses, interval: float, console: Console) -> 
     loop = asyncio.get_running_loop()
     with _keys_unbuffered() as keys:
         if keys:
+
             def on_key() -> None:
                 if os.read(sys.stdin.fileno(), 1) in (b"q", b"Q"):
                     quit_pressed.set()

@@ -85,8 +85,11 @@ def as_observation(value: Any, where: str) -> list[Message] | Tokens | Text:
         return value
     if isinstance(value, Tokens):
         ids = value.token_ids
-        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                                    for t in ids):
+        if (
+            not isinstance(ids, (list, tuple))
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+        ):
             raise EnvironmentFailure(f"{where} returned token_ids that are not a non-empty list of token ids")
         return Tokens(list(ids))
     return as_messages(value, where)
@@ -103,10 +106,14 @@ def as_messages(value: Any, where: str) -> list[Message]:
     messages = []
     for message in value:
         if not isinstance(message, Mapping) or message.get("role") not in ROLES:
-            raise EnvironmentFailure(f"{where} returned a message that is not a mapping with a role in {ROLES}: {str(message)[:80]}")
+            raise EnvironmentFailure(
+                f"{where} returned a message that is not a mapping with a role in {ROLES}: {str(message)[:80]}"
+            )
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise EnvironmentFailure(f"{where} returned a {message['role']} message whose content is {type(content).__name__}")
+            raise EnvironmentFailure(
+                f"{where} returned a {message['role']} message whose content is {type(content).__name__}"
+            )
         messages.append(dict(message))
     return messages
 
@@ -121,8 +128,10 @@ def checked_reward(reward: Any, where: str) -> float:
     except OverflowError:  # an int too large for a float
         value = math.inf
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
-        raise EnvironmentFailure(f"{where} gave reward={reward!r}, not a finite number within float32's range "
-                                 f"(magnitude at most {FLOAT32_MAX:.7g})")
+        raise EnvironmentFailure(
+            f"{where} gave reward={reward!r}, not a finite number within float32's range "
+            f"(magnitude at most {FLOAT32_MAX:.7g})"
+        )
     return value
 
 
@@ -133,7 +142,9 @@ def as_step_result(value: Any) -> StepResult:
     elif isinstance(value, tuple) and len(value) == 3:
         observation, reward, done = value
     elif isinstance(value, Mapping) and not ({"observation", "reward", "done"} >= set(value) and value):
-        raise EnvironmentFailure(f"step returned a mapping with keys {sorted(value)}: give observation, reward and done")
+        raise EnvironmentFailure(
+            f"step returned a mapping with keys {sorted(value)}: give observation, reward and done"
+        )
     elif isinstance(value, Mapping):
         observation, reward, done = value.get("observation"), value.get("reward"), value.get("done", False)
     else:

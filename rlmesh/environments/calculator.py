@@ -12,14 +12,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlmesh.environments.base import Action, EnvironmentFailure, StepResult
 from rlmesh.chat.tool_calls import tool_call_text
+from rlmesh.environments.base import Action, EnvironmentFailure, StepResult
 
 TOOL_SYSTEM = "Tool: calculator(expression). Answer as \\boxed{n}."
 PLAIN_SYSTEM = "Answer as \\boxed{n}."
-CALCULATOR_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluates an arithmetic expression of integers with + - * / and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluates an arithmetic expression of integers with + - * / and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 MAX_EXPRESSION = 64
 _BOXED = re.compile(r"\\boxed\{\s*(-?\d+)\s*\}")
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -37,7 +42,12 @@ def evaluate(expression: str) -> str:
 
 
 def _value(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool) and abs(node.value) < 10**9:
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int)
+        and not isinstance(node.value, bool)
+        and abs(node.value) < 10**9
+    ):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_value(node.operand)
@@ -50,20 +60,29 @@ def question_of(row: Mapping[str, Any]) -> str:
     """The problem's text from a word-problem row (its user message, without the task's instruction)."""
     prompt = row.get("prompt")
     if isinstance(prompt, list):
-        prompt = next((m.get("content", "") for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"), None)
+        prompt = next(
+            (m.get("content", "") for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"), None
+        )
     if not isinstance(prompt, str) or not prompt:
         raise EnvironmentFailure(f"calculator: the row has no problem text under 'prompt' (keys: {sorted(row)})")
     return prompt.replace(" Put the final answer in \\boxed{}.", "")
 
 
 def opening(question: str, tools: bool) -> list[dict[str, str]]:
-    return [{"role": "system", "content": TOOL_SYSTEM if tools else PLAIN_SYSTEM}, {"role": "user", "content": question}]
+    return [
+        {"role": "system", "content": TOOL_SYSTEM if tools else PLAIN_SYSTEM},
+        {"role": "user", "content": question},
+    ]
 
 
 def worked_turns(question: str, expression: str, answer: int) -> list[dict[str, str]]:
     """A solved episode with one tool call: what the tiny chat model's warm-up teaches."""
-    return [*opening(question, True), {"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
-            {"role": "tool", "content": evaluate(expression)}, {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]
+    return [
+        *opening(question, True),
+        {"role": "assistant", "content": tool_call_text("calculator", {"expression": expression})},
+        {"role": "tool", "content": evaluate(expression)},
+        {"role": "assistant", "content": f"\\boxed{{{answer}}}"},
+    ]
 
 
 class CalculatorEnvironment:
@@ -82,7 +101,9 @@ class CalculatorEnvironment:
     def step(self, action: Action) -> StepResult:
         calls = [c for c in action.tool_calls if c.name == "calculator"] if self.tools else []
         if calls:
-            return StepResult([{"role": "tool", "content": evaluate(_expression(c.arguments))} for c in calls], 0.0, False)
+            return StepResult(
+                [{"role": "tool", "content": evaluate(_expression(c.arguments))} for c in calls], 0.0, False
+            )
         found = _BOXED.search(action.text)
         return StepResult([], float(found is not None and found.group(1) == self.answer), True)
 

@@ -17,14 +17,16 @@ class EnvironmentLoadError(ValueError):
     """The environment named in a job cannot be loaded; the message says why."""
 
 
-def environment_factory(config: EnvironmentConfig, task: str, search_path: Sequence[str] = ()) -> EnvironmentFactory | None:
+def environment_factory(
+    config: EnvironmentConfig, task: str, search_path: Sequence[str] = ()
+) -> EnvironmentFactory | None:
     """None for an agent command or a verifiers environment (they drive their episodes through the gateway)."""
     if config.command or config.verifiers:
         return None
     if config.remote:
         from rlmesh.config import ConfigError
-        from rlmesh.rpc.credentials import user_service_token
         from rlmesh.environments.remote import EnvironmentChannel
+        from rlmesh.rpc.credentials import user_service_token
 
         try:
             token = user_service_token(config.remote_credential, "environment.remote_credential")
@@ -52,7 +54,11 @@ def check_environment(factory: Callable[[], Any], name: str) -> None:
     try:
         environment = factory()
     except Exception as exc:
-        raise EnvironmentLoadError(f"environment {name!r}: making an instance failed: {type(exc).__name__}: {exc}") from exc
+        raise EnvironmentLoadError(
+            f"environment {name!r}: making an instance failed: {type(exc).__name__}: {exc}"
+        ) from exc
     missing = [m for m in ("reset", "step") if not callable(getattr(environment, m, None))]
     if missing:
-        raise EnvironmentLoadError(f"environment {name!r}: {type(environment).__name__} has no {' or '.join(missing)} method")
+        raise EnvironmentLoadError(
+            f"environment {name!r}: {type(environment).__name__} has no {' or '.join(missing)} method"
+        )

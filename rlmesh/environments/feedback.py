@@ -27,7 +27,10 @@ def hidden_code(digits: str) -> str:
 
 def marks(attempt: str, answer: str) -> str:
     """The attempt's digits where they were right, `=` where they were wrong (or missing), then `=`."""
-    return "".join(want if index < len(attempt) and attempt[index] == want else "=" for index, want in enumerate(answer)) + "="
+    return (
+        "".join(want if index < len(attempt) and attempt[index] == want else "=" for index, want in enumerate(answer))
+        + "="
+    )
 
 
 class FeedbackEnvironment:
@@ -39,7 +42,9 @@ class FeedbackEnvironment:
     def reset(self, row: Mapping[str, Any]) -> Text:
         prompt = row.get("prompt")
         if not isinstance(prompt, str) or not prompt.endswith("=") or not prompt[:-1].isdigit():
-            raise EnvironmentFailure(f"feedback: the row's prompt must be digits and '=' (an increment problem), got {prompt!r}")
+            raise EnvironmentFailure(
+                f"feedback: the row's prompt must be digits and '=' (an increment problem), got {prompt!r}"
+            )
         self.problem = prompt[:-1]
         self.answer = hidden_code(self.problem)
         return Text(prompt)

@@ -54,18 +54,31 @@ class RemoteEnvironment:
         try:
             return await getattr(self.channel.stub, method)(request, **call_options(self.channel.timeout))
         except grpc.aio.AioRpcError as exc:
-            raise EnvironmentFailure(f"environment service at {self.channel.address} answered {method} with "
-                                     f"{exc.code().name}: {exc.details()}") from exc
+            raise EnvironmentFailure(
+                f"environment service at {self.channel.address} answered {method} with "
+                f"{exc.code().name}: {exc.details()}"
+            ) from exc
 
     async def reset(self, row: Mapping[str, Any]) -> Any:
-        reply = await self._call("Reset", environment_pb2.ResetRequest(episode_id=self.episode_id, task=self.channel.task,
-                                                                        row_json=json.dumps(dict(row), default=str)))
+        reply = await self._call(
+            "Reset",
+            environment_pb2.ResetRequest(
+                episode_id=self.episode_id, task=self.channel.task, row_json=json.dumps(dict(row), default=str)
+            ),
+        )
         return observation(reply.messages, reply.token_ids, "Reset")
 
     async def step(self, action: Action) -> StepResult:
         request = environment_pb2.StepRequest(
-            episode_id=self.episode_id, text=action.text, token_ids=action.token_ids, truncated=action.truncated, turn=self.turn,
-            tool_calls=[environment_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in action.tool_calls])
+            episode_id=self.episode_id,
+            text=action.text,
+            token_ids=action.token_ids,
+            truncated=action.truncated,
+            turn=self.turn,
+            tool_calls=[
+                environment_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in action.tool_calls
+            ],
+        )
         self.turn += 1
         reply = await self._call("Step", request)
         messages = observation(reply.messages, reply.token_ids, "Step") if (reply.messages or reply.token_ids) else []
@@ -80,5 +93,11 @@ def observation(messages, token_ids, where: str) -> Any:
         raise EnvironmentFailure(f"the environment's {where} gave both messages and token_ids: give one")
     if token_ids:
         return Tokens(list(token_ids))
-    return [{k: v for k, v in (("role", m.role), ("content", m.content), ("tool_call_id", m.tool_call_id), ("name", m.name)) if v}
-            for m in messages]
+    return [
+        {
+            k: v
+            for k, v in (("role", m.role), ("content", m.content), ("tool_call_id", m.tool_call_id), ("name", m.name))
+            if v
+        }
+        for m in messages
+    ]

@@ -207,15 +207,23 @@ class ForkServer:
     server listening there fork one for it), asks it for services and relays their exits. A reader
     thread takes the server's lines; spawns and signals are one request at a time."""
 
-    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path, warm_socket: Path | None = None) -> None:
+    def __init__(
+        self, modules: list[str], env: dict[str, str], log_path: Path, warm_socket: Path | None = None
+    ) -> None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
         if warm_socket is None:
             with log_path.open("ab") as log:
                 self._process = subprocess.Popen(
-                    [sys.executable, "-m", "rlmesh.forking.forkserver", *modules], env=env, stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=log, start_new_session=True, preexec_fn=die_with_parent)
+                    [sys.executable, "-m", "rlmesh.forking.forkserver", *modules],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
             self._pid: int | None = self._process.pid
             self._outgoing, self._incoming = self._process.stdin, self._process.stdout
         else:
@@ -286,12 +294,14 @@ class ForkServer:
                     raise ForkServerError(f"the fork server stopped: {self._ready}")
                 return self._replies.pop(0)
 
-    def spawn(self, module: str, args: list[str], env: dict[str, str], log_path: Path,
-              netns: str | None = None) -> ForkedProcess:
+    def spawn(
+        self, module: str, args: list[str], env: dict[str, str], log_path: Path, netns: str | None = None
+    ) -> ForkedProcess:
         """Forks `python -m module args...` with `env` as its environment and its output in `log_path`,
         in the network namespace `netns` when given."""
-        reply = self._request({"op": "spawn", "module": module, "args": args, "env": env, "log": str(log_path),
-                               "netns": netns})
+        reply = self._request(
+            {"op": "spawn", "module": module, "args": args, "env": env, "log": str(log_path), "netns": netns}
+        )
         return ForkedProcess(self, reply["pid"])
 
     def exit_code(self, pid: int, timeout: float | None = 0) -> int | None:

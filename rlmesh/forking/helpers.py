@@ -28,15 +28,24 @@ REPLY_TIMEOUT_SECONDS = 60.0
 """How long a request waits for the helper's pid: a warm server answers once its own imports are done."""
 
 
-def _request(module: str, args: list[str], env: dict[str, str], fds: dict[int, int]) -> tuple[socket.socket, int, bytes] | None:
+def _request(
+    module: str, args: list[str], env: dict[str, str], fds: dict[int, int]
+) -> tuple[socket.socket, int, bytes] | None:
     """Asks the warm fork server for `python -m module args...` holding `fds` (its descriptor number →
     this process's descriptor): the keeper's connection, the helper's pid and what followed the pid;
     None, said in the log, where no server answers or it refuses."""
     path = os.environ.get(WARM_FORK_SERVER_ENV)
     if not path:
         return None
-    hello = {"helper": module, "args": args, "env": env, "cwd": os.getcwd(), "fds": list(fds),
-             "executable": sys.executable, "netns": os.stat("/proc/self/ns/net").st_ino}
+    hello = {
+        "helper": module,
+        "args": args,
+        "env": env,
+        "cwd": os.getcwd(),
+        "fds": list(fds),
+        "executable": sys.executable,
+        "netns": os.stat("/proc/self/ns/net").st_ino,
+    }
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.settimeout(REPLY_TIMEOUT_SECONDS)
@@ -50,7 +59,9 @@ def _request(module: str, args: list[str], env: dict[str, str], fds: dict[int, i
             raise ConnectionRefusedError(reply.get("refused", line.decode()))
     except (OSError, EOFError, ValueError) as exc:
         connection.close()
-        log.info("no warm fork server forks this helper; starting it by exec", module=module, socket=path, reason=str(exc))
+        log.info(
+            "no warm fork server forks this helper; starting it by exec", module=module, socket=path, reason=str(exc)
+        )
         return None
     connection.settimeout(None)
     return connection, reply["pid"], rest
@@ -140,8 +151,14 @@ class AsyncWarmHelper(_KeptHelper):
     """A helper with pipes on its stdin and stdout, behind what end_child and rank 0's handles use
     of asyncio.subprocess.Process."""
 
-    def __init__(self, connection: socket.socket, pid: int, received: bytes, stdin: asyncio.StreamWriter,
-                 stdout: asyncio.StreamReader) -> None:
+    def __init__(
+        self,
+        connection: socket.socket,
+        pid: int,
+        received: bytes,
+        stdin: asyncio.StreamWriter,
+        stdout: asyncio.StreamReader,
+    ) -> None:
         super().__init__(connection, pid, received)
         self.stdin = stdin
         self.stdout = stdout
@@ -193,5 +210,7 @@ async def start_async_helper(module: str, args: list[str], env: dict[str, str]) 
     loop = asyncio.get_running_loop()
     stdout = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), os.fdopen(stdout_read, "rb", 0))
-    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(stdin_write, "wb", 0))
+    transport, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(stdin_write, "wb", 0)
+    )
     return AsyncWarmHelper(*started, asyncio.StreamWriter(transport, protocol, None, loop), stdout)

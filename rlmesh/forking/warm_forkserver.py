@@ -228,8 +228,11 @@ def serve_warm(path: Path, modules: list[str]) -> None:
             raise SystemExit(f"rlmesh fork-server: {refusal}")
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_write)
-        print(f"rlmesh fork-server: ready on {path}; point `rlmesh up --fork-server` (or RLMESH_FORK_SERVER) at it",
-              file=sys.stderr, flush=True)
+        print(
+            f"rlmesh fork-server: ready on {path}; point `rlmesh up --fork-server` (or RLMESH_FORK_SERVER) at it",
+            file=sys.stderr,
+            flush=True,
+        )
         while True:
             ready, _, _ = select.select([listener, wake_read], [], [])
             if wake_read in ready:

@@ -47,15 +47,23 @@ class Autoscaler:
         if direction != self._direction:
             self._direction, self._since = direction, now
             return None
-        if direction == 0 or now - self._since < self.patience_seconds or now - self._last_change < self.cooldown_seconds:
+        if (
+            direction == 0
+            or now - self._since < self.patience_seconds
+            or now - self._last_change < self.cooldown_seconds
+        ):
             return None
         self._last_change = now
         self._since = now
         return current + direction
 
 
-async def follow_recommendations(scaler: Autoscaler, supervisor: Supervisor, recommendation: Callable[[], Awaitable[int | None]],
-                                 clock: Callable[[], float] = time.monotonic) -> None:
+async def follow_recommendations(
+    scaler: Autoscaler,
+    supervisor: Supervisor,
+    recommendation: Callable[[], Awaitable[int | None]],
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Every POLL_SECONDS, until cancelled: the manager's recommendation (None: it did not answer)
     through the rule, and a change to the supervisor."""
     while True:
@@ -70,7 +78,9 @@ async def follow_recommendations(scaler: Autoscaler, supervisor: Supervisor, rec
 async def autoscale(plan: LaunchPlan, supervisor: Supervisor) -> None:
     """Follows the recommendation `GetStatus.stage_balance` carries, until cancelled."""
     mesh = plan.mesh
-    scaler = Autoscaler(mesh.rollout_instances, mesh.instance_cap, mesh.autoscale_patience_seconds, mesh.autoscale_cooldown_seconds)
+    scaler = Autoscaler(
+        mesh.rollout_instances, mesh.instance_cap, mesh.autoscale_patience_seconds, mesh.autoscale_cooldown_seconds
+    )
     async with open_channel(plan.manager_address) as channel:
         manager = manager_pb2_grpc.ManagerServiceStub(channel)
 

@@ -38,8 +38,12 @@ async def read_training_status(trainer: trainer_pb2_grpc.TrainerServiceStub) -> 
     return status.step, dict(status.metrics)
 
 
-async def follow_training(events: asyncio.Queue[Event], read_status: Callable[[], Awaitable[TrainingStatus | None]],
-                          steps: int, stop: asyncio.Event) -> int:
+async def follow_training(
+    events: asyncio.Queue[Event],
+    read_status: Callable[[], Awaitable[TrainingStatus | None]],
+    steps: int,
+    stop: asyncio.Event,
+) -> int:
     """Shows the progress and the events until the trainer has ended; returns its exit code
     (INTERRUPTED once `stop` is set)."""
     interactive = sys.stderr.isatty()
@@ -53,8 +57,12 @@ async def follow_training(events: asyncio.Queue[Event], read_status: Callable[[]
                     bar.update(steps - bar.n if event.code == 0 else 0)
                     return event.code
                 # Through tqdm, so a redrawn progress bar does not overwrite the line.
-                tqdm.write(event.text if isinstance(event, Notice) else f"{event.name} {describe_exit(event.code)}; not started again",
-                           file=sys.stderr)
+                tqdm.write(
+                    event.text
+                    if isinstance(event, Notice)
+                    else f"{event.name} {describe_exit(event.code)}; not started again",
+                    file=sys.stderr,
+                )
             status = await read_status()
             if status is not None:
                 step, metrics = status
@@ -76,17 +84,31 @@ INSECURE_WARNING = "INSECURE: authorization is off, anyone who reaches a port ma
 def describe_mesh(plan: LaunchPlan) -> str:
     """The line `rlmesh up` prints once the services serve."""
     mesh = plan.mesh
-    return (f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
-            f"rollout {', '.join(plan.rollout_address(i) for i in range(mesh.rollout_instances))}"
-            + (f" (up to {mesh.instance_cap}{', autoscaled' if mesh.autoscale else ''})" if mesh.instance_cap > mesh.rollout_instances else "")
-            + f", trainer {plan.trainer_address}, OpenAI gateway {'https' if plan.tls_dir is not None else 'http'}://"
-            + f"{plan.gateway_address}/sessions/<session>/v1"
-            + (f" ({mesh.trainer_ranks} FSDP ranks)" if mesh.trainer_ranks > 1 else "") + f"; logs in {plan.log_dir}"
-            + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
-            + (f"; every call authorized by role, secrets in {plan.secrets_dir}" if plan.secrets_dir is not None
-               else f"; {INSECURE_WARNING}")
-            + ("; in their own network namespaces: " + ", ".join(f"rollout-{i} ({link.namespace})" for i, link in enumerate(plan.netns.links))
-               if plan.netns is not None else ""))
+    return (
+        f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
+        f"rollout {', '.join(plan.rollout_address(i) for i in range(mesh.rollout_instances))}"
+        + (
+            f" (up to {mesh.instance_cap}{', autoscaled' if mesh.autoscale else ''})"
+            if mesh.instance_cap > mesh.rollout_instances
+            else ""
+        )
+        + f", trainer {plan.trainer_address}, OpenAI gateway {'https' if plan.tls_dir is not None else 'http'}://"
+        + f"{plan.gateway_address}/sessions/<session>/v1"
+        + (f" ({mesh.trainer_ranks} FSDP ranks)" if mesh.trainer_ranks > 1 else "")
+        + f"; logs in {plan.log_dir}"
+        + (f"; mutual TLS with the certificates in {plan.tls_dir}" if plan.tls_dir is not None else "")
+        + (
+            f"; every call authorized by role, secrets in {plan.secrets_dir}"
+            if plan.secrets_dir is not None
+            else f"; {INSECURE_WARNING}"
+        )
+        + (
+            "; in their own network namespaces: "
+            + ", ".join(f"rollout-{i} ({link.namespace})" for i, link in enumerate(plan.netns.links))
+            if plan.netns is not None
+            else ""
+        )
+    )
 
 
 def print_summary(plan: LaunchPlan, elapsed: float) -> None:
@@ -116,6 +138,8 @@ def print_failure(plan: LaunchPlan, code: int, log_path: Path) -> None:
     """Why training failed, where to look, and how to resume."""
     reason = plan.output_dir / "error.txt"
     why = f": {reason.read_text().strip()}" if reason.is_file() else ""
-    print(f"training failed (exit {code}){why}\nsee {log_path}\n"
-          f"the run resumes from its last checkpoint when started again with --output-dir {plan.output_dir}",
-          file=sys.stderr)
+    print(
+        f"training failed (exit {code}){why}\nsee {log_path}\n"
+        f"the run resumes from its last checkpoint when started again with --output-dir {plan.output_dir}",
+        file=sys.stderr,
+    )

@@ -69,7 +69,11 @@ def netns_problem() -> str:
     if shutil.which("ip") is None:
         return "iproute2's `ip` command is not installed"
     effective = effective_capabilities()
-    missing = [name for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")) if not effective >> bit & 1]
+    missing = [
+        name
+        for bit, name in ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+        if not effective >> bit & 1
+    ]
     if missing:
         return f"it needs {' and '.join(missing)} to create network namespaces and veth pairs (run as root)"
     try:
@@ -101,7 +105,9 @@ def plan_netns(output_dir: Path, count: int) -> NetnsLayout:
     """Names and addresses for `count` namespaces: a /24 between 10.200.0.0 and 10.249.255.0,
     picked from the mesh's tag among those no address on the host falls in, a /30 per instance."""
     tag = mesh_tag(output_dir)
-    in_use = [ipaddress.ip_interface(cidr).network for cidr in re.findall(r"\binet (\S+)", _ip("-o", "-4", "addr", "show"))]
+    in_use = [
+        ipaddress.ip_interface(cidr).network for cidr in re.findall(r"\binet (\S+)", _ip("-o", "-4", "addr", "show"))
+    ]
     choices = 50 * 256
     first = int(tag, 16) % choices
     for attempt in range(choices):
@@ -112,15 +118,34 @@ def plan_netns(output_dir: Path, count: int) -> NetnsLayout:
     else:
         raise RuntimeError("every 10.200-249.x.0/24 subnet is in use on this host: no room for rollout namespaces")
     base = subnet.network_address
-    links = tuple(NetnsLink(f"{NETNS_PREFIX}{tag}-{os.getpid()}-{index}", f"rlm{tag}h{index}", f"rlm{tag}n{index}",
-                            str(base + 4 * index + 1), str(base + 4 * index + 2)) for index in range(count))
+    links = tuple(
+        NetnsLink(
+            f"{NETNS_PREFIX}{tag}-{os.getpid()}-{index}",
+            f"rlm{tag}h{index}",
+            f"rlm{tag}n{index}",
+            str(base + 4 * index + 1),
+            str(base + 4 * index + 2),
+        )
+        for index in range(count)
+    )
     return NetnsLayout(tag, str(base + 254), links)
 
 
 def create_netns(layout: NetnsLayout) -> None:
     for link in layout.links:
         _ip("netns", "add", link.namespace)
-        _ip("link", "add", link.host_device, "type", "veth", "peer", "name", link.namespace_device, "netns", link.namespace)
+        _ip(
+            "link",
+            "add",
+            link.host_device,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            link.namespace_device,
+            "netns",
+            link.namespace,
+        )
         _ip("addr", "add", f"{link.host_address}/30", "dev", link.host_device)
         _ip("link", "set", link.host_device, "up")
         _ip("-n", link.namespace, "addr", "add", f"{link.namespace_address}/30", "dev", link.namespace_device)
@@ -157,13 +182,15 @@ def sweep_netns() -> list[str]:
     removed = []
     live_tags = set()
     for name in re.findall(rf"^({re.escape(NETNS_PREFIX)}[0-9a-f]{{6}}-\d+-\d+)\b", _ip("netns", "list"), re.MULTILINE):
-        tag, pid = name[len(NETNS_PREFIX):].split("-")[:2]
+        tag, pid = name[len(NETNS_PREFIX) :].split("-")[:2]
         if _launcher_alive(int(pid)):
             live_tags.add(tag)
             continue
         _ip("netns", "delete", name)
         removed.append(name)
-    for address, label, tag in re.findall(r"\binet (\S+) .*\b(lo:rlm([0-9a-f]{6}))\b", _ip("-o", "-4", "addr", "show", "dev", "lo")):
+    for address, label, tag in re.findall(
+        r"\binet (\S+) .*\b(lo:rlm([0-9a-f]{6}))\b", _ip("-o", "-4", "addr", "show", "dev", "lo")
+    ):
         if tag not in live_tags:
             _ip("addr", "del", address, "dev", "lo")
             removed.append(f"{label} {address}")

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlmesh.rpc.authz import Role
 from rlmesh.config import TlsFiles
-from rlmesh.rpc.credentials import secret_path, service_auth_settings
 from rlmesh.job import Job, MeshSection
 from rlmesh.launch.netns import NetnsLayout, NetnsLink
+from rlmesh.rpc.authz import Role
+from rlmesh.rpc.credentials import secret_path, service_auth_settings
 
 ROLLOUT_PORT_OFFSET = 10
 """Rollout instance i listens on the base port + ROLLOUT_PORT_OFFSET + i."""
@@ -96,8 +96,11 @@ class LaunchPlan:
         settings = {}
         files = self.tls_files(service)
         if files is not None:
-            settings |= {f"{prefix}SERVER__TLS__CA_FILE": files.ca_file, f"{prefix}SERVER__TLS__CERT_FILE": files.cert_file,
-                         f"{prefix}SERVER__TLS__KEY_FILE": files.key_file}
+            settings |= {
+                f"{prefix}SERVER__TLS__CA_FILE": files.ca_file,
+                f"{prefix}SERVER__TLS__CERT_FILE": files.cert_file,
+                f"{prefix}SERVER__TLS__KEY_FILE": files.key_file,
+            }
         if self.secrets_dir is None:
             settings[f"{prefix}SERVER__AUTH__INSECURE"] = "true"
         else:

@@ -54,5 +54,9 @@ def free_base_port(host: str = "127.0.0.1") -> int:
     """A base port for a mesh on `host` (tests, benchmarks) whose every port is free now."""
     while True:
         base = random.choice(BASE_PORTS)
-        if all(_port_free(base + offset + extra, host) for offset in MESH_PORT_OFFSETS for extra in (0, METRICS_PORT_OFFSET)):
+        if all(
+            _port_free(base + offset + extra, host)
+            for offset in MESH_PORT_OFFSETS
+            for extra in (0, METRICS_PORT_OFFSET)
+        ):
             return base

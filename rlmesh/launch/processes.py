@@ -70,8 +70,18 @@ class ServiceSpec:
 
 def torchrun_args(ranks: int, master_port: int, master_addr: str = "127.0.0.1") -> list[str]:
     """`python -m torch.distributed.run ...` arguments that run a module on `ranks` local processes."""
-    return ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-            "--master-addr", master_addr, "--master-port", str(master_port)]
+    return [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(ranks),
+        "--master-addr",
+        master_addr,
+        "--master-port",
+        str(master_port),
+    ]
 
 
 def service_environment(settings: dict[str, str], mesh_id: str) -> dict[str, str]:
@@ -84,9 +94,18 @@ def _log_path(log_dir: Path, name: str) -> Path:
     return log_dir / f"{name}.log"
 
 
-def spawn_service(name: str, module: str, address: str, settings: dict[str, str], log_dir: Path, mesh_id: str,
-                  python: str | None = None, launcher: list[str] | None = None, args: list[str] | None = None,
-                  netns: str | None = None) -> Child:
+def spawn_service(
+    name: str,
+    module: str,
+    address: str,
+    settings: dict[str, str],
+    log_dir: Path,
+    mesh_id: str,
+    python: str | None = None,
+    launcher: list[str] | None = None,
+    args: list[str] | None = None,
+    netns: str | None = None,
+) -> Child:
     """Starts `python -m module args...` as its own process group with `settings` in its
     environment and its output in `log_dir/name.log`; `python`, `launcher` and `netns` as in
     ServiceSpec."""
@@ -112,11 +131,22 @@ def spawn(spec: ServiceSpec, log_dir: Path, mesh_id: str, forks: ForkServer | No
     """Forked by `forks` when given and the spec allows it, else started by exec."""
     if forks is not None and spec.forkable:
         log_path = _log_path(log_dir, spec.name)
-        process = forks.spawn(spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path,
-                              spec.netns)
+        process = forks.spawn(
+            spec.module, spec.args or [], service_environment(spec.settings, mesh_id), log_path, spec.netns
+        )
         return Child(spec.name, spec.address, process, log_path)
-    return spawn_service(spec.name, spec.module, spec.address, spec.settings, log_dir, mesh_id, python=spec.python,
-                         launcher=spec.launcher, args=spec.args, netns=spec.netns)
+    return spawn_service(
+        spec.name,
+        spec.module,
+        spec.address,
+        spec.settings,
+        log_dir,
+        mesh_id,
+        python=spec.python,
+        launcher=spec.launcher,
+        args=spec.args,
+        netns=spec.netns,
+    )
 
 
 async def wait_started(children: list[Child], timeout: float = 120.0) -> None:
@@ -127,7 +157,9 @@ async def wait_started(children: list[Child], timeout: float = 120.0) -> None:
         while not waiting.done():
             if child.process.poll() is not None:
                 waiting.cancel()
-                raise RuntimeError(f"{child.name} exited with code {child.process.returncode} while starting; see {child.log_path}")
+                raise RuntimeError(
+                    f"{child.name} exited with code {child.process.returncode} while starting; see {child.log_path}"
+                )
             await asyncio.sleep(0.1)
         waiting.result()
 

@@ -11,14 +11,22 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from rlmesh.rpc.credentials import read_secret
 from rlmesh.launch.autoscale import autoscale
-from rlmesh.launch.console import INSECURE_WARNING, INTERRUPTED, describe_mesh, follow_training, print_failure, print_summary, read_training_status
+from rlmesh.launch.console import (
+    INSECURE_WARNING,
+    INTERRUPTED,
+    describe_mesh,
+    follow_training,
+    print_failure,
+    print_summary,
+    read_training_status,
+)
 from rlmesh.launch.netns import create_netns, remove_netns, sweep_netns
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.starter import JobRefused, ServiceStarter
 from rlmesh.launch.supervisor import Supervisor
 from rlmesh.rpc.channels import open_channel, use_secret, use_tls
+from rlmesh.rpc.credentials import read_secret
 from rlmesh.tasks.check import CHECK_FAILED
 from rlmesh.trainer.v1 import trainer_pb2_grpc
 
@@ -51,7 +59,9 @@ async def _train(plan: LaunchPlan, supervisor: Supervisor, stop: asyncio.Event) 
     try:
         async with open_channel(plan.trainer_address) as channel:
             trainer = trainer_pb2_grpc.TrainerServiceStub(channel)
-            console = asyncio.create_task(follow_training(supervisor.events, partial(read_training_status, trainer), plan.steps, stop))
+            console = asyncio.create_task(
+                follow_training(supervisor.events, partial(read_training_status, trainer), plan.steps, stop)
+            )
             await asyncio.wait({console, *background}, return_when=asyncio.FIRST_COMPLETED)
             if not console.done():
                 console.cancel()

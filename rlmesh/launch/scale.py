@@ -60,4 +60,4 @@ def plan_scale(serving: Collection[int], leaving: Collection[int], target: int, 
     ordered = sorted(serving)
     taken = set(serving) | set(leaving)
     free = [index for index in range(cap) if index not in taken]
-    return ScaleSteps(drain=tuple(ordered[target:]), start=tuple(free[:max(target - len(ordered), 0)]))
+    return ScaleSteps(drain=tuple(ordered[target:]), start=tuple(free[: max(target - len(ordered), 0)]))

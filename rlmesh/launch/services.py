@@ -15,8 +15,12 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
 SERVICE_MODULES = ("services.manager", "services.weights", "services.rollout", "services.trainer")
 """What each service runs as `python -m`."""
-HELPER_MODULES = ("services.rollout.torch.tp_worker", "services.trainer.ranks.reference", "services.trainer.episodes.process",
-                  "services.manager.gateway.main")
+HELPER_MODULES = (
+    "services.rollout.torch.tp_worker",
+    "services.trainer.ranks.reference",
+    "services.trainer.episodes.process",
+    "services.manager.gateway.main",
+)
 """What the services start as helpers (`python -m`), which a warm fork server forks for them."""
 MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
 """The manager's journal in the output folder: a restarted manager takes up its state from it."""
@@ -24,45 +28,61 @@ MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
 
 def manager_spec(plan: LaunchPlan) -> ServiceSpec:
     """On the same port and journal every time: a restarted manager takes up where the last one stopped."""
-    return ServiceSpec("manager", "services.manager", plan.manager_address, {
-        "RLMESH_MANAGER_SERVER__HOST": plan.manager_host,
-        "RLMESH_MANAGER_SERVER__PORT": port_of(plan.manager_address),
-        "RLMESH_MANAGER_MAX_STALENESS": str(plan.job.algorithm.max_staleness),
-        "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
-        "RLMESH_MANAGER_WEIGHTS_ADDRESS": plan.weights_address,
-        "RLMESH_MANAGER_GATEWAY_PORT": port_of(plan.gateway_address),
-        "RLMESH_MANAGER_MODEL_DIR": str(plan.model_dir),
-        **metrics_setting("RLMESH_MANAGER", plan.manager_address),
-        **plan.security_settings("manager"),
-    })
+    return ServiceSpec(
+        "manager",
+        "services.manager",
+        plan.manager_address,
+        {
+            "RLMESH_MANAGER_SERVER__HOST": plan.manager_host,
+            "RLMESH_MANAGER_SERVER__PORT": port_of(plan.manager_address),
+            "RLMESH_MANAGER_MAX_STALENESS": str(plan.job.algorithm.max_staleness),
+            "RLMESH_MANAGER_JOURNAL_PATH": str(plan.output_dir / MANAGER_JOURNAL_FILE),
+            "RLMESH_MANAGER_WEIGHTS_ADDRESS": plan.weights_address,
+            "RLMESH_MANAGER_GATEWAY_PORT": port_of(plan.gateway_address),
+            "RLMESH_MANAGER_MODEL_DIR": str(plan.model_dir),
+            **metrics_setting("RLMESH_MANAGER", plan.manager_address),
+            **plan.security_settings("manager"),
+        },
+    )
 
 
 def weights_spec(plan: LaunchPlan) -> ServiceSpec:
-    return ServiceSpec("weights", "services.weights", plan.weights_address, {
-        "RLMESH_WEIGHTS_SERVER__HOST": plan.mesh.host,
-        "RLMESH_WEIGHTS_SERVER__PORT": port_of(plan.weights_address),
-        "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
-        **metrics_setting("RLMESH_WEIGHTS", plan.weights_address),
-        **plan.security_settings("weights"),
-    })
+    return ServiceSpec(
+        "weights",
+        "services.weights",
+        plan.weights_address,
+        {
+            "RLMESH_WEIGHTS_SERVER__HOST": plan.mesh.host,
+            "RLMESH_WEIGHTS_SERVER__PORT": port_of(plan.weights_address),
+            "RLMESH_WEIGHTS_MANAGER_ADDRESS": plan.manager_address,
+            **metrics_setting("RLMESH_WEIGHTS", plan.weights_address),
+            **plan.security_settings("weights"),
+        },
+    )
 
 
 def rollout_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
     address = plan.rollout_address(index)
     link = plan.netns_link(index)
-    return ServiceSpec(f"rollout-{index}", "services.rollout", address, {
-        "RLMESH_ROLLOUT_SERVER__HOST": plan.rollout_host(index),
-        "RLMESH_ROLLOUT_SERVER__PORT": port_of(address),
-        "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
-        "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
-        "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
-        "RLMESH_ROLLOUT_ENGINE__DTYPE": plan.job.model.dtype,
-        # Each rank starts a Mooncake transfer engine only when pushes go through one.
-        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.job.weights.backend == "mooncake" else "false",
-        **metrics_setting("RLMESH_ROLLOUT", address),
-        **plan.security_settings("rollout"),
-    }, python=str(VLLM_PYTHON) if plan.job.rollout.engine.kind == "vllm" else None,
-        netns=link.namespace if link is not None else None)
+    return ServiceSpec(
+        f"rollout-{index}",
+        "services.rollout",
+        address,
+        {
+            "RLMESH_ROLLOUT_SERVER__HOST": plan.rollout_host(index),
+            "RLMESH_ROLLOUT_SERVER__PORT": port_of(address),
+            "RLMESH_ROLLOUT_INSTANCE_ID": f"rollout-{index}",
+            "RLMESH_ROLLOUT_MANAGER_ADDRESS": plan.manager_address,
+            "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(plan.model_dir),
+            "RLMESH_ROLLOUT_ENGINE__DTYPE": plan.job.model.dtype,
+            # Each rank starts a Mooncake transfer engine only when pushes go through one.
+            "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "true" if plan.job.weights.backend == "mooncake" else "false",
+            **metrics_setting("RLMESH_ROLLOUT", address),
+            **plan.security_settings("rollout"),
+        },
+        python=str(VLLM_PYTHON) if plan.job.rollout.engine.kind == "vllm" else None,
+        netns=link.namespace if link is not None else None,
+    )
 
 
 def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
@@ -70,18 +90,25 @@ def trainer_spec(plan: LaunchPlan) -> ServiceSpec:
     rendezvous port free at the time of the call."""
     mesh = plan.mesh
     launcher = torchrun_args(mesh.trainer_ranks, free_port(mesh.host), mesh.host) if mesh.trainer_ranks > 1 else None
-    return ServiceSpec("trainer", "services.trainer", plan.trainer_address, {
-        "RLMESH_TRAINER_SERVER__HOST": mesh.host,
-        "RLMESH_TRAINER_SERVER__PORT": port_of(plan.trainer_address),
-        "RLMESH_TRAINER_MANAGER_ADDRESS": plan.manager_address,
-        "RLMESH_TRAINER_WEIGHTS_ADDRESS": plan.weights_address,
-        "RLMESH_TRAINER_GATEWAY_ADDRESS": plan.gateway_address,
-        "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
-        "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
-        "RLMESH_TRAINER_STEPS": str(plan.steps),
-        **metrics_setting("RLMESH_TRAINER", plan.trainer_address),
-        **plan.security_settings("trainer"),
-    }, launcher=launcher, args=["--config", str(plan.trainer_config)] if plan.trainer_config else None)
+    return ServiceSpec(
+        "trainer",
+        "services.trainer",
+        plan.trainer_address,
+        {
+            "RLMESH_TRAINER_SERVER__HOST": mesh.host,
+            "RLMESH_TRAINER_SERVER__PORT": port_of(plan.trainer_address),
+            "RLMESH_TRAINER_MANAGER_ADDRESS": plan.manager_address,
+            "RLMESH_TRAINER_WEIGHTS_ADDRESS": plan.weights_address,
+            "RLMESH_TRAINER_GATEWAY_ADDRESS": plan.gateway_address,
+            "RLMESH_TRAINER_MODEL_DIR": str(plan.model_dir),
+            "RLMESH_TRAINER_OUTPUT_DIR": str(plan.output_dir),
+            "RLMESH_TRAINER_STEPS": str(plan.steps),
+            **metrics_setting("RLMESH_TRAINER", plan.trainer_address),
+            **plan.security_settings("trainer"),
+        },
+        launcher=launcher,
+        args=["--config", str(plan.trainer_config)] if plan.trainer_config else None,
+    )
 
 
 def forked_modules(plan: LaunchPlan) -> list[str]:
@@ -94,6 +121,8 @@ def forked_modules(plan: LaunchPlan) -> list[str]:
     if any(module.startswith(("services.trainer", "services.rollout")) for module in modules):
         modules += ["transformers.initialization", check_model_dir(plan.model_dir).modeling_module]
     # Not installed: the job's check says so, naming the task.
-    if any(task.environment is not None and task.environment.verifiers for task in plan.job.tasks) and find_spec("verifiers"):
+    if any(task.environment is not None and task.environment.verifiers for task in plan.job.tasks) and find_spec(
+        "verifiers"
+    ):
         modules.append("verifiers.v1")
     return modules

@@ -26,8 +26,13 @@ BUILTIN_MODELING_MODULE = "transformers.models.qwen2.modeling_qwen2"
 
 def warm_modules() -> list[str]:
     """What a warm fork server imports: every service's and helper's, the built-in family's and the check's."""
-    return [*(f"{module}.__main__" for module in SERVICE_MODULES), *HELPER_MODULES, "transformers.initialization",
-            BUILTIN_MODELING_MODULE, *CHECK_IMPORTS]
+    return [
+        *(f"{module}.__main__" for module in SERVICE_MODULES),
+        *HELPER_MODULES,
+        "transformers.initialization",
+        BUILTIN_MODELING_MODULE,
+        *CHECK_IMPORTS,
+    ]
 
 
 class JobRefused(Exception):
@@ -53,8 +58,9 @@ class ServiceStarter:
             self.forks = self._fork_server(None)
 
     def _fork_server(self, warm_socket: Path | None) -> ForkServer:
-        return ForkServer(self._modules, service_environment({}, self._mesh_id), self._plan.log_dir / "forkserver.log",
-                          warm_socket)
+        return ForkServer(
+            self._modules, service_environment({}, self._mesh_id), self._plan.log_dir / "forkserver.log", warm_socket
+        )
 
     async def _fork_server_failure(self) -> ForkServerError | None:
         """Waits until the fork server can fork; why it cannot, if it cannot."""
@@ -70,8 +76,11 @@ class ServiceStarter:
         """Waits for the fork server, then checks the job's tasks; raises JobRefused."""
         failure = await self._fork_server_failure()
         if failure is not None and self._attached:
-            print(f"rlmesh up: the warm fork server at {self._plan.warm_fork_server}: {failure}; starting its own "
-                  "fork server", file=sys.stderr)
+            print(
+                f"rlmesh up: the warm fork server at {self._plan.warm_fork_server}: {failure}; starting its own "
+                "fork server",
+                file=sys.stderr,
+            )
             self.close()
             self._attached = False
             self.forks = self._fork_server(None)
@@ -85,7 +94,9 @@ class ServiceStarter:
         plan = self._plan
         search_path = [str(plan.job_dir)] if plan.job_dir is not None else []
         if self.forks is None:
-            message = await asyncio.to_thread(refusal, plan.job.tasks, plan.job.algorithm.seed, plan.model_dir, search_path)
+            message = await asyncio.to_thread(
+                refusal, plan.job.tasks, plan.job.algorithm.seed, plan.model_dir, search_path
+            )
             if message is not None:
                 raise JobRefused(message)
             return
@@ -99,7 +110,9 @@ class ServiceStarter:
     def __call__(self, spec: ServiceSpec) -> Child:
         if self._plan.warm_fork_server is not None:
             # Their helpers (tensor-parallel ranks, the reference, the episode process) are forked from it too.
-            spec = replace(spec, settings={**spec.settings, WARM_FORK_SERVER_ENV: str(self._plan.warm_fork_server.resolve())})
+            spec = replace(
+                spec, settings={**spec.settings, WARM_FORK_SERVER_ENV: str(self._plan.warm_fork_server.resolve())}
+            )
         return spawn(spec, self._plan.log_dir, self._mesh_id, self.forks)
 
     def close(self) -> None:

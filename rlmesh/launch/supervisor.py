@@ -51,8 +51,9 @@ class RestartPolicy:
 
 SERVICE_RESTARTS = RestartPolicy()
 """The manager, the weights service and the rollout instances: restarted whatever ended them."""
-TRAINER_RESTARTS_POLICY = RestartPolicy(backoff_seconds=(0.0, *RESTART_BACKOFF_SECONDS), restart_after_exit_code=False,
-                                        max_restarts=TRAINER_RESTARTS)
+TRAINER_RESTARTS_POLICY = RestartPolicy(
+    backoff_seconds=(0.0, *RESTART_BACKOFF_SECONDS), restart_after_exit_code=False, max_restarts=TRAINER_RESTARTS
+)
 """The trainer killed by a signal (the OOM killer, a lost machine, an operator) resumes from its
 latest checkpoint; an exit code (0: trained every step; else: failed) ends the run. Its first
 restart in a row is at once: it only restarts after a kill from outside, never after failing by
@@ -96,18 +97,27 @@ class Supervised:
     ended: bool = False
 
     def state(self) -> dict:
-        return {"name": self.name, "pid": self.child.process.pid, "address": self.child.address,
-                "metrics": metrics_address(self.child.address),
-                "restarts": self.restarts_in_a_row, "restarts_total": self.restarts_total}
+        return {
+            "name": self.name,
+            "pid": self.child.process.pid,
+            "address": self.child.address,
+            "metrics": metrics_address(self.child.address),
+            "restarts": self.restarts_in_a_row,
+            "restarts_total": self.restarts_total,
+        }
 
 
 class Supervisor:
     """`spawn_service` starts a service and `wait_serving` waits until services serve (the real
     ones by default; tests give fakes); `clock` tells the time the backoff counts in."""
 
-    def __init__(self, plan: LaunchPlan, spawn_service: Callable[[ServiceSpec], Child] | None = None,
-                 wait_serving: Callable[[list[Child]], Awaitable[None]] = wait_started,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        spawn_service: Callable[[ServiceSpec], Child] | None = None,
+        wait_serving: Callable[[list[Child]], Awaitable[None]] = wait_started,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.plan = plan
         self._spawn = spawn_service or partial(spawn, log_dir=plan.log_dir, mesh_id=str(plan.output_dir))
         self._wait_serving = wait_serving
@@ -120,8 +130,9 @@ class Supervisor:
         self.target_instances = plan.mesh.rollout_instances
         self._scale_requests = ScaleRequests(plan.output_dir)
 
-    def _supervise(self, make_spec: Callable[[], ServiceSpec], policy: RestartPolicy = SERVICE_RESTARTS,
-                   resumes: bool = False) -> Supervised:
+    def _supervise(
+        self, make_spec: Callable[[], ServiceSpec], policy: RestartPolicy = SERVICE_RESTARTS, resumes: bool = False
+    ) -> Supervised:
         """Starts a service; `make_spec` is called again at each restart (the trainer's rendezvous port is new each time)."""
 
         def start() -> Child:
@@ -165,14 +176,20 @@ class Supervisor:
             if service.retiring:
                 continue
             link = plan.netns_link(index)
-            running.append(service.state() | ({"netns": link.namespace, "link": link.host_device} if link is not None else {}))
+            running.append(
+                service.state() | ({"netns": link.namespace, "link": link.host_device} if link is not None else {})
+            )
         state = {
             "pid": os.getpid(),
             "manager": plan.manager_address,
             "services": [s.state() for s in (self.manager, self.weights) if s is not None],
-            "rollout_instances": {"min": plan.mesh.rollout_instances, "max": plan.mesh.instance_cap,
-                                  "target": self.target_instances, "running": running,
-                                  "leaving": [s.name for _, s in rollouts if s.retiring]},
+            "rollout_instances": {
+                "min": plan.mesh.rollout_instances,
+                "max": plan.mesh.instance_cap,
+                "target": self.target_instances,
+                "running": running,
+                "leaving": [s.name for _, s in rollouts if s.retiring],
+            },
             "autoscale": plan.mesh.autoscale,
             "secrets_dir": str(plan.secrets_dir) if plan.secrets_dir is not None else None,
         }
@@ -231,17 +248,23 @@ class Supervisor:
             wait = service.policy.wait_seconds(service.restarts_in_a_row)
             service.restart_at = now + wait
             if service.resumes:
-                self._notice(f"{service.name} {describe_exit(code)}; starting it again in {wait:.0f} s "
-                             f"(restart {service.restarts_total + 1}): it resumes from its latest checkpoint; "
-                             f"see {service.child.log_path}")
+                self._notice(
+                    f"{service.name} {describe_exit(code)}; starting it again in {wait:.0f} s "
+                    f"(restart {service.restarts_total + 1}): it resumes from its latest checkpoint; "
+                    f"see {service.child.log_path}"
+                )
             else:
-                self._notice(f"{service.name} {describe_exit(code)}; restarting in {wait:.0f} s; see {service.child.log_path}")
+                self._notice(
+                    f"{service.name} {describe_exit(code)}; restarting in {wait:.0f} s; see {service.child.log_path}"
+                )
         if now >= service.restart_at:
             service.child = service.start()
             service.started_at, service.restart_at = now, None
             service.restarts_in_a_row += 1
             service.restarts_total += 1
-            self._notice(f"{service.name} restarted (pid {service.child.process.pid}, restart {service.restarts_in_a_row} in a row)")
+            self._notice(
+                f"{service.name} restarted (pid {service.child.process.pid}, restart {service.restarts_in_a_row} in a row)"
+            )
             self.write_state()
 
     def tick(self) -> None:

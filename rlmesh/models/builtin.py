@@ -13,8 +13,12 @@ from pathlib import Path
 from rlmesh.models.families import is_model_dir
 
 
-def ensure_model(model_dir: Path, create: Callable[[Path], object], name: str,
-                 announce: Callable[[str], None] = lambda line: print(line, flush=True)) -> Path:
+def ensure_model(
+    model_dir: Path,
+    create: Callable[[Path], object],
+    name: str,
+    announce: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> Path:
     """`model_dir`, made by `create(folder)` unless it already holds a whole model. A process that
     finds another creating it waits for that one instead of creating it a second time."""
     if is_model_dir(model_dir):

@@ -13,9 +13,9 @@ import structlog
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+from rlmesh.environments.calculator import worked_turns
 from rlmesh.models.qwen2_tiny import Example, answer_example, supervised_step, tiny_qwen2_config
 from rlmesh.models.tokenizer import EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from rlmesh.environments.calculator import worked_turns
 from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for, solution_text
 
 log = structlog.get_logger()
@@ -54,8 +54,9 @@ def create_chat_model(directory: str | Path, spec: ChatModelSpec = ChatModelSpec
     save_chat_tokenizer(tokenizer, directory, model_max_length=spec.max_positions)
     eos_id = tokenizer.token_to_id(IM_END_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    config = tiny_qwen2_config(spec, tokenizer.get_vocab_size(), bos_id=tokenizer.token_to_id(EOS_TOKEN), eos_id=eos_id,
-                               pad_id=pad_id)
+    config = tiny_qwen2_config(
+        spec, tokenizer.get_vocab_size(), bos_id=tokenizer.token_to_id(EOS_TOKEN), eos_id=eos_id, pad_id=pad_id
+    )
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).float()
     # The warm-up renders prompts with the saved tokenizer's own chat template: exactly what the
@@ -85,15 +86,22 @@ def _supervised_warmup(model, tokenizer, spec: ChatModelSpec, eos_id: int, pad_i
             if (position * 0.6180339887) % 1 < spec.tool_share:
                 examples.append(tool_episode_example(tokenizer, problem, eos_id))
                 continue
-            prompt_text = tokenizer.apply_chat_template(list(messages_for(problem)), add_generation_prompt=True, tokenize=False)
-            examples.append(answer_example(tokenizer.encode(prompt_text, add_special_tokens=False),
-                                           tokenizer.encode(solution_text(problem), add_special_tokens=False) + [eos_id]))
+            prompt_text = tokenizer.apply_chat_template(
+                list(messages_for(problem)), add_generation_prompt=True, tokenize=False
+            )
+            examples.append(
+                answer_example(
+                    tokenizer.encode(prompt_text, add_special_tokens=False),
+                    tokenizer.encode(solution_text(problem), add_special_tokens=False) + [eos_id],
+                )
+            )
         for group in optimizer.param_groups:
             group["lr"] = warmup_lr(spec, iteration)
         loss = supervised_step(model, optimizer, examples, pad_id)
         if iteration % 10 == 0 or iteration == spec.warmup_iterations - 1:
-            log.info("chat warm-up", iteration=iteration, loss=round(loss, 4),
-                     seconds=round(time.monotonic() - started, 1))
+            log.info(
+                "chat warm-up", iteration=iteration, loss=round(loss, 4), seconds=round(time.monotonic() - started, 1)
+            )
     model.eval()
 
 
@@ -104,9 +112,11 @@ def tool_episode_example(tokenizer, problem, eos_id: int) -> Example:
     tokens: list[int] = []
     mask: list[int] = []
     for end in (2, 4):
-        context = tokenizer.encode(tokenizer.apply_chat_template(turns[:end], add_generation_prompt=True, tokenize=False),
-                                   add_special_tokens=False)
-        if context[:len(tokens)] != tokens:
+        context = tokenizer.encode(
+            tokenizer.apply_chat_template(turns[:end], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        if context[: len(tokens)] != tokens:
             raise ValueError("the chat template does not render an episode's turns as a prefix of the next")
         reply = tokenizer.encode(turns[end]["content"], add_special_tokens=False) + [eos_id]
         mask += [0] * (len(context) - len(tokens)) + [1] * len(reply)

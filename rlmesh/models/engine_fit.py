@@ -23,5 +23,7 @@ def vllm_cpu_refusal(model_dir: str | Path, supported: Sequence[int] = VLLM_CPU_
     size = head_size(json.loads((Path(model_dir) / "config.json").read_text()))
     if size in supported:
         return ""
-    return (f"the vllm engine cannot serve {model_dir} on CPU: its attention head size is {size}, and vLLM's CPU attention "
-            f"takes head sizes {', '.join(map(str, supported))} only (use the torch engine, or a model with one of those)")
+    return (
+        f"the vllm engine cannot serve {model_dir} on CPU: its attention head size is {size}, and vLLM's CPU attention "
+        f"takes head sizes {', '.join(map(str, supported))} only (use the torch engine, or a model with one of those)"
+    )

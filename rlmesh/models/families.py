@@ -73,10 +73,14 @@ def supported_family(config: Any, source: str = "model") -> Family:
     # A folder of another head on the same backbone (e.g. ...ForSequenceClassification) is no causal LM.
     if family is None or (architectures and family.architecture not in architectures):
         shown = ", ".join(repr(a) for a in architectures) or "(none named)"
-        raise UnsupportedModel(f"{source}: architecture {shown} (model_type {model_type!r}) is not supported; "
-                               f"supported: {supported_list()}")
+        raise UnsupportedModel(
+            f"{source}: architecture {shown} (model_type {model_type!r}) is not supported; "
+            f"supported: {supported_list()}"
+        )
     if values.get("mlp_bias"):
-        raise UnsupportedModel(f"{source}: {family.name} with mlp_bias = true is not supported (no layout rule for MLP biases)")
+        raise UnsupportedModel(
+            f"{source}: {family.name} with mlp_bias = true is not supported (no layout rule for MLP biases)"
+        )
     # The torch engine merges KV caches of full attention only; a window would need its own cache.
     if values.get("use_sliding_window") or "sliding_attention" in (values.get("layer_types") or ()):
         raise UnsupportedModel(f"{source}: {family.name} with sliding-window attention is not supported")
@@ -86,8 +90,10 @@ def supported_family(config: Any, source: str = "model") -> Family:
 def is_model_dir(directory: str | Path) -> bool:
     """Whether `directory` holds a whole HF-format model: its config, weights and tokenizer."""
     directory = Path(directory)
-    return all((directory / name).is_file()
-               for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"))
+    return all(
+        (directory / name).is_file()
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    )
 
 
 def check_model_dir(directory: str | Path) -> Family:

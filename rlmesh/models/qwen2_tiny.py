@@ -12,8 +12,8 @@ import structlog
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, save_tokenizer
 from rlmesh.environments.feedback import hidden_code, marks
+from rlmesh.models.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, save_tokenizer
 from rlmesh.tasks.increment import HELD_OUT_COUNT, HELD_OUT_SEED, Problem, held_out_problems, make_problem
 
 log = structlog.get_logger()
@@ -110,8 +110,12 @@ def create_feedback_model(directory: str | Path) -> Path:
 def feedback_warmup_example(problem: Problem, rng: random.Random, encode, eos_id: int) -> Example:
     """A feedback episode up to its second attempt, and that attempt: the hidden code."""
     code = hidden_code(problem.prompt[:-1])
-    first = "".join(rng.choice("0123456789") if rng.random() < FIRST_ATTEMPT_SLIPS else digit for digit in problem.answer)
-    return answer_example(encode(problem.prompt + first) + [eos_id] + encode(marks(first, code)), encode(code) + [eos_id])
+    first = "".join(
+        rng.choice("0123456789") if rng.random() < FIRST_ATTEMPT_SLIPS else digit for digit in problem.answer
+    )
+    return answer_example(
+        encode(problem.prompt + first) + [eos_id] + encode(marks(first, code)), encode(code) + [eos_id]
+    )
 
 
 def _supervised_warmup(model, tokenizer, spec: TinyModelSpec, eos_id: int, pad_id: int) -> None:

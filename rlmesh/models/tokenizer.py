@@ -39,8 +39,13 @@ def _character_tokenizer(vocab: dict[str, int], special_tokens: list[str]) -> To
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, directory: Path, eos_token: str = EOS_TOKEN, model_max_length: int = 64,
-                   chat_template: str | None = None) -> None:
+def save_tokenizer(
+    tokenizer: Tokenizer,
+    directory: Path,
+    eos_token: str = EOS_TOKEN,
+    model_max_length: int = 64,
+    chat_template: str | None = None,
+) -> None:
     """tokenizer.json and the tokenizer_config.json that AutoTokenizer reads with it."""
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {

@@ -32,7 +32,15 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         family_named(self.family)
-        for field_name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "num_layers"):
+        for field_name in (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_layers",
+        ):
             if getattr(self, field_name) < 1:
                 raise ValueError(f"{field_name} must be at least 1, got {getattr(self, field_name)}")
         if self.num_heads % self.num_kv_heads:
@@ -193,20 +201,50 @@ def tp_slices(shape: ModelShape, tp: int, rank: int) -> list[Slice]:
     vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        qkv = [("q_proj", rank * q_rows, q_rows, 0), ("k_proj", kv_start, kv_rows, q_rows), ("v_proj", kv_start, kv_rows, q_rows + kv_rows)]
+        qkv = [
+            ("q_proj", rank * q_rows, q_rows, 0),
+            ("k_proj", kv_start, kv_rows, q_rows),
+            ("v_proj", kv_start, kv_rows, q_rows + kv_rows),
+        ]
         for proj, start, rows, at in qkv:
-            slices.append(Slice(f"{p}self_attn.{proj}.weight", (start, start + rows), (0, h), f"{p}self_attn.qkv_proj.weight", at))
+            slices.append(
+                Slice(f"{p}self_attn.{proj}.weight", (start, start + rows), (0, h), f"{p}self_attn.qkv_proj.weight", at)
+            )
             if shape.attention_bias:
-                slices.append(Slice(f"{p}self_attn.{proj}.bias", (start, start + rows), None, f"{p}self_attn.qkv_proj.bias", at))
-        slices.append(Slice(f"{p}self_attn.o_proj.weight", (0, h), (rank * q_rows, (rank + 1) * q_rows), f"{p}self_attn.o_proj.weight", 0))
+                slices.append(
+                    Slice(f"{p}self_attn.{proj}.bias", (start, start + rows), None, f"{p}self_attn.qkv_proj.bias", at)
+                )
+        slices.append(
+            Slice(
+                f"{p}self_attn.o_proj.weight",
+                (0, h),
+                (rank * q_rows, (rank + 1) * q_rows),
+                f"{p}self_attn.o_proj.weight",
+                0,
+            )
+        )
         if shape.output_bias:
             slices.append(Slice(f"{p}self_attn.o_proj.bias", (0, h), None, f"{p}self_attn.o_proj.bias", 0))
         if shape.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 slices.append(Slice(f"{p}self_attn.{norm}.weight", (0, d), None, f"{p}self_attn.{norm}.weight", 0))
-        slices.append(Slice(f"{p}mlp.gate_proj.weight", (rank * inter, (rank + 1) * inter), (0, h), f"{p}mlp.gate_up_proj.weight", 0))
-        slices.append(Slice(f"{p}mlp.up_proj.weight", (rank * inter, (rank + 1) * inter), (0, h), f"{p}mlp.gate_up_proj.weight", inter))
-        slices.append(Slice(f"{p}mlp.down_proj.weight", (0, h), (rank * inter, (rank + 1) * inter), f"{p}mlp.down_proj.weight", 0))
+        slices.append(
+            Slice(
+                f"{p}mlp.gate_proj.weight", (rank * inter, (rank + 1) * inter), (0, h), f"{p}mlp.gate_up_proj.weight", 0
+            )
+        )
+        slices.append(
+            Slice(
+                f"{p}mlp.up_proj.weight",
+                (rank * inter, (rank + 1) * inter),
+                (0, h),
+                f"{p}mlp.gate_up_proj.weight",
+                inter,
+            )
+        )
+        slices.append(
+            Slice(f"{p}mlp.down_proj.weight", (0, h), (rank * inter, (rank + 1) * inter), f"{p}mlp.down_proj.weight", 0)
+        )
         for norm in ("input_layernorm", "post_attention_layernorm"):
             slices.append(Slice(f"{p}{norm}.weight", (0, h), None, f"{p}{norm}.weight", 0))
     slices.append(Slice("model.norm.weight", (0, h), None, "model.norm.weight", 0))
@@ -217,7 +255,10 @@ def tp_slices(shape: ModelShape, tp: int, rank: int) -> list[Slice]:
 
 def full_slices(shape: ModelShape) -> list[Slice]:
     """The identity layout: every full tensor to itself (engines that slice weights themselves)."""
-    return [Slice(name, (0, dims[0]), (0, dims[1]) if len(dims) == 2 else None, name, 0) for name, dims in hf_parameter_shapes(shape).items()]
+    return [
+        Slice(name, (0, dims[0]), (0, dims[1]) if len(dims) == 2 else None, name, 0)
+        for name, dims in hf_parameter_shapes(shape).items()
+    ]
 
 
 def fsdp_rows(num_rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -249,11 +290,22 @@ def reshard_plan(slices: list[Slice], source_rows: Mapping[str, int], fsdp_world
             shard_start, shard_end = fsdp_rows(source_rows[piece.source], fsdp_world, fsdp_rank)
             low, high = max(start, shard_start), min(end, shard_end)
             if low < high:
-                copies.append(Copy(fsdp_rank, piece.source, (low - shard_start, high - shard_start), piece.cols, piece.dest, piece.dest_row + low - start))
+                copies.append(
+                    Copy(
+                        fsdp_rank,
+                        piece.source,
+                        (low - shard_start, high - shard_start),
+                        piece.cols,
+                        piece.dest,
+                        piece.dest_row + low - start,
+                    )
+                )
     return copies
 
 
-def apply_copies(copies: list[Copy], shards: list[Mapping[str, torch.Tensor]], outputs: Mapping[str, torch.Tensor]) -> None:
+def apply_copies(
+    copies: list[Copy], shards: list[Mapping[str, torch.Tensor]], outputs: Mapping[str, torch.Tensor]
+) -> None:
     """Runs a plan: `shards[k]` are FSDP rank k's local tensors, `outputs` the zeroed destinations."""
     for copy in copies:
         block = shards[copy.fsdp_rank][copy.source][copy.rows[0] : copy.rows[1]]
@@ -262,7 +314,9 @@ def apply_copies(copies: list[Copy], shards: list[Mapping[str, torch.Tensor]], o
         outputs[copy.dest][copy.dest_row : copy.dest_row + block.shape[0]].copy_(block)
 
 
-def shard_full_tensors(full: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def shard_full_tensors(
+    full: Mapping[str, torch.Tensor], shape: ModelShape, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors cut from full tensors (one FSDP rank holding everything)."""
     dtype = next(iter(full.values())).dtype
     outputs = {name: torch.zeros(dims, dtype=dtype) for name, dims in tp_parameter_shapes(shape, tp).items()}

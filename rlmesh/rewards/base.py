@@ -60,10 +60,14 @@ def as_result(value: Any) -> RewardResult:
             raise ValueError(f"a reward mapping needs a 'reward' key, got keys {sorted(value)}")
         unknown = set(value) - {"reward", "components", "token_rewards"}
         if unknown:
-            raise ValueError(f"unknown keys in a reward mapping: {sorted(unknown)} (known: reward, components, token_rewards)")
+            raise ValueError(
+                f"unknown keys in a reward mapping: {sorted(unknown)} (known: reward, components, token_rewards)"
+            )
         components = {str(k): float(v) for k, v in dict(value.get("components") or {}).items()}
         token_rewards = value.get("token_rewards")
-        result = RewardResult(float(value["reward"]), components, [float(t) for t in token_rewards] if token_rewards is not None else None)
+        result = RewardResult(
+            float(value["reward"]), components, [float(t) for t in token_rewards] if token_rewards is not None else None
+        )
     else:
         raise TypeError(f"a reward must be a number or a mapping with 'reward', got {type(value).__name__}")
     if not math.isfinite(result.reward):

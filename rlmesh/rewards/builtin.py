@@ -17,7 +17,9 @@ class IncrementReward:
     async def score_one(self, item: RewardItem) -> RewardResult:
         answer = str(item.metadata["answer"])
         completion = item.completion.strip()
-        return RewardResult(increment.reward(completion, answer), {"exact": float(increment.exact_match(completion, answer))})
+        return RewardResult(
+            increment.reward(completion, answer), {"exact": float(increment.exact_match(completion, answer))}
+        )
 
     async def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         return [await self.score_one(item) for item in items]

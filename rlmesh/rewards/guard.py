@@ -36,8 +36,15 @@ class GuardedReward:
     """Wraps any reward function. Per-sample functions (`per_sample` true, with `score_one`) get
     a deadline per sample, so one hung sample fails alone; batched ones a deadline per call."""
 
-    def __init__(self, task: str, inner: RewardFunction, timeout_seconds: float, failure_reward: float,
-                 max_error_rate: float, error_window: int) -> None:
+    def __init__(
+        self,
+        task: str,
+        inner: RewardFunction,
+        timeout_seconds: float,
+        failure_reward: float,
+        max_error_rate: float,
+        error_window: int,
+    ) -> None:
         self.task = task
         self.inner = inner
         self.timeout = timeout_seconds
@@ -82,8 +89,14 @@ class GuardedReward:
         for item, result in zip(items, results):
             if not result.failed and not math.isfinite(result.reward):
                 result = self._failure(f"reward is {result.reward}")
-            if not result.failed and result.token_rewards is not None and len(result.token_rewards) != len(item.completion_token_ids):
-                result = self._failure(f"{len(result.token_rewards)} token rewards for {len(item.completion_token_ids)} tokens")
+            if (
+                not result.failed
+                and result.token_rewards is not None
+                and len(result.token_rewards) != len(item.completion_token_ids)
+            ):
+                result = self._failure(
+                    f"{len(result.token_rewards)} token rewards for {len(item.completion_token_ids)} tokens"
+                )
             elif result.failed and result.reward != self.failure_reward:
                 result = self._failure(result.error)
             checked.append(result)
@@ -95,7 +108,9 @@ class GuardedReward:
                 self.counters.last_error = result.error
         failures = [r for r in checked if r.failed]
         if failures:
-            log.warning("rewards failed", task=self.task, failed=len(failures), of=len(checked), error=failures[-1].error)
+            log.warning(
+                "rewards failed", task=self.task, failed=len(failures), of=len(checked), error=failures[-1].error
+            )
         self._check_rate()
         return checked
 
@@ -108,7 +123,8 @@ class GuardedReward:
         if rate > self.max_error_rate:
             raise RewardErrorRateExceeded(
                 f"task {self.task!r}: {sum(self.window)} of the last {len(self.window)} samples failed to score "
-                f"({rate:.0%}, limit reward.max_error_rate = {self.max_error_rate:.0%}); last error: {self.counters.last_error}")
+                f"({rate:.0%}, limit reward.max_error_rate = {self.max_error_rate:.0%}); last error: {self.counters.last_error}"
+            )
 
     async def close(self) -> None:
         await self.inner.close()

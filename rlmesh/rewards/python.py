@@ -39,7 +39,9 @@ def load_callable(spec: str, search_path: Sequence[str] = ()) -> Callable[..., A
         try:
             module_spec.loader.exec_module(module)
         except Exception as exc:
-            raise RewardLoadError(f"reward function {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+            raise RewardLoadError(
+                f"reward function {spec!r}: importing {path} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     else:
         for folder in reversed(search_path):
             if folder not in sys.path:
@@ -47,7 +49,9 @@ def load_callable(spec: str, search_path: Sequence[str] = ()) -> Callable[..., A
         try:
             module = importlib.import_module(target)
         except Exception as exc:
-            raise RewardLoadError(f"reward function {spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}") from exc
+            raise RewardLoadError(
+                f"reward function {spec!r}: cannot import module {target!r}: {type(exc).__name__}: {exc}"
+            ) from exc
     function = getattr(module, name, None)
     if function is None:
         raise RewardLoadError(f"reward function {spec!r}: {target} has no attribute {name!r}")
@@ -67,23 +71,32 @@ class PythonReward:
         self.spec = spec
         signature = inspect.signature(function)
         self.takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        named = [p for p in signature.parameters.values()
-                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        named = [
+            p
+            for p in signature.parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
         self.names = [p.name for p in named]
         self.required = {p.name for p in named if p.default is inspect.Parameter.empty}
         self.is_async = inspect.iscoroutinefunction(function)
 
     def _arguments(self, item: RewardItem) -> dict[str, Any]:
-        available = {"prompt": item.prompt, "completion": item.completion, "metadata": dict(item.metadata),
-                     "completion_token_ids": list(item.completion_token_ids)}
+        available = {
+            "prompt": item.prompt,
+            "completion": item.completion,
+            "metadata": dict(item.metadata),
+            "completion_token_ids": list(item.completion_token_ids),
+        }
         for key, value in item.metadata.items():
             available.setdefault(key, value)
         if self.takes_all:
             return available
         missing = [n for n in self.names if n in self.required and n not in available]
         if missing:
-            raise RewardLoadError(f"reward function {self.spec}: no value for parameter {missing[0]!r} "
-                                  f"(available: {', '.join(sorted(available))})")
+            raise RewardLoadError(
+                f"reward function {self.spec}: no value for parameter {missing[0]!r} "
+                f"(available: {', '.join(sorted(available))})"
+            )
         return {n: available[n] for n in self.names if n in available}
 
     async def _call(self, **kwargs: Any) -> Any:

@@ -17,8 +17,9 @@ ROLE_DUTIES: Mapping[Role, str] = {
     "observer": "read-only: status and metrics",
 }
 
-OPEN_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-                           "grpc.reflection.v1alpha.ServerReflection"})
+OPEN_SERVICES = frozenset(
+    {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+)
 """Served to anyone: health is what probes and supervisors poll (Kubernetes' gRPC probe carries no
 credential), and reflection describes only the public contracts."""
 
@@ -80,7 +81,7 @@ certificate (docs/security.md)."""
 
 
 def service_of(method: str) -> str:
-    """"rlmesh.manager.v1.ManagerService" of "/rlmesh.manager.v1.ManagerService/GetStatus"."""
+    """ "rlmesh.manager.v1.ManagerService" of "/rlmesh.manager.v1.ManagerService/GetStatus"."""
     return method.lstrip("/").split("/", 1)[0]
 
 

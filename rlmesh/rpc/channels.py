@@ -84,7 +84,9 @@ class TlsCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca, require_client_auth=True)
 
     def channel(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
 
 
 @dataclass(slots=True)
@@ -188,8 +190,9 @@ def open_channel(address: str, max_message_mb: int = 64, keepalive: Keepalive = 
     return _ChannelWithSecret(channel)  # type: ignore[return-value]
 
 
-def open_user_channel(address: str, bearer_token: str = "", max_message_mb: int = 64,
-                      keepalive: Keepalive = KEEPALIVE) -> grpc.aio.Channel:
+def open_user_channel(
+    address: str, bearer_token: str = "", max_message_mb: int = 64, keepalive: Keepalive = KEEPALIVE
+) -> grpc.aio.Channel:
     """A channel to a user's service (a remote verifier or environment), outside the mesh: it
     carries none of this process's mesh identity (no role's secret, no client certificate), only
     `authorization: Bearer <bearer_token>` when a token is given (the task's own credential)."""
@@ -201,7 +204,6 @@ def call_options(timeout: float) -> dict[str, Any]:
     """Keyword arguments for a stub call: its deadline and the caller's request id."""
     request_id = structlog.contextvars.get_contextvars().get("request_id") or uuid.uuid4().hex[:16]
     return {"timeout": timeout, "metadata": ((REQUEST_ID_KEY, request_id),)}
-
 
 
 async def _health(address: str, timeout: float, service: str) -> tuple[bool, str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import structlog
 
 from rlmesh.atomic_file import write_atomically
-from rlmesh.rpc.authz import ROLES, Role, allowed_roles
 from rlmesh.config import ConfigError
+from rlmesh.rpc.authz import ROLES, Role, allowed_roles
 
 log = structlog.get_logger()
 
@@ -100,8 +100,10 @@ def user_service_token(reference: str | None, what: str) -> str:
 def service_auth_settings(prefix: str, directory: str | Path, role: Role) -> dict[str, str]:
     """The environment settings (PREFIX_SERVER__AUTH__...) that give a service its role's secret
     and the verifiers it checks its callers against."""
-    return {f"{prefix}SERVER__AUTH__VERIFIERS_FILE": str(Path(directory) / VERIFIERS_FILE),
-            f"{prefix}SERVER__AUTH__SECRET_FILE": str(secret_path(directory, role))}
+    return {
+        f"{prefix}SERVER__AUTH__VERIFIERS_FILE": str(Path(directory) / VERIFIERS_FILE),
+        f"{prefix}SERVER__AUTH__SECRET_FILE": str(secret_path(directory, role)),
+    }
 
 
 def peer_secrets(directory: str | Path) -> Callable[[str], str]:

@@ -33,8 +33,14 @@ class Families:
     def counter(self, name: str, documentation: str, value: float, **labels: str) -> None:
         self._add(CounterMetricFamily, name, documentation, value, labels)
 
-    def _add(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, documentation: str,
-             value: float, labels: dict[str, str]) -> None:
+    def _add(
+        self,
+        kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+        name: str,
+        documentation: str,
+        value: float,
+        labels: dict[str, str],
+    ) -> None:
         family = self._families.get(name)
         if family is None:
             family = self._families[name] = kind(self.prefix + name, documentation, labels=sorted(labels))

@@ -41,7 +41,6 @@ _STATUS_OF_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
 }
 
 
-
 class Authorizer:
     """Whether a caller may call a method: its role, from the client certificate under mutual TLS
     or else from its bearer secret, must be one the authorization table allows."""
@@ -57,11 +56,15 @@ class Authorizer:
         if config.auth.insecure:
             return None
         if config.tls is None and not config.auth.verifiers_file:
-            raise ConfigError("server.auth: every call is authorized by its caller's role, and this service has neither mutual "
-                              "TLS (server.tls) nor a verifiers file (server.auth.verifiers_file) to learn it from: make the "
-                              "secrets with `rlmesh secrets DIR` and set server.auth.verifiers_file = DIR/verifiers.json, or "
-                              "turn authorization off with server.auth.insecure = true")
-        return cls(Verifiers(config.auth.verifiers_file) if config.auth.verifiers_file else None, config.tls is not None)
+            raise ConfigError(
+                "server.auth: every call is authorized by its caller's role, and this service has neither mutual "
+                "TLS (server.tls) nor a verifiers file (server.auth.verifiers_file) to learn it from: make the "
+                "secrets with `rlmesh secrets DIR` and set server.auth.verifiers_file = DIR/verifiers.json, or "
+                "turn authorization off with server.auth.insecure = true"
+            )
+        return cls(
+            Verifiers(config.auth.verifiers_file) if config.auth.verifiers_file else None, config.tls is not None
+        )
 
     def role_of(self, metadata: dict[str, Any], context: grpc.aio.ServicerContext) -> tuple[Role | None, str]:
         """The caller's role, or None with why not."""
@@ -74,21 +77,29 @@ class Authorizer:
             return None, "it presented no credential"
         if self.verifiers is None or not presented.startswith("Bearer "):
             return None, "its credential is not a bearer secret this service knows"
-        role = self.verifiers.role_of(presented[len("Bearer "):])
+        role = self.verifiers.role_of(presented[len("Bearer ") :])
         return role, "" if role is not None else "the bearer secret it presented is no role's"
 
-    def refusal(self, method: str, metadata: dict[str, Any], context: grpc.aio.ServicerContext
-                ) -> tuple[grpc.StatusCode, str, Role | None] | None:
+    def refusal(
+        self, method: str, metadata: dict[str, Any], context: grpc.aio.ServicerContext
+    ) -> tuple[grpc.StatusCode, str, Role | None] | None:
         """The status a call must be refused with and why, or None when it may go on."""
         name = method.rsplit("/", 1)[-1]
         role, why = self.role_of(metadata, context)
         if role is None:
-            return (grpc.StatusCode.UNAUTHENTICATED, f"{name} needs a credential: a client certificate naming a role, or "
-                    f"`authorization: Bearer <secret>` with a role's secret ({why}; see docs/security.md)", None)
+            return (
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{name} needs a credential: a client certificate naming a role, or "
+                f"`authorization: Bearer <secret>` with a role's secret ({why}; see docs/security.md)",
+                None,
+            )
         allowed = allowed_roles(method)
         if role not in allowed:
-            return (grpc.StatusCode.PERMISSION_DENIED,
-                    f"{name} is not open to the {role} role (allowed: {', '.join(sorted(allowed)) or 'none'})", role)
+            return (
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{name} is not open to the {role} role (allowed: {', '.join(sorted(allowed)) or 'none'})",
+                role,
+            )
         return None
 
 
@@ -227,7 +238,9 @@ class GrpcServer:
         await self.server.start()
         log.info("listening", address=self.address, tls=self.config.tls is not None, authorization=self.authorization)
         if self.authorizer is None:
-            log.warning("authorization is off (insecure): anyone who reaches this port may call every RPC", address=self.address)
+            log.warning(
+                "authorization is off (insecure): anyone who reaches this port may call every RPC", address=self.address
+            )
 
     @property
     def authorization(self) -> str:

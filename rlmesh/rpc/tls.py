@@ -17,13 +17,19 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from rlmesh.atomic_file import write_atomically
-from rlmesh.rpc.authz import ROLES, Role
 from rlmesh.config import ConfigError, TlsFiles
+from rlmesh.rpc.authz import ROLES, Role
 
 log = structlog.get_logger()
 
-ROLE_OF_NAME: dict[str, Role] = {"manager": "manager", "weights": "weights", "rollout": "instance", "trainer": "trainer",
-                                 "client": "operator", "observer": "observer"}
+ROLE_OF_NAME: dict[str, Role] = {
+    "manager": "manager",
+    "weights": "weights",
+    "rollout": "instance",
+    "trainer": "trainer",
+    "client": "operator",
+    "observer": "observer",
+}
 """A certificate for each service, `client` for the launcher and operator tools (`rlmesh status`,
 grpcurl) and `observer` for read-only ones, with the role each carries."""
 NAMES = tuple(ROLE_OF_NAME)
@@ -37,7 +43,9 @@ RENEW_BEFORE = datetime.timedelta(days=7)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -54,8 +62,9 @@ def _load(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, ec.Ellipti
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     except (OSError, ValueError, TypeError):
         return None
-    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
-            cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+    if key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ) != cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
         return None
     return cert, key
 
@@ -69,17 +78,35 @@ def _ca(directory: Path, now: datetime.datetime) -> tuple[x509.Certificate, ec.E
     if found is not None and _fresh(found[0], now):
         return found
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlmesh"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, "rlmesh local CA")])
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlmesh"),
+            x509.NameAttribute(NameOID.COMMON_NAME, "rlmesh local CA"),
+        ]
+    )
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -98,27 +125,57 @@ def _covers(cert: x509.Certificate, ca: x509.Certificate, hosts: list[str], role
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
         return False
-    return all(_san(host) in names for host in hosts) and x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role) in names
+    return (
+        all(_san(host) in names for host in hosts) and x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role) in names
+    )
 
 
-def _leaf(name: str, hosts: list[str], role: Role, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-          now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _leaf(
+    name: str,
+    hosts: list[str],
+    role: Role,
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    now: datetime.datetime,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlmesh"),
-                                 x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-        .issuer_name(ca.subject).public_key(key.public_key())
+        .subject_name(
+            x509.Name(
+                [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "rlmesh"), x509.NameAttribute(NameOID.COMMON_NAME, name)]
+            )
+        )
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         # Every service both serves and calls the others, so one certificate does both.
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName([*(_san(host) for host in hosts),
-                                                    x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [*(_san(host) for host in hosts), x509.UniformResourceIdentifier(ROLE_URI_PREFIX + role)]
+            ),
+            critical=False,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -145,8 +202,10 @@ def create_certificates(directory: str | Path, hosts: list[str] | tuple[str, ...
         found = _load(cert_path, key_path)
         if found is None or not _covers(found[0], ca_cert, wanted, ROLE_OF_NAME[name], now):
             if ca_key is None:
-                raise ConfigError(f"{cert_path} is missing or does not cover {', '.join(wanted)}, and {directory / 'ca-key.pem'} "
-                                  "is not there to issue it")
+                raise ConfigError(
+                    f"{cert_path} is missing or does not cover {', '.join(wanted)}, and {directory / 'ca-key.pem'} "
+                    "is not there to issue it"
+                )
             cert, key = _leaf(name, wanted, ROLE_OF_NAME[name], ca_cert, ca_key, now)
             write_atomically(key_path, _key_pem(key), 0o600)
             write_atomically(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
@@ -160,10 +219,12 @@ def role_of_certificate(pem: bytes) -> Role | None:
     """The role a peer's certificate names (None: none, or not one of ROLES); the chain was
     verified by the TLS handshake before this is asked."""
     try:
-        names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = (
+            x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        )
     except (ValueError, x509.ExtensionNotFound):
         return None
     for uri in names.get_values_for_type(x509.UniformResourceIdentifier):
-        if uri.startswith(ROLE_URI_PREFIX) and uri[len(ROLE_URI_PREFIX):] in ROLES:
-            return uri[len(ROLE_URI_PREFIX):]  # type: ignore[return-value]
+        if uri.startswith(ROLE_URI_PREFIX) and uri[len(ROLE_URI_PREFIX) :] in ROLES:
+            return uri[len(ROLE_URI_PREFIX) :]  # type: ignore[return-value]
     return None

@@ -13,8 +13,8 @@ from rlmesh.settings.trainer import AlgorithmConfig
 
 
 def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict:
-    """The trainer's config: the job's algorithm and trainer sections as they are, and the wiring:
-    folders, tasks, and the dtype the model section picks."""
+    """The trainer's config: the job's algorithm, trainer and tracking sections as they are, and the
+    wiring: folders, tasks, and the dtype the model section picks."""
     return {
         **job.algorithm.model_dump(mode="json", include=set(AlgorithmConfig.model_fields)),
         **job.trainer.model_dump(mode="json"),
@@ -23,6 +23,7 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
         "weights_dtype": job.model.dtype,
         "tasks": [task.model_dump(mode="json") for task in job.tasks],
         "python_path": [str(base)],
+        "tracking": job.tracking.model_dump(mode="json"),
     }
 
 
@@ -31,8 +32,10 @@ def service_settings(job) -> dict[str, dict]:
     sections of the same names as they are, and η for the manager. The launcher's environment
     settings (sockets, addresses, folders, the model's dtype) come on top."""
     return {
-        "manager": {**job.manager.model_dump(mode="json"),
-                    **job.algorithm.model_dump(mode="json", include=set(StalenessSetting.model_fields))},
+        "manager": {
+            **job.manager.model_dump(mode="json"),
+            **job.algorithm.model_dump(mode="json", include=set(StalenessSetting.model_fields)),
+        },
         "weights": job.weights.model_dump(mode="json"),
         "rollout": job.rollout.model_dump(mode="json"),
     }

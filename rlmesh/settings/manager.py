@@ -51,7 +51,7 @@ class ManagerSettings(StrictModel):
     that grew, so writing more often costs relay throughput."""
 
     @model_validator(mode="after")
-    def _heartbeat_within_lease(self) -> "ManagerSettings":
+    def _heartbeat_within_lease(self) -> ManagerSettings:
         if self.heartbeat_interval_seconds * 2 > self.lease_seconds:
             raise ValueError("heartbeat_interval_seconds must be at most half of lease_seconds")
         return self

@@ -74,16 +74,22 @@ class EngineSettings(StrictModel):
     vllm: VllmConfig = VllmConfig()
 
     @model_validator(mode="after")
-    def _device_and_split_fit_the_kind(self) -> "EngineSettings":
+    def _device_and_split_fit_the_kind(self) -> EngineSettings:
         if self.saturation_batch_size > self.max_batch_size:
-            raise ValueError(f"engine.saturation_batch_size ({self.saturation_batch_size}) must not exceed "
-                             f"engine.max_batch_size ({self.max_batch_size})")
+            raise ValueError(
+                f"engine.saturation_batch_size ({self.saturation_batch_size}) must not exceed "
+                f"engine.max_batch_size ({self.max_batch_size})"
+            )
         if self.device == "cuda" and self.kind != "torch":
-            raise ValueError(f"engine.device cuda applies to the torch engine, not {self.kind} (vLLM picks its device itself)")
+            raise ValueError(
+                f"engine.device cuda applies to the torch engine, not {self.kind} (vLLM picks its device itself)"
+            )
         if self.device == "cuda" and self.tensor_parallel_size > 1:
             raise ValueError("engine.device cuda runs one rank per instance: tensor_parallel_size must be 1")
         if self.tensor_parallel_size > 1 and self.kind != "torch":
-            raise ValueError(f"engine.tensor_parallel_size: only the torch engine runs tensor-parallel, not {self.kind}")
+            raise ValueError(
+                f"engine.tensor_parallel_size: only the torch engine runs tensor-parallel, not {self.kind}"
+            )
         return self
 
 

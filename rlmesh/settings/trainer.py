@@ -32,11 +32,15 @@ def check_placement(placement: Placement) -> None:
     repeated = sorted({r for r in roles if roles.count(r) > 1})
     missing = sorted(set(Role.__args__) - set(roles))
     if repeated or missing or not all(placement):
-        raise ValueError(f"placement must list process groups naming each of train, logp, ref_logp exactly once "
-                         f"(e.g. {REFERENCE_APART}); repeated: {repeated}, missing: {missing}")
+        raise ValueError(
+            f"placement must list process groups naming each of train, logp, ref_logp exactly once "
+            f"(e.g. {REFERENCE_APART}); repeated: {repeated}, missing: {missing}"
+        )
     if not any({"train", "logp"} <= set(group) for group in placement):
-        raise ValueError("placement puts logp apart from train: logp (the proximal policy's log-probabilities) needs "
-                         "the live policy's weights, which only train's processes hold")
+        raise ValueError(
+            "placement puts logp apart from train: logp (the proximal policy's log-probabilities) needs "
+            "the live policy's weights, which only train's processes hold"
+        )
 
 
 def reference_apart(placement: Placement) -> bool:
@@ -104,10 +108,12 @@ class GrpoConfig(StrictModel):
     within value_clip of the value at the step's start (PPO's value clipping)."""
 
     @model_validator(mode="after")
-    def _cap_mode_applies(self) -> "GrpoConfig":
+    def _cap_mode_applies(self) -> GrpoConfig:
         if self.loss == "tis" and self.importance_cap_mode == "drop":
-            raise ValueError("importance_cap_mode drop applies to the decoupled loss; tis truncates by definition "
-                             "(use loss = decoupled to drop tokens past the cap)")
+            raise ValueError(
+                "importance_cap_mode drop applies to the decoupled loss; tis truncates by definition "
+                "(use loss = decoupled to drop tokens past the cap)"
+            )
         return self
 
     @property
@@ -181,14 +187,16 @@ class AlgorithmConfig(GrpoConfig):
         return placement
 
     @model_validator(mode="after")
-    def _batches_split(self) -> "AlgorithmConfig":
+    def _batches_split(self) -> AlgorithmConfig:
         if self.prompts_per_step % self.mini_batches_per_step:
             raise ValueError("prompts_per_step must be a multiple of mini_batches_per_step")
         if (self.prompts_per_step // self.mini_batches_per_step) % self.micro_batch_groups:
             raise ValueError("prompts per mini-batch must be a multiple of micro_batch_groups (groups are never split)")
         if self.min_micro_batch_groups > self.micro_batch_groups:
-            raise ValueError(f"min_micro_batch_groups ({self.min_micro_batch_groups}) must not exceed "
-                             f"micro_batch_groups ({self.micro_batch_groups})")
+            raise ValueError(
+                f"min_micro_batch_groups ({self.min_micro_batch_groups}) must not exceed "
+                f"micro_batch_groups ({self.micro_batch_groups})"
+            )
         return self
 
     @property
@@ -240,8 +248,10 @@ class TrainerSettings(StrictModel):
     """How long the trainer waits at start for the manager, the weights service and its ranks."""
 
     @model_validator(mode="after")
-    def _collectives_outwait_rollouts(self) -> "TrainerSettings":
+    def _collectives_outwait_rollouts(self) -> TrainerSettings:
         if self.collective_timeout_seconds <= self.rollout_timeout_seconds:
-            raise ValueError("collective_timeout_seconds must exceed rollout_timeout_seconds "
-                             "(ranks other than 0 wait in a collective while rank 0 waits for rollouts)")
+            raise ValueError(
+                "collective_timeout_seconds must exceed rollout_timeout_seconds "
+                "(ranks other than 0 wait in a collective while rank 0 waits for rollouts)"
+            )
         return self

@@ -46,8 +46,10 @@ class WeightsSettings(StrictModel):
     """Largest weight version accepted; a bigger manifest is refused before anything is allocated."""
 
     @model_validator(mode="after")
-    def _mooncake_sends_raw(self) -> "WeightsSettings":
+    def _mooncake_sends_raw(self) -> WeightsSettings:
         modes = {self.compression, *self.link_compression.values()}
         if self.backend == "mooncake" and modes != {"none"}:
-            raise ValueError("the mooncake backend writes raw bytes into registered memory: link compression needs backend tcp or grpc")
+            raise ValueError(
+                "the mooncake backend writes raw bytes into registered memory: link compression needs backend tcp or grpc"
+            )
         return self

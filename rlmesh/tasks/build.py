@@ -39,13 +39,19 @@ class PromptRenderer:
         try:
             return self.template.format(prompt=text, **prompt.metadata)
         except (KeyError, IndexError) as exc:
-            raise TaskError(f"task {self.task!r}: prompt.template names {exc} which prompt {prompt.uid} does not have "
-                            f"(fields: prompt, {', '.join(sorted(prompt.metadata))})") from exc
+            raise TaskError(
+                f"task {self.task!r}: prompt.template names {exc} which prompt {prompt.uid} does not have "
+                f"(fields: prompt, {', '.join(sorted(prompt.metadata))})"
+            ) from exc
 
     def text(self, prompt: TaskPrompt) -> str:
         if not self.chat:
             return self._fill(prompt, prompt.text)
-        messages = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": self._fill(prompt, prompt.text)}]
+        messages = (
+            list(prompt.messages)
+            if prompt.messages is not None
+            else [{"role": "user", "content": self._fill(prompt, prompt.text)}]
+        )
         if self.system and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.system})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -68,8 +74,10 @@ class PromptRenderer:
         ids = list(self.tokenizer.encode(text, add_special_tokens=not self.chat))
         unknown = getattr(self.tokenizer, "unk_token_id", None)
         if (unknown is not None and unknown in ids) or not self._round_trips(text, ids):
-            raise TaskError(f"task {self.task!r}: the model's tokenizer cannot encode prompt {prompt.uid} "
-                            f"({text[:60]!r}): it has characters outside its vocabulary")
+            raise TaskError(
+                f"task {self.task!r}: the model's tokenizer cannot encode prompt {prompt.uid} "
+                f"({text[:60]!r}): it has characters outside its vocabulary"
+            )
         if not ids:
             raise TaskError(f"task {self.task!r}: prompt {prompt.uid} renders to no tokens")
         return text, ids
@@ -113,19 +121,26 @@ def _source(config: TaskConfig, seed: int, search_path: Sequence[str]) -> Prompt
 
 def _reward(config: TaskConfig, search_path: Sequence[str]) -> RewardFunction:
     reward = config.reward
-    builtin = reward.builtin or ("increment" if config.kind == "increment" else "math" if config.kind == "word_problems" else None)
+    builtin = reward.builtin or (
+        "increment" if config.kind == "increment" else "math" if config.kind == "word_problems" else None
+    )
     if reward.function:
         from rlmesh.rewards.python import PythonReward, load_callable
 
         return PythonReward(load_callable(reward.function, search_path), reward.batched, reward.function)
     if reward.remote:
-        from rlmesh.rpc.credentials import user_service_token
         from rlmesh.rewards.remote import RemoteReward
+        from rlmesh.rpc.credentials import user_service_token
 
         # The guard's deadline covers every attempt of the call.
-        return RemoteReward(reward.remote, config.name, timeout_seconds=reward.timeout_seconds / reward.attempts,
-                            attempts=reward.attempts, backoff_seconds=0.2,
-                            bearer_token=user_service_token(reward.remote_credential, "reward.remote_credential"))
+        return RemoteReward(
+            reward.remote,
+            config.name,
+            timeout_seconds=reward.timeout_seconds / reward.attempts,
+            attempts=reward.attempts,
+            backoff_seconds=0.2,
+            bearer_token=user_service_token(reward.remote_credential, "reward.remote_credential"),
+        )
     if builtin == "increment":
         from rlmesh.rewards.builtin import IncrementReward
 
@@ -161,8 +176,18 @@ def build_task(config: TaskConfig, tokenizer: Any, job_seed: int = 0, search_pat
     if not source.held_out(1):
         raise TaskError(f"task {config.name!r} has no held-out prompts: set eval.path, eval.split or eval.holdout")
     reward = config.reward
-    guarded = None if inner is None else GuardedReward(config.name, inner, reward.timeout_seconds, reward.failure_reward,
-                                                       reward.max_error_rate, reward.error_window)
+    guarded = (
+        None
+        if inner is None
+        else GuardedReward(
+            config.name,
+            inner,
+            reward.timeout_seconds,
+            reward.failure_reward,
+            reward.max_error_rate,
+            reward.error_window,
+        )
+    )
     return Task(config, source, renderer, guarded, factory)
 
 
@@ -185,7 +210,9 @@ class TaskMixture:
         if len(self.tasks) == 1:
             chosen = self.tasks * count
         else:
-            chosen = random.Random(self.seed * 7_919 + step).choices(self.tasks, [t.config.weight for t in self.tasks], k=count)
+            chosen = random.Random(self.seed * 7_919 + step).choices(
+                self.tasks, [t.config.weight for t in self.tasks], k=count
+            )
         taken = {t.name: iter(t.source.take(sum(c is t for c in chosen))) for t in self.tasks}
         return [(task, next(taken[task.name])) for task in chosen]
 

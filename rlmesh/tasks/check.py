@@ -39,11 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlmesh.tasks.check", description=__doc__)
     parser.add_argument("--job", type=Path, required=True, help="the job as `rlmesh up` wrote it (job.json)")
     parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--search-path", action="append", default=[], help="where reward modules are found (the job file's folder)")
+    parser.add_argument(
+        "--search-path", action="append", default=[], help="where reward modules are found (the job file's folder)"
+    )
     args = parser.parse_args(argv)
     job = json.loads(args.job.read_text())
-    message = refusal([TaskConfig.model_validate(task) for task in job["tasks"]], job["algorithm"]["seed"], args.model_dir,
-                      args.search_path)
+    message = refusal(
+        [TaskConfig.model_validate(task) for task in job["tasks"]],
+        job["algorithm"]["seed"],
+        args.model_dir,
+        args.search_path,
+    )
     if message is not None:
         print(message, file=sys.stderr)
         return CHECK_FAILED

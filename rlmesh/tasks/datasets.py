@@ -79,8 +79,10 @@ def map_rows(rows: Sequence[Mapping[str, Any]], fields: Mapping[str, str], origi
     for index, row in enumerate(rows):
         missing = [column for column in fields.values() if column not in row]
         if missing:
-            raise DatasetError(f"{origin}: row {index} has no field {missing[0]!r} (fields mapped: "
-                               f"{dict(fields)}; the row has {sorted(row)})")
+            raise DatasetError(
+                f"{origin}: row {index} has no field {missing[0]!r} (fields mapped: "
+                f"{dict(fields)}; the row has {sorted(row)})"
+            )
         out = {name: row[column] for name, column in fields.items()}
         out.update({column: value for column, value in row.items() if column not in renamed and column not in out})
         mapped.append(out)
@@ -96,9 +98,13 @@ def row_prompt(uid: str, row: Mapping[str, Any]) -> TaskPrompt:
     if isinstance(value, str):
         return TaskPrompt(uid, text=value, metadata=metadata)
     if isinstance(value, list) and all(isinstance(m, Mapping) and {"role", "content"} <= set(m) for m in value):
-        return TaskPrompt(uid, messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in value], metadata=metadata)
-    raise DatasetError(f"prompt {uid}: the prompt field must be text or a list of {{role, content}} messages, "
-                       f"got {type(value).__name__}")
+        return TaskPrompt(
+            uid, messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in value], metadata=metadata
+        )
+    raise DatasetError(
+        f"prompt {uid}: the prompt field must be text or a list of {{role, content}} messages, "
+        f"got {type(value).__name__}"
+    )
 
 
 class DatasetSource(PromptSource):
@@ -113,11 +119,15 @@ class DatasetSource(PromptSource):
         ids = list(range(len(rows)))
         if evaluation.path or evaluation.split:
             origin = evaluation.path or f"{config.path} split {evaluation.split}"
-            held = map_rows(read_rows(evaluation.path or config.path, config.format, evaluation.split), config.fields, origin)
+            held = map_rows(
+                read_rows(evaluation.path or config.path, config.format, evaluation.split), config.fields, origin
+            )
             self._held_out = [row_prompt(f"eval-{i}", row) for i, row in enumerate(held)]
         else:
             if evaluation.holdout >= len(rows):
-                raise DatasetError(f"{config.path}: eval.holdout {evaluation.holdout} leaves no training rows ({len(rows)} in all)")
+                raise DatasetError(
+                    f"{config.path}: eval.holdout {evaluation.holdout} leaves no training rows ({len(rows)} in all)"
+                )
             shuffled = ids[:]
             random.Random(seed).shuffle(shuffled)
             set_aside = sorted(shuffled[: evaluation.holdout])

@@ -51,8 +51,10 @@ class IncrementSource(PromptSource):
                 return TaskPrompt(f"gen-{position}", text=problem.prompt, metadata={"answer": problem.answer})
 
     def held_out(self, count: int) -> list[TaskPrompt]:
-        return [TaskPrompt(f"eval-{i}", text=p.prompt, metadata={"answer": p.answer})
-                for i, p in enumerate(held_out_problems(min(count, HELD_OUT_COUNT)))]
+        return [
+            TaskPrompt(f"eval-{i}", text=p.prompt, metadata={"answer": p.answer})
+            for i, p in enumerate(held_out_problems(min(count, HELD_OUT_COUNT)))
+        ]
 
 
 def reward(response: str, answer: str) -> float:

@@ -15,7 +15,24 @@ HELD_OUT_COUNT = 256
 """Size of the fixed held-out set; training problems never repeat one of them."""
 INSTRUCTION = "Put the final answer in \\boxed{}."
 
-NAMES = ("Ana", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kim", "Leo", "Mia", "Noor", "Omar", "Pia")
+NAMES = (
+    "Ana",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jo",
+    "Kim",
+    "Leo",
+    "Mia",
+    "Noor",
+    "Omar",
+    "Pia",
+)
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards")
 CONTAINERS = (("bag", "bags"), ("box", "boxes"), ("pack", "packs"), ("jar", "jars"))
 
@@ -107,8 +124,10 @@ def _two_steps(rng: random.Random) -> WordProblem:
         total = friends * each
         had = rng.randint(1, total - 1)
         bought = total - had
-        text = (f"{name} has {had} {item} and buys {bought} more, then shares them equally among {friends} friends. "
-                f"How many {item} does each friend get?")
+        text = (
+            f"{name} has {had} {item} and buys {bought} more, then shares them equally among {friends} friends. "
+            f"How many {item} does each friend get?"
+        )
         return WordProblem("two_steps", text, ((had, "+", bought), (total, "/", friends)), each)
     other = rng.choice([n for n in NAMES if n != name])
     age, gap, years = rng.randint(5, 30), rng.randint(2, 9), rng.randint(2, 9)
@@ -117,7 +136,11 @@ def _two_steps(rng: random.Random) -> WordProblem:
 
 
 KINDS: dict[str, Callable[[random.Random], WordProblem]] = {
-    "shopping": _shopping, "sharing": _sharing, "ages": _ages, "rates": _rates, "two_steps": _two_steps,
+    "shopping": _shopping,
+    "sharing": _sharing,
+    "ages": _ages,
+    "rates": _rates,
+    "two_steps": _two_steps,
 }
 
 

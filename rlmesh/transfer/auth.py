@@ -85,5 +85,7 @@ class PushSession:
 def sender_session(endpoint: rollout_pb2.RankEndpoint, version: int) -> PushSession:
     """The sending side of the session a rank opened for `version`; its endpoint carries the secret."""
     if not endpoint.session_secret:
-        raise TransferError(f"rank {endpoint.tp_rank} offered no session secret; the data plane needs one to accept bytes")
+        raise TransferError(
+            f"rank {endpoint.tp_rank} offered no session secret; the data plane needs one to accept bytes"
+        )
     return PushSession(endpoint.session_secret, version, endpoint.tp_rank)

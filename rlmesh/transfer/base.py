@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.transfer.payload import bucket_ranges
 
 
 async def finish_in_thread(fn: Callable[..., Any], *args: Any, executor: Executor | None = None) -> Any:
@@ -22,7 +22,9 @@ async def finish_in_thread(fn: Callable[..., Any], *args: Any, executor: Executo
     cancelled, it still waits for the thread: the thread keeps reading or writing the buffer, which
     must not be reused before then."""
     loop = asyncio.get_running_loop()
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args) if executor is None else loop.run_in_executor(executor, fn, *args))
+    work = asyncio.ensure_future(
+        asyncio.to_thread(fn, *args) if executor is None else loop.run_in_executor(executor, fn, *args)
+    )
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

@@ -98,7 +98,9 @@ class BucketCodec:
         if not self.lossless and self.dtype not in _QUANTIZABLE_DTYPES:
             raise ValueError(f"{self.mode} quantization needs a float32, bfloat16 or float16 payload, got {self.dtype}")
         if not _MIN_ZSTD_LEVEL <= self.level <= zstandard.MAX_COMPRESSION_LEVEL:
-            raise ValueError(f"zstd level must be in [{_MIN_ZSTD_LEVEL}, {zstandard.MAX_COMPRESSION_LEVEL}], got {self.level}")
+            raise ValueError(
+                f"zstd level must be in [{_MIN_ZSTD_LEVEL}, {zstandard.MAX_COMPRESSION_LEVEL}], got {self.level}"
+            )
         if not 1 <= self.block <= 0xFFFF:
             raise ValueError(f"quantization block must be in [1, 65535] elements, got {self.block}")
 
@@ -112,7 +114,9 @@ class BucketCodec:
         raw = _bucket_bytes(raw, "raw")
         if self.mode == "delta":
             if previous is None:
-                raise ValueError("delta encoding needs `previous`, the same bucket of the receiver's version (send a full version with the zstd codec)")
+                raise ValueError(
+                    "delta encoding needs `previous`, the same bucket of the receiver's version (send a full version with the zstd codec)"
+                )
             previous = _bucket_bytes(previous, "previous")
             if previous.size != raw.size:
                 raise ValueError(f"previous bucket has {previous.size} bytes, raw has {raw.size}")
@@ -145,7 +149,9 @@ class BucketCodec:
         if raw_bytes != out.size:
             raise ValueError(f"blob is for a {raw_bytes}-byte bucket but out has {out.size} bytes")
         if tag != _RAW and element_size != self.dtype.itemsize:
-            raise ValueError(f"blob was encoded for {element_size}-byte elements, this codec's dtype {self.dtype} has {self.dtype.itemsize}")
+            raise ValueError(
+                f"blob was encoded for {element_size}-byte elements, this codec's dtype {self.dtype} has {self.dtype.itemsize}"
+            )
         body = blob[HEADER.size :]
         if tag == _RAW:
             if len(body) != raw_bytes:
@@ -164,7 +170,9 @@ class BucketCodec:
             np.bitwise_xor(previous, xor, out=out)
         elif tag == _SPARSE:
             if previous is None:
-                raise ValueError("blob is a sparse delta: decoding needs `previous`, the same bucket of the base version")
+                raise ValueError(
+                    "blob is a sparse delta: decoding needs `previous`, the same bucket of the base version"
+                )
             self._apply_sparse(body, _bucket_bytes(previous, "previous"), out)
         else:
             if block != self.block:
@@ -186,15 +194,20 @@ class BucketCodec:
     def _apply_sparse(self, body: memoryview, previous: np.ndarray, out: np.ndarray) -> None:
         size = self.dtype.itemsize
         if len(body) % (4 + size) or out.size % size:
-            raise ValueError(f"corrupt blob: sparse body of {len(body)} bytes is not whole (index, value) pairs of {4 + size} bytes")
+            raise ValueError(
+                f"corrupt blob: sparse body of {len(body)} bytes is not whole (index, value) pairs of {4 + size} bytes"
+            )
         if previous.size != out.size:
             raise ValueError(f"previous bucket has {previous.size} bytes, blob is for {out.size}")
         count = len(body) // (4 + size)
         if previous.ctypes.data != out.ctypes.data:
             out[:] = previous
         try:
-            np.put(out.view(_WORD_TYPES[size]), np.frombuffer(body, dtype=np.uint32, count=count),
-                   np.frombuffer(body, dtype=_WORD_TYPES[size], offset=4 * count))
+            np.put(
+                out.view(_WORD_TYPES[size]),
+                np.frombuffer(body, dtype=np.uint32, count=count),
+                np.frombuffer(body, dtype=_WORD_TYPES[size], offset=4 * count),
+            )
         except IndexError as error:
             raise ValueError(f"corrupt blob: {error}") from error
 
@@ -241,7 +254,9 @@ class BucketCodec:
         count = raw_bytes // self.dtype.itemsize
         block_count = math.ceil(count / self.block)
         if len(body) != 4 * block_count + count:
-            raise ValueError(f"corrupt blob: quantized body has {len(body)} bytes, expected {4 * block_count + count} for {count} elements")
+            raise ValueError(
+                f"corrupt blob: quantized body has {len(body)} bytes, expected {4 * block_count + count} for {count} elements"
+            )
         # One copy makes the body writable and aligned, as torch needs.
         body_bytes = torch.from_numpy(np.frombuffer(body, dtype=np.uint8).copy())
         scales = body_bytes[: 4 * block_count].view(torch.float32)
@@ -293,7 +308,6 @@ class DeltaSchedule:
             return False
         self._deltas_since_full[link] = deltas + 1
         return True
-
 
     def forget(self, link: str) -> None:
         """Drops a link that went away; if it comes back its first version goes in full."""
@@ -349,7 +363,9 @@ class CompressionReport:
 
 def _bucket_bytes(array: np.ndarray, name: str) -> np.ndarray:
     if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D uint8 numpy array, got {getattr(array, 'dtype', type(array).__name__)} with shape {getattr(array, 'shape', None)}")
+        raise ValueError(
+            f"{name} must be a 1-D uint8 numpy array, got {getattr(array, 'dtype', type(array).__name__)} with shape {getattr(array, 'shape', None)}"
+        )
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous")
     return array
@@ -363,7 +379,9 @@ def _split_planes(data: np.ndarray, element_size: int) -> np.ndarray:
     planes = np.empty(data.size, dtype=np.uint8)
     # Shifting whole words is ~4x faster than a strided transpose copy (measured on bf16).
     for plane in range(element_size):
-        np.right_shift(words, 8 * (element_size - 1 - plane), out=planes[plane * count : (plane + 1) * count], casting="unsafe")
+        np.right_shift(
+            words, 8 * (element_size - 1 - plane), out=planes[plane * count : (plane + 1) * count], casting="unsafe"
+        )
     planes[count * element_size :] = data[count * element_size :]
     return planes
 
@@ -377,7 +395,9 @@ def _join_planes(planes: np.ndarray, element_size: int, out: np.ndarray) -> None
     words = out[: count * element_size].view(word_type)
     np.left_shift(planes[:count], 8 * (element_size - 1), out=words, dtype=word_type)
     for plane in range(1, element_size):
-        shifted = np.left_shift(planes[plane * count : (plane + 1) * count], 8 * (element_size - 1 - plane), dtype=word_type)
+        shifted = np.left_shift(
+            planes[plane * count : (plane + 1) * count], 8 * (element_size - 1 - plane), dtype=word_type
+        )
         np.bitwise_or(words, shifted, out=words)
     out[count * element_size :] = planes[count * element_size :]
 

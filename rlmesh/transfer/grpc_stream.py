@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Callable, Iterable
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import STREAM_CHUNK_BYTES
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import call_options
 from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender
+from rlmesh.transfer.payload import STREAM_CHUNK_BYTES
 
 
 class GrpcStreamSender(WeightSender):
@@ -43,10 +43,19 @@ class GrpcStreamSender(WeightSender):
                 offset, raw_bytes, compression, base_version, data = frame
                 pieces = range(0, raw_bytes, STREAM_CHUNK_BYTES) if compression == common_pb2.COMPRESSION_NONE else [0]
                 for start in pieces:
-                    piece = bytes(data[start : start + STREAM_CHUNK_BYTES]) if compression == common_pb2.COMPRESSION_NONE else bytes(data)
+                    piece = (
+                        bytes(data[start : start + STREAM_CHUNK_BYTES])
+                        if compression == common_pb2.COMPRESSION_NONE
+                        else bytes(data)
+                    )
                     yield rollout_pb2.PushWeightChunksRequest(
-                        version=version, offset=offset + start, data=piece, tp_rank=rank, compression=compression,
-                        raw_bytes=len(piece) if compression == common_pb2.COMPRESSION_NONE else raw_bytes, base_version=base_version,
+                        version=version,
+                        offset=offset + start,
+                        data=piece,
+                        tp_rank=rank,
+                        compression=compression,
+                        raw_bytes=len(piece) if compression == common_pb2.COMPRESSION_NONE else raw_bytes,
+                        base_version=base_version,
                     )
 
         reply = await stub.PushWeightChunks(requests(), **call_options(timeout))

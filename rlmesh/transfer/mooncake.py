@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterable
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import bucket_ranges
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.auth import sender_session
 from rlmesh.transfer.base import Frame, ReceiveBuffer, Superseded, TransferError, WeightSender, finish_in_thread
+from rlmesh.transfer.payload import bucket_ranges
 
 # Mooncake logs every connection at INFO; keep service logs readable (it reads this at import).
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -106,7 +106,9 @@ class MooncakeSender(WeightSender):
         if not endpoint.transfer_session or not endpoint.buffer_address:
             raise TransferError(f"rank {endpoint.tp_rank} offered no Mooncake session or buffer")
         if endpoint.buffer_bytes < manifest.total_bytes:
-            raise TransferError(f"rank {endpoint.tp_rank}'s buffer holds {endpoint.buffer_bytes} of {manifest.total_bytes} bytes")
+            raise TransferError(
+                f"rank {endpoint.tp_rank}'s buffer holds {endpoint.buffer_bytes} of {manifest.total_bytes} bytes"
+            )
         session = sender_session(endpoint, manifest.version)
         self.endpoint.register(payload)
         ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
@@ -120,7 +122,9 @@ class MooncakeSender(WeightSender):
             # the thread, and the payload must stay untouched until it ends. The batch's tags are
             # computed while it is written.
             _, batch_tags = await asyncio.gather(
-                finish_in_thread(self.endpoint.write, endpoint.transfer_session, payload.data_ptr(), endpoint.buffer_address, batch),
+                finish_in_thread(
+                    self.endpoint.write, endpoint.transfer_session, payload.data_ptr(), endpoint.buffer_address, batch
+                ),
                 finish_in_thread(session.bucket_tags, data, batch, start),
             )
             tags += batch_tags

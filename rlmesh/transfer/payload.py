@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterator, Mapping
 
 import numpy as np
 import torch
+
 # zlib's crc32 (the same values) computed with ISA-L's SIMD code: about 8x faster here (28 GB/s
 # against 3.6), which keeps per-bucket checks off the transfer's critical path.
 from isal.isal_zlib import crc32
@@ -31,7 +32,9 @@ class PayloadError(ValueError):
     """A manifest or payload that is inconsistent, incomplete or corrupted."""
 
 
-def pack_layout(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> common_pb2.WeightManifest:
+def pack_layout(
+    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> common_pb2.WeightManifest:
     """A manifest placing tensors of these shapes and dtypes in order; checksums are left to fill."""
     manifest = common_pb2.WeightManifest(version=version, bucket_bytes=bucket_bytes)
     end = 0
@@ -46,7 +49,9 @@ def pack_layout(layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], versi
     return manifest
 
 
-def pack(tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
+def pack(
+    tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[common_pb2.WeightManifest, torch.Tensor]:
     """Copies tensors into one contiguous uint8 payload and describes it."""
     manifest = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version, bucket_bytes)
     payload = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
@@ -98,7 +103,9 @@ def validate_manifest(manifest: common_pb2.WeightManifest) -> None:
         if spec.nbytes != expected:
             raise PayloadError(f"{spec.name}: nbytes {spec.nbytes} does not match shape and dtype ({expected})")
         if spec.offset != aligned(end):
-            raise PayloadError(f"{spec.name}: offset {spec.offset}, expected {aligned(end)} (in order, {ALIGNMENT}-byte aligned)")
+            raise PayloadError(
+                f"{spec.name}: offset {spec.offset}, expected {aligned(end)} (in order, {ALIGNMENT}-byte aligned)"
+            )
         end = spec.offset + spec.nbytes
     if end != manifest.total_bytes:
         raise PayloadError(f"tensors end at byte {end} but total_bytes is {manifest.total_bytes}")
@@ -123,7 +130,7 @@ def unpack(manifest: common_pb2.WeightManifest, payload: torch.Tensor) -> dict[s
 
 
 def name_mismatch(expected: Collection[str], offered: Collection[str]) -> str | None:
-    """"missing [...], unknown [...]" (five of each at most) when the two sets of tensor names
+    """ "missing [...], unknown [...]" (five of each at most) when the two sets of tensor names
     differ, None when they are the same."""
     missing, unknown = set(expected) - set(offered), set(offered) - set(expected)
     if not missing and not unknown:

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import crc32, PayloadError, bucket_ranges, torch_dtype, unpack, validate_manifest
 from rlmesh.transfer.auth import PushSession, UnprovenPayload
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
 from rlmesh.transfer.codecs import BucketCodec
+from rlmesh.transfer.payload import PayloadError, bucket_ranges, crc32, torch_dtype, unpack, validate_manifest
 
 MODE_OF_CODE = {
     common_pb2.COMPRESSION_UNSPECIFIED: "none",
@@ -73,8 +73,14 @@ class RankReceiver:
     def manifest(self) -> common_pb2.WeightManifest | None:
         return self._manifest
 
-    def prepare(self, manifest: common_pb2.WeightManifest, buffer: ReceiveBuffer, base_version: int, secret: bytes,
-                proven_at_commit: bool = False) -> None:
+    def prepare(
+        self,
+        manifest: common_pb2.WeightManifest,
+        buffer: ReceiveBuffer,
+        base_version: int,
+        secret: bytes,
+        proven_at_commit: bool = False,
+    ) -> None:
         """Arms `buffer` (at least the payload's size) for a version validated by the caller
         against the model; `base_version` is the version the buffer holds, which a delta may be
         applied to (-1: none). From here until the version is verified the buffer holds none.
@@ -86,7 +92,9 @@ class RankReceiver:
         except PayloadError as exc:
             raise TransferError(f"rank {self.rank} manifest: {exc}") from exc
         if buffer.tensor.numel() < manifest.total_bytes:
-            raise TransferError(f"rank {self.rank}: a {buffer.tensor.numel()}-byte buffer cannot hold {manifest.total_bytes} bytes")
+            raise TransferError(
+                f"rank {self.rank}: a {buffer.tensor.numel()}-byte buffer cannot hold {manifest.total_bytes} bytes"
+            )
         session = PushSession(secret, manifest.version, self.rank)
         ranges = bucket_ranges(manifest.total_bytes, manifest.bucket_bytes)
         with self._lock:
@@ -109,8 +117,15 @@ class RankReceiver:
         with self._lock:
             return sum(self._verified) - len(self._bad), len(self._verified)
 
-    def write(self, version: int, offset: int, data: bytes | memoryview, compression: int = common_pb2.COMPRESSION_NONE,
-              raw_bytes: int = 0, base_version: int = -1) -> None:
+    def write(
+        self,
+        version: int,
+        offset: int,
+        data: bytes | memoryview,
+        compression: int = common_pb2.COMPRESSION_NONE,
+        raw_bytes: int = 0,
+        base_version: int = -1,
+    ) -> None:
         """Places (and decodes) bytes at `offset`. Compressed data must be one whole bucket."""
         mode = MODE_OF_CODE.get(compression)
         if mode is None:
@@ -135,7 +150,9 @@ class RankReceiver:
     def _region(self, version: int, offset: int, nbytes: int) -> tuple[common_pb2.WeightManifest, np.ndarray]:
         manifest = self._expect(version)
         if offset < 0 or offset + nbytes > manifest.total_bytes:
-            raise TransferError(f"bytes [{offset}, {offset + nbytes}) are outside the payload of {manifest.total_bytes} bytes")
+            raise TransferError(
+                f"bytes [{offset}, {offset + nbytes}) are outside the payload of {manifest.total_bytes} bytes"
+            )
         assert self.buffer is not None
         return manifest, self.buffer.tensor.numpy()[offset : offset + nbytes]
 
@@ -182,10 +199,14 @@ class RankReceiver:
             session, tags = self.session, self._tags
             if not bad and tags is not None and session is not None and not session.proves(tags, proof):
                 if not proof:
-                    raise UnprovenPayload(f"rank {self.rank}: the commit carries no proof of the bytes this push wrote; "
-                                          "Mooncake pushes send one per rank (CommitWeightUpdateRequest.rank_proofs)")
-                raise UnprovenPayload(f"rank {self.rank}: the commit's proof does not match the bytes in the standby buffer: "
-                                      "they are not all the push session's")
+                    raise UnprovenPayload(
+                        f"rank {self.rank}: the commit carries no proof of the bytes this push wrote; "
+                        "Mooncake pushes send one per rank (CommitWeightUpdateRequest.rank_proofs)"
+                    )
+                raise UnprovenPayload(
+                    f"rank {self.rank}: the commit's proof does not match the bytes in the standby buffer: "
+                    "they are not all the push session's"
+                )
             self.held_version = manifest.version if not bad else -1
             return bad
 
@@ -198,11 +219,21 @@ class RankReceiver:
     def _expect(self, version: int) -> common_pb2.WeightManifest:
         manifest = self._manifest
         if manifest is None or manifest.version != version:
-            raise TransferError(f"rank {self.rank} expects version {manifest.version if manifest else None}, not {version}")
+            raise TransferError(
+                f"rank {self.rank} expects version {manifest.version if manifest else None}, not {version}"
+            )
         return manifest
 
-    def _decode(self, mode: str, manifest: common_pb2.WeightManifest, offset: int, raw_bytes: int, data: bytes | memoryview,
-                target: np.ndarray, base_version: int) -> None:
+    def _decode(
+        self,
+        mode: str,
+        manifest: common_pb2.WeightManifest,
+        offset: int,
+        raw_bytes: int,
+        data: bytes | memoryview,
+        target: np.ndarray,
+        base_version: int,
+    ) -> None:
         if mode in ("int8", "fp8") and not self.accept_lossy:
             raise TransferError(f"{mode} is lossy and this engine does not serve quantized weights")
         if offset % manifest.bucket_bytes:

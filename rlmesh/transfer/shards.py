@@ -31,9 +31,15 @@ class LocalShard:
 
 def layout_to_proto(shape: ModelShape) -> weights_pb2.ModelLayout:
     return weights_pb2.ModelLayout(
-        family=shape.family, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate_size,
-        vocab_size=shape.vocab_size, num_hidden_layers=shape.num_layers, tie_word_embeddings=shape.tie_word_embeddings,
+        family=shape.family,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        num_hidden_layers=shape.num_layers,
+        tie_word_embeddings=shape.tie_word_embeddings,
         attention_bias=shape.attention_bias,
     )
 
@@ -41,14 +47,22 @@ def layout_to_proto(shape: ModelShape) -> weights_pb2.ModelLayout:
 def layout_from_proto(layout: weights_pb2.ModelLayout) -> ModelShape:
     """Raises ValueError naming the field when the layout is incomplete or inconsistent."""
     return ModelShape(
-        hidden_size=layout.hidden_size, num_heads=layout.num_attention_heads, num_kv_heads=layout.num_key_value_heads,
-        head_dim=layout.head_dim, intermediate_size=layout.intermediate_size, vocab_size=layout.vocab_size,
-        num_layers=layout.num_hidden_layers, tie_word_embeddings=layout.tie_word_embeddings,
-        attention_bias=layout.attention_bias, family=layout.family,
+        hidden_size=layout.hidden_size,
+        num_heads=layout.num_attention_heads,
+        num_kv_heads=layout.num_key_value_heads,
+        head_dim=layout.head_dim,
+        intermediate_size=layout.intermediate_size,
+        vocab_size=layout.vocab_size,
+        num_layers=layout.num_hidden_layers,
+        tie_word_embeddings=layout.tie_word_embeddings,
+        attention_bias=layout.attention_bias,
+        family=layout.family,
     )
 
 
-def shard_specs(shards: Mapping[str, LocalShard], dtype: torch.dtype | None = None) -> tuple[list[weights_pb2.ShardSpec], int]:
+def shard_specs(
+    shards: Mapping[str, LocalShard], dtype: torch.dtype | None = None
+) -> tuple[list[weights_pb2.ShardSpec], int]:
     """Where each shard lies in the payload, and the payload's size; each shard is laid out in
     `dtype` (None: its own)."""
     specs, end = [], 0
@@ -58,10 +72,17 @@ def shard_specs(shards: Mapping[str, LocalShard], dtype: torch.dtype | None = No
             raise ValueError(f"{name}: dtype {stored} is not supported")
         nbytes = shard.tensor.numel() * torch.empty(0, dtype=stored).element_size()
         offset = aligned(end)
-        specs.append(weights_pb2.ShardSpec(
-            name=name, dtype=DTYPE_CODES[stored], full_shape=list(shard.full_shape),
-            row_start=shard.row_start, row_end=shard.row_end, offset=offset, nbytes=nbytes,
-        ))
+        specs.append(
+            weights_pb2.ShardSpec(
+                name=name,
+                dtype=DTYPE_CODES[stored],
+                full_shape=list(shard.full_shape),
+                row_start=shard.row_start,
+                row_end=shard.row_end,
+                offset=offset,
+                nbytes=nbytes,
+            )
+        )
         end = offset + nbytes
     return specs, end
 
@@ -72,7 +93,7 @@ def write_payload(shards: Mapping[str, LocalShard], specs: list[weights_pb2.Shar
     for spec, shard in zip(specs, shards.values()):
         if spec.nbytes:
             target[spec.offset : spec.offset + spec.nbytes].copy_(as_bytes(shard.tensor, torch_dtype(spec.dtype)))
-    return crc32(target[:payload_bytes(specs)].numpy())
+    return crc32(target[: payload_bytes(specs)].numpy())
 
 
 def as_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,10 +127,16 @@ def validate_header(header: weights_pb2.ShardsHeader) -> ModelShape:
             raise ValueError(f"{spec.name}: bad full shape {list(spec.full_shape)}")
         expected_rows = fsdp_rows(spec.full_shape[0], header.world_size, header.rank)
         if (spec.row_start, spec.row_end) != expected_rows:
-            raise ValueError(f"{spec.name}: rows [{spec.row_start}, {spec.row_end}) but FSDP rank {header.rank} of "
-                             f"{header.world_size} holds [{expected_rows[0]}, {expected_rows[1]})")
+            raise ValueError(
+                f"{spec.name}: rows [{spec.row_start}, {spec.row_end}) but FSDP rank {header.rank} of "
+                f"{header.world_size} holds [{expected_rows[0]}, {expected_rows[1]})"
+            )
         row_elements = int(np.prod(spec.full_shape[1:], dtype=np.int64)) if len(spec.full_shape) > 1 else 1
-        expected = (spec.row_end - spec.row_start) * row_elements * torch.empty(0, dtype=torch_dtype(spec.dtype)).element_size()
+        expected = (
+            (spec.row_end - spec.row_start)
+            * row_elements
+            * torch.empty(0, dtype=torch_dtype(spec.dtype)).element_size()
+        )
         if spec.nbytes != expected:
             raise ValueError(f"{spec.name}: nbytes {spec.nbytes} does not match its rows and dtype ({expected})")
         if spec.offset != aligned(end):

@@ -25,7 +25,7 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.auth import MAC_BYTES, NONCE_BYTES, PushSession, new_nonce, sender_session
-from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, finish_in_thread, background_thread
+from rlmesh.transfer.base import Frame, Superseded, TransferError, WeightSender, background_thread, finish_in_thread
 from rlmesh.transfer.receiver import RankReceiver
 
 log = structlog.get_logger()
@@ -64,8 +64,13 @@ class TcpListener:
     """Accepts connections for one rank's receiver; each connection proves the push session, then
     carries one version's buckets."""
 
-    def __init__(self, host: str, receiver: RankReceiver, advertise_host: str = "",
-                 challenge_timeout: float = CHALLENGE_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self,
+        host: str,
+        receiver: RankReceiver,
+        advertise_host: str = "",
+        challenge_timeout: float = CHALLENGE_TIMEOUT_SECONDS,
+    ) -> None:
         """Binds `host` on a free port; peers are told `advertise_host` (default: `host`)."""
         self.receiver = receiver
         self.challenge_timeout = challenge_timeout
@@ -85,7 +90,9 @@ class TcpListener:
                 connection, peer = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(connection, peer), name=f"tcp-rank{self.receiver.rank}-conn", daemon=True).start()
+            threading.Thread(
+                target=self._handle, args=(connection, peer), name=f"tcp-rank{self.receiver.rank}-conn", daemon=True
+            ).start()
 
     def _handle(self, connection: socket.socket, peer: tuple) -> None:
         if self.receiver.background:
@@ -98,8 +105,12 @@ class TcpListener:
                 with self._one_transfer:
                     self._serve(connection, session)
             except _Refused as exc:
-                log.warning("weight connection refused: it did not prove the push session", rank=self.receiver.rank,
-                            peer=f"{peer[0]}:{peer[1]}", reason=str(exc))
+                log.warning(
+                    "weight connection refused: it did not prove the push session",
+                    rank=self.receiver.rank,
+                    peer=f"{peer[0]}:{peer[1]}",
+                    reason=str(exc),
+                )
             except (ConnectionError, OSError) as exc:
                 log.warning("weight transfer connection broke", rank=self.receiver.rank, error=str(exc))
 
@@ -141,7 +152,9 @@ class TcpListener:
             consumed = False
             try:
                 if self.receiver.session is not session:
-                    raise TransferError(f"the push session this connection proved (version {session.version}) was superseded")
+                    raise TransferError(
+                        f"the push session this connection proved (version {session.version}) was superseded"
+                    )
                 if compression in (common_pb2.COMPRESSION_NONE, common_pb2.COMPRESSION_UNSPECIFIED):
                     if encoded_bytes != raw_bytes:
                         raise TransferError(f"raw frame of {encoded_bytes} bytes declares {raw_bytes}")
@@ -180,8 +193,13 @@ class TcpListener:
         self._server.close()
 
 
-def send_frames(address: str, session: PushSession, frames: Iterable[Frame], timeout: float,
-                cancelled: Callable[[], bool] = lambda: False) -> int:
+def send_frames(
+    address: str,
+    session: PushSession,
+    frames: Iterable[Frame],
+    timeout: float,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> int:
     """Proves `session` to a rank, sends its version's frames and waits for its status; returns
     bytes landed. Blocking: run it on a thread. `cancelled` is polled between frames (a newer version)."""
     version = session.version
@@ -193,8 +211,10 @@ def send_frames(address: str, session: PushSession, frames: Iterable[Frame], tim
             _recv_exactly(sock, memoryview(nonce))
             sock.sendall(session.answer(bytes(nonce)))
             if sock.recv(len(ACCEPTED)) != ACCEPTED:
-                raise TransferError(f"rank at {address} refused the answer to its challenge for version {version} "
-                                    "(a push session it no longer holds)")
+                raise TransferError(
+                    f"rank at {address} refused the answer to its challenge for version {version} "
+                    "(a push session it no longer holds)"
+                )
             for offset, raw_bytes, compression, base_version, data in frames:
                 if cancelled():
                     raise Superseded(f"push of version {version} was superseded")
@@ -219,7 +239,9 @@ class TcpSender(WeightSender):
 
     def __init__(self, background: bool = False) -> None:
         """`background`: send on idle-class threads."""
-        self._threads = ThreadPoolExecutor(thread_name_prefix="tcp-send", initializer=background_thread if background else None)
+        self._threads = ThreadPoolExecutor(
+            thread_name_prefix="tcp-send", initializer=background_thread if background else None
+        )
 
     async def send_rank(
         self,
@@ -234,7 +256,9 @@ class TcpSender(WeightSender):
         if not endpoint.data_address:
             raise TransferError(f"rank {endpoint.tp_rank} offered no TCP data address")
         session = sender_session(endpoint, manifest.version)
-        landed = await finish_in_thread(send_frames, endpoint.data_address, session, frames, timeout, cancelled, executor=self._threads)
+        landed = await finish_in_thread(
+            send_frames, endpoint.data_address, session, frames, timeout, cancelled, executor=self._threads
+        )
         if landed != manifest.total_bytes:
             raise TransferError(f"rank {endpoint.tp_rank} landed {landed} of {manifest.total_bytes} bytes")
         return b""

@@ -16,9 +16,9 @@ from rlmesh.errors import InvalidArgument
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import call_options, open_channel
 from services.manager.config import ManagerConfig
-from services.manager.instance_stream import InstanceStream
 from services.manager.domain.records import Assignment, Instance, SampleRequest
 from services.manager.domain.state import ManagerState
+from services.manager.instance_stream import InstanceStream
 
 log = structlog.get_logger()
 
@@ -42,7 +42,9 @@ class Changes:
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS})
+_FAULTS = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS}
+)
 """Codes of an instance that is up but cannot serve the request (a dead engine answers INTERNAL to
 everything): they count towards its quarantine. A deadline (the stream's rotation), a cancel, a
 lost connection, a drain or an instance predating GenerateMany (UNIMPLEMENTED) do not."""
@@ -93,7 +95,9 @@ class Dispatcher:
             return stream
         if stream is not None:
             stream.retire()
-        stream = InstanceStream(self._stub(instance.address), self.config.generate_timeout_seconds, self._received, self._stream_ended)
+        stream = InstanceStream(
+            self._stub(instance.address), self.config.generate_timeout_seconds, self._received, self._stream_ended
+        )
         self._instance_streams[key] = stream
         self._open_streams[stream] = key
         return stream
@@ -138,8 +142,14 @@ class Dispatcher:
         request, instance = assignment.request, assignment.instance
         known_version = instance.weight_version
         try:
-            goes_on = self.state.record_chunk(request.request_id, assignment.attempt, list(chunk.token_ids), list(chunk.logprobs),
-                                              list(chunk.weight_versions), chunk.finish_reason)
+            goes_on = self.state.record_chunk(
+                request.request_id,
+                assignment.attempt,
+                list(chunk.token_ids),
+                list(chunk.logprobs),
+                list(chunk.weight_versions),
+                chunk.finish_reason,
+            )
         except InvalidArgument as exc:
             log.error("instance sent a malformed chunk", error=str(exc), instance_id=instance.instance_id)
             self.state.stream_lost(request.request_id, assignment.attempt)
@@ -152,7 +162,10 @@ class Dispatcher:
 
     def _forget(self, stream: InstanceStream, engine_request_id: str) -> Assignment | None:
         assignment = stream.ended(engine_request_id)
-        if assignment is not None and self._stream_of.get(assignment.request.request_id, (None, ""))[1] == engine_request_id:
+        if (
+            assignment is not None
+            and self._stream_of.get(assignment.request.request_id, (None, ""))[1] == engine_request_id
+        ):
             del self._stream_of[assignment.request.request_id]
         return assignment
 
@@ -162,11 +175,21 @@ class Dispatcher:
             assignment = self._forget(stream, engine_request_id)
             if assignment is None:
                 continue
-            if error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED and assignment.instance.address not in self._single_request_addresses:
-                log.info("instance predates GenerateMany; one Generate stream per request", instance_id=assignment.instance.instance_id)
+            if (
+                error is not None
+                and error.code() == grpc.StatusCode.UNIMPLEMENTED
+                and assignment.instance.address not in self._single_request_addresses
+            ):
+                log.info(
+                    "instance predates GenerateMany; one Generate stream per request",
+                    instance_id=assignment.instance.instance_id,
+                )
                 self._single_request_addresses.add(assignment.instance.address)
-            self._refused(assignment, error.code() if error else grpc.StatusCode.CANCELLED,
-                          error.details() if error else "the stream ended before the request finished")
+            self._refused(
+                assignment,
+                error.code() if error else grpc.StatusCode.CANCELLED,
+                error.details() if error else "the stream ended before the request finished",
+            )
         self.dispatch()
         self.changes.notify()
 
@@ -178,7 +201,11 @@ class Dispatcher:
     def close_streams(self, instance_id: str, keep_incarnation: int | None = None) -> None:
         """Ends the streams to the incarnations of an instance that left the pool (all but
         `keep_incarnation`); the state already requeued what they ran."""
-        for stream in [s for s, (i, incarnation) in self._open_streams.items() if i == instance_id and incarnation != keep_incarnation]:
+        for stream in [
+            s
+            for s, (i, incarnation) in self._open_streams.items()
+            if i == instance_id and incarnation != keep_incarnation
+        ]:
             self._discard(stream)
             for engine_request_id in list(stream.assignments):
                 self._forget(stream, engine_request_id)
@@ -189,20 +216,35 @@ class Dispatcher:
         request, attempt, instance = assignment.request, assignment.attempt, assignment.instance
         if code == grpc.StatusCode.ABORTED and request.exact_version:
             if self.state.version_refused(request.request_id, attempt):
-                log.info("instance moved on from an exact-version request's version", request=request.request_id,
-                         instance_id=instance.instance_id, weight_version=request.policy_version, error=details)
+                log.info(
+                    "instance moved on from an exact-version request's version",
+                    request=request.request_id,
+                    instance_id=instance.instance_id,
+                    weight_version=request.policy_version,
+                    error=details,
+                )
             return
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             if self.state.reject(request.request_id, attempt, details):
-                log.warning("instance refused a session's turn; the session ends" if request.session_id
-                            else "instance refused a request; its batch fails", request=request.request_id, error=details)
+                log.warning(
+                    "instance refused a session's turn; the session ends"
+                    if request.session_id
+                    else "instance refused a request; its batch fails",
+                    request=request.request_id,
+                    error=details,
+                )
             return
         if code in _FAULTS:
             self._failed(assignment, code, details)
             return
         if self.state.stream_lost(request.request_id, attempt):
-            log.warning("stream failed; request continues elsewhere", request=request.request_id,
-                        instance_id=instance.instance_id, code=code.name, tokens_kept=len(request.token_ids))
+            log.warning(
+                "stream failed; request continues elsewhere",
+                request=request.request_id,
+                instance_id=instance.instance_id,
+                code=code.name,
+                tokens_kept=len(request.token_ids),
+            )
         if code == grpc.StatusCode.UNAVAILABLE:
             self._drop_gone(instance, "instance unreachable; dropped")
         elif code == grpc.StatusCode.PERMISSION_DENIED:
@@ -215,14 +257,31 @@ class Dispatcher:
         if failure is None:
             return
         if failure.batch_failed:
-            log.error("a sample failed on attempt after attempt; its batch fails", request=request.request_id,
-                      instance_id=instance.instance_id, code=code.name, error=details)
+            log.error(
+                "a sample failed on attempt after attempt; its batch fails",
+                request=request.request_id,
+                instance_id=instance.instance_id,
+                code=code.name,
+                error=details,
+            )
         else:
-            log.warning("request failed; it continues elsewhere", request=request.request_id, instance_id=instance.instance_id,
-                        code=code.name, error=details, tokens_kept=len(request.token_ids))
+            log.warning(
+                "request failed; it continues elsewhere",
+                request=request.request_id,
+                instance_id=instance.instance_id,
+                code=code.name,
+                error=details,
+                tokens_kept=len(request.token_ids),
+            )
         if failure.quarantine_seconds:
-            log.error("instance quarantined: its requests fail one after another", instance_id=instance.instance_id,
-                      seconds=failure.quarantine_seconds, quarantines=instance.quarantines, code=code.name, error=details)
+            log.error(
+                "instance quarantined: its requests fail one after another",
+                instance_id=instance.instance_id,
+                seconds=failure.quarantine_seconds,
+                quarantines=instance.quarantines,
+                code=code.name,
+                error=details,
+            )
 
     def cancel(self, requests: list[SampleRequest]) -> None:
         """Stops the requests that were taken away from their instance."""
@@ -257,7 +316,10 @@ class Dispatcher:
 
     async def _abort_for_migration(self, request: SampleRequest, address: str, engine_request_id: str) -> None:
         try:
-            await self._stub(address).Abort(rollout_pb2.AbortRequest(request_ids=[engine_request_id]), **call_options(self.config.rpc_timeout_seconds))
+            await self._stub(address).Abort(
+                rollout_pb2.AbortRequest(request_ids=[engine_request_id]),
+                **call_options(self.config.rpc_timeout_seconds),
+            )
             log.info("straggler moved", request=request.request_id, to=request.migrate_to)
         except grpc.aio.AioRpcError as exc:
             log.warning("straggler abort failed; it stays", request=request.request_id, code=exc.code().name)
@@ -267,7 +329,9 @@ class Dispatcher:
         """One request on its own Generate stream."""
         request, attempt, instance = assignment.request, assignment.attempt, assignment.instance
         try:
-            stream = self._stub(instance.address).Generate(self._generate_request(assignment), **call_options(self.config.generate_timeout_seconds))
+            stream = self._stub(instance.address).Generate(
+                self._generate_request(assignment), **call_options(self.config.generate_timeout_seconds)
+            )
             async for response in stream:
                 if not self._record(assignment, response.chunk):
                     stream.cancel()

@@ -25,9 +25,13 @@ class InstanceStream:
     that finishes them, a refusal, or the end of the stream: a request cancelled here still
     delivers its last (ABORT) chunk, whose tokens the state counts as discarded."""
 
-    def __init__(self, stub: rollout_pb2_grpc.RolloutServiceStub, timeout_seconds: float,
-                 on_response: Callable[[InstanceStream, rollout_pb2.GenerateManyResponse], None],
-                 on_end: Callable[[InstanceStream, grpc.aio.AioRpcError | None], None]) -> None:
+    def __init__(
+        self,
+        stub: rollout_pb2_grpc.RolloutServiceStub,
+        timeout_seconds: float,
+        on_response: Callable[[InstanceStream, rollout_pb2.GenerateManyResponse], None],
+        on_end: Callable[[InstanceStream, grpc.aio.AioRpcError | None], None],
+    ) -> None:
         self.assignments: dict[str, Assignment] = {}
         self.retire_at = time.monotonic() + timeout_seconds * TAKES_REQUESTS_FOR
         self._call = stub.GenerateMany(**call_options(timeout_seconds))

@@ -5,17 +5,17 @@ version, the instance registry and multi-turn sessions with their running turns)
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 import sqlite3
 from array import array
+from dataclasses import asdict
 from pathlib import Path
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from rlmesh.manager.v1 import manager_pb2
+from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
 from services.manager.domain.records import Batch, Instance, SampleRequest
-from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.sessions import Limits, Session
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import take_progress, trajectory
@@ -25,15 +25,19 @@ FORMAT = 6
 
 _MIGRATIONS = {
     # 3: exact-version batches (held-out evaluation) and their failure when the version is gone.
-    2: ["ALTER TABLE batches ADD COLUMN exact_version INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE batches ADD COLUMN version_gone INTEGER NOT NULL DEFAULT 0"],
+    2: [
+        "ALTER TABLE batches ADD COLUMN exact_version INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE batches ADD COLUMN version_gone INTEGER NOT NULL DEFAULT 0",
+    ],
     # 4: background batches (decoded at the lowest CPU priority).
     3: ["ALTER TABLE batches ADD COLUMN background INTEGER NOT NULL DEFAULT 0"],
     # 5: an instance's saturation batch (the dispatch hold for later steps).
     4: ["ALTER TABLE instances ADD COLUMN saturation_batch_size INTEGER NOT NULL DEFAULT 0"],
     # 6: multi-turn sessions (their table is created with the schema) and their turns.
-    5: ["ALTER TABLE batches ADD COLUMN sessions INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE requests ADD COLUMN session_id TEXT NOT NULL DEFAULT ''"],
+    5: [
+        "ALTER TABLE batches ADD COLUMN sessions INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE requests ADD COLUMN session_id TEXT NOT NULL DEFAULT ''",
+    ],
 }
 """Per format, the columns (ALTER TABLE ... ADD COLUMN) that turn it into the next."""
 
@@ -126,8 +130,10 @@ class Journal:
         except sqlite3.Error as exc:
             raise ConfigError(f"journal_path {str(self.path)!r}: cannot use it as a SQLite journal: {exc}") from exc
         if found is not None and found not in _MIGRATIONS and found != FORMAT:
-            raise ConfigError(f"journal_path {str(self.path)!r}: journal format {found}, this manager reads formats "
-                              f"{', '.join(map(str, sorted(_MIGRATIONS)))} and {FORMAT}")
+            raise ConfigError(
+                f"journal_path {str(self.path)!r}: journal format {found}, this manager reads formats "
+                f"{', '.join(map(str, sorted(_MIGRATIONS)))} and {FORMAT}"
+            )
 
     def _migrate(self, found: int) -> None:
         """Brings a journal of an older format to this one, in one transaction."""
@@ -152,14 +158,36 @@ class Journal:
     def restore(self, state: ManagerState, now: float) -> tuple[int, int]:
         """Loads the journal into an empty state; returns (batches, instances) restored."""
         instances = [
-            Instance(instance_id=row[0], address=row[1], weight_version=row[2], max_batch_size=row[3], lease_expires=now,
-                     min_version=row[4], incarnation=row[5], token=row[6], preemptible=bool(row[7]), draining=bool(row[8]),
-                     saturation_batch_size=row[9])
-            for row in self._db.execute("SELECT instance_id, address, weight_version, max_batch_size, min_version, incarnation, "
-                                        "token, preemptible, draining, saturation_batch_size FROM instances ORDER BY instance_id")
+            Instance(
+                instance_id=row[0],
+                address=row[1],
+                weight_version=row[2],
+                max_batch_size=row[3],
+                lease_expires=now,
+                min_version=row[4],
+                incarnation=row[5],
+                token=row[6],
+                preemptible=bool(row[7]),
+                draining=bool(row[8]),
+                saturation_batch_size=row[9],
+            )
+            for row in self._db.execute(
+                "SELECT instance_id, address, weight_version, max_batch_size, min_version, incarnation, "
+                "token, preemptible, draining, saturation_batch_size FROM instances ORDER BY instance_id"
+            )
         ]
         batches, turns = [], []
-        for batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, sessions in self._db.execute(
+        for (
+            batch_id,
+            policy_version,
+            prompt_ids,
+            sent,
+            error,
+            exact_version,
+            version_gone,
+            background,
+            sessions,
+        ) in self._db.execute(
             "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, sessions FROM batches "
             "ORDER BY submitted"
         ).fetchall():
@@ -167,37 +195,77 @@ class Journal:
             for row in self._db.execute(
                 "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, weight_versions, "
                 "instance_ids, finish_reason, attempt, migrations, session_id FROM requests WHERE batch_id = ? ORDER BY rowid",
-                (batch_id,)
+                (batch_id,),
             ):
                 sampling = common_pb2.SamplingParams()
                 sampling.ParseFromString(row[3])
                 request = SampleRequest(
-                    request_id=row[0], batch_id=batch_id, prompt_id=row[1], prompt_token_ids=_token_ids_from(row[2]),
-                    sampling=sampling, policy_version=row[4], exact_version=bool(exact_version), background=bool(background),
+                    request_id=row[0],
+                    batch_id=batch_id,
+                    prompt_id=row[1],
+                    prompt_token_ids=_token_ids_from(row[2]),
+                    sampling=sampling,
+                    policy_version=row[4],
+                    exact_version=bool(exact_version),
+                    background=bool(background),
                     token_ids=_token_ids_from(row[5]),
                     logprobs=_logprobs_from(row[6]),
-                    weight_versions=_versions_from(row[7]), instance_ids=json.loads(row[8]), finish_reason=row[9], attempt=row[10],
-                    migrations=row[11], session_id=row[12],
+                    weight_versions=_versions_from(row[7]),
+                    instance_ids=json.loads(row[8]),
+                    finish_reason=row[9],
+                    attempt=row[10],
+                    migrations=row[11],
+                    session_id=row[12],
                 )
                 (turns if request.session_id else groups[row[1]]).append(request)
             for group in groups.values():
                 group.sort(key=lambda r: int(r.request_id.rsplit("/", 1)[1]))
-            batches.append(Batch(batch_id, policy_version, groups, submitted_at=state.clock(), sent=json.loads(sent), error=error,
-                                 exact_version=bool(exact_version), version_gone=bool(version_gone), background=bool(background),
-                                 sessions=bool(sessions)))
-        state.restore(instances, batches, self._counter("published_version") or 0, self._counter("registrations") or 0, now,
-                      self._sessions(), turns)
+            batches.append(
+                Batch(
+                    batch_id,
+                    policy_version,
+                    groups,
+                    submitted_at=state.clock(),
+                    sent=json.loads(sent),
+                    error=error,
+                    exact_version=bool(exact_version),
+                    version_gone=bool(version_gone),
+                    background=bool(background),
+                    sessions=bool(sessions),
+                )
+            )
+        state.restore(
+            instances,
+            batches,
+            self._counter("published_version") or 0,
+            self._counter("registrations") or 0,
+            now,
+            self._sessions(),
+            turns,
+        )
         return len(batches), len(instances)
 
     def _sessions(self) -> list[Session]:
         sessions = []
-        for session_id, batch_id, prompt_id, key, sampling_blob, policy_version, limits, progress, conversation in self._db.execute(
+        for (
+            session_id,
+            batch_id,
+            prompt_id,
+            key,
+            sampling_blob,
+            policy_version,
+            limits,
+            progress,
+            conversation,
+        ) in self._db.execute(
             "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory, conversation FROM sessions "
             "ORDER BY rowid"
         ):
             sampling = common_pb2.SamplingParams()
             sampling.ParseFromString(sampling_blob)
-            session = Session(session_id, batch_id, prompt_id, key, sampling, policy_version, Limits(**json.loads(limits)))
+            session = Session(
+                session_id, batch_id, prompt_id, key, sampling, policy_version, Limits(**json.loads(limits))
+            )
             message = manager_pb2.SessionTrajectory()
             message.ParseFromString(progress)
             take_progress(session, message)
@@ -225,8 +293,17 @@ class Journal:
                     "background, sessions) VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?, ?) "
                     "ON CONFLICT (batch_id) DO UPDATE "
                     "SET sent = excluded.sent, error = excluded.error, version_gone = excluded.version_gone",
-                    (batch_id, batch.policy_version, json.dumps(list(batch.groups)), json.dumps(batch.sent), batch.error,
-                     int(batch.exact_version), int(batch.version_gone), int(batch.background), int(batch.sessions)),
+                    (
+                        batch_id,
+                        batch.policy_version,
+                        json.dumps(list(batch.groups)),
+                        json.dumps(batch.sent),
+                        batch.error,
+                        int(batch.exact_version),
+                        int(batch.version_gone),
+                        int(batch.background),
+                        int(batch.sessions),
+                    ),
                 )
             requests = [state.requests[i] for i in changed.written[REQUEST] if i in state.requests]
             new_requests = changed.added[REQUEST]
@@ -234,10 +311,24 @@ class Journal:
             db.executemany(
                 "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (r.request_id, r.batch_id, r.prompt_id, _token_ids(r.prompt_token_ids), r.sampling.SerializeToString(),
-                     r.policy_version, (p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions,
-                     json.dumps(r.instance_ids), r.finish_reason, r.attempt, r.migrations, r.session_id)
-                    for r in requests if r.request_id in new_requests
+                    (
+                        r.request_id,
+                        r.batch_id,
+                        r.prompt_id,
+                        _token_ids(r.prompt_token_ids),
+                        r.sampling.SerializeToString(),
+                        r.policy_version,
+                        (p := progress[r.request_id]).token_ids,
+                        p.logprobs,
+                        p.weight_versions,
+                        json.dumps(r.instance_ids),
+                        r.finish_reason,
+                        r.attempt,
+                        r.migrations,
+                        r.session_id,
+                    )
+                    for r in requests
+                    if r.request_id in new_requests
                 ],
             )
             # Requests written before change only in how far they got.
@@ -245,9 +336,18 @@ class Journal:
                 "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, finish_reason = ?, "
                 "attempt = ?, migrations = ? WHERE request_id = ?",
                 [
-                    ((p := progress[r.request_id]).token_ids, p.logprobs, p.weight_versions, json.dumps(r.instance_ids),
-                     r.finish_reason, r.attempt, r.migrations, r.request_id)
-                    for r in requests if r.request_id not in new_requests
+                    (
+                        (p := progress[r.request_id]).token_ids,
+                        p.logprobs,
+                        p.weight_versions,
+                        json.dumps(r.instance_ids),
+                        r.finish_reason,
+                        r.attempt,
+                        r.migrations,
+                        r.request_id,
+                    )
+                    for r in requests
+                    if r.request_id not in new_requests
                 ],
             )
             # A turn that finished (or was dropped) leaves the ledger but not the batch.
@@ -260,9 +360,17 @@ class Journal:
             db.executemany(
                 "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (s.session_id, s.batch_id, s.prompt_id, s.key, s.sampling.SerializeToString(), s.policy_version,
-                     json.dumps(asdict(s.limits)), trajectory(s).SerializeToString(),
-                     json.dumps([(m.key, m.end, m.stop_text, m.content_key, m.calls_key) for m in s.conversation]))
+                    (
+                        s.session_id,
+                        s.batch_id,
+                        s.prompt_id,
+                        s.key,
+                        s.sampling.SerializeToString(),
+                        s.policy_version,
+                        json.dumps(asdict(s.limits)),
+                        trajectory(s).SerializeToString(),
+                        json.dumps([(m.key, m.end, m.stop_text, m.content_key, m.calls_key) for m in s.conversation]),
+                    )
                     for s in (sessions[i] for i in changed.written[SESSION] if i in sessions)
                 ],
             )
@@ -271,14 +379,26 @@ class Journal:
             db.executemany(
                 "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (i.instance_id, i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
-                     int(i.preemptible), int(i.draining), i.saturation_batch_size)
+                    (
+                        i.instance_id,
+                        i.address,
+                        i.weight_version,
+                        i.max_batch_size,
+                        i.min_version,
+                        i.incarnation,
+                        i.token,
+                        int(i.preemptible),
+                        int(i.draining),
+                        i.saturation_batch_size,
+                    )
                     for i in (state.instances[n] for n in changed.written[INSTANCE] if n in state.instances)
                 ],
             )
             if changed.written[COUNTERS]:
-                db.executemany("INSERT OR REPLACE INTO counters VALUES (?, ?)",
-                               [("published_version", state.published_version), ("registrations", state.registrations)])
+                db.executemany(
+                    "INSERT OR REPLACE INTO counters VALUES (?, ?)",
+                    [("published_version", state.published_version), ("registrations", state.registrations)],
+                )
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

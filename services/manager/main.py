@@ -11,12 +11,12 @@ import structlog
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.servers import GrpcServer
 from services.manager.config import ManagerConfig
-from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.dispatcher import Changes, Dispatcher
+from services.manager.domain.state import ManagerState
 from services.manager.gateway.process import GatewayProcess
+from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.session_feed import SessionFeed
-from services.manager.domain.state import ManagerState
 from services.manager.stored_versions import StoredVersions
 
 
@@ -67,8 +67,14 @@ async def start(config: ManagerConfig) -> RunningManager:
     journal = open_journal(config.journal_path)
     batches, instances = journal.restore(state, time.monotonic())
     if batches or instances:
-        log.info("restored from the journal", journal=config.journal_path, batches=batches, instances=instances,
-                 queued_samples=len(state.queue), published_version=state.published_version)
+        log.info(
+            "restored from the journal",
+            journal=config.journal_path,
+            batches=batches,
+            instances=instances,
+            queued_samples=len(state.queue),
+            published_version=state.published_version,
+        )
     changes = Changes()
     dispatcher = Dispatcher(state, changes, config)
     service = manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name
@@ -83,5 +89,6 @@ async def start(config: ManagerConfig) -> RunningManager:
     dispatcher.dispatch()
     gateway = await GatewayProcess.start(config, server.address) if config.gateway_port is not None else None
     await server.set_serving(True)
-    return RunningManager(server, state, dispatcher, leases, journal, journaling, stored_versions, servicer.session_feed, gateway)
-
+    return RunningManager(
+        server, state, dispatcher, leases, journal, journaling, stored_versions, servicer.session_feed, gateway
+    )

@@ -15,18 +15,18 @@ from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.prometheus import Families
 from services.manager.config import ManagerConfig
-from services.manager.domain.conversations import conversation_from_proto, conversation_to_proto
 from services.manager.dispatcher import Changes, Dispatcher
-from services.manager.journal import Journal, NoJournal
+from services.manager.domain.conversations import conversation_from_proto, conversation_to_proto
 from services.manager.domain.records import Instance, SampleRequest
-from services.manager.session_feed import SessionFeed
-from services.manager.domain.sessions import Limits, Session, TurnState, stream_of
-from services.manager.domain.trajectories import segment_from_proto, segment_to_proto, trajectory
-from services.manager.turns import TurnRunner
 from services.manager.domain.registry import WrongIncarnation
+from services.manager.domain.sessions import Limits, Session, TurnState, stream_of
 from services.manager.domain.stage_balance import Balance
 from services.manager.domain.state import ManagerState
+from services.manager.domain.trajectories import segment_from_proto, segment_to_proto, trajectory
+from services.manager.journal import Journal, NoJournal
+from services.manager.session_feed import SessionFeed
 from services.manager.stored_versions import StoredVersions
+from services.manager.turns import TurnRunner
 
 log = structlog.get_logger()
 
@@ -75,8 +75,13 @@ def group_to_proto(group: list[SampleRequest], sessions: Mapping[str, Session]) 
     """A complete group as the trainer receives it; a session's sample carries its trajectory."""
     samples = []
     for r in group:
-        sample = manager_pb2.Sample(token_ids=r.token_ids, logprobs=r.logprobs, weight_versions=r.weight_versions,
-                                    finish_reason=r.finish_reason, instance_ids=r.instance_ids)
+        sample = manager_pb2.Sample(
+            token_ids=r.token_ids,
+            logprobs=r.logprobs,
+            weight_versions=r.weight_versions,
+            finish_reason=r.finish_reason,
+            instance_ids=r.instance_ids,
+        )
         session = sessions.get(r.request_id)
         if session is not None:
             sample.session.CopyFrom(trajectory(session))
@@ -90,8 +95,16 @@ async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarn
 
 
 class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
-    def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, config: ManagerConfig,
-                 journal: Journal | NoJournal, stored_versions: StoredVersions, authorization: str) -> None:
+    def __init__(
+        self,
+        state: ManagerState,
+        dispatcher: Dispatcher,
+        changes: Changes,
+        config: ManagerConfig,
+        journal: Journal | NoJournal,
+        stored_versions: StoredVersions,
+        authorization: str,
+    ) -> None:
         self.state = state
         self.stored_versions = stored_versions
         self.authorization = authorization
@@ -119,18 +132,31 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def RegisterInstance(self, request, context):
         instance, requeued = self.state.register(
-            request.instance_id, request.address, request.weight_version, request.max_batch_size, time.monotonic(),
-            request.preemptible, request.incarnation_token, request.saturation_batch_size,
+            request.instance_id,
+            request.address,
+            request.weight_version,
+            request.max_batch_size,
+            time.monotonic(),
+            request.preemptible,
+            request.incarnation_token,
+            request.saturation_batch_size,
         )
         self.dispatcher.cancel(requeued)
         self.dispatcher.close_streams(instance.instance_id, keep_incarnation=instance.incarnation)
-        log.info("instance registered", instance_id=request.instance_id, address=request.address, incarnation=instance.incarnation,
-                 weight_version=request.weight_version, preemptible=request.preemptible,
-                 saturation_batch_size=request.saturation_batch_size)
+        log.info(
+            "instance registered",
+            instance_id=request.instance_id,
+            address=request.address,
+            incarnation=instance.incarnation,
+            weight_version=request.weight_version,
+            preemptible=request.preemptible,
+            saturation_batch_size=request.saturation_batch_size,
+        )
         self._durable()
         self._changed()
         return manager_pb2.RegisterInstanceResponse(
-            lease_seconds=self.config.lease_seconds, heartbeat_interval_seconds=self.config.heartbeat_interval_seconds,
+            lease_seconds=self.config.lease_seconds,
+            heartbeat_interval_seconds=self.config.heartbeat_interval_seconds,
             incarnation_token=instance.token,
         )
 
@@ -139,8 +165,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         version_before = before.weight_version if before else None
         draining_before = before.draining if before else False
         try:
-            self.state.heartbeat(request.instance_id, request.weight_version, time.monotonic(), request.draining,
-                                 token=request.incarnation_token)
+            self.state.heartbeat(
+                request.instance_id,
+                request.weight_version,
+                time.monotonic(),
+                request.draining,
+                token=request.incarnation_token,
+            )
         except WrongIncarnation as exc:
             await refuse_incarnation(context, exc)
         if request.draining and not draining_before:
@@ -160,14 +191,21 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         self.dispatcher.cancel(requeued)
         self.dispatcher.close_streams(request.instance_id)
         await self.dispatcher.forget_address(instance.address)
-        log.info("instance deregistered", instance_id=request.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
+        log.info(
+            "instance deregistered",
+            instance_id=request.instance_id,
+            incarnation=instance.incarnation,
+            requeued=len(requeued),
+        )
         self._durable()
         self._changed()
         return manager_pb2.DeregisterInstanceResponse(requeued_requests=len(requeued))
 
     async def ListInstances(self, request, context):
         now = time.monotonic()
-        return manager_pb2.ListInstancesResponse(instances=[instance_status(i, now) for i in self.state.instances.values()])
+        return manager_pb2.ListInstancesResponse(
+            instances=[instance_status(i, now) for i in self.state.instances.values()]
+        )
 
     async def PublishVersion(self, request, context):
         if request.version > self.state.published_version:
@@ -183,7 +221,10 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         queued = self.state.submit(
             request.batch_id,
             request.policy_version,
-            [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
+            [
+                (p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None)
+                for p in request.prompts
+            ],
             request.sampling,
             exact_version=request.exact_version,
             background=request.background,
@@ -208,8 +249,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             raise InvalidArgument("micro_batch_groups must be at least 1")
         position = request.resume_from
         while True:
-            taken = self.state.take_micro_batch(request.batch_id, request.micro_batch_groups, request.min_groups,
-                                                request.max_tokens, position=position)
+            taken = self.state.take_micro_batch(
+                request.batch_id, request.micro_batch_groups, request.min_groups, request.max_tokens, position=position
+            )
             if taken is None:
                 self._check_starvation(request.batch_id)
                 await self.changes.wait(timeout=1.0)
@@ -217,8 +259,11 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             groups, remaining = taken
             self._durable()
             # A reply the reader never gets is sent again when it resumes from its count of groups read.
-            yield manager_pb2.StreamRolloutsResponse(groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups], remaining_groups=remaining,
-                                                     first_group_index=position)
+            yield manager_pb2.StreamRolloutsResponse(
+                groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups],
+                remaining_groups=remaining,
+                first_group_index=position,
+            )
             position += len(groups)
             if remaining == 0:
                 return
@@ -233,8 +278,11 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
     async def TakeReadyGroups(self, request, context):
         groups, remaining = self.state.take_ready(request.batch_id, position=request.resume_from)
         self._durable()
-        return manager_pb2.TakeReadyGroupsResponse(groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups], remaining_groups=remaining,
-                                                   first_group_index=request.resume_from)
+        return manager_pb2.TakeReadyGroupsResponse(
+            groups=[group_to_proto(g, self.state.sessions.sessions) for g in groups],
+            remaining_groups=remaining,
+            first_group_index=request.resume_from,
+        )
 
     async def AcknowledgeRollouts(self, request, context):
         forgotten = self.state.acknowledge(request.batch_id)
@@ -242,8 +290,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def ReportTrainingStep(self, request, context):
         balance = self.state.report_training_step(request.batch_id, request.step_seconds, request.wait_seconds)
-        log.info("stage balance", batch_id=request.batch_id, recommended_rollout_instances=balance.recommended_rollout_instances,
-                 offload_fraction=round(balance.offload_fraction, 3), local_window_seconds=round(balance.local_window_seconds, 3))
+        log.info(
+            "stage balance",
+            batch_id=request.batch_id,
+            recommended_rollout_instances=balance.recommended_rollout_instances,
+            offload_fraction=round(balance.offload_fraction, 3),
+            local_window_seconds=round(balance.local_window_seconds, 3),
+        )
         return manager_pb2.ReportTrainingStepResponse(stage_balance=balance_to_proto(balance))
 
     async def OpenSessions(self, request, context):
@@ -251,25 +304,50 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             raise InvalidArgument("sampling is required")
         limits = request.limits
         opened = self.state.open_sessions(
-            request.batch_id, request.policy_version,
-            [(p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None) for p in request.prompts],
+            request.batch_id,
+            request.policy_version,
+            [
+                (p.prompt_id, list(p.token_ids), p.n, p.sampling if p.HasField("sampling") else None)
+                for p in request.prompts
+            ],
             request.sampling,
-            Limits(limits.max_turns, limits.max_total_tokens, limits.turn_deadline_seconds, limits.step_deadline_seconds,
-                   limits.session_deadline_seconds, wait_for_start=limits.wait_for_start,
-                   refuse_agent_rewards=limits.refuse_agent_rewards, refuse_breaks=limits.refuse_breaks),
+            Limits(
+                limits.max_turns,
+                limits.max_total_tokens,
+                limits.turn_deadline_seconds,
+                limits.step_deadline_seconds,
+                limits.session_deadline_seconds,
+                wait_for_start=limits.wait_for_start,
+                refuse_agent_rewards=limits.refuse_agent_rewards,
+                refuse_breaks=limits.refuse_breaks,
+            ),
         )
         log.info("sessions opened", batch_id=request.batch_id, task=request.task, sessions=len(opened))
         self._durable()
         if self.session_feed:  # someone watches (the gateway)
-            self.session_feed.publish(manager_pb2.WatchSessionsResponse(sessions=[
-                manager_pb2.OpenedSession(session_id=s.session_id, key=s.key, sampling=s.sampling, token_ids=stream_of(s.segments),
-                                          refuse_agent_rewards=s.limits.refuse_agent_rewards, refuse_breaks=s.limits.refuse_breaks)
-                for s in opened]))
-        return manager_pb2.OpenSessionsResponse(sessions=[
-            manager_pb2.SessionHandle(session_id=s.session_id, prompt_id=s.prompt_id, index=int(s.session_id.rsplit("/", 1)[1]),
-                                      key=s.key)
-            for s in opened
-        ])
+            self.session_feed.publish(
+                manager_pb2.WatchSessionsResponse(
+                    sessions=[
+                        manager_pb2.OpenedSession(
+                            session_id=s.session_id,
+                            key=s.key,
+                            sampling=s.sampling,
+                            token_ids=stream_of(s.segments),
+                            refuse_agent_rewards=s.limits.refuse_agent_rewards,
+                            refuse_breaks=s.limits.refuse_breaks,
+                        )
+                        for s in opened
+                    ]
+                )
+            )
+        return manager_pb2.OpenSessionsResponse(
+            sessions=[
+                manager_pb2.SessionHandle(
+                    session_id=s.session_id, prompt_id=s.prompt_id, index=int(s.session_id.rsplit("/", 1)[1]), key=s.key
+                )
+                for s in opened
+            ]
+        )
 
     async def RunTurn(self, request, context):
         return turn_response(await self._run_turn(request))
@@ -292,13 +370,20 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 turn.cancel()
 
     def _run_turn(self, request: manager_pb2.RunTurnRequest, progress: Callable[[list[int]], None] | None = None):
-        return self.turns.run(request.session_id, request.turn, [segment_from_proto(s) for s in request.append],
-                              request.keep_tokens if request.HasField("keep_tokens") else None,
-                              request.sampling if request.HasField("sampling") else None,
-                              conversation_from_proto(request.conversation), progress)
+        return self.turns.run(
+            request.session_id,
+            request.turn,
+            [segment_from_proto(s) for s in request.append],
+            request.keep_tokens if request.HasField("keep_tokens") else None,
+            request.sampling if request.HasField("sampling") else None,
+            conversation_from_proto(request.conversation),
+            progress,
+        )
 
     async def SetSessionReward(self, request, context):
-        self.state.sessions.set_reward(request.session_id, request.reward, request.turn if request.HasField("turn") else None)
+        self.state.sessions.set_reward(
+            request.session_id, request.reward, request.turn if request.HasField("turn") else None
+        )
         await self.turns.flushed()
         return manager_pb2.SetSessionRewardResponse()
 
@@ -307,8 +392,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         if dropped is not None:
             self.dispatcher.cancel([dropped])
         # One line per episode would flood an agent run's logs: the counts are in the metrics.
-        log.debug("session closed", session_id=session.session_id, status=manager_pb2.SessionStatus.Name(session.status),
-                  turns=session.turns, detail=session.detail or None)
+        log.debug(
+            "session closed",
+            session_id=session.session_id,
+            status=manager_pb2.SessionStatus.Name(session.status),
+            turns=session.turns,
+            detail=session.detail or None,
+        )
         await self.turns.flushed()
         self._changed()
         return manager_pb2.CloseSessionResponse(status=session.status)
@@ -320,10 +410,14 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def GetSession(self, request, context):
         session = self.state.sessions.get(request.session_id)
-        return manager_pb2.GetSessionResponse(session=trajectory(session), key=session.key, sampling=session.sampling,
-                                              conversation=conversation_to_proto(session.conversation),
-                                              refuse_agent_rewards=session.limits.refuse_agent_rewards,
-                                              refuse_breaks=session.limits.refuse_breaks)
+        return manager_pb2.GetSessionResponse(
+            session=trajectory(session),
+            key=session.key,
+            sampling=session.sampling,
+            conversation=conversation_to_proto(session.conversation),
+            refuse_agent_rewards=session.limits.refuse_agent_rewards,
+            refuse_breaks=session.limits.refuse_breaks,
+        )
 
     async def WatchSessions(self, request, context):
         with self.session_feed.watch() as opened:
@@ -362,31 +456,69 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         families.counter("delivered_groups", "Groups streamed to the trainer.", status.delivered_groups)
         families.counter("generated_tokens", "Tokens generated across all instances.", status.generated_tokens)
         families.gauge("tokens_per_second", "Generation rate across all instances.", status.tokens_per_second)
-        families.counter("requeued_samples", "Samples sent back to the queue to continue elsewhere.", status.requeued_samples)
-        families.counter("migrated_samples", "Samples moved off a slow instance near the end of a step.", status.migrated_samples)
-        families.counter("continued_tokens", "Tokens a continuation reused instead of generating them again.", status.continued_tokens)
+        families.counter(
+            "requeued_samples", "Samples sent back to the queue to continue elsewhere.", status.requeued_samples
+        )
+        families.counter(
+            "migrated_samples", "Samples moved off a slow instance near the end of a step.", status.migrated_samples
+        )
+        families.counter(
+            "continued_tokens",
+            "Tokens a continuation reused instead of generating them again.",
+            status.continued_tokens,
+        )
         families.counter("discarded_tokens", "Tokens received from abandoned attempts.", status.discarded_tokens)
         staleness = self.state.token_staleness()
-        families.gauge("token_staleness_max", "Largest lag, in versions, of the oldest token of a sample held.", max(staleness, default=0))
-        families.gauge("token_staleness_mean", "Mean lag, in versions, of the oldest token of the samples held.",
-                       sum(staleness) / len(staleness) if staleness else 0.0)
+        families.gauge(
+            "token_staleness_max",
+            "Largest lag, in versions, of the oldest token of a sample held.",
+            max(staleness, default=0),
+        )
+        families.gauge(
+            "token_staleness_mean",
+            "Mean lag, in versions, of the oldest token of the samples held.",
+            sum(staleness) / len(staleness) if staleness else 0.0,
+        )
         sessions = self.state.sessions
         families.gauge("open_sessions", "Multi-turn sessions open.", sessions.open_count)
         for status_value, closed in sorted(sessions.closed_by_status.items()):
-            families.counter("closed_sessions", "Multi-turn sessions closed, by status.", closed,
-                             status=manager_pb2.SessionStatus.Name(status_value).removeprefix("SESSION_STATUS_").lower())
+            families.counter(
+                "closed_sessions",
+                "Multi-turn sessions closed, by status.",
+                closed,
+                status=manager_pb2.SessionStatus.Name(status_value).removeprefix("SESSION_STATUS_").lower(),
+            )
         for cause, breaks in sorted(sessions.breaks_by_cause.items()):
-            families.counter("gateway_breaks", "Histories that did not extend their session's (each started a new part), by cause.",
-                             breaks, cause=cause)
+            families.counter(
+                "gateway_breaks",
+                "Histories that did not extend their session's (each started a new part), by cause.",
+                breaks,
+                cause=cause,
+            )
         families.gauge("instances", "Rollout instances registered.", len(status.instances))
         for instance in status.instances:
             labels = {"instance": instance.instance_id}
-            families.gauge("instance_weight_version", "Weight version the instance serves.", instance.weight_version, **labels)
-            families.gauge("instance_running_requests", "Requests running on the instance.", instance.running_requests, **labels)
-            families.gauge("instance_tokens_per_second", "The instance's measured generation rate.", instance.tokens_per_second, **labels)
-            families.counter("instance_generated_tokens", "Tokens the instance generated.", instance.generated_tokens, **labels)
-            families.gauge("instance_quarantined", "1 while the instance gets no work: its requests failed one after another.",
-                           float(instance.quarantine_remaining_seconds > 0), **labels)
+            families.gauge(
+                "instance_weight_version", "Weight version the instance serves.", instance.weight_version, **labels
+            )
+            families.gauge(
+                "instance_running_requests", "Requests running on the instance.", instance.running_requests, **labels
+            )
+            families.gauge(
+                "instance_tokens_per_second",
+                "The instance's measured generation rate.",
+                instance.tokens_per_second,
+                **labels,
+            )
+            families.counter(
+                "instance_generated_tokens", "Tokens the instance generated.", instance.generated_tokens, **labels
+            )
+            families.gauge(
+                "instance_quarantined",
+                "1 while the instance gets no work: its requests failed one after another.",
+                float(instance.quarantine_remaining_seconds > 0),
+                **labels,
+            )
 
 
 async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.25) -> None:
@@ -400,8 +532,12 @@ async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Cha
             dispatcher.migrate()
             reaped = state.sessions.reap(now)
             if reaped:
-                log.warning("sessions reaped at a deadline", sessions=len(reaped), first=reaped[0][0].session_id,
-                            detail=reaped[0][0].detail)
+                log.warning(
+                    "sessions reaped at a deadline",
+                    sessions=len(reaped),
+                    first=reaped[0][0].session_id,
+                    detail=reaped[0][0].detail,
+                )
                 dispatcher.cancel([dropped for _, dropped in reaped if dropped is not None])
                 changes.notify()
             for instance in state.release_quarantines(now):

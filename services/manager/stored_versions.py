@@ -28,10 +28,13 @@ class StoredVersions:
             self._channel = open_channel(self.weights_address)
         try:
             return await weights_pb2_grpc.WeightsServiceStub(self._channel).GetStatus(
-                weights_pb2.GetStatusRequest(), **call_options(self.timeout_seconds))
+                weights_pb2.GetStatusRequest(), **call_options(self.timeout_seconds)
+            )
         except grpc.aio.AioRpcError as exc:
-            raise Unavailable(f"cannot ask the weights service at {self.weights_address} which versions it holds: "
-                              f"{exc.code().name}: {exc.details()}") from exc
+            raise Unavailable(
+                f"cannot ask the weights service at {self.weights_address} which versions it holds: "
+                f"{exc.code().name}: {exc.details()}"
+            ) from exc
 
     async def check_held(self, version: int) -> None:
         """Returns once the weights service holds `version`, waiting up to store_wait_seconds
@@ -44,11 +47,15 @@ class StoredVersions:
                 return
             if version > status.storing_version:
                 held = f"its newest is {status.latest_version}" if status.latest_version >= 0 else "it holds none yet"
-                raise FailedPrecondition(f"version {version} is not held by the weights service at {self.weights_address} "
-                                         f"({held}): a version is published only after its weights are uploaded")
+                raise FailedPrecondition(
+                    f"version {version} is not held by the weights service at {self.weights_address} "
+                    f"({held}): a version is published only after its weights are uploaded"
+                )
             if time.monotonic() > deadline:
-                raise Unavailable(f"version {version} is still being stored by the weights service after "
-                                  f"{self.store_wait_seconds:g} s: call again")
+                raise Unavailable(
+                    f"version {version} is still being stored by the weights service after "
+                    f"{self.store_wait_seconds:g} s: call again"
+                )
             await asyncio.sleep(POLL_SECONDS)
 
     async def close(self) -> None:

@@ -8,15 +8,17 @@ import asyncio
 from collections.abc import Callable
 
 from rlmesh.common.v1 import common_pb2
-from services.manager.domain.conversations import LoggedMessage
 from services.manager.dispatcher import Changes, Dispatcher
-from services.manager.journal import Journal, NoJournal
+from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.sessions import Segment, TurnState
 from services.manager.domain.state import ManagerState
+from services.manager.journal import Journal, NoJournal
 
 
 class TurnRunner:
-    def __init__(self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, journal: Journal | NoJournal) -> None:
+    def __init__(
+        self, state: ManagerState, dispatcher: Dispatcher, changes: Changes, journal: Journal | NoJournal
+    ) -> None:
         self.state = state
         self.dispatcher = dispatcher
         self.changes = changes
@@ -29,9 +31,16 @@ class TurnRunner:
         many times a second."""
         state.sessions.turn_ended = self._turn_ended
 
-    async def run(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                  sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None,
-                  progress: Callable[[list[int]], None] | None = None) -> TurnState:
+    async def run(
+        self,
+        session_id: str,
+        turn: int,
+        append: list[Segment],
+        keep_tokens: int | None,
+        sampling: common_pb2.SamplingParams | None,
+        conversation: list[LoggedMessage] | None = None,
+        progress: Callable[[list[int]], None] | None = None,
+    ) -> TurnState:
         """The turn, finished (or cut by the session's end). `progress` gets the turn's tokens so far
         whenever more arrived."""
         state = self.state.run_turn(session_id, turn, append, keep_tokens, sampling, conversation)
@@ -50,7 +59,13 @@ class TurnRunner:
                 # looked at again at least every second whatever happens.
                 await (self.changes.wait(timeout=1.0) if progress is not None else _wait(ended, 1.0))
                 state = self.state.sessions.turn_state(self.state.sessions.get(session_id), turn)
-                tokens = state.running.token_ids if state.running is not None else state.segment.token_ids if state.segment else []
+                tokens = (
+                    state.running.token_ids
+                    if state.running is not None
+                    else state.segment.token_ids
+                    if state.segment
+                    else []
+                )
                 if progress is not None and len(tokens) > seen:
                     progress(list(tokens))
                     seen = len(tokens)

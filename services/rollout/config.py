@@ -30,7 +30,7 @@ class EngineConfig(EngineSettings):
     synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
-    def _model_for_real_engines(self) -> "EngineConfig":
+    def _model_for_real_engines(self) -> EngineConfig:
         if self.kind != "synthetic" and not self.model_dir:
             raise ValueError(f"engine.model_dir is required for the {self.kind} engine")
         if self.tensor_parallel_size > 1 and (Path(self.model_dir) / "config.json").is_file():
@@ -41,7 +41,9 @@ class EngineConfig(EngineSettings):
             # An architecture without layout rules is named as such, not as a split that fails.
             check_model_dir(self.model_dir)
             try:
-                ModelShape.from_hf_config(AutoConfig.from_pretrained(self.model_dir)).check_tp(self.tensor_parallel_size)
+                ModelShape.from_hf_config(AutoConfig.from_pretrained(self.model_dir)).check_tp(
+                    self.tensor_parallel_size
+                )
             except ValueError as exc:
                 raise ValueError(f"engine.tensor_parallel_size: {exc}") from exc
         return self

@@ -262,9 +262,13 @@ def check_pin(request: EngineRequest, served: int, moving_on: bool) -> None:
     if pinned is None:
         return
     if pinned != served:
-        raise Aborted(f"request {request.request_id} is pinned to weight version {pinned}; this instance serves version {served}")
+        raise Aborted(
+            f"request {request.request_id} is pinned to weight version {pinned}; this instance serves version {served}"
+        )
     if moving_on:
-        raise Aborted(f"request {request.request_id} is pinned to weight version {pinned}; this instance is switching to a newer version")
+        raise Aborted(
+            f"request {request.request_id} is pinned to weight version {pinned}; this instance is switching to a newer version"
+        )
 
 
 class ChunkStream:

@@ -16,17 +16,23 @@ from rlmesh.rpc.servers import GrpcServer
 from services.rollout.config import RolloutConfig
 from services.rollout.engine import Engine, TensorParallelEngine
 from services.rollout.membership import Membership
-from services.rollout.torch.rank import RankTransfer, RankWeights
 from services.rollout.server import RolloutServicer
+from services.rollout.torch.rank import RankTransfer, RankWeights
 from services.rollout.weight_update import Backend, WeightUpdater
 
 log = structlog.get_logger()
 
 
 def rank_transfer(config: RolloutConfig) -> RankTransfer:
-    return RankTransfer(host=config.server.host, advertise_host=config.server.advertised_host, mooncake=config.transfer.mooncake,
-                        mooncake_protocol=config.transfer.mooncake_protocol, tcp=config.transfer.tcp,
-                        background=config.transfer.background_priority, catch_up_delay_seconds=config.transfer.catch_up_delay_seconds)
+    return RankTransfer(
+        host=config.server.host,
+        advertise_host=config.server.advertised_host,
+        mooncake=config.transfer.mooncake,
+        mooncake_protocol=config.transfer.mooncake_protocol,
+        tcp=config.transfer.tcp,
+        background=config.transfer.background_priority,
+        catch_up_delay_seconds=config.transfer.catch_up_delay_seconds,
+    )
 
 
 def build_engine(config: RolloutConfig) -> Engine:
@@ -34,17 +40,30 @@ def build_engine(config: RolloutConfig) -> Engine:
     if engine.kind == "synthetic":
         from services.rollout.synthetic_engine import SyntheticEngine
 
-        return SyntheticEngine(engine.synthetic, engine.max_batch_size, engine.model_dir or None, update_mode=engine.update_mode)
+        return SyntheticEngine(
+            engine.synthetic, engine.max_batch_size, engine.model_dir or None, update_mode=engine.update_mode
+        )
     if engine.kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm, update_mode=engine.update_mode)
+        return VllmEngine(
+            engine.model_dir, engine.max_batch_size, engine.seed, engine.vllm, update_mode=engine.update_mode
+        )
     from services.rollout.torch.engine import TorchEngine
 
-    return TorchEngine(engine.model_dir, engine.max_batch_size, engine.seed, tensor_parallel_size=engine.tensor_parallel_size,
-                       transfer=rank_transfer(config), threads=engine.threads, update_mode=engine.update_mode,
-                       stream_interval=engine.stream_interval, device=engine.device, dtype=engine.dtype,
-                       prefix_cache_bytes=int(engine.prefix_cache_mib * (1 << 20)))
+    return TorchEngine(
+        engine.model_dir,
+        engine.max_batch_size,
+        engine.seed,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        transfer=rank_transfer(config),
+        threads=engine.threads,
+        update_mode=engine.update_mode,
+        stream_interval=engine.stream_interval,
+        device=engine.device,
+        dtype=engine.dtype,
+        prefix_cache_bytes=int(engine.prefix_cache_mib * (1 << 20)),
+    )
 
 
 def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:
@@ -54,7 +73,9 @@ def build_updater(config: RolloutConfig, engine: Engine) -> WeightUpdater:
     if isinstance(engine, TensorParallelEngine):
         return WeightUpdater(engine, engine.ranks, backends, pause_limit=pause_limit)
     # Engines that take full tensors receive them here, in the service process.
-    return WeightUpdater(engine, [RankWeights(0, rank_transfer(config))], backends, owns_ranks=True, pause_limit=pause_limit)
+    return WeightUpdater(
+        engine, [RankWeights(0, rank_transfer(config))], backends, owns_ranks=True, pause_limit=pause_limit
+    )
 
 
 @dataclass(slots=True)
@@ -94,6 +115,7 @@ class RunningRollout:
 
     def engine_failed(self, reason: str) -> None:
         """From any thread: an engine that can no longer serve takes its instance out of the pool."""
+
         def leave() -> None:
             self._leaving = asyncio.ensure_future(self.drain(f"engine failed: {reason}"))
 
@@ -113,7 +135,9 @@ async def start(config: RolloutConfig) -> RunningRollout:
     try:
         updater = build_updater(config, engine)
         model_name = Path(config.engine.model_dir).name if config.engine.model_dir else "synthetic"
-        servicer = RolloutServicer(config.instance_id, model_name, config.engine.kind, engine, updater, config.preemptible)
+        servicer = RolloutServicer(
+            config.instance_id, model_name, config.engine.kind, engine, updater, config.preemptible
+        )
         server = GrpcServer(config.server, [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
         await engine.start()
@@ -123,11 +147,20 @@ async def start(config: RolloutConfig) -> RunningRollout:
         # A tensor-parallel engine's worker processes must not outlive a failed start.
         await engine.stop()
         raise
-    membership = Membership(config.manager_address, config.instance_id, server.address, engine, config.rpc_timeout_seconds,
-                            config.preemptible, config.engine.saturation_batch_size)
+    membership = Membership(
+        config.manager_address,
+        config.instance_id,
+        server.address,
+        engine,
+        config.rpc_timeout_seconds,
+        config.preemptible,
+        config.engine.saturation_batch_size,
+    )
     servicer.membership = membership
     await server.set_serving(True)
-    running = RunningRollout(server, engine, servicer, membership, config.drain_timeout_seconds, asyncio.get_running_loop())
+    running = RunningRollout(
+        server, engine, servicer, membership, config.drain_timeout_seconds, asyncio.get_running_loop()
+    )
     servicer.drain = running.drain
     engine.on_failure = running.engine_failed
     try:
@@ -137,4 +170,3 @@ async def start(config: RolloutConfig) -> RunningRollout:
         raise
     membership.start_heartbeats()
     return running
-

@@ -22,8 +22,16 @@ RETRY_BACKOFF_SECONDS = (0.25, 0.5, 1.0, 2.0)
 
 
 class Membership:
-    def __init__(self, manager_address: str, instance_id: str, address: str, engine: Engine, rpc_timeout: float, preemptible: bool = False,
-                 saturation_batch_size: int = 0) -> None:
+    def __init__(
+        self,
+        manager_address: str,
+        instance_id: str,
+        address: str,
+        engine: Engine,
+        rpc_timeout: float,
+        preemptible: bool = False,
+        saturation_batch_size: int = 0,
+    ) -> None:
         self.instance_id = instance_id
         self.preemptible = preemptible
         self.saturation_batch_size = saturation_batch_size
@@ -104,7 +112,9 @@ class Membership:
     async def _heartbeats(self) -> None:
         unanswered = 0
         while True:
-            backoff = RETRY_BACKOFF_SECONDS[min(unanswered, len(RETRY_BACKOFF_SECONDS)) - 1] if unanswered else self._interval
+            backoff = (
+                RETRY_BACKOFF_SECONDS[min(unanswered, len(RETRY_BACKOFF_SECONDS)) - 1] if unanswered else self._interval
+            )
             try:
                 await asyncio.wait_for(self._wake.wait(), min(self._interval, backoff))
             except TimeoutError:
@@ -125,12 +135,18 @@ class Membership:
                 elif exc.code() in UNREACHABLE:
                     unanswered += 1
                     if asyncio.get_running_loop().time() - self._renewed_at > self._lease:
-                        log.warning("manager unreachable for longer than the lease; registering again", code=exc.code().name,
-                                    unanswered_heartbeats=unanswered)
+                        log.warning(
+                            "manager unreachable for longer than the lease; registering again",
+                            code=exc.code().name,
+                            unanswered_heartbeats=unanswered,
+                        )
                         await self._register_again()
                     elif unanswered == 1:
-                        log.warning("manager unreachable; retrying heartbeats while the lease holds", code=exc.code().name,
-                                    error=exc.details())
+                        log.warning(
+                            "manager unreachable; retrying heartbeats while the lease holds",
+                            code=exc.code().name,
+                            error=exc.details(),
+                        )
                 else:
                     log.warning("heartbeat failed", code=exc.code().name, error=exc.details())
 
@@ -143,8 +159,12 @@ class Membership:
 
     async def _heartbeat(self) -> None:
         await self._stub.Heartbeat(
-            manager_pb2.HeartbeatRequest(instance_id=self.instance_id, weight_version=self.engine.weight_version, draining=self.draining,
-                                         incarnation_token=self.token),
+            manager_pb2.HeartbeatRequest(
+                instance_id=self.instance_id,
+                weight_version=self.engine.weight_version,
+                draining=self.draining,
+                incarnation_token=self.token,
+            ),
             **call_options(self.rpc_timeout),
         )
         self._renewed_at = asyncio.get_running_loop().time()

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import structlog
 
+from rlmesh.chat.stop_strings import stop_problem
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, FailedPrecondition, InvalidArgument, PermissionDenied
-from rlmesh.rpc.prometheus import Families
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.rpc.prometheus import Families
 from rlmesh.rpc.servers import status_code_of
 from rlmesh.sampling import sampling_problem
-from rlmesh.chat.stop_strings import stop_problem
 from rlmesh.transfer.auth import UnprovenPayload
 from services.rollout.engine import Chunk, Engine, EngineRequest, Finish, Sampling, WeightLayout
 from services.rollout.membership import Membership
@@ -30,7 +30,10 @@ _BACKENDS: dict[int, Backend] = {
     rollout_pb2.TRANSFER_BACKEND_GRPC: "grpc",
     rollout_pb2.TRANSFER_BACKEND_TCP: "tcp",
 }
-_LAYOUTS = {WeightLayout.FULL: rollout_pb2.WEIGHT_LAYOUT_FULL, WeightLayout.TENSOR_PARALLEL: rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL}
+_LAYOUTS = {
+    WeightLayout.FULL: rollout_pb2.WEIGHT_LAYOUT_FULL,
+    WeightLayout.TENSOR_PARALLEL: rollout_pb2.WEIGHT_LAYOUT_TENSOR_PARALLEL,
+}
 
 _FINISH = {
     Finish.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -84,7 +87,15 @@ def chunk_to_proto(chunk: Chunk) -> common_pb2.TokenChunk:
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    def __init__(self, instance_id: str, model_name: str, engine_kind: str, engine: Engine, updater: WeightUpdater, preemptible: bool) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        model_name: str,
+        engine_kind: str,
+        engine: Engine,
+        updater: WeightUpdater,
+        preemptible: bool,
+    ) -> None:
         self.instance_id = instance_id
         self.model_name = model_name
         self.engine_kind = engine_kind
@@ -103,7 +114,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def _engine_request(self, request: rollout_pb2.GenerateRequest) -> EngineRequest:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
-        if request.incarnation_token and self.membership and not await self.membership.is_incarnation(request.incarnation_token):
+        if (
+            request.incarnation_token
+            and self.membership
+            and not await self.membership.is_incarnation(request.incarnation_token)
+        ):
             raise PermissionDenied(
                 f"instance {self.instance_id!r}: the request was dispatched to another incarnation of this id; "
                 "this process restarted or has not registered as it yet"
@@ -111,11 +126,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if self.membership and self.membership.draining:
             raise FailedPrecondition("this instance is draining and takes no new requests")
         return EngineRequest(
-            request.request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling), list(request.continued_token_ids),
-            request.pinned_version if request.HasField("pinned_version") else None, request.background, request.cache_key,
+            request.request_id,
+            list(request.prompt_token_ids),
+            sampling_from_proto(request.sampling),
+            list(request.continued_token_ids),
+            request.pinned_version if request.HasField("pinned_version") else None,
+            request.background,
+            request.cache_key,
         )
 
-    async def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateResponse]:
         engine_request = await self._engine_request(request)
         self.open_responses += 1
         try:
@@ -124,8 +146,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             self.open_responses -= 1
 
-    async def GenerateMany(self, request_iterator: AsyncIterator[rollout_pb2.GenerateManyRequest],
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[rollout_pb2.GenerateManyResponse]:
+    async def GenerateMany(
+        self, request_iterator: AsyncIterator[rollout_pb2.GenerateManyRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.GenerateManyResponse]:
         outbox: asyncio.Queue[common_pb2.TokenChunk | rollout_pb2.GenerateRefusal | None] = asyncio.Queue()
         """Chunks and refusals to send; None only wakes the writer (a request or the reader ended)."""
         running: dict[str, asyncio.Task[None]] = {}
@@ -137,18 +160,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             try:
                 engine_request = await self._engine_request(request)
                 if request.request_id in cancelled:
-                    outbox.put_nowait(common_pb2.TokenChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    outbox.put_nowait(
+                        common_pb2.TokenChunk(
+                            request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
+                        )
+                    )
                     return
                 async for chunk in self.engine.generate(engine_request):
                     finished = chunk.finish is not Finish.NONE
                     outbox.put_nowait(chunk_to_proto(chunk))
                 if not finished:
-                    outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INTERNAL, "the engine ended the request unfinished"))
+                    outbox.put_nowait(
+                        refusal(request.request_id, grpc.StatusCode.INTERNAL, "the engine ended the request unfinished")
+                    )
             except DomainError as exc:
                 outbox.put_nowait(refusal(request.request_id, status_code_of(exc), str(exc)))
             except Exception as exc:
                 log.exception("request failed", request_id=request.request_id)
-                outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INTERNAL, f"the instance failed the request: {exc}"))
+                outbox.put_nowait(
+                    refusal(request.request_id, grpc.StatusCode.INTERNAL, f"the instance failed the request: {exc}")
+                )
             finally:
                 running.pop(request.request_id, None)
                 cancelled.discard(request.request_id)
@@ -160,8 +191,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 async for message in request_iterator:
                     for request in message.requests:
                         if request.request_id in running:
-                            outbox.put_nowait(refusal(request.request_id, grpc.StatusCode.INVALID_ARGUMENT,
-                                                      f"request {request.request_id} is already running on this stream"))
+                            outbox.put_nowait(
+                                refusal(
+                                    request.request_id,
+                                    grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {request.request_id} is already running on this stream",
+                                )
+                            )
                             continue
                         self.open_responses += 1
                         running[request.request_id] = asyncio.create_task(run(request))
@@ -191,13 +227,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def Abort(self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.AbortResponse:
+    async def Abort(
+        self, request: rollout_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AbortResponse:
         if not request.all and not request.request_ids:
             raise InvalidArgument("name request_ids or set all")
         aborted = self.engine.abort(None if request.all else list(request.request_ids))
         return rollout_pb2.AbortResponse(aborted=aborted)
 
-    async def GetInfo(self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.GetInfoResponse:
+    async def GetInfo(
+        self, request: rollout_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetInfoResponse:
         return rollout_pb2.GetInfoResponse(
             instance_id=self.instance_id,
             model=self.model_name,
@@ -225,20 +265,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             rate = (info.generated_tokens - self._scraped[1]) / (now - self._scraped[0])
         self._scraped = (now, info.generated_tokens)
         labels = {"instance": info.instance_id, "engine": info.engine}
-        families.counter("generated_tokens", "Tokens generated since the instance started.", info.generated_tokens, **labels)
+        families.counter(
+            "generated_tokens", "Tokens generated since the instance started.", info.generated_tokens, **labels
+        )
         families.gauge("tokens_per_second", "Tokens generated per second since the previous scrape.", rate, **labels)
         families.gauge("running_requests", "Requests being decoded.", info.running_requests, **labels)
         families.gauge("max_batch_size", "Sequences the engine decodes at once.", info.max_batch_size, **labels)
         families.gauge("weight_version", "Weight version the instance serves.", info.weight_version, **labels)
         families.gauge("paused", "1 while generation is paused (a weight update in pause mode).", info.paused, **labels)
-        families.gauge("draining", "1 while the instance hands its requests back before leaving.", info.draining, **labels)
+        families.gauge(
+            "draining", "1 while the instance hands its requests back before leaving.", info.draining, **labels
+        )
 
-    async def BeginWeightUpdate(self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.BeginWeightUpdateResponse:
+    async def BeginWeightUpdate(
+        self, request: rollout_pb2.BeginWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.BeginWeightUpdateResponse:
         backend = _BACKENDS.get(request.backend)
         if backend is None:
-            raise InvalidArgument("backend must be TRANSFER_BACKEND_MOONCAKE, TRANSFER_BACKEND_GRPC or TRANSFER_BACKEND_TCP")
+            raise InvalidArgument(
+                "backend must be TRANSFER_BACKEND_MOONCAKE, TRANSFER_BACKEND_GRPC or TRANSFER_BACKEND_TCP"
+            )
         if request.HasField("manifest") == bool(request.rank_manifests):
-            raise InvalidArgument("set exactly one of manifest (full tensors) and rank_manifests (one payload per tensor-parallel rank)")
+            raise InvalidArgument(
+                "set exactly one of manifest (full tensors) and rank_manifests (one payload per tensor-parallel rank)"
+            )
         manifest = request.manifest if request.HasField("manifest") else None
         keep_base = request.link_compression == common_pb2.COMPRESSION_DELTA
         ports = await self.updater.begin(manifest, list(request.rank_manifests), backend, keep_base)
@@ -251,15 +301,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             ranks=[endpoint_to_proto(port) for port in ports],
         )
 
-    async def PushWeightChunks(self, request_iterator: AsyncIterator[rollout_pb2.PushWeightChunksRequest], context: grpc.aio.ServicerContext) -> rollout_pb2.PushWeightChunksResponse:
+    async def PushWeightChunks(
+        self, request_iterator: AsyncIterator[rollout_pb2.PushWeightChunksRequest], context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PushWeightChunksResponse:
         received = 0
         async for chunk in request_iterator:
-            await self.updater.receive(chunk.tp_rank, chunk.version, chunk.offset, chunk.data, chunk.compression, chunk.raw_bytes,
-                                       chunk.base_version)
+            await self.updater.receive(
+                chunk.tp_rank,
+                chunk.version,
+                chunk.offset,
+                chunk.data,
+                chunk.compression,
+                chunk.raw_bytes,
+                chunk.base_version,
+            )
             received += chunk.raw_bytes or len(chunk.data)
         return rollout_pb2.PushWeightChunksResponse(received_bytes=received)
 
-    async def CommitWeightUpdate(self, request: rollout_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.CommitWeightUpdateResponse:
+    async def CommitWeightUpdate(
+        self, request: rollout_pb2.CommitWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.CommitWeightUpdateResponse:
         try:
             load_ms = await self.updater.commit(request.version, list(request.rank_proofs))
         except UnprovenPayload as exc:
@@ -269,15 +330,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.membership.wake()
         return rollout_pb2.CommitWeightUpdateResponse(weight_version=self.engine.weight_version, load_ms=load_ms)
 
-    async def PauseGeneration(self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.PauseGenerationResponse:
+    async def PauseGeneration(
+        self, request: rollout_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.PauseGenerationResponse:
         await self.engine.pause()
         return rollout_pb2.PauseGenerationResponse(held_requests=self.engine.running_requests)
 
-    async def ResumeGeneration(self, request: rollout_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.ResumeGenerationResponse:
+    async def ResumeGeneration(
+        self, request: rollout_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ResumeGenerationResponse:
         await self.engine.resume()
         return rollout_pb2.ResumeGenerationResponse()
 
-    async def Drain(self, request: rollout_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> rollout_pb2.DrainResponse:
+    async def Drain(
+        self, request: rollout_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.DrainResponse:
         if self.drain is None:
             raise FailedPrecondition("this instance cannot drain yet: it is still starting")
         handed_back = await self.drain(request.reason or "drain requested")

@@ -20,9 +20,17 @@ from pydantic import Field
 from rlmesh.config import StrictModel
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from services.rollout.engine import (
-    Chunk, ChunkStream, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, check_pin, model_parameter_specs, validate_request,
+    Chunk,
+    ChunkStream,
+    Engine,
+    EngineRequest,
+    Finish,
+    ParameterSpec,
+    UpdateMode,
+    check_pin,
+    model_parameter_specs,
+    validate_request,
 )
-
 
 _POOL_TOKENS = 65_536
 
@@ -101,8 +109,14 @@ class SyntheticEngine(Engine):
     `abort-continue` has no KV cache to recompute and behaves as `continue` (no prefill time charged).
     A commit waits for the pinned requests to end, and a hold takes effect only then."""
 
-    def __init__(self, config: SyntheticConfig, max_batch_size: int = 256, model_dir: str | Path | None = None, weight_version: int = 0,
-                 update_mode: UpdateMode = "continue") -> None:
+    def __init__(
+        self,
+        config: SyntheticConfig,
+        max_batch_size: int = 256,
+        model_dir: str | Path | None = None,
+        weight_version: int = 0,
+        update_mode: UpdateMode = "continue",
+    ) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         self.config = config
         self._staged: int | None = None
@@ -138,8 +152,10 @@ class SyntheticEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
         validate_request(request, self.config.vocab_size, 2**31)
         if request.sampling.stop:
-            raise InvalidArgument(f"request {request.request_id}: the synthetic engine's tokens are no text: stop strings cannot be "
-                                  "matched (use stop_token_ids)")
+            raise InvalidArgument(
+                f"request {request.request_id}: the synthetic engine's tokens are no text: stop strings cannot be "
+                "matched (use stop_token_ids)"
+            )
         self._requests_seen += 1
         if self.config.fail_after_requests is not None and self._requests_seen > self.config.fail_after_requests:
             raise RuntimeError(f"synthetic fault: requests after the first {self.config.fail_after_requests} fail")
@@ -263,4 +279,3 @@ class SyntheticEngine(Engine):
                 self._pinned_ended.set()
             elif len(sequence.pending.token_ids) >= interval:
                 sequence.stream.put(sequence.take())
-

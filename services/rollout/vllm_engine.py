@@ -21,7 +21,15 @@ from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.models.engine_fit import VLLM_CPU_HEAD_SIZES, vllm_cpu_refusal
 from rlmesh.models.families import check_model_dir
 from services.rollout.engine import (
-    Chunk, Engine, EngineRequest, Finish, ParameterSpec, UpdateMode, check_pin, model_parameter_specs, validate_request,
+    Chunk,
+    Engine,
+    EngineRequest,
+    Finish,
+    ParameterSpec,
+    UpdateMode,
+    check_pin,
+    model_parameter_specs,
+    validate_request,
 )
 
 if TYPE_CHECKING:
@@ -41,7 +49,9 @@ class WorkerExtension:
         runner = self.model_runner
         model = runner.get_model()
         lm_head = getattr(model, "lm_head", None)
-        if getattr(runner.model_config.hf_text_config, "tie_word_embeddings", False) and hasattr(lm_head, "quant_method"):
+        if getattr(runner.model_config.hf_text_config, "tie_word_embeddings", False) and hasattr(
+            lm_head, "quant_method"
+        ):
             # A tied lm_head has no weights of its own, so the reload skips it; on CPU its GEMM
             # runs on a packed copy of the embedding made at load time, which would keep
             # producing logits from the old weights. Packing again reads the new embedding.
@@ -77,8 +87,15 @@ class VllmEngine(Engine):
     Pinned requests end before any reload: a commit waits for them (generating, even under a hold),
     and from staging on new ones are refused."""
 
-    def __init__(self, model_dir: str | Path, max_batch_size: int, seed: int, config: VllmConfig, weight_version: int = 0,
-                 update_mode: UpdateMode = "continue") -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_batch_size: int,
+        seed: int,
+        config: VllmConfig,
+        weight_version: int = 0,
+        update_mode: UpdateMode = "continue",
+    ) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         check_model_dir(model_dir)
         # Refused before the instance registers (and before vLLM is imported): its engine core
@@ -128,8 +145,10 @@ class VllmEngine(Engine):
         # The list the refusal (here and in `rlmesh up`) checks against must be this vLLM's.
         supported = tuple(CPUAttentionBackend.get_supported_head_sizes())
         if current_platform.is_cpu() and supported != VLLM_CPU_HEAD_SIZES:
-            raise ConfigError(f"this vLLM's CPU attention takes head sizes {supported}, rlmesh.models.engine_fit lists "
-                              f"{VLLM_CPU_HEAD_SIZES}: update VLLM_CPU_HEAD_SIZES")
+            raise ConfigError(
+                f"this vLLM's CPU attention takes head sizes {supported}, rlmesh.models.engine_fit lists "
+                f"{VLLM_CPU_HEAD_SIZES}: update VLLM_CPU_HEAD_SIZES"
+            )
 
         args = AsyncEngineArgs(
             model=self.model_dir,
@@ -195,7 +214,12 @@ class VllmEngine(Engine):
         request_id = request.request_id
         if request_id in self._tracked:
             raise FailedPrecondition(f"request {request_id} is already running")
-        check_pin(request, self._version, (self._staged is not None or self._switch.locked() or self._held) and not any(t.pinned for t in self._tracked.values()))
+        check_pin(
+            request,
+            self._version,
+            (self._staged is not None or self._switch.locked() or self._held)
+            and not any(t.pinned for t in self._tracked.values()),
+        )
         tracked = _Tracked(pinned=request.pinned_version is not None)
         self._tracked[request_id] = tracked
         finish = Finish.NONE
@@ -210,14 +234,18 @@ class VllmEngine(Engine):
             async for output in self._outputs(prompt, params, request_id):
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
-                logprobs = [float(position[token].logprob) for position, token in zip(completion.logprobs or [], tokens)]
+                logprobs = [
+                    float(position[token].logprob) for position, token in zip(completion.logprobs or [], tokens)
+                ]
                 finish = _FINISH.get(completion.finish_reason, Finish.STOP)
                 if tracked.abort_again and finish is Finish.NONE:
                     tracked.abort_again = False
                     await self._llm.abort(request_id)
                 if not tokens and finish is Finish.NONE:
                     continue
-                versions = _versions(self._version_starts(request_id, completion), tracked.emitted, len(tokens), self._version)
+                versions = _versions(
+                    self._version_starts(request_id, completion), tracked.emitted, len(tokens), self._version
+                )
                 tracked.emitted += len(tokens)
                 self._generated += len(tokens)
                 yield Chunk(request_id, tokens, logprobs, versions, finish)
@@ -301,7 +329,10 @@ class VllmEngine(Engine):
         if version <= self._version:
             raise FailedPrecondition(f"version {version} is not newer than the served version {self._version}")
         self._staged = None
-        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(self._staging_dir / "model.safetensors"))
+        save_file(
+            {name: tensor.contiguous() for name, tensor in tensors.items()},
+            str(self._staging_dir / "model.safetensors"),
+        )
         self._staged = version
 
     async def commit_staged(self, version: int) -> None:

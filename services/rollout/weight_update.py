@@ -14,9 +14,9 @@ import structlog
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.transfer.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
 from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError, finish_in_thread
+from rlmesh.transfer.payload import PayloadError, name_mismatch, torch_dtype, validate_manifest
 from services.rollout.engine import Engine, ParameterSpec, TensorParallelEngine, WeightLayout
 from services.rollout.torch.rank import RankHandle, RankPort, RankWeights
 
@@ -48,8 +48,15 @@ class WeightUpdater:
     sends nothing more, so the hold also ends `pause_limit` seconds after the last Begin: the
     instance never stays paused, and always resumes on the version it serves."""
 
-    def __init__(self, engine: Engine, ranks: Sequence[RankHandle], backends: frozenset[Backend], owns_ranks: bool = False,
-                 verify_timeout: float = VERIFY_TIMEOUT_SECONDS, pause_limit: float = PAUSE_LIMIT_SECONDS) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        ranks: Sequence[RankHandle],
+        backends: frozenset[Backend],
+        owns_ranks: bool = False,
+        verify_timeout: float = VERIFY_TIMEOUT_SECONDS,
+        pause_limit: float = PAUSE_LIMIT_SECONDS,
+    ) -> None:
         """`ranks[0]` receives in this process (a RankWeights); `owns_ranks`: close them with the updater."""
         self.engine = engine
         self.ranks = ranks
@@ -63,15 +70,22 @@ class WeightUpdater:
         self._busy = asyncio.Lock()
         self._hold_expiry: asyncio.Task[None] | None = None
 
-    async def begin(self, manifest: common_pb2.WeightManifest | None, rank_manifests: Sequence[common_pb2.WeightManifest],
-                    backend: Backend, keep_base: bool = False) -> list[RankPort]:
+    async def begin(
+        self,
+        manifest: common_pb2.WeightManifest | None,
+        rank_manifests: Sequence[common_pb2.WeightManifest],
+        backend: Backend,
+        keep_base: bool = False,
+    ) -> list[RankPort]:
         """Arms the receiving ranks; returns where each receives its payload. `keep_base`: the link
         sends deltas, so once this version is served the ranks keep a copy of it to apply the next to."""
         if self._busy.locked():
             raise FailedPrecondition("another weight update is beginning or committing; retry after it")
         async with self._busy:
             if backend not in self.backends:
-                raise FailedPrecondition(f"this instance offers no {backend} endpoint (offered: {', '.join(sorted(self.backends))})")
+                raise FailedPrecondition(
+                    f"this instance offers no {backend} endpoint (offered: {', '.join(sorted(self.backends))})"
+                )
             if rank_manifests:
                 manifests, layout = self._check_rank_manifests(rank_manifests), WeightLayout.TENSOR_PARALLEL
             else:
@@ -87,8 +101,12 @@ class WeightUpdater:
             proven_at_commit = backend == "mooncake"
             await self._hold()
             try:
-                ports = await asyncio.gather(*(finish_in_thread(rank.prepare, m, load, served, keep_base, proven_at_commit)
-                                               for rank, m in zip(ranks, manifests)))
+                ports = await asyncio.gather(
+                    *(
+                        finish_in_thread(rank.prepare, m, load, served, keep_base, proven_at_commit)
+                        for rank, m in zip(ranks, manifests)
+                    )
+                )
             except TransferError as exc:
                 await self._release()
                 raise FailedPrecondition(f"version {version}: {exc}") from exc
@@ -97,17 +115,24 @@ class WeightUpdater:
                 raise
             self._pending = _Pending(version, layout, ranks)
             self._limit_hold(version)
-            log.info("weight update begun", weight_version=version, layout=layout.name, ranks=len(ranks), backend=backend)
+            log.info(
+                "weight update begun", weight_version=version, layout=layout.name, ranks=len(ranks), backend=backend
+            )
             return list(ports)
 
-    async def receive(self, tp_rank: int, version: int, offset: int, data: bytes, compression: int, raw_bytes: int,
-                      base_version: int) -> None:
+    async def receive(
+        self, tp_rank: int, version: int, offset: int, data: bytes, compression: int, raw_bytes: int, base_version: int
+    ) -> None:
         """Writes one chunk (gRPC backend) into the buffer of the rank it belongs to."""
         pending = self._require_pending(version)
         if tp_rank >= len(pending.ranks):
-            raise InvalidArgument(f"tp_rank {tp_rank} is outside the {len(pending.ranks)} rank(s) receiving version {version}")
+            raise InvalidArgument(
+                f"tp_rank {tp_rank} is outside the {len(pending.ranks)} rank(s) receiving version {version}"
+            )
         try:
-            await finish_in_thread(pending.ranks[tp_rank].write, version, offset, data, compression, raw_bytes, base_version)
+            await finish_in_thread(
+                pending.ranks[tp_rank].write, version, offset, data, compression, raw_bytes, base_version
+            )
         except TransferError as exc:
             raise InvalidArgument(str(exc)) from exc
 
@@ -117,7 +142,9 @@ class WeightUpdater:
         async with self._busy:
             pending = self._require_pending(version)
             if rank_proofs and len(rank_proofs) != len(pending.ranks):
-                raise InvalidArgument(f"{len(rank_proofs)} rank_proofs for the {len(pending.ranks)} rank(s) receiving version {version}")
+                raise InvalidArgument(
+                    f"{len(rank_proofs)} rank_proofs for the {len(pending.ranks)} rank(s) receiving version {version}"
+                )
             proofs = list(rank_proofs) or [b""] * len(pending.ranks)
             started = time.perf_counter()
             await self._hold()
@@ -131,20 +158,28 @@ class WeightUpdater:
                 # Switched or not, the push is over: generation resumes on whatever is served.
                 await self._release()
             elapsed = (time.perf_counter() - started) * 1000
-            log.info("weight version committed", weight_version=version, load_ms=round(elapsed, 2), ranks=len(pending.ranks))
+            log.info(
+                "weight version committed", weight_version=version, load_ms=round(elapsed, 2), ranks=len(pending.ranks)
+            )
             return elapsed
 
     async def _load(self, pending: _Pending, proofs: list[bytes]) -> None:
         """Checks every bucket of every rank, then makes the version the engine's staged one."""
         version, served = pending.version, self.engine.weight_version
         try:
-            bad = await asyncio.gather(*(finish_in_thread(rank.verify, version, self.verify_timeout, proof)
-                                         for rank, proof in zip(pending.ranks, proofs)))
+            bad = await asyncio.gather(
+                *(
+                    finish_in_thread(rank.verify, version, self.verify_timeout, proof)
+                    for rank, proof in zip(pending.ranks, proofs)
+                )
+            )
             failed = {rank: buckets for rank, buckets in enumerate(bad) if buckets}
             if failed:
                 detail = "; ".join(f"rank {rank} buckets {buckets[:8]}" for rank, buckets in failed.items())
-                raise FailedPrecondition(f"version {version}: {detail} missing or failed their crc32 check; nothing was loaded, "
-                                         f"version {served} is still served")
+                raise FailedPrecondition(
+                    f"version {version}: {detail} missing or failed their crc32 check; nothing was loaded, "
+                    f"version {served} is still served"
+                )
             if pending.layout is WeightLayout.TENSOR_PARALLEL:
                 await asyncio.gather(*(finish_in_thread(rank.finish, version) for rank in pending.ranks))
                 self.engine.mark_staged(version)
@@ -152,7 +187,9 @@ class WeightUpdater:
                 await finish_in_thread(self.engine.stage_weights, version, self.local.tensors())
         except UnprovenPayload as exc:
             log.warning("weight commit refused: its bytes are not proven", weight_version=version, error=str(exc))
-            raise UnprovenPayload(f"version {version}: {exc}; nothing was loaded, version {served} is still served") from exc
+            raise UnprovenPayload(
+                f"version {version}: {exc}; nothing was loaded, version {served} is still served"
+            ) from exc
         except TransferError as exc:
             raise FailedPrecondition(f"version {version}: {exc}; version {served} is still served") from exc
 
@@ -190,22 +227,30 @@ class WeightUpdater:
         async with self._busy:
             self._hold_expiry = None
             await self._release()
-            log.warning("weight push neither committed nor failed: generation resumed on the served version",
-                        weight_version=version, served_version=self.engine.weight_version, pause_limit_s=self.pause_limit)
+            log.warning(
+                "weight push neither committed nor failed: generation resumed on the served version",
+                weight_version=version,
+                served_version=self.engine.weight_version,
+                pause_limit_s=self.pause_limit,
+            )
 
     def _check_full_manifest(self, manifest: common_pb2.WeightManifest | None) -> common_pb2.WeightManifest:
         if manifest is None:
             raise InvalidArgument("manifest or rank_manifests is required")
         _validate(manifest, "manifest")
         if manifest.tensor_parallel_size:
-            raise InvalidArgument(f"manifest holds rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size} "
-                                  "tensor-parallel ranks; full tensors go in `manifest`, rank payloads in `rank_manifests`")
+            raise InvalidArgument(
+                f"manifest holds rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size} "
+                "tensor-parallel ranks; full tensors go in `manifest`, rank payloads in `rank_manifests`"
+            )
         _match(manifest, self.engine.parameter_specs(), "manifest")
         return manifest
 
     def _check_rank_manifests(self, manifests: Sequence[common_pb2.WeightManifest]) -> list[common_pb2.WeightManifest]:
         if not isinstance(self.engine, TensorParallelEngine):
-            raise InvalidArgument("this engine loads full tensors (WEIGHT_LAYOUT_FULL): send `manifest`, not rank_manifests")
+            raise InvalidArgument(
+                "this engine loads full tensors (WEIGHT_LAYOUT_FULL): send `manifest`, not rank_manifests"
+            )
         tp = self.engine.tensor_parallel_size
         if len(manifests) != tp:
             raise InvalidArgument(f"{len(manifests)} rank manifests for {tp} tensor-parallel rank(s)")
@@ -213,9 +258,14 @@ class WeightUpdater:
         for rank, manifest in enumerate(manifests):
             label = f"rank {rank} manifest"
             _validate(manifest, label)
-            if manifest.tensor_parallel_size and (manifest.tensor_parallel_size, manifest.tensor_parallel_rank) != (tp, rank):
-                raise InvalidArgument(f"{label} is the payload of rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size}, "
-                                      f"not of rank {rank} of {tp}")
+            if manifest.tensor_parallel_size and (manifest.tensor_parallel_size, manifest.tensor_parallel_rank) != (
+                tp,
+                rank,
+            ):
+                raise InvalidArgument(
+                    f"{label} is the payload of rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size}, "
+                    f"not of rank {rank} of {tp}"
+                )
             _match(manifest, expected, label)
         versions = sorted({m.version for m in manifests})
         if len(versions) > 1:
@@ -246,5 +296,7 @@ def _match(manifest: common_pb2.WeightManifest, specs: list[ParameterSpec], labe
     for name, spec in offered.items():
         want = expected[name]
         if tuple(spec.shape) != want.shape or torch_dtype(spec.dtype) != want.dtype:
-            raise InvalidArgument(f"{label}: {name} is {list(spec.shape)} {torch_dtype(spec.dtype)}, the model expects "
-                                  f"{list(want.shape)} {want.dtype}")
+            raise InvalidArgument(
+                f"{label}: {name} is {list(spec.shape)} {torch_dtype(spec.dtype)}, the model expects "
+                f"{list(want.shape)} {want.dtype}"
+            )

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from rlmesh.config import ServerConfig
+from rlmesh.settings.tracking import TrackingSettings
 from rlmesh.settings.trainer import AlgorithmConfig, GrpoConfig, TrainerSettings
 from rlmesh.tasks.config import TaskConfig
 
@@ -24,7 +25,9 @@ class TrainerConfig(AlgorithmConfig, TrainerSettings):
     """Local HF-format folder with the initial policy (version 0)."""
     output_dir: str = "runs/latest"
     """Metrics (JSONL, TensorBoard), the reward plot, the rollout ledger and checkpoints."""
-    tasks: list[TaskConfig] = Field(default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1)
+    tasks: list[TaskConfig] = Field(
+        default_factory=lambda: [TaskConfig(name="increment", kind="increment")], min_length=1
+    )
     """What the policy is trained on: prompts, rendering, reward and sampling per task; several
     tasks are mixed by weight within every step."""
     python_path: list[str] = Field(default_factory=list)
@@ -34,3 +37,5 @@ class TrainerConfig(AlgorithmConfig, TrainerSettings):
     """The dtype each weight version is handed to the weights service in (the master shards are
     cast to it): `auto` is the model folder's (its config's dtype, float32 when unstated), the
     dtype the rollout engines serve it in."""
+    tracking: TrackingSettings = TrackingSettings()
+    """The experiment trackers rank 0 reports the run to: the job's `[tracking]`."""

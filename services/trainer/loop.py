@@ -1,8 +1,9 @@
-"""The GRPO training loop over the mesh, run by rank 0: draw each step's prompts from the job's
-tasks and submit them ahead within the capacity rule, read and score every batch's groups as they
-finish, train on each step's accepted groups in micro-batches, step the optimizer per mini-batch,
-publish every version. The policy is sharded over
-the trainer's ranks; every torch operation on it is a command all ranks run together (`ranks.py`)."""
+"""The training loop over the mesh, run by rank 0, whatever the algorithm (GRPO, RLOO, REINFORCE++,
+PPO with a critic): draw each step's prompts from the job's tasks and submit them ahead within the
+capacity rule, read and score every batch's groups as they finish, train on each step's accepted
+groups in micro-batches, step the optimizer per mini-batch, publish every version. The policy is
+sharded over the trainer's ranks; every torch operation on it is a command all ranks run together
+(`ranks/commands.py`)."""
 
 from __future__ import annotations
 
@@ -22,24 +23,33 @@ from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import SourceExhausted, TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
-from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
-from services.trainer.config import TrainerConfig
-from services.trainer.episodes.process import EpisodeProcess, start_episodes
-from services.trainer.episodes.driver import EpisodeDriver, episode_specs
-from services.trainer.ranks.evaluation import EvalRequest, EvalResponses
 from services.trainer.algorithms.group_advantages import with_advantages
+from services.trainer.config import TrainerConfig
+from services.trainer.episodes.driver import EpisodeDriver, episode_specs
+from services.trainer.episodes.process import EpisodeProcess, start_episodes
 from services.trainer.mesh import MeshClient
-from services.trainer.tracking.metrics import MetricsWriter
-from services.trainer.pipeline import (PromptRecord, StepPlan, dump_pipeline, load_pipeline, prompt_seed, submitted_batches,
-                                       untrained_plans)
+from services.trainer.pipeline import (
+    PromptRecord,
+    StepPlan,
+    dump_pipeline,
+    load_pipeline,
+    prompt_seed,
+    submitted_batches,
+    untrained_plans,
+)
 from services.trainer.publishing import VersionPublisher, publish_figures
+from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.ranks.commands import BeginStep, Checkpoint, Evaluate, OptimizerStep, RankGroup, Resume, Train
+from services.trainer.ranks.evaluation import EvalRequest, EvalResponses
 from services.trainer.ranks.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals, balance_metrics
-from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_sets
+from services.trainer.tracking.metrics import MetricsWriter
+from services.trainer.tracking.tracker import HeldOutSample, run_config, start_trackers
+from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_rows, held_out_sets
 
 log = structlog.get_logger()
+
 
 class RolloutsUnavailable(RuntimeError):
     """The manager says a step's rollouts cannot come (no rollout instance left for too long)."""
@@ -62,7 +72,7 @@ EQUAL_REWARDS = 1e-9
 """A group whose rewards all lie within this of each other teaches nothing (dynamic sampling drops it)."""
 
 
-class GrpoTrainer:
+class TrainingLoop:
     def __init__(self, config: TrainerConfig, mesh: MeshClient, status: TrainingStatus, group: RankGroup) -> None:
         self.config = config
         self.mesh = mesh
@@ -72,7 +82,9 @@ class GrpoTrainer:
         self.output.mkdir(parents=True, exist_ok=True)
         self.tokenizer = group.policy.tokenizer
         self.stop_ids = group.policy.stop_ids
-        self.mixture = TaskMixture([build_task(t, self.tokenizer, config.seed, config.python_path) for t in config.tasks], config.seed)
+        self.mixture = TaskMixture(
+            [build_task(t, self.tokenizer, config.seed, config.python_path) for t in config.tasks], config.seed
+        )
         self.metrics = MetricsWriter(self.output)
         self.checkpoints = group.checkpoints
         self.ledger_path = self.output / "rollouts.jsonl"
@@ -93,21 +105,40 @@ class GrpoTrainer:
         self.max_staleness = 0
         self.publisher = VersionPublisher(group, mesh, self._file_metrics)
         self.scorer = GroupScorer(config, self.mixture, self.tokenizer, self.stop_ids)
-        self.validation = (BackgroundValidation(self.mixture, mesh, self.scorer.completion, self.stop_ids, config.seed, self.run_tag,
-                                                config.rollout_timeout_seconds, self._file_metrics,
-                                                low_priority=config.validation_priority == "low")
-                           if config.validation == "background" else None)
+        self.validation = (
+            BackgroundValidation(
+                self.mixture,
+                mesh,
+                self.scorer.completion,
+                self.stop_ids,
+                config.seed,
+                self.run_tag,
+                config.rollout_timeout_seconds,
+                self._file_metrics,
+                low_priority=config.validation_priority == "low",
+                report_samples=self.metrics.write_samples,
+            )
+            if config.validation == "background"
+            else None
+        )
         self.evaluations: dict[int, dict[str, float]] = {}
         """Inline evaluations by step (background ones are kept by `validation`)."""
-        self.episode_specs = episode_specs(self.mixture, self.tokenizer, self.stop_ids, group.policy.context_length,
-                                           config.python_path[0] if config.python_path else "")
+        self.episode_specs = episode_specs(
+            self.mixture,
+            self.tokenizer,
+            self.stop_ids,
+            group.policy.context_length,
+            config.python_path[0] if config.python_path else "",
+        )
         self.episodes: EpisodeDriver | EpisodeProcess | None = None
         """Runs the multi-turn tasks' episodes (started with the run)."""
         if self.validation is not None:
             self.validation.episode_specs = self.episode_specs
         elif self.episode_specs:
-            raise ValueError("a multi-turn task (one with an environment) is evaluated by running its episodes on the rollout "
-                             "instances: set validation = \"background\"")
+            raise ValueError(
+                "a multi-turn task (one with an environment) is evaluated by running its episodes on the rollout "
+                'instances: set validation = "background"'
+            )
 
     @property
     def ordered(self) -> bool:
@@ -117,8 +148,13 @@ class GrpoTrainer:
 
     def _sampling(self, task: Task, step: int, prompt_id: str) -> common_pb2.SamplingParams:
         sampling = task.config.sampling
-        return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=task.config.max_tokens,
-                                         stop_token_ids=self.stop_ids, seed=prompt_seed(self.config.seed, step, prompt_id))
+        return common_pb2.SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=task.config.max_tokens,
+            stop_token_ids=self.stop_ids,
+            seed=prompt_seed(self.config.seed, step, prompt_id),
+        )
 
     def _ledger(self, record: dict) -> None:
         self._ledger_file.write(json.dumps(record) + "\n")
@@ -127,14 +163,32 @@ class GrpoTrainer:
         return f"{self.run_tag}-step{step:06d}{part}"
 
     async def run(self) -> dict:
+        """Trains the job's steps and returns the summary (also written to summary.json). The
+        experiment trackers' runs start first and are closed with it, marked failed when training
+        fails or is stopped."""
+        config = run_config(self.output, self.config.model_dump(mode="json"))
+        # Off the event loop: a tracker's start (MLflow creating its store, W&B its run) takes seconds.
+        self.metrics.trackers = await asyncio.to_thread(start_trackers, self.config.tracking, self.output, config)
+        try:
+            return await self._train()
+        except BaseException:
+            self.metrics.close(failed=True)
+            raise
+
+    async def _train(self) -> dict:
         started = time.perf_counter()
         if self.config.reference_apart:
-            self.scorer.reference = await ReferenceWorker.start(self.config.model_dir, self.group.policy.pad_id, self.config.threads,
-                                                         self.config.startup_timeout_seconds)
+            self.scorer.reference = await ReferenceWorker.start(
+                self.config.model_dir,
+                self.group.policy.pad_id,
+                self.config.threads,
+                self.config.startup_timeout_seconds,
+            )
         if self.episode_specs:
             assert self.validation is not None, "a multi-turn job validates in the background (checked in __init__)"
             self.episodes = self.validation.episodes = await start_episodes(
-                self.config, self.mesh, self.episode_specs, self.group.policy.context_length, self._collector_failed)
+                self.config, self.mesh, self.episode_specs, self.group.policy.context_length, self._collector_failed
+            )
         state = TrainerState(step=0, version=0)
         checkpoint = latest_checkpoint(self.checkpoints) if self.config.resume else None
         restored: list[StepPlan] = []
@@ -142,9 +196,14 @@ class GrpoTrainer:
             state = await self.group.lead(Resume(str(checkpoint)))
             self.mixture.restore(state.task_cursors)
             restored = load_pipeline(checkpoint, self.mixture.by_name)
-            log.info("resumed", checkpoint=str(checkpoint), step=state.step, task_cursors=state.task_cursors,
-                     accepted_groups=sum(len(p.waiting) for p in restored),
-                     prompts_in_flight=sum(len(p.outstanding) for p in restored))
+            log.info(
+                "resumed",
+                checkpoint=str(checkpoint),
+                step=state.step,
+                task_cursors=state.task_cursors,
+                accepted_groups=sum(len(p.waiting) for p in restored),
+                prompts_in_flight=sum(len(p.outstanding) for p in restored),
+            )
         manager = await self.mesh.manager_status()
         self.max_staleness = manager.max_staleness
         stored = await self.mesh.stored_version()
@@ -157,9 +216,15 @@ class GrpoTrainer:
         await self.publisher.publish(state.version)
         await self._cancel_batches_of_earlier_runs(state.step)
         # What this run trains from `step` on replaces what an earlier run of this folder trained.
-        self._ledger({"event": "started", "step": state.step, "checkpoint": checkpoint.name if checkpoint else None,
-                      "accepted_groups": sum(len(p.waiting) for p in restored),
-                      "prompts_in_flight": sum(len(p.outstanding) for p in restored)})
+        self._ledger(
+            {
+                "event": "started",
+                "step": state.step,
+                "checkpoint": checkpoint.name if checkpoint else None,
+                "accepted_groups": sum(len(p.waiting) for p in restored),
+                "prompts_in_flight": sum(len(p.outstanding) for p in restored),
+            }
+        )
         for plan in restored:
             # Groups a run with the reference in the ranks accepted carry no reference log-probabilities.
             await self.scorer.attach_reference(plan.waiting)
@@ -179,8 +244,12 @@ class GrpoTrainer:
                     # The last one also holds the whole policy as an HF folder.
                     checkpointing = time.perf_counter()
                     pipeline = untrained_plans(self.plans, state.step)
-                    await self.group.lead(Checkpoint(TrainerState(state.step, state.version, self.mixture.cursors(),
-                                                                  dump_pipeline(pipeline)), export_hf=last_step))
+                    await self.group.lead(
+                        Checkpoint(
+                            TrainerState(state.step, state.version, self.mixture.cursors(), dump_pipeline(pipeline)),
+                            export_hf=last_step,
+                        )
+                    )
                     # What training waited for: the copy to memory; the write goes on in the background.
                     self.metrics.write(state.step, {"checkpoint_seconds": time.perf_counter() - checkpointing})
             await self.publisher.published()
@@ -251,18 +320,30 @@ class GrpoTrainer:
         self.status.step, self.status.version = state.step, state.version
         self.status.metrics.update(values)
         if not totals.trained_groups:
-            log.warning("the step had no group to train on (every one dropped, no prompt left to draw): "
-                        "the policy did not change", step=state.step, dropped_groups=totals.dropped_groups)
+            log.warning(
+                "the step had no group to train on (every one dropped, no prompt left to draw): "
+                "the policy did not change",
+                step=state.step,
+                dropped_groups=totals.dropped_groups,
+            )
             return
-        log.info("step", step=state.step, reward=round(values["reward"], 4), loss=round(values["loss"], 4),
-                 step_s=round(step_seconds, 3), staleness=values["staleness_mean"])
+        log.info(
+            "step",
+            step=state.step,
+            reward=round(values["reward"], 4),
+            loss=round(values["loss"], 4),
+            step_s=round(step_seconds, 3),
+            staleness=values["staleness_mean"],
+        )
 
     async def _report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> dict[str, float]:
         """Tells the manager how training and rollout compared; returns its balance estimate as metrics."""
         try:
             balance = await self.mesh.report_step(batch_id, step_seconds, min(wait_seconds, step_seconds))
         except grpc.aio.AioRpcError as exc:
-            log.warning("could not report the step's timing", batch_id=batch_id, code=exc.code().name, error=exc.details())
+            log.warning(
+                "could not report the step's timing", batch_id=batch_id, code=exc.code().name, error=exc.details()
+            )
             return {}
         return balance_metrics(balance)
 
@@ -303,11 +384,15 @@ class GrpoTrainer:
         await self._submit(plan, self._records(step, drawn, "p", 0))
         return True
 
-    def _records(self, step: int, drawn: list[tuple[Task, TaskPrompt]], prefix: str, first_index: int) -> list[PromptRecord]:
+    def _records(
+        self, step: int, drawn: list[tuple[Task, TaskPrompt]], prefix: str, first_index: int
+    ) -> list[PromptRecord]:
         records = []
         for offset, (task, prompt) in enumerate(drawn):
             text, token_ids = task.renderer.render(prompt)
-            records.append(PromptRecord(step, f"{prefix}{offset}", first_index + offset, task.name, prompt, text, token_ids))
+            records.append(
+                PromptRecord(step, f"{prefix}{offset}", first_index + offset, task.name, prompt, text, token_ids)
+            )
         return records
 
     async def _refill(self, plan: StepPlan) -> None:
@@ -338,18 +423,34 @@ class GrpoTrainer:
             by_batch.setdefault("" if tasks[record.task].config.environment is None else record.task, []).append(record)
         for index, (episodes_of, batch_records) in enumerate(sorted(by_batch.items())):
             batch_id = self._batch_id(plan.step, part) + ("" if index == 0 else f"-{episodes_of}")
-            prompts = [(r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in batch_records]
+            prompts = [
+                (r.prompt_id, r.token_ids, self._sampling(tasks[r.task], r.step, r.prompt_id)) for r in batch_records
+            ]
             version = plan.step + self.version_offset
             if not episodes_of:
                 await self.mesh.submit(batch_id, version, prompts, self.config.group_size, prompts[0][2])
             else:
                 assert self.episodes is not None
-                await self.episodes.open(self.episode_specs[episodes_of], batch_id, version, prompts, self.config.group_size,
-                                         {r.prompt_id: r.prompt for r in batch_records})
+                await self.episodes.open(
+                    self.episode_specs[episodes_of],
+                    batch_id,
+                    version,
+                    prompts,
+                    self.config.group_size,
+                    {r.prompt_id: r.prompt for r in batch_records},
+                )
             plan.batches.append(batch_id)
             self.collectors[batch_id] = asyncio.create_task(self._collect(batch_id, plan), name=f"collect {batch_id}")
-            self._ledger({"event": "submitted", "batch_id": batch_id, "step": plan.step, "policy_version": version,
-                          "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in batch_records}, "group_size": self.config.group_size})
+            self._ledger(
+                {
+                    "event": "submitted",
+                    "batch_id": batch_id,
+                    "step": plan.step,
+                    "policy_version": version,
+                    "prompts": {r.prompt_id: [r.task, r.prompt.uid] for r in batch_records},
+                    "group_size": self.config.group_size,
+                }
+            )
 
     async def _collect(self, batch_id: str, plan: StepPlan) -> None:
         """Reads a batch's groups as they finish and scores each reply at once, on its own (rewards
@@ -358,7 +459,9 @@ class GrpoTrainer:
         config = self.config
         scoring: set[asyncio.Task[None]] = set()
         try:
-            async for groups in self.mesh.rollouts(batch_id, config.micro_batch_groups, 1, 0, config.rollout_timeout_seconds):
+            async for groups in self.mesh.rollouts(
+                batch_id, config.micro_batch_groups, 1, 0, config.rollout_timeout_seconds
+            ):
                 task = asyncio.create_task(self._score_and_accept(batch_id, plan, groups))
                 scoring.add(task)
                 task.add_done_callback(scoring.discard)
@@ -414,19 +517,30 @@ class GrpoTrainer:
         for batch_id in plan.batches:
             self.collectors.pop(batch_id, None)
         totals.dropped_groups = len(plan.dropped)
-        self._ledger({"event": "trained", "step": step,
-                      "prompts": [[g.batch_id, g.record.prompt_id, g.record.task, g.record.prompt.uid] for g in plan.accepted]})
+        self._ledger(
+            {
+                "event": "trained",
+                "step": step,
+                "prompts": [
+                    [g.batch_id, g.record.prompt_id, g.record.task, g.record.prompt.uid] for g in plan.accepted
+                ],
+            }
+        )
         return totals
 
     async def _wait_for_groups(self, plan: StepPlan, ready: Callable[[], bool], deadline: float) -> None:
         """Until `ready()` (the step has a micro-batch to train on) or a collector failed."""
         async with self._arrived:
             try:
-                await asyncio.wait_for(self._arrived.wait_for(lambda: self._collector_error is not None or ready()),
-                                       max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(
+                    self._arrived.wait_for(lambda: self._collector_error is not None or ready()),
+                    max(0.0, deadline - time.monotonic()),
+                )
             except TimeoutError:
-                raise TimeoutError(f"step {plan.step}: {plan.expected - len(plan.accepted)} of {plan.expected} groups did not "
-                                   f"arrive within rollout_timeout_seconds ({self.config.rollout_timeout_seconds:g})") from None
+                raise TimeoutError(
+                    f"step {plan.step}: {plan.expected - len(plan.accepted)} of {plan.expected} groups did not "
+                    f"arrive within rollout_timeout_seconds ({self.config.rollout_timeout_seconds:g})"
+                ) from None
         if self._collector_error is not None:
             raise self._collector_error
 
@@ -475,24 +589,46 @@ class GrpoTrainer:
             await self.validation.start(step, version)
             return
         figures = ValidationFigures()
+        samples: list[HeldOutSample] = []
         for held_out in held_out_sets(self.mixture):
             task = held_out.task
             sampling = task.config.sampling
-            request = EvalRequest(held_out.token_ids, task.config.max_tokens, task.config.eval.samples, sampling.temperature,
-                                  sampling.top_p, self.config.seed + step)
+            request = EvalRequest(
+                held_out.token_ids,
+                task.config.max_tokens,
+                task.config.eval.samples,
+                sampling.temperature,
+                sampling.top_p,
+                self.config.seed + step,
+            )
             responses: EvalResponses = await self.group.lead(Evaluate(request))
-            results = await task.reward.score([
-                RewardItem(f"eval-{step}-{index}", text, self.scorer.completion(ids), prompt.metadata, ids)
-                for index, (prompt, text, ids) in enumerate(zip(held_out.prompts * task.config.eval.samples + held_out.prompts,
-                                                                held_out.texts * task.config.eval.samples + held_out.texts,
-                                                                responses.sampled + responses.greedy))])
+            completions = [self.scorer.completion(ids) for ids in responses.sampled + responses.greedy]
+            results = await task.reward.score(
+                [
+                    RewardItem(f"eval-{step}-{index}", text, completion, prompt.metadata, ids)
+                    for index, (prompt, text, completion, ids) in enumerate(
+                        zip(
+                            held_out.prompts * task.config.eval.samples + held_out.prompts,
+                            held_out.texts * task.config.eval.samples + held_out.texts,
+                            completions,
+                            responses.sampled + responses.greedy,
+                        )
+                    )
+                ]
+            )
             rewards = [r.reward for r in results]
-            figures.sampled[task.name] = rewards[: len(responses.sampled)]
-            figures.greedy[task.name] = rewards[len(responses.sampled):]
+            sampled = len(responses.sampled)
+            figures.sampled[task.name] = rewards[:sampled]
+            figures.greedy[task.name] = rewards[sampled:]
+            samples += held_out_rows(step, version, held_out, "sampled", completions[:sampled], rewards[:sampled])
+            samples += held_out_rows(step, version, held_out, "greedy", completions[sampled:], rewards[sampled:])
         values = {**figures.values(), "eval/weight_version": float(version)}
         self.evaluations[step] = values
         self._file_metrics(step, values)
-        log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
+        self.metrics.write_samples(step, samples)
+        log.info(
+            "held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()}
+        )
 
     def _file_metrics(self, step: int, values: dict[str, float]) -> None:
         self.metrics.write(step, values)

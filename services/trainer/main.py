@@ -15,18 +15,23 @@ import structlog
 import torch
 
 from rlmesh.rpc.channels import open_channel, wait_healthy
-
 from rlmesh.rpc.servers import GrpcServer, stop_event_on_signals
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2_grpc
 from services.trainer.config import TrainerConfig
-from services.trainer.ranks.distributed import RankInfo, TorchThread, die_with_agent, init_distributed, shutdown_distributed
-from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
+from services.trainer.loop import TrainingLoop, TrainingStatus
 from services.trainer.mesh import MeshClient
-from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.ranks.commands import RankGroup
+from services.trainer.ranks.distributed import (
+    RankInfo,
+    TorchThread,
+    die_with_agent,
+    init_distributed,
+    shutdown_distributed,
+)
+from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
+from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.server import TrainerServicer
-from services.trainer.loop import GrpoTrainer, TrainingStatus
 
 log = structlog.get_logger()
 
@@ -49,9 +54,19 @@ async def serve(config: TrainerConfig) -> None:
 async def _build(config: TrainerConfig, rank: RankInfo, thread: TorchThread) -> tuple[RankGroup, object]:
     policy = await thread.run(ShardedPolicy, config, rank)
     channel = open_channel(config.weights_address)
-    handoff = ShardHandoff(weights_pb2_grpc.WeightsServiceStub(channel), policy.shape, rank.rank, rank.world_size,
-                           config.handoff, mesh_tag(config.output_dir), config.upload_timeout_seconds, policy.weights_dtype)
-    return RankGroup(rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints", config.publish_timeout_seconds), channel
+    handoff = ShardHandoff(
+        weights_pb2_grpc.WeightsServiceStub(channel),
+        policy.shape,
+        rank.rank,
+        rank.world_size,
+        config.handoff,
+        mesh_tag(config.output_dir),
+        config.upload_timeout_seconds,
+        policy.weights_dtype,
+    )
+    return RankGroup(
+        rank, policy, handoff, thread, Path(config.output_dir) / "checkpoints", config.publish_timeout_seconds
+    ), channel
 
 
 async def lead(config: TrainerConfig, rank: RankInfo) -> None:
@@ -65,7 +80,9 @@ async def lead(config: TrainerConfig, rank: RankInfo) -> None:
     await server.set_serving(True)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     (Path(config.output_dir) / ERROR_FILE).unlink(missing_ok=True)
-    mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds, config.manager_outage_seconds)
+    mesh = MeshClient(
+        config.manager_address, config.weights_address, config.rpc_timeout_seconds, config.manager_outage_seconds
+    )
     thread = TorchThread()
     group, channel = None, None
     failed = False
@@ -73,7 +90,7 @@ async def lead(config: TrainerConfig, rank: RankInfo) -> None:
         group, channel = await _build(config, rank, thread)
         for address in (config.manager_address, config.weights_address):
             await wait_healthy(address, config.startup_timeout_seconds)
-        trainer = GrpoTrainer(config, mesh, status, group)
+        trainer = TrainingLoop(config, mesh, status, group)
         training = asyncio.create_task(trainer.run())
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)

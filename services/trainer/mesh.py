@@ -38,8 +38,13 @@ class ManagerOutage:
         self.since = self.since if self.since is not None else now
         if exc.code() != grpc.StatusCode.UNAVAILABLE or now - self.since + self.delay > self.limit_seconds:
             raise exc
-        log.warning("the manager is unreachable; calling again", call=call, retry_in_s=self.delay,
-                    unreachable_s=round(now - self.since, 2), error=exc.details())
+        log.warning(
+            "the manager is unreachable; calling again",
+            call=call,
+            retry_in_s=self.delay,
+            unreachable_s=round(now - self.since, 2),
+            error=exc.details(),
+        )
         await asyncio.sleep(self.delay)
         self.delay = min(2 * self.delay, RETRY_MAX_SECONDS)
 
@@ -48,7 +53,9 @@ class ManagerOutage:
 
 
 class MeshClient:
-    def __init__(self, manager_address: str, weights_address: str, rpc_timeout: float, manager_outage_seconds: float = 120.0) -> None:
+    def __init__(
+        self, manager_address: str, weights_address: str, rpc_timeout: float, manager_outage_seconds: float = 120.0
+    ) -> None:
         self.rpc_timeout = rpc_timeout
         self.manager_outage_seconds = manager_outage_seconds
         self._manager_channel = open_channel(manager_address)
@@ -56,7 +63,9 @@ class MeshClient:
         self.manager = manager_pb2_grpc.ManagerServiceStub(self._manager_channel)
         self.weights = weights_pb2_grpc.WeightsServiceStub(self._weights_channel)
 
-    async def _call_manager(self, method: Callable[..., Awaitable[Any]], request: Any, landed: grpc.StatusCode | None = None) -> Any:
+    async def _call_manager(
+        self, method: Callable[..., Awaitable[Any]], request: Any, landed: grpc.StatusCode | None = None
+    ) -> Any:
         """A unary call to the manager, made again while the manager is unreachable. `landed` is
         the status a repeated call gets when an earlier attempt took effect though its reply was
         lost: then the call succeeded (None is returned)."""
@@ -83,15 +92,25 @@ class MeshClient:
     async def cancel(self, batch_id: str, missing_ok: bool = False) -> None:
         """`missing_ok`: a batch the manager does not hold (delivered, or never submitted) is no error."""
         try:
-            await self._call_manager(self.manager.CancelBatch, manager_pb2.CancelBatchRequest(batch_id=batch_id),
-                                     landed=grpc.StatusCode.NOT_FOUND)
+            await self._call_manager(
+                self.manager.CancelBatch,
+                manager_pb2.CancelBatchRequest(batch_id=batch_id),
+                landed=grpc.StatusCode.NOT_FOUND,
+            )
         except grpc.aio.AioRpcError as exc:
             if not (missing_ok and exc.code() == grpc.StatusCode.NOT_FOUND):
                 raise
 
-    async def submit(self, batch_id: str, policy_version: int,
-                     prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]], n: int,
-                     sampling: common_pb2.SamplingParams, exact_version: bool = False, background: bool = False) -> None:
+    async def submit(
+        self,
+        batch_id: str,
+        policy_version: int,
+        prompts: list[tuple[str, list[int]] | tuple[str, list[int], common_pb2.SamplingParams]],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        exact_version: bool = False,
+        background: bool = False,
+    ) -> None:
         """A prompt given with its own sampling settings (its task's) uses them instead of the batch's.
         `exact_version`: every token comes from exactly `policy_version` (held-out evaluation of that
         version); its rollouts fail with OUT_OF_RANGE once no instance serves it. `background`:
@@ -99,15 +118,21 @@ class MeshClient:
         request = manager_pb2.SubmitPromptsRequest(
             batch_id=batch_id,
             policy_version=policy_version,
-            prompts=[manager_pb2.Prompt(prompt_id=entry[0], token_ids=entry[1], n=n,
-                                        sampling=entry[2] if len(entry) > 2 else None) for entry in prompts],
+            prompts=[
+                manager_pb2.Prompt(
+                    prompt_id=entry[0], token_ids=entry[1], n=n, sampling=entry[2] if len(entry) > 2 else None
+                )
+                for entry in prompts
+            ],
             sampling=sampling,
             exact_version=exact_version,
             background=background,
         )
         await self._call_manager(self.manager.SubmitPrompts, request, landed=grpc.StatusCode.ALREADY_EXISTS)
 
-    async def rollouts(self, batch_id: str, micro_batch_groups: int, min_groups: int, max_tokens: int, timeout: float) -> AsyncIterator[list[manager_pb2.Group]]:
+    async def rollouts(
+        self, batch_id: str, micro_batch_groups: int, min_groups: int, max_tokens: int, timeout: float
+    ) -> AsyncIterator[list[manager_pb2.Group]]:
         """Every group of the batch exactly once, as micro-batches, across broken streams and
         manager restarts: a broken stream is opened again from the count of groups read so far,
         so a reply that was sent but never read comes again, and a group already read is dropped
@@ -120,7 +145,10 @@ class MeshClient:
         while not complete:
             stream = self.manager.StreamRollouts(
                 manager_pb2.StreamRolloutsRequest(
-                    batch_id=batch_id, micro_batch_groups=micro_batch_groups, min_groups=min_groups, max_tokens=max_tokens,
+                    batch_id=batch_id,
+                    micro_batch_groups=micro_batch_groups,
+                    min_groups=min_groups,
+                    max_tokens=max_tokens,
                     resume_from=read,
                 ),
                 **call_options(timeout),
@@ -129,8 +157,10 @@ class MeshClient:
                 async for reply in stream:
                     outage.reset()
                     if reply.first_group_index != read:
-                        raise RuntimeError(f"batch {batch_id!r}: the manager resumed at group {reply.first_group_index}, "
-                                           f"not at the {read} groups read")
+                        raise RuntimeError(
+                            f"batch {batch_id!r}: the manager resumed at group {reply.first_group_index}, "
+                            f"not at the {read} groups read"
+                        )
                     read += len(reply.groups)
                     fresh = [g for g in reply.groups if g.prompt_id not in seen]
                     seen.update(g.prompt_id for g in fresh)
@@ -143,16 +173,31 @@ class MeshClient:
                 # `timeout` bounds one stream; how long a step may wait is the caller's to decide.
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     await outage.wait(exc, "StreamRollouts")
-        await self._call_manager(self.manager.AcknowledgeRollouts, manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id))
+        await self._call_manager(
+            self.manager.AcknowledgeRollouts, manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id)
+        )
 
-    async def open_sessions(self, batch_id: str, policy_version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
-                            n: int, sampling: common_pb2.SamplingParams, limits: manager_pb2.SessionLimits,
-                            task: str) -> list[manager_pb2.SessionHandle]:
+    async def open_sessions(
+        self,
+        batch_id: str,
+        policy_version: int,
+        prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+        n: int,
+        sampling: common_pb2.SamplingParams,
+        limits: manager_pb2.SessionLimits,
+        task: str,
+    ) -> list[manager_pb2.SessionHandle]:
         """`n` multi-turn sessions per prompt; a call whose reply was lost finds its sessions' keys again."""
         request = manager_pb2.OpenSessionsRequest(
-            batch_id=batch_id, policy_version=policy_version, sampling=sampling, limits=limits, task=task,
-            prompts=[manager_pb2.Prompt(prompt_id=prompt_id, token_ids=token_ids, n=n, sampling=own)
-                     for prompt_id, token_ids, own in prompts],
+            batch_id=batch_id,
+            policy_version=policy_version,
+            sampling=sampling,
+            limits=limits,
+            task=task,
+            prompts=[
+                manager_pb2.Prompt(prompt_id=prompt_id, token_ids=token_ids, n=n, sampling=own)
+                for prompt_id, token_ids, own in prompts
+            ],
         )
         reply = await self._call_manager(self.manager.OpenSessions, request, landed=grpc.StatusCode.ALREADY_EXISTS)
         if reply is not None:
@@ -161,8 +206,12 @@ class MeshClient:
         for prompt_id, _, _ in prompts:
             for index in range(n):
                 session_id = f"{batch_id}/{prompt_id}/{index}"
-                found = await self._call_manager(self.manager.GetSession, manager_pb2.GetSessionRequest(session_id=session_id))
-                handles.append(manager_pb2.SessionHandle(session_id=session_id, prompt_id=prompt_id, index=index, key=found.key))
+                found = await self._call_manager(
+                    self.manager.GetSession, manager_pb2.GetSessionRequest(session_id=session_id)
+                )
+                handles.append(
+                    manager_pb2.SessionHandle(session_id=session_id, prompt_id=prompt_id, index=index, key=found.key)
+                )
         return handles
 
     async def run_turn(self, request: manager_pb2.RunTurnRequest, wait_seconds: float) -> manager_pb2.RunTurnResponse:
@@ -181,23 +230,31 @@ class MeshClient:
     async def start_session(self, session_id: str) -> int:
         """The session's episode begins (its deadlines run from now); returns its status (OPEN, or
         how it already ended)."""
-        reply = await self._call_manager(self.manager.StartSession, manager_pb2.StartSessionRequest(session_id=session_id))
+        reply = await self._call_manager(
+            self.manager.StartSession, manager_pb2.StartSessionRequest(session_id=session_id)
+        )
         return reply.status
 
     async def set_session_reward(self, session_id: str, reward: float, turn: int | None = None) -> None:
-        await self._call_manager(self.manager.SetSessionReward,
-                                 manager_pb2.SetSessionRewardRequest(session_id=session_id, reward=reward, turn=turn))
+        await self._call_manager(
+            self.manager.SetSessionReward,
+            manager_pb2.SetSessionRewardRequest(session_id=session_id, reward=reward, turn=turn),
+        )
 
     async def close_session(self, session_id: str, status: int, detail: str = "") -> int:
         """Returns the status the session ended with (the manager's, if it ended it first)."""
-        reply = await self._call_manager(self.manager.CloseSession,
-                                         manager_pb2.CloseSessionRequest(session_id=session_id, status=status, detail=detail))
+        reply = await self._call_manager(
+            self.manager.CloseSession,
+            manager_pb2.CloseSessionRequest(session_id=session_id, status=status, detail=detail),
+        )
         return reply.status
 
     async def report_step(self, batch_id: str, step_seconds: float, wait_seconds: float) -> manager_pb2.StageBalance:
         reply = await self._call_manager(
             self.manager.ReportTrainingStep,
-            manager_pb2.ReportTrainingStepRequest(batch_id=batch_id, step_seconds=step_seconds, wait_seconds=wait_seconds),
+            manager_pb2.ReportTrainingStepRequest(
+                batch_id=batch_id, step_seconds=step_seconds, wait_seconds=wait_seconds
+            ),
         )
         return reply.stage_balance
 
@@ -208,4 +265,3 @@ class MeshClient:
     async def close(self) -> None:
         await self._manager_channel.close()
         await self._weights_channel.close()
-

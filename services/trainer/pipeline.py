@@ -66,10 +66,17 @@ class ScoredGroup:
     def ledger_entry(self, step: int) -> dict:
         """What the rollout ledger records of the group when it is accepted or dropped."""
         record = self.record
-        entry = {"batch_id": self.batch_id, "step": step, "prompt_id": record.prompt_id, "task": record.task, "uid": record.prompt.uid,
-                 "samples": len(self.samples), "rewards": self.rewards,
-                 "min_version": self.min_version if self.samples else None,
-                 "max_version": max(max(v) for v in self.weight_versions) if self.samples else None}
+        entry = {
+            "batch_id": self.batch_id,
+            "step": step,
+            "prompt_id": record.prompt_id,
+            "task": record.task,
+            "uid": record.prompt.uid,
+            "samples": len(self.samples),
+            "rewards": self.rewards,
+            "min_version": self.min_version if self.samples else None,
+            "max_version": max(max(v) for v in self.weight_versions) if self.samples else None,
+        }
         if self.episodes:
             entry["episodes"] = [e.status for e in self.episodes]
         return entry
@@ -144,10 +151,14 @@ class StepPlan:
         if not ordered:
             return list(self.waiting)
         first_pending = min((r.index for r in self.outstanding.values()), default=None)
-        return sorted((g for g in self.waiting if first_pending is None or g.record.index < first_pending),
-                      key=lambda g: g.record.index)
+        return sorted(
+            (g for g in self.waiting if first_pending is None or g.record.index < first_pending),
+            key=lambda g: g.record.index,
+        )
 
-    def take_micro_batch(self, ordered: bool, most_groups: int, fewest_groups: int, max_tokens: int) -> list[ScoredGroup]:
+    def take_micro_batch(
+        self, ordered: bool, most_groups: int, fewest_groups: int, max_tokens: int
+    ) -> list[ScoredGroup]:
         """The next micro-batch, or [] while it must wait for more groups. At most `most_groups`
         within `max_tokens` (packed by rlmesh.micro_batch's rule, as the manager packs); at least
         `fewest_groups` (ordered: `most_groups`) unless it is the step's last."""
@@ -164,9 +175,22 @@ def untrained_plans(plans: dict[int, StepPlan], first_step: int) -> list[StepPla
     """What a checkpoint saves of the pipeline when `first_step` is the next step to train: every
     later step with its accepted-but-untrained groups and its prompts still in flight (submitted
     again on resume)."""
-    return [StepPlan(p.step, p.expected - p.trained, dict(p.outstanding), list(p.waiting), list(p.waiting), 0, list(p.dropped),
-                     p.next_index, p.refills, []) for step, p in sorted(plans.items()) if step >= first_step]
-
+    return [
+        StepPlan(
+            p.step,
+            p.expected - p.trained,
+            dict(p.outstanding),
+            list(p.waiting),
+            list(p.waiting),
+            0,
+            list(p.dropped),
+            p.next_index,
+            p.refills,
+            [],
+        )
+        for step, p in sorted(plans.items())
+        if step >= first_step
+    ]
 
 
 def submitted_batches(ledger_path: Path, first_step: int) -> list[str]:
@@ -194,8 +218,12 @@ def load_pipeline(checkpoint: Path, tasks: Mapping[str, object]) -> list[StepPla
     if not path.is_file():
         return []
     plans: list[StepPlan] = pickle.loads(path.read_bytes())
-    unknown = {r.task for p in plans for r in p.outstanding.values()} | {g.record.task for p in plans for g in p.accepted}
+    unknown = {r.task for p in plans for r in p.outstanding.values()} | {
+        g.record.task for p in plans for g in p.accepted
+    }
     unknown -= set(tasks)
     if unknown:
-        raise ValueError(f"checkpoint {checkpoint}: its prompts in flight come from tasks this job does not have: {sorted(unknown)}")
+        raise ValueError(
+            f"checkpoint {checkpoint}: its prompts in flight come from tasks this job does not have: {sorted(unknown)}"
+        )
     return plans

@@ -28,7 +28,9 @@ handing the version over again."""
 
 
 class VersionPublisher:
-    def __init__(self, group: RankGroup, mesh: MeshClient, file_figures: Callable[[int, dict[str, float]], None]) -> None:
+    def __init__(
+        self, group: RankGroup, mesh: MeshClient, file_figures: Callable[[int, dict[str, float]], None]
+    ) -> None:
         self.group = group
         self.mesh = mesh
         self._file_figures = file_figures
@@ -54,7 +56,9 @@ class VersionPublisher:
         version is still on its way (or failed: the training loop learns of that at its next publish)."""
         async with self._lock:
             publishing = self.publishing
-            if publishing is not None and (not publishing.done() or publishing.cancelled() or publishing.exception() is not None):
+            if publishing is not None and (
+                not publishing.done() or publishing.cancelled() or publishing.exception() is not None
+            ):
                 return
             if not self.stepped_since_publish and version == self.published_version:
                 await self._publish_now(version, wait=True, step=None)
@@ -85,12 +89,19 @@ class VersionPublisher:
             except grpc.aio.AioRpcError:
                 continue
             if stored < self.published_version:
-                log.warning("the weights service lost the latest version (restarted?); handing it over again",
-                            weight_version=self.published_version, stored_version=stored)
+                log.warning(
+                    "the weights service lost the latest version (restarted?); handing it over again",
+                    weight_version=self.published_version,
+                    stored_version=stored,
+                )
                 try:
                     await self.republish(self.published_version)
                 except (CollectiveFailure, grpc.aio.AioRpcError) as exc:
-                    log.warning("could not hand the latest version over again", weight_version=self.published_version, error=str(exc))
+                    log.warning(
+                        "could not hand the latest version over again",
+                        weight_version=self.published_version,
+                        error=str(exc),
+                    )
 
     async def _publish_now(self, version: int, wait: bool, step: int | None) -> PublishResult | None:
         await self.published()
@@ -99,7 +110,9 @@ class VersionPublisher:
         self.publishing = asyncio.create_task(self._announce(version, delivery, None if wait else step))
         return await self.published() if wait else None
 
-    async def _announce(self, version: int, delivery: asyncio.Task[PublishResult], file_under: int | None) -> PublishResult:
+    async def _announce(
+        self, version: int, delivery: asyncio.Task[PublishResult], file_under: int | None
+    ) -> PublishResult:
         published = await delivery
         announcing = time.perf_counter()
         for attempt in range(1, ANNOUNCE_ATTEMPTS + 1):
@@ -109,11 +122,17 @@ class VersionPublisher:
             except grpc.aio.AioRpcError as exc:
                 # The manager publishes only a version the weights service holds: one that lost it
                 # between the upload and now (it restarted) is handed the policy again first.
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt == ANNOUNCE_ATTEMPTS \
-                        or await self.mesh.stored_version() >= version:
+                if (
+                    exc.code() != grpc.StatusCode.FAILED_PRECONDITION
+                    or attempt == ANNOUNCE_ATTEMPTS
+                    or await self.mesh.stored_version() >= version
+                ):
                     raise
-                log.warning("the weights service lost the version before it was announced (restarted?); handing it over again",
-                            weight_version=version, error=exc.details())
+                log.warning(
+                    "the weights service lost the version before it was announced (restarted?); handing it over again",
+                    weight_version=version,
+                    error=exc.details(),
+                )
                 published = await (await self.group.lead(Publish(version, wait=False)))
         self.published_version = version
         published = replace(published, seconds=published.seconds + time.perf_counter() - announcing)
@@ -124,5 +143,9 @@ class VersionPublisher:
 
 def publish_figures(published: PublishResult) -> dict[str, float]:
     """A version's publish figures, as filed in the metrics of the step that made it."""
-    return {"publish_seconds": published.seconds, "publish_upload_seconds": published.upload_seconds,
-            "publish_pack_seconds": published.pack_seconds, "publish_rank_bytes": float(max(published.rank_bytes))}
+    return {
+        "publish_seconds": published.seconds,
+        "publish_upload_seconds": published.upload_seconds,
+        "publish_pack_seconds": published.pack_seconds,
+        "publish_rank_bytes": float(max(published.rank_bytes)),
+    }

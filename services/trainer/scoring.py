@@ -11,9 +11,9 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem, RewardResult
 from rlmesh.tasks.build import TaskMixture
 from services.trainer.algorithms.shaping import ShapingInput, shape
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.ranks.reference import ReferenceWorker
 from services.trainer.trajectories import MASKED_STATUSES, figures_of, parts_of, trajectory_reward, transcript_ids
 
@@ -51,20 +51,38 @@ class GroupScorer:
         keyed = []
         for group in groups:
             record = plan.outstanding[group.prompt_id]
-            items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self.completion(sample.token_ids),
-                                record.prompt.metadata, list(sample.token_ids))
-                     for index, sample in enumerate(group.samples)]
+            items = [
+                RewardItem(
+                    f"{batch_id}/{group.prompt_id}/{index}",
+                    record.text,
+                    self.completion(sample.token_ids),
+                    record.prompt.metadata,
+                    list(sample.token_ids),
+                )
+                for index, sample in enumerate(group.samples)
+            ]
             keyed.append((record, items))
         scored = await self._score_groups(keyed) if keyed else []
         for group, (record, items), results in zip(groups, keyed, scored):
             results = self._shape_rewards(record, group, results)
             temperature = self.mixture.by_name[record.task].config.sampling.temperature
             # The advantage is the estimator's, over the groups the sample is trained with (`group_advantages.py`).
-            samples = [TrainingSample(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), 0.0,
-                                      temperature, list(result.token_rewards) if result.token_rewards is not None else None,
-                                      reward=result.reward, sample_id=item.sample_id)
-                       for sample, result, item in zip(group.samples, results, items)]
-            accepted.append(ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples]))
+            samples = [
+                TrainingSample(
+                    list(group.prompt_token_ids),
+                    list(sample.token_ids),
+                    list(sample.logprobs),
+                    0.0,
+                    temperature,
+                    list(result.token_rewards) if result.token_rewards is not None else None,
+                    reward=result.reward,
+                    sample_id=item.sample_id,
+                )
+                for sample, result, item in zip(group.samples, results, items)
+            ]
+            accepted.append(
+                ScoredGroup(record, batch_id, samples, results, [list(s.weight_versions) for s in group.samples])
+            )
         await self.attach_reference(accepted)
         return accepted
 
@@ -75,9 +93,16 @@ class GroupScorer:
         task = self.mixture.by_name[record.task]
         kept = [s.session for s in group.samples if s.session.status not in MASKED_STATUSES]
         if task.reward is not None:
-            items = [RewardItem(f"{batch_id}/{group.prompt_id}/{index}", record.text, self.transcript(trajectory), record.prompt.metadata,
-                                transcript_ids(trajectory))
-                     for index, trajectory in enumerate(kept)]
+            items = [
+                RewardItem(
+                    f"{batch_id}/{group.prompt_id}/{index}",
+                    record.text,
+                    self.transcript(trajectory),
+                    record.prompt.metadata,
+                    transcript_ids(trajectory),
+                )
+                for index, trajectory in enumerate(kept)
+            ]
             results = await task.reward.score(items) if items else []
         else:
             results = [RewardResult(trajectory_reward(trajectory)) for trajectory in kept]
@@ -87,13 +112,32 @@ class GroupScorer:
             parts = parts_of(trajectory)
             for number, part in enumerate(parts, 1):
                 name = trajectory.session_id if len(parts) == 1 else f"{trajectory.session_id} part {number}"
-                samples.append(TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, temperature, reward=result.reward,
-                                              response_mask=part.mask, token_turns=part.turns, sample_id=name))
+                samples.append(
+                    TrainingSample(
+                        part.prompt_ids,
+                        part.response_ids,
+                        part.logprobs,
+                        0.0,
+                        temperature,
+                        reward=result.reward,
+                        response_mask=part.mask,
+                        token_turns=part.turns,
+                        sample_id=name,
+                    )
+                )
                 owners.append(owner)
                 versions.append(part.weight_versions)
         turn_rewards = [dict(t.turn_rewards) for t in kept] if task.config.environment.credit == "turn" else None
-        scored = ScoredGroup(record, batch_id, samples, list(results), versions, owners, [figures_of(s.session) for s in group.samples],
-                             turn_rewards)
+        scored = ScoredGroup(
+            record,
+            batch_id,
+            samples,
+            list(results),
+            versions,
+            owners,
+            [figures_of(s.session) for s in group.samples],
+            turn_rewards,
+        )
         await self.attach_reference([scored])
         return scored
 
@@ -111,13 +155,17 @@ class GroupScorer:
         for sample, logprobs in zip(samples, await self.reference.logprobs(samples)):
             sample.reference_logprobs = logprobs
 
-    def _shape_rewards(self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]) -> list[RewardResult]:
+    def _shape_rewards(
+        self, record: PromptRecord, group: manager_pb2.Group, results: list[RewardResult]
+    ) -> list[RewardResult]:
         """Every registered reward shaper's term added to each sample's reward (a component of its own)."""
         max_tokens = self.mixture.by_name[record.task].config.max_tokens
         shaped = []
         for sample, result in zip(group.samples, results):
             terms = shape(ShapingInput(len(sample.token_ids), max_tokens), self.config)
             if terms:
-                result = replace(result, reward=result.reward + sum(terms.values()), components={**result.components, **terms})
+                result = replace(
+                    result, reward=result.reward + sum(terms.values()), components={**result.components, **terms}
+                )
             shaped.append(result)
         return shaped

@@ -6,7 +6,6 @@ from rlmesh.rpc.prometheus import Families
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.loop import TrainingStatus
 
-
 STEP_METRICS = {
     "step_seconds": "Duration of the last training step (rollout wait, training and publishing).",
     "rollout_wait_seconds": "Time the last step waited for rollouts.",
@@ -46,8 +45,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         families.gauge("step", "Training steps completed.", status.step)
         families.gauge("total_steps", "Steps the job trains.", status.total_steps)
         families.gauge("weight_version", "Weight version of the policy.", status.weight_version)
-        families.gauge("phase", "Phase of the run (the trainer.v1.Phase number, named by the label).", status.phase,
-                       phase=trainer_pb2.Phase.Name(status.phase))
+        families.gauge(
+            "phase",
+            "Phase of the run (the trainer.v1.Phase number, named by the label).",
+            status.phase,
+            phase=trainer_pb2.Phase.Name(status.phase),
+        )
         for name, documentation in STEP_METRICS.items():
             if name in status.metrics:
                 families.gauge(name, documentation, status.metrics[name])

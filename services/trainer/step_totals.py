@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardResult
-from services.trainer.ranks.critic import CriticSums
 from services.trainer.pipeline import ScoredGroup
+from services.trainer.ranks.critic import CriticSums
 from services.trainer.ranks.policy import MicroBatchStats
 from services.trainer.trajectories import STATUS_NAMES, EpisodeFigures, turn_reward_means
 from services.trainer.validation import SOLVED

@@ -12,10 +12,18 @@ import torch
 from rlmesh.manager.v1 import manager_pb2
 
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
-SOURCE_NAMES = {MODEL: "model", manager_pb2.SEGMENT_SOURCE_ENVIRONMENT: "environment", manager_pb2.SEGMENT_SOURCE_TEMPLATE: "template"}
-STATUS_NAMES = {manager_pb2.SESSION_STATUS_DONE: "done", manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT: "truncated_context",
-                manager_pb2.SESSION_STATUS_TRUNCATED_TURNS: "truncated_turns", manager_pb2.SESSION_STATUS_DEADLINE: "deadline",
-                manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR: "environment_error"}
+SOURCE_NAMES = {
+    MODEL: "model",
+    manager_pb2.SEGMENT_SOURCE_ENVIRONMENT: "environment",
+    manager_pb2.SEGMENT_SOURCE_TEMPLATE: "template",
+}
+STATUS_NAMES = {
+    manager_pb2.SESSION_STATUS_DONE: "done",
+    manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT: "truncated_context",
+    manager_pb2.SESSION_STATUS_TRUNCATED_TURNS: "truncated_turns",
+    manager_pb2.SESSION_STATUS_DEADLINE: "deadline",
+    manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR: "environment_error",
+}
 MASKED_STATUSES = frozenset({manager_pb2.SESSION_STATUS_DEADLINE, manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR})
 """Trajectories that end this way are left out of their group: an environment's failure is not the policy's."""
 
@@ -64,10 +72,12 @@ def parts_of(trajectory: manager_pb2.SessionTrajectory) -> list[Part]:
     streams: list[list[tuple[int, float, int, int]]] = [[]]
     for segment in trajectory.segments:
         if segment.starts_part:
-            kept = [(token, 0.0, version, -1) for token, _, version, _ in streams[-1][:segment.reused_prefix_tokens]]
+            kept = [(token, 0.0, version, -1) for token, _, version, _ in streams[-1][: segment.reused_prefix_tokens]]
             streams.append(kept)
         if segment.source == MODEL:
-            streams[-1] += zip(segment.token_ids, segment.logprobs, segment.weight_versions, [segment.turn] * len(segment.token_ids))
+            streams[-1] += zip(
+                segment.token_ids, segment.logprobs, segment.weight_versions, [segment.turn] * len(segment.token_ids)
+            )
         else:
             streams[-1] += [(token, 0.0, -1, -1) for token in segment.token_ids]
     parts = []
@@ -76,10 +86,17 @@ def parts_of(trajectory: manager_pb2.SessionTrajectory) -> list[Part]:
         if not trained:
             continue
         first, last = trained[0], trained[-1]
-        tail = stream[first:last + 1]
-        parts.append(Part([t for t, _, _, _ in stream[:first]], [t for t, _, _, _ in tail], [lp for _, lp, _, _ in tail],
-                          [1.0 if turn >= 0 else 0.0 for _, _, _, turn in tail], [v for _, _, v, turn in tail if turn >= 0],
-                          [turn for _, _, _, turn in tail]))
+        tail = stream[first : last + 1]
+        parts.append(
+            Part(
+                [t for t, _, _, _ in stream[:first]],
+                [t for t, _, _, _ in tail],
+                [lp for _, lp, _, _ in tail],
+                [1.0 if turn >= 0 else 0.0 for _, _, _, turn in tail],
+                [v for _, _, v, turn in tail if turn >= 0],
+                [turn for _, _, _, turn in tail],
+            )
+        )
     return parts
 
 
@@ -90,15 +107,20 @@ def transcript_ids(trajectory: manager_pb2.SessionTrajectory) -> list[int]:
     return [token for part in parts_of(trajectory) for token in part.response_ids]
 
 
-def turn_credit(groups_turn_rewards: list[list[dict[int, float]]],
-                estimator: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[list[dict[int, float]]]:
+def turn_credit(
+    groups_turn_rewards: list[list[dict[int, float]]], estimator: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+) -> list[list[dict[int, float]]]:
     """Per-turn credit: for each turn index, the estimator's advantages over the group's rewards of
     that turn (a trajectory without a reward for it counts 0 there); per group, per trajectory, by turn."""
     turns = sorted({turn for group in groups_turn_rewards for rewards in group for turn in rewards})
     credit: list[list[dict[int, float]]] = [[{} for _ in group] for group in groups_turn_rewards]
     for turn in turns:
-        advantages = estimator([torch.tensor([rewards.get(turn, 0.0) for rewards in group], dtype=torch.float64)
-                                for group in groups_turn_rewards])
+        advantages = estimator(
+            [
+                torch.tensor([rewards.get(turn, 0.0) for rewards in group], dtype=torch.float64)
+                for group in groups_turn_rewards
+            ]
+        )
         for group_credit, group_advantages in zip(credit, advantages):
             for trajectory, advantage in zip(group_credit, group_advantages.tolist()):
                 trajectory[turn] = advantage
@@ -113,8 +135,15 @@ def figures_of(trajectory: manager_pb2.SessionTrajectory) -> EpisodeFigures:
     for segment in trajectory.segments:
         if segment.starts_part:
             breaks[segment.break_cause or "unnamed"] = breaks.get(segment.break_cause or "unnamed", 0) + 1
-    return EpisodeFigures(STATUS_NAMES.get(trajectory.status, "open"), trajectory.turns, trajectory.environment_seconds, tokens,
-                          1 + sum(breaks.values()), dict(trajectory.turn_rewards), breaks)
+    return EpisodeFigures(
+        STATUS_NAMES.get(trajectory.status, "open"),
+        trajectory.turns,
+        trajectory.environment_seconds,
+        tokens,
+        1 + sum(breaks.values()),
+        dict(trajectory.turn_rewards),
+        breaks,
+    )
 
 
 def turn_reward_means(episodes: list[EpisodeFigures], prefix: str) -> dict[str, float]:

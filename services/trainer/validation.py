@@ -17,12 +17,19 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
-from services.trainer.episodes.process import EpisodeProcess
 from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.process import EpisodeProcess
 from services.trainer.mesh import MeshClient
-from services.trainer.trajectories import (MASKED_STATUSES, EpisodeFigures, figures_of, trajectory_reward, transcript_ids,
-                                           turn_reward_means)
 from services.trainer.pipeline import prompt_seed
+from services.trainer.tracking.tracker import HeldOutSample
+from services.trainer.trajectories import (
+    MASKED_STATUSES,
+    EpisodeFigures,
+    figures_of,
+    trajectory_reward,
+    transcript_ids,
+    turn_reward_means,
+)
 
 log = structlog.get_logger()
 
@@ -51,6 +58,8 @@ class PinnedBatch:
     greedy: bool
     episodes: list[EpisodeFigures] = field(default_factory=list)
     """Multi-turn: the held-out episodes, as they ended."""
+    completions: list[str] = field(default_factory=list)
+    """The responses as text, in round order ("" for a failed episode): filled by `score_held_out`."""
 
 
 @dataclass(slots=True)
@@ -76,6 +85,20 @@ class ValidationFigures:
         return values
 
 
+def held_out_rows(
+    step: int, version: int, held_out: HeldOut, kind: str, completions: list[str], rewards: list[float]
+) -> list[HeldOutSample]:
+    """A task's held-out responses of one kind (`sampled`, `greedy`), in round order (response k of
+    prompt i at k * prompts + i), as the experiment trackers' samples table shows them."""
+    count = len(held_out.texts)
+    return [
+        HeldOutSample(
+            step, version, held_out.task.name, kind, index // count, held_out.texts[index % count], text, reward
+        )
+        for index, (text, reward) in enumerate(zip(completions, rewards))
+    ]
+
+
 def held_out_sets(mixture: TaskMixture) -> list[HeldOut]:
     sets = []
     for task in mixture.tasks:
@@ -89,9 +112,19 @@ class BackgroundValidation:
     """Validations in flight, one per version asked for; `finish` waits for them all. A version no
     instance serves any more by the time its prompts are dispatched is reported as skipped."""
 
-    def __init__(self, mixture: TaskMixture, mesh: MeshClient, completion: Callable[[list[int]], str], stop_ids: list[int],
-                 seed: int, run_tag: str, timeout_seconds: float,
-                 report: Callable[[int, dict[str, float]], None], low_priority: bool = True) -> None:
+    def __init__(
+        self,
+        mixture: TaskMixture,
+        mesh: MeshClient,
+        completion: Callable[[list[int]], str],
+        stop_ids: list[int],
+        seed: int,
+        run_tag: str,
+        timeout_seconds: float,
+        report: Callable[[int, dict[str, float]], None],
+        low_priority: bool = True,
+        report_samples: Callable[[int, list[HeldOutSample]], None] | None = None,
+    ) -> None:
         self.held_out = held_out_sets(mixture)
         self.mesh = mesh
         self.completion = completion
@@ -100,6 +133,8 @@ class BackgroundValidation:
         self.run_tag = run_tag
         self.timeout_seconds = timeout_seconds
         self.report = report
+        self.report_samples = report_samples
+        """Handed each validation's responses (the experiment trackers' samples table)."""
         self.low_priority = low_priority
         """Submitted as background work: instances decode it only with the CPU training leaves."""
         self.running: dict[int, asyncio.Task] = {}
@@ -121,7 +156,9 @@ class BackgroundValidation:
         for index, held_out in enumerate(self.held_out):
             for greedy in (False, True):
                 batches.append(await self._submit(held_out, index, step, version, greedy))
-        self.running[step] = asyncio.create_task(self._validate(step, version, batches), name=f"validate version {version}")
+        self.running[step] = asyncio.create_task(
+            self._validate(step, version, batches), name=f"validate version {version}"
+        )
 
     async def finish(self) -> dict[int, dict[str, float]]:
         """Waits for every validation started; returns the figures by step."""
@@ -138,22 +175,32 @@ class BackgroundValidation:
     def _sampling(self, held_out: HeldOut, step: int, prompt_id: str, greedy: bool) -> common_pb2.SamplingParams:
         config = held_out.task.config
         return common_pb2.SamplingParams(
-            temperature=0.0 if greedy else config.sampling.temperature, top_p=config.sampling.top_p, max_tokens=config.max_tokens,
-            stop_token_ids=self.stop_ids, seed=0 if greedy else prompt_seed(self.seed, step, f"eval-{prompt_id}"))
+            temperature=0.0 if greedy else config.sampling.temperature,
+            top_p=config.sampling.top_p,
+            max_tokens=config.max_tokens,
+            stop_token_ids=self.stop_ids,
+            seed=0 if greedy else prompt_seed(self.seed, step, f"eval-{prompt_id}"),
+        )
 
     async def _submit(self, held_out: HeldOut, index: int, step: int, version: int, greedy: bool) -> PinnedBatch:
         kind = "greedy" if greedy else "sampled"
         batch_id = f"{self.run_tag}-eval-v{version:06d}-t{index}-{kind}"
         prompt_ids = [f"t{index}{kind[0]}{i}" for i in range(len(held_out.prompts))]
         samples = 1 if greedy else held_out.task.config.eval.samples
-        prompts = [(pid, ids, self._sampling(held_out, step, pid, greedy)) for pid, ids in zip(prompt_ids, held_out.token_ids)]
+        prompts = [
+            (pid, ids, self._sampling(held_out, step, pid, greedy)) for pid, ids in zip(prompt_ids, held_out.token_ids)
+        ]
         spec = self.episode_specs.get(held_out.task.name)
         if spec is not None and self.episodes is not None:
             # Episodes are not pinned to the version (turns alternate with the environment's steps):
             # they run at the version under the staleness bound, on training's terms.
-            await self.episodes.open(spec, batch_id, version, prompts, samples, dict(zip(prompt_ids, held_out.prompts)), counted=False)
+            await self.episodes.open(
+                spec, batch_id, version, prompts, samples, dict(zip(prompt_ids, held_out.prompts)), counted=False
+            )
         else:
-            await self.mesh.submit(batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority)
+            await self.mesh.submit(
+                batch_id, version, prompts, samples, prompts[0][2], exact_version=True, background=self.low_priority
+            )
         return PinnedBatch(batch_id, held_out, prompt_ids, samples, greedy)
 
     async def _validate(self, step: int, version: int, batches: list[PinnedBatch]) -> None:
@@ -171,23 +218,51 @@ class BackgroundValidation:
                     await self.mesh.cancel(batch.batch_id)
                 except grpc.aio.AioRpcError:
                     pass  # failed batches are already forgotten by the manager
-            reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else f"not done within {self.timeout_seconds:g} s"
-            log.warning("validation skipped; the next version is validated instead", step=step, weight_version=version,
-                        reason=reason)
+            reason = (
+                exc.details()
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else f"not done within {self.timeout_seconds:g} s"
+            )
+            log.warning(
+                "validation skipped; the next version is validated instead",
+                step=step,
+                weight_version=version,
+                reason=reason,
+            )
             self.skipped.append(version)
             self.retry_due = True
             return
         figures = ValidationFigures()
         for batch, batch_rewards in zip(batches, rewards):
             (figures.greedy if batch.greedy else figures.sampled)[batch.held_out.task.name] = batch_rewards
-        values = {**figures.values(), "eval/weight_version": float(version), "eval/seconds": time.perf_counter() - started}
+        values = {
+            **figures.values(),
+            "eval/weight_version": float(version),
+            "eval/seconds": time.perf_counter() - started,
+        }
         for batch in batches:
             if batch.episodes:
                 kind = "greedy" if batch.greedy else "sampled"
                 values |= turn_reward_means(batch.episodes, f"eval/{batch.held_out.task.name}/{kind}_")
         self.results[step] = values
         self.report(step, values)
-        log.info("held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()})
+        if self.report_samples is not None:
+            rows = [
+                row
+                for batch, batch_rewards in zip(batches, rewards)
+                for row in held_out_rows(
+                    step,
+                    version,
+                    batch.held_out,
+                    "greedy" if batch.greedy else "sampled",
+                    batch.completions,
+                    batch_rewards,
+                )
+            ]
+            self.report_samples(step, rows)
+        log.info(
+            "held-out evaluation", step=step, weight_version=version, **{k: round(v, 4) for k, v in values.items()}
+        )
 
     async def _read(self, batch: PinnedBatch) -> list[float]:
         """A batch's responses, scored by its task's reward, in round order (response k of prompt i
@@ -199,8 +274,9 @@ class BackgroundValidation:
         return await score_held_out(batch, groups, self.completion)
 
 
-async def score_held_out(batch: PinnedBatch, groups: dict[str, manager_pb2.Group],
-                         completion: Callable[[list[int]], str]) -> list[float]:
+async def score_held_out(
+    batch: PinnedBatch, groups: dict[str, manager_pb2.Group], completion: Callable[[list[int]], str]
+) -> list[float]:
     """A batch's groups (by prompt id) scored by its task's reward, in round order (response k of
     prompt i at k * prompts + i); its episodes, if any, filed on the batch. An episode is scored on
     its model output as training scores it (`transcript_ids`); one that failed (deadline,
@@ -208,20 +284,30 @@ async def score_held_out(batch: PinnedBatch, groups: dict[str, manager_pb2.Group
     held_out = batch.held_out
     samples = {pid: list(group.samples) for pid, group in groups.items()}
     batch.episodes.extend(figures_of(s.session) for group in samples.values() for s in group if s.HasField("session"))
-    order = [(pid, k, text, prompt) for k in range(batch.samples)
-             for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)]
+    order = [
+        (pid, k, text, prompt)
+        for k in range(batch.samples)
+        for pid, text, prompt in zip(batch.prompt_ids, held_out.texts, held_out.prompts)
+    ]
     rewards = [0.0] * len(order)
+    batch.completions[:] = [""] * len(order)
     scored = []
     for index, (pid, k, text, prompt) in enumerate(order):
         sample = samples[pid][k]
         episode = sample.session if sample.HasField("session") else None
         if episode is not None and episode.status in MASKED_STATUSES:
             continue
+        response = transcript_ids(episode) if episode is not None else list(sample.token_ids)
+        batch.completions[index] = completion(response)
         if held_out.task.reward is None:
             rewards[index] = trajectory_reward(episode) if episode is not None else 0.0
             continue
-        response = transcript_ids(episode) if episode is not None else list(sample.token_ids)
-        scored.append((index, RewardItem(f"{batch.batch_id}/{pid}/{k}", text, completion(response), prompt.metadata, response)))
+        scored.append(
+            (
+                index,
+                RewardItem(f"{batch.batch_id}/{pid}/{k}", text, batch.completions[index], prompt.metadata, response),
+            )
+        )
     if scored:
         results = await held_out.task.reward.score([item for _, item in scored])
         for (index, _), result in zip(scored, results):

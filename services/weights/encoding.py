@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import crc32, bucket_ranges
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.codecs import BucketCodec, CompressionMode, CompressionReport
+from rlmesh.transfer.payload import bucket_ranges, crc32
 from rlmesh.transfer.receiver import CODE_OF_MODE, payload_dtype
 from services.weights.store import RankPayload
 
@@ -22,7 +22,9 @@ class EncodedPayload:
     """Encodes lazily on first use; readers iterate `frames()` and wait only for buckets not yet
     encoded. `base` is the same rank's payload of the version the receiver holds (delta)."""
 
-    def __init__(self, rank: RankPayload, mode: CompressionMode, base: RankPayload | None = None, base_version: int = -1) -> None:
+    def __init__(
+        self, rank: RankPayload, mode: CompressionMode, base: RankPayload | None = None, base_version: int = -1
+    ) -> None:
         if mode == "delta" and base is None:
             raise ValueError("a delta encoding needs the base version's payload")
         self.rank = rank
@@ -76,7 +78,9 @@ class EncodedPayload:
         """Starts encoding, if not yet started."""
         with self._ready:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._encode_all, name=f"encode-v{self.rank.manifest.version}", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._encode_all, name=f"encode-v{self.rank.manifest.version}", daemon=True
+                )
                 self._thread.start()
 
     def wait(self) -> None:

@@ -53,4 +53,3 @@ async def start(config: WeightsConfig) -> RunningWeights:
     pushing = asyncio.create_task(pusher.run())
     await server.set_serving(True)
     return RunningWeights(server, store, pusher, pushing)
-

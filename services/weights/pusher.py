@@ -95,7 +95,9 @@ class Pusher:
                 log.warning("cannot list instances", code=exc.code().name, error=exc.details())
 
     async def _reconcile(self) -> None:
-        reply = await self._manager.ListInstances(manager_pb2.ListInstancesRequest(), **call_options(self.config.rpc_timeout_seconds))
+        reply = await self._manager.ListInstances(
+            manager_pb2.ListInstancesRequest(), **call_options(self.config.rpc_timeout_seconds)
+        )
         live = {i.instance_id: i for i in reply.instances}
         for instance_id, state in list(self.instances.items()):
             info = live.get(instance_id)
@@ -118,7 +120,10 @@ class Pusher:
     def _update_layouts_in_use(self) -> None:
         """The payloads the live instances take are built for each new version as its shards arrive."""
         self.store.layouts_in_use = {
-            (s.layout_tp, rank) for s in self.instances.values() if s.layout_tp is not None for rank in range(max(1, s.layout_tp))
+            (s.layout_tp, rank)
+            for s in self.instances.values()
+            if s.layout_tp is not None
+            for rank in range(max(1, s.layout_tp))
         }
 
     def _forget(self, instance_id: str) -> None:
@@ -164,28 +169,48 @@ class Pusher:
             phases["reshard_ms"] = time.perf_counter()
             manifests = [r.manifest for r in ranks]
             if mode in ("int8", "fp8"):
-                manifests = await asyncio.to_thread(lambda: [self._encoding(snapshot, tp, i, r, mode).lossy_manifest() for i, r in enumerate(ranks)])
-            request = rollout_pb2.BeginWeightUpdateRequest(backend=self.sender.backend, link_compression=CODE_OF_MODE[mode])
+                manifests = await asyncio.to_thread(
+                    lambda: [self._encoding(snapshot, tp, i, r, mode).lossy_manifest() for i, r in enumerate(ranks)]
+                )
+            request = rollout_pb2.BeginWeightUpdateRequest(
+                backend=self.sender.backend, link_compression=CODE_OF_MODE[mode]
+            )
             if tensor_parallel:
                 request.rank_manifests.extend(manifests)
             else:
                 request.manifest.CopyFrom(manifests[0])
             begin = await stub.BeginWeightUpdate(request, **call_options(timeout))
             phases["begin_ms"] = time.perf_counter()
-            endpoints = list(begin.ranks) or [rollout_pb2.RankEndpoint(
-                tp_rank=0, transfer_session=begin.transfer_session, buffer_address=begin.buffer_address,
-                buffer_bytes=begin.buffer_bytes, held_version=-1,
-            )]
+            endpoints = list(begin.ranks) or [
+                rollout_pb2.RankEndpoint(
+                    tp_rank=0,
+                    transfer_session=begin.transfer_session,
+                    buffer_address=begin.buffer_address,
+                    buffer_bytes=begin.buffer_bytes,
+                    held_version=-1,
+                )
+            ]
             if len(endpoints) != len(ranks):
                 raise TransferError(f"the instance offered {len(endpoints)} receiving ranks for {len(ranks)} payloads")
             links = await asyncio.to_thread(self._links, state, snapshot, base, tp, ranks, endpoints, mode)
-            proofs = await asyncio.gather(*(
-                self.sender.send_rank(stub, link.endpoint, link.rank.manifest, link.rank.payload, link.frames,
-                                      self.config.push_timeout_seconds, lambda: self._superseded(version))
-                for link in links
-            ))
+            proofs = await asyncio.gather(
+                *(
+                    self.sender.send_rank(
+                        stub,
+                        link.endpoint,
+                        link.rank.manifest,
+                        link.rank.payload,
+                        link.frames,
+                        self.config.push_timeout_seconds,
+                        lambda: self._superseded(version),
+                    )
+                    for link in links
+                )
+            )
             phases["transfer_ms"] = time.perf_counter()
-            commit = rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs if self.sender.proves_commit else [])
+            commit = rollout_pb2.CommitWeightUpdateRequest(
+                version=version, rank_proofs=proofs if self.sender.proves_commit else []
+            )
             await stub.CommitWeightUpdate(commit, **call_options(self.config.push_timeout_seconds))
             phases["commit_ms"] = time.perf_counter()
             elapsed = time.perf_counter() - started
@@ -199,8 +224,15 @@ class Pusher:
             state.last_error = ""
             marks = [started, *phases.values()]
             durations = {name: round((end - start) * 1000, 2) for name, start, end in zip(phases, marks, marks[1:])}
-            log.info("pushed", ms=round(state.last_push_ms, 2), gbps=round(state.last_push_gbps, 3), ranks=len(ranks), **durations,
-                     compression=state.compression, ratio=round(state.compression_ratio, 2))
+            log.info(
+                "pushed",
+                ms=round(state.last_push_ms, 2),
+                gbps=round(state.last_push_gbps, 3),
+                ranks=len(ranks),
+                **durations,
+                compression=state.compression,
+                ratio=round(state.compression_ratio, 2),
+            )
         except Superseded:
             state.superseded += 1
             log.info("push superseded by a newer version; the instance keeps its old one")
@@ -225,13 +257,19 @@ class Pusher:
         if not self.sender.carries_compression:
             mode = "none"
         if mode in ("int8", "fp8") and not info.quantized_weights:
-            raise TransferError(f"link compression {mode} is lossy and instance {state.instance_id} does not serve quantized weights")
+            raise TransferError(
+                f"link compression {mode} is lossy and instance {state.instance_id} does not serve quantized weights"
+            )
         state.compression = mode
         return mode
 
     def compressed_links(self) -> set[tuple[int, CompressionMode]]:
         """(layout, compression) of every compressed link pushed to so far."""
-        return {(s.layout_tp, s.compression) for s in self.instances.values() if s.layout_tp is not None and s.compression != "none"}
+        return {
+            (s.layout_tp, s.compression)
+            for s in self.instances.values()
+            if s.layout_tp is not None and s.compression != "none"
+        }
 
     def encode_ahead(self, snapshot: Snapshot, base: Snapshot | None, links: set[tuple[int, CompressionMode]]) -> None:
         """Encodes a version about to be stored for these links, once per layout, rank and mode
@@ -244,7 +282,9 @@ class Pusher:
             try:
                 for rank_index in range(max(1, tp)):
                     rank = snapshot.rank_payload(tp, rank_index)
-                    encodings.append(self._encoding(snapshot, tp, rank_index, rank, mode, base if mode == "delta" else None))
+                    encodings.append(
+                        self._encoding(snapshot, tp, rank_index, rank, mode, base if mode == "delta" else None)
+                    )
             except DomainError as exc:
                 # The push to that link fails with the same reason; the version is stored regardless.
                 log.warning("cannot encode ahead for a link", tensor_parallel_size=tp, compression=mode, error=str(exc))
@@ -253,16 +293,28 @@ class Pusher:
         for encoded in encodings:
             encoded.wait()
 
-    def _links(self, state: PushState, snapshot: Snapshot, base: Snapshot | None, tp: int, ranks: list[RankPayload],
-               endpoints: list[rollout_pb2.RankEndpoint], mode: CompressionMode) -> list[Link]:
+    def _links(
+        self,
+        state: PushState,
+        snapshot: Snapshot,
+        base: Snapshot | None,
+        tp: int,
+        ranks: list[RankPayload],
+        endpoints: list[rollout_pb2.RankEndpoint],
+        mode: CompressionMode,
+    ) -> list[Link]:
         """Chooses each rank's frames. Blocking (may build the base version's payloads)."""
         if mode == "none":
-            return [Link(endpoint, rank, raw_frames(rank.manifest, rank.payload), None) for endpoint, rank in zip(endpoints, ranks)]
+            return [
+                Link(endpoint, rank, raw_frames(rank.manifest, rank.payload), None)
+                for endpoint, rank in zip(endpoints, ranks)
+            ]
         held = {endpoint.held_version for endpoint in endpoints}
         receiver_base = held.pop() if len(held) == 1 else None
         base_version = base.version if base is not None and base.shape is not None else None
-        delta = mode == "delta" and self.deltas.sends_delta(state.instance_id, snapshot.version, base_version,
-                                                            receiver_base if receiver_base != -1 else None)
+        delta = mode == "delta" and self.deltas.sends_delta(
+            state.instance_id, snapshot.version, base_version, receiver_base if receiver_base != -1 else None
+        )
         links = []
         for rank_index, (endpoint, rank) in enumerate(zip(endpoints, ranks)):
             if delta:
@@ -274,15 +326,24 @@ class Pusher:
             links.append(Link(endpoint, rank, encoded.frames(), encoded.report))
         return links
 
-    def _encoding(self, snapshot: Snapshot, tp: int, rank_index: int, rank: RankPayload, mode: CompressionMode,
-                  base: Snapshot | None = None) -> EncodedPayload:
+    def _encoding(
+        self,
+        snapshot: Snapshot,
+        tp: int,
+        rank_index: int,
+        rank: RankPayload,
+        mode: CompressionMode,
+        base: Snapshot | None = None,
+    ) -> EncodedPayload:
         """The shared encoding of one rank's payload (blocking when it must build the base's payload)."""
         base_rank = base.rank_payload(tp, rank_index) if base is not None else None
         key = (tp, rank_index, mode, base.version if base is not None else -1)
         with self._encodings_lock:
             encoded = snapshot.encodings.get(key)
             if encoded is None:
-                encoded = snapshot.encodings[key] = EncodedPayload(rank, mode, base_rank, base.version if base is not None else -1)
+                encoded = snapshot.encodings[key] = EncodedPayload(
+                    rank, mode, base_rank, base.version if base is not None else -1
+                )
             return encoded
 
     @staticmethod

@@ -12,10 +12,10 @@ import torch
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import DomainError, InvalidArgument
 from rlmesh.models.tp_layout import hf_parameter_shapes
-from rlmesh.transfer.payload import DTYPE_CODES, torch_dtype
 from rlmesh.rpc.prometheus import Families
-from rlmesh.transfer.shards import layout_from_proto, read_shared_memory
+from rlmesh.transfer.payload import DTYPE_CODES, torch_dtype
 from rlmesh.transfer.receiver import CODE_OF_MODE
+from rlmesh.transfer.shards import layout_from_proto, read_shared_memory
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.weights.pusher import Pusher
 from services.weights.store import Assembly, WeightStore
@@ -34,8 +34,10 @@ def check_buckets(manifest: common_pb2.WeightManifest, label: str) -> None:
         return
     buckets = -(-manifest.total_bytes // manifest.bucket_bytes)
     if buckets > MAX_BUCKETS:
-        raise InvalidArgument(f"{label}: {manifest.total_bytes} bytes in buckets of {manifest.bucket_bytes} make {buckets} buckets, "
-                              f"more than {MAX_BUCKETS}")
+        raise InvalidArgument(
+            f"{label}: {manifest.total_bytes} bytes in buckets of {manifest.bucket_bytes} make {buckets} buckets, "
+            f"more than {MAX_BUCKETS}"
+        )
     if buckets != len(manifest.bucket_crc32):
         raise InvalidArgument(f"{label}: {len(manifest.bucket_crc32)} bucket checksums for {buckets} buckets")
 
@@ -53,9 +55,13 @@ def check_layout(header: weights_pb2.ShardsHeader, max_bytes: int) -> None:
     more = shape.num_layers - 1
     parameters = len(one) + more * (len(two) - len(one))
     if parameters > len(header.shards):
-        raise InvalidArgument(f"shards header: the layout has {parameters} parameters but the header lists only {len(header.shards)} shards")
+        raise InvalidArgument(
+            f"shards header: the layout has {parameters} parameters but the header lists only {len(header.shards)} shards"
+        )
     elements = [sum(math.prod(dims) for dims in shapes.values()) for shapes in (one, two)]
-    dtype = next((torch_dtype(spec.dtype) for spec in header.shards if spec.dtype in DTYPE_CODES.values()), torch.float32)
+    dtype = next(
+        (torch_dtype(spec.dtype) for spec in header.shards if spec.dtype in DTYPE_CODES.values()), torch.float32
+    )
     total = (elements[0] + more * (elements[1] - elements[0])) * torch.empty(0, dtype=dtype).element_size()
     if total > max_bytes:
         raise InvalidArgument(f"shards header: the layout's model takes {total} bytes, over the limit of {max_bytes}")
@@ -84,8 +90,14 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
                 if earlier is not None:
                     async for _ in request_iterator:
                         pass
-                    log.info("an upload already taken came again; answered as before", weight_version=header.version, rank=header.rank)
-                    return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=earlier[0], complete=earlier[1])
+                    log.info(
+                        "an upload already taken came again; answered as before",
+                        weight_version=header.version,
+                        rank=header.rank,
+                    )
+                    return weights_pb2.UploadShardsResponse(
+                        version=header.version, ranks_received=earlier[0], complete=earlier[1]
+                    )
                 check_layout(header, self.store.max_bytes)
                 self.store.check_shards(header)
                 payload = self.store.shard_buffer(header)
@@ -102,24 +114,32 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
             else:
                 chunk = message.chunk
                 if chunk.offset != received or chunk.offset + len(chunk.data) > header.total_bytes:
-                    raise InvalidArgument(f"chunk [{chunk.offset}, {chunk.offset + len(chunk.data)}) does not continue the "
-                                          f"{received} bytes received of {header.total_bytes}")
+                    raise InvalidArgument(
+                        f"chunk [{chunk.offset}, {chunk.offset + len(chunk.data)}) does not continue the "
+                        f"{received} bytes received of {header.total_bytes}"
+                    )
                 payload.numpy()[chunk.offset : chunk.offset + len(chunk.data)] = memoryview(chunk.data)
                 received += len(chunk.data)
         if header is None:
             raise InvalidArgument("the shard upload stream was empty")
         if received != header.total_bytes:
-            raise InvalidArgument(f"rank {header.rank} of version {header.version} ended after {received} of {header.total_bytes} bytes")
+            raise InvalidArgument(
+                f"rank {header.rank} of version {header.version} ended after {received} of {header.total_bytes} bytes"
+            )
         await asyncio.to_thread(self.store.check_payload, header, payload)
         assembly = self.store.add_shards(header, payload)
         # The rank's rows go into the payloads of the layouts in use while the other ranks upload;
         # the reply does not wait for that, so the trainer goes on at once.
-        self._applying.setdefault(assembly.version, []).append(asyncio.ensure_future(asyncio.to_thread(assembly.apply_rank, header.rank)))
+        self._applying.setdefault(assembly.version, []).append(
+            asyncio.ensure_future(asyncio.to_thread(assembly.apply_rank, header.rank))
+        )
         if assembly.complete:
             # Counted as being stored before the reply: the trainer publishes the version next.
             self._storing.add(assembly.version)
             self._background.add(asyncio.ensure_future(self._install(assembly)))
-        return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=len(assembly.headers), complete=assembly.complete)
+        return weights_pb2.UploadShardsResponse(
+            version=header.version, ranks_received=len(assembly.headers), complete=assembly.complete
+        )
 
     async def _install(self, assembly: Assembly) -> None:
         try:
@@ -141,8 +161,13 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         finally:
             self._storing.discard(assembly.version)
             self._background.discard(asyncio.current_task())
-        log.info("version stored", weight_version=snapshot.version, ranks=assembly.world_size, bytes=snapshot.total_bytes,
-                 prebuilt_layouts=sorted(snapshot.payloads))
+        log.info(
+            "version stored",
+            weight_version=snapshot.version,
+            ranks=assembly.world_size,
+            bytes=snapshot.total_bytes,
+            prebuilt_layouts=sorted(snapshot.payloads),
+        )
         self.pusher.trigger()
 
     async def UploadWeights(self, request_iterator, context):
@@ -200,11 +225,23 @@ class WeightsServicer(weights_pb2_grpc.WeightsServiceServicer):
         families.gauge("latest_bytes", "Bytes of the newest version stored.", status.latest_bytes)
         for push in status.instances:
             labels = {"instance": push.instance_id}
-            families.gauge("committed_version", "Version the instance confirmed it serves.", push.committed_version, **labels)
-            families.gauge("push_seconds", "Duration of the last push to the instance.", push.last_push_ms / 1e3, **labels)
+            families.gauge(
+                "committed_version", "Version the instance confirmed it serves.", push.committed_version, **labels
+            )
+            families.gauge(
+                "push_seconds", "Duration of the last push to the instance.", push.last_push_ms / 1e3, **labels
+            )
             families.gauge("push_gbps", "GB/s of the last push to the instance.", push.last_push_gbps, **labels)
-            families.gauge("stored_to_served_seconds", "From the last version pushed being stored to the instance serving it.",
-                           push.last_version_latency_ms / 1e3, **labels)
-            families.gauge("compression_ratio", "Payload bytes over bytes sent in the last push.", push.compression_ratio, **labels)
+            families.gauge(
+                "stored_to_served_seconds",
+                "From the last version pushed being stored to the instance serving it.",
+                push.last_version_latency_ms / 1e3,
+                **labels,
+            )
+            families.gauge(
+                "compression_ratio", "Payload bytes over bytes sent in the last push.", push.compression_ratio, **labels
+            )
             families.counter("push_failures", "Pushes to the instance that failed.", push.failures, **labels)
-            families.counter("pushes_superseded", "Pushes abandoned because a newer version arrived.", push.superseded, **labels)
+            families.counter(
+                "pushes_superseded", "Pushes abandoned because a newer version arrived.", push.superseded, **labels
+            )

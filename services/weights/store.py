@@ -15,8 +15,29 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument
-from rlmesh.models.tp_layout import ModelShape, apply_copies, full_slices, hf_parameter_shapes, reshard_plan, tp_parameter_shapes, tp_slices
-from rlmesh.transfer.payload import crc32, DEFAULT_BUCKET_BYTES, PayloadError, name_mismatch, bucket_checksums, bucket_ranges, corrupted_buckets, pack_layout, torch_dtype, unpack, validate_manifest, write_bytes
+from rlmesh.models.tp_layout import (
+    ModelShape,
+    apply_copies,
+    full_slices,
+    hf_parameter_shapes,
+    reshard_plan,
+    tp_parameter_shapes,
+    tp_slices,
+)
+from rlmesh.transfer.payload import (
+    DEFAULT_BUCKET_BYTES,
+    PayloadError,
+    bucket_checksums,
+    bucket_ranges,
+    corrupted_buckets,
+    crc32,
+    name_mismatch,
+    pack_layout,
+    torch_dtype,
+    unpack,
+    validate_manifest,
+    write_bytes,
+)
 from rlmesh.transfer.shards import shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
 
@@ -78,7 +99,11 @@ class Snapshot:
 
     @property
     def total_bytes(self) -> int:
-        return sum(h.total_bytes for h in self.headers) if self.headers else sum(p.manifest.total_bytes for p in self.payloads.values())
+        return (
+            sum(h.total_bytes for h in self.headers)
+            if self.headers
+            else sum(p.manifest.total_bytes for p in self.payloads.values())
+        )
 
     def rank_payload(self, tp: int, rank: int) -> RankPayload:
         """Rank `rank`'s payload for an engine split over `tp` ranks (FULL_LAYOUT: full tensors),
@@ -89,10 +114,19 @@ class Snapshot:
             if built is not None:
                 return built
             if self.shape is None:
-                raise FailedPrecondition(f"version {self.version} was uploaded as full tensors without a model layout; "
-                                         "tensor-parallel engines need versions uploaded with UploadShards")
-            builder = PayloadBuilder(self.shape, key, self.version, len(self.headers), self.pool, self.bucket_bytes,
-                                     torch_dtype(self.headers[0].shards[0].dtype))
+                raise FailedPrecondition(
+                    f"version {self.version} was uploaded as full tensors without a model layout; "
+                    "tensor-parallel engines need versions uploaded with UploadShards"
+                )
+            builder = PayloadBuilder(
+                self.shape,
+                key,
+                self.version,
+                len(self.headers),
+                self.pool,
+                self.bucket_bytes,
+                torch_dtype(self.headers[0].shards[0].dtype),
+            )
             for header, shard in zip(self.headers, self.shards):
                 builder.apply(header, shard)
             built = self.payloads[key] = builder.finish()
@@ -110,8 +144,16 @@ class PayloadBuilder:
     """Builds one (tp, rank) payload from FSDP shards, one FSDP rank at a time, so the copies from a
     rank's shards can run as soon as they arrive."""
 
-    def __init__(self, shape: ModelShape, key: tuple[int, int], version: int, fsdp_world: int, pool: BufferPool,
-                 bucket_bytes: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        key: tuple[int, int],
+        version: int,
+        fsdp_world: int,
+        pool: BufferPool,
+        bucket_bytes: int,
+        dtype: torch.dtype,
+    ) -> None:
         tp, rank = key
         try:
             targets = tp_parameter_shapes(shape, tp) if tp != FULL_LAYOUT else hf_parameter_shapes(shape)
@@ -186,7 +228,9 @@ class Assembly:
         for key in layouts:
             if key not in self.builders:
                 try:
-                    self.builders[key] = PayloadBuilder(self.shape, key, self.version, self.world_size, self.pool, self.bucket_bytes, dtype)
+                    self.builders[key] = PayloadBuilder(
+                        self.shape, key, self.version, self.world_size, self.pool, self.bucket_bytes, dtype
+                    )
                 except InvalidArgument:
                     continue
 
@@ -229,13 +273,17 @@ class WeightStore:
         except ValueError as exc:
             raise InvalidArgument(f"shards header: {exc}") from exc
         if header.total_bytes > self.max_bytes:
-            raise InvalidArgument(f"rank {header.rank} declares {header.total_bytes} bytes, over the limit of {self.max_bytes}")
+            raise InvalidArgument(
+                f"rank {header.rank} declares {header.total_bytes} bytes, over the limit of {self.max_bytes}"
+            )
         self._check_newer(header.version)
         assembly = self._assemblies.get(header.version)
         if assembly is not None:
             if assembly.world_size != header.world_size or assembly.shape != shape:
-                raise InvalidArgument(f"rank {header.rank} of version {header.version} disagrees with the other ranks on the "
-                                      "world size or the model layout")
+                raise InvalidArgument(
+                    f"rank {header.rank} of version {header.version} disagrees with the other ranks on the "
+                    "world size or the model layout"
+                )
             if header.rank in assembly.headers:
                 raise InvalidArgument(f"rank {header.rank} of version {header.version} was already received")
         self._check_covers(shape, header)
@@ -250,7 +298,9 @@ class WeightStore:
         shape = self.check_shards(header)
         assembly = self._assemblies.get(header.version)
         if assembly is None:
-            assembly = self._assemblies[header.version] = Assembly(header.version, header.world_size, shape, self.pool, self.bucket_bytes)
+            assembly = self._assemblies[header.version] = Assembly(
+                header.version, header.world_size, shape, self.pool, self.bucket_bytes
+            )
             assembly.prepare(self.layouts_in_use, torch_dtype(header.shards[0].dtype))
         assembly.headers[header.rank] = header
         assembly.shards[header.rank] = payload
@@ -271,11 +321,19 @@ class WeightStore:
         """Checksums the prepared payloads (blocking)."""
         ranks = range(assembly.world_size)
         builders = list(assembly.builders.values())
-        jobs = [(b, start, end) for b in builders for start, end in bucket_ranges(b.manifest.total_bytes, self.bucket_bytes)]
+        jobs = [
+            (b, start, end) for b in builders for start, end in bucket_ranges(b.manifest.total_bytes, self.bucket_bytes)
+        ]
         with ThreadPoolExecutor(max_workers=CHECKSUM_THREADS) as pool:
             sums = list(pool.map(lambda job: crc32(job[0].payload.numpy()[job[1] : job[2]]), jobs))
-        snapshot = Snapshot(assembly.version, assembly.shape, [assembly.headers[r] for r in ranks], [assembly.shards[r] for r in ranks],
-                            self.pool, self.bucket_bytes)
+        snapshot = Snapshot(
+            assembly.version,
+            assembly.shape,
+            [assembly.headers[r] for r in ranks],
+            [assembly.shards[r] for r in ranks],
+            self.pool,
+            self.bucket_bytes,
+        )
         index = 0
         for builder in builders:
             count = len(bucket_ranges(builder.manifest.total_bytes, self.bucket_bytes))
@@ -303,10 +361,14 @@ class WeightStore:
         names = {spec.name: spec for spec in header.shards}
         mismatch = name_mismatch(expected, names)
         if mismatch:
-            raise InvalidArgument(f"version {header.version} rank {header.rank}: shards do not match the layout: {mismatch}")
+            raise InvalidArgument(
+                f"version {header.version} rank {header.rank}: shards do not match the layout: {mismatch}"
+            )
         for name, spec in names.items():
             if tuple(spec.full_shape) != expected[name]:
-                raise InvalidArgument(f"version {header.version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}")
+                raise InvalidArgument(
+                    f"version {header.version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}"
+                )
         dtypes = {spec.dtype for spec in header.shards}
         assembly = self._assemblies.get(header.version)
         if assembly is not None:
@@ -323,14 +385,18 @@ class WeightStore:
             raise InvalidArgument(f"manifest: {exc}") from exc
         self._check_newer(manifest.version)
         if manifest.total_bytes > self.max_bytes:
-            raise InvalidArgument(f"version {manifest.version} declares {manifest.total_bytes} bytes, over the limit of {self.max_bytes}")
+            raise InvalidArgument(
+                f"version {manifest.version} declares {manifest.total_bytes} bytes, over the limit of {self.max_bytes}"
+            )
         return Upload(manifest, self.pool.take((FULL_LAYOUT, 0), manifest.total_bytes))
 
     def finish(self, upload: Upload) -> Snapshot:
         manifest = upload.manifest
         if upload.received != manifest.total_bytes:
             self.pool.give((FULL_LAYOUT, 0), upload.payload)
-            raise InvalidArgument(f"upload of version {manifest.version} ended after {upload.received} of {manifest.total_bytes} bytes")
+            raise InvalidArgument(
+                f"upload of version {manifest.version} ended after {upload.received} of {manifest.total_bytes} bytes"
+            )
         bad = corrupted_buckets(manifest, upload.payload)
         if bad:
             self.pool.give((FULL_LAYOUT, 0), upload.payload)

@@ -39,10 +39,14 @@ BUILD_TIMEOUT = 3600
 MANAGER, TRAINER = "127.0.0.1:50151", "127.0.0.1:50153"
 
 
-def run(command: list[str], env: dict[str, str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    command: list[str], env: dict[str, str], timeout: float = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        )
     return result
 
 
@@ -53,7 +57,9 @@ def docker_env() -> dict[str, str]:
     env = dict(os.environ)
     if run(["docker", "info"], env, check=False).returncode != 0:
         exports = run([str(ROOT / "deploy" / "docker" / "engine.sh"), "start"], env, timeout=600).stdout
-        env |= dict(line.removeprefix("export ").split("=", 1) for line in exports.splitlines() if line.startswith("export "))
+        env |= dict(
+            line.removeprefix("export ").split("=", 1) for line in exports.splitlines() if line.startswith("export ")
+        )
     yield env
     if env.get("RLMESH_DOCKER_STARTED"):
         run([str(ROOT / "deploy" / "docker" / "engine.sh"), "stop"], env, check=False)
@@ -63,7 +69,10 @@ def docker_env() -> dict[str, str]:
 def compose_env(docker_env) -> dict[str, str]:
     env = {**docker_env, "COMPOSE_PROFILES": "cpu", "RLMESH_STEPS": "100000"}
     env.setdefault("BASE_IMAGE", LOCAL_BASE)
-    if env["BASE_IMAGE"] == LOCAL_BASE and run(["docker", "image", "inspect", LOCAL_BASE], env, check=False).returncode != 0:
+    if (
+        env["BASE_IMAGE"] == LOCAL_BASE
+        and run(["docker", "image", "inspect", LOCAL_BASE], env, check=False).returncode != 0
+    ):
         run([str(ROOT / "deploy" / "docker" / "base-image.sh"), LOCAL_BASE], env, timeout=1200)
     return env
 
@@ -108,13 +117,15 @@ def operator_metadata(mesh) -> tuple[tuple[str, str], ...]:
 async def _training_status(metadata: tuple) -> trainer_pb2.GetTrainingStatusResponse:
     async with grpc.aio.insecure_channel(TRAINER) as channel:
         return await trainer_pb2_grpc.TrainerServiceStub(channel).GetTrainingStatus(
-            trainer_pb2.GetTrainingStatusRequest(), timeout=5.0, metadata=metadata)
+            trainer_pb2.GetTrainingStatusRequest(), timeout=5.0, metadata=metadata
+        )
 
 
 async def _manager_status(metadata: tuple) -> manager_pb2.GetStatusResponse:
     async with grpc.aio.insecure_channel(MANAGER) as channel:
-        return await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(manager_pb2.GetStatusRequest(), timeout=5.0,
-                                                                            metadata=metadata)
+        return await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(
+            manager_pb2.GetStatusRequest(), timeout=5.0, metadata=metadata
+        )
 
 
 def training_step(mesh) -> int:
@@ -129,7 +140,9 @@ def test_the_four_images_share_their_layers_and_load_the_transfer_engine(mesh, c
     # The targets differ only in their settings: every filesystem layer is shared.
     assert len({tuple(v) for v in layers.values()}) == 1, layers
     probe = "import mooncake.engine, torch, rlmesh.manager.v1.manager_pb2; print(torch.__version__)"
-    result = run(["docker", "run", "--rm", "--network", "none", "rlmesh-manager:cpu", "python", "-c", probe], compose_env)
+    result = run(
+        ["docker", "run", "--rm", "--network", "none", "rlmesh-manager:cpu", "python", "-c", probe], compose_env
+    )
     assert result.stdout.strip().startswith("2.13.0")
 
 
@@ -147,7 +160,8 @@ async def _publish(metadata: tuple) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(MANAGER) as channel:
         try:
             await manager_pb2_grpc.ManagerServiceStub(channel).PublishVersion(
-                manager_pb2.PublishVersionRequest(version=999999), timeout=5.0, metadata=metadata)
+                manager_pb2.PublishVersionRequest(version=999999), timeout=5.0, metadata=metadata
+            )
         except grpc.aio.AioRpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
@@ -168,9 +182,15 @@ def test_a_killed_rollout_container_is_restarted_and_training_goes_on(mesh, comp
     before = inspect(compose_env, container)
     # SIGKILL from outside, as an OOM kill or a crash: the restart policy, not a manual stop.
     os.kill(before["State"]["Pid"], signal.SIGKILL)
-    wait_until(lambda: inspect(compose_env, container)["RestartCount"] > before["RestartCount"]
-               and inspect(compose_env, container)["State"]["Health"]["Status"] == "healthy", 300, "the rollout container restarted",
-               interval=1.0)
+    wait_until(
+        lambda: (
+            inspect(compose_env, container)["RestartCount"] > before["RestartCount"]
+            and inspect(compose_env, container)["State"]["Health"]["Status"] == "healthy"
+        ),
+        300,
+        "the rollout container restarted",
+        interval=1.0,
+    )
     step = training_step(mesh)
     wait_until(lambda: training_step(mesh) >= step + 10, 300, "10 more training steps after the restart", interval=1.0)
     instances = asyncio.run(_manager_status(operator_metadata(mesh))).instances
@@ -184,8 +204,11 @@ def test_three_scaled_instances_have_their_own_ids_and_all_get_work(mesh, compos
 
     def every_instance_generated() -> bool:
         instances = asyncio.run(_manager_status(operator_metadata(mesh))).instances
-        return (len(instances) == 3 and {i.instance_id.split("-")[0] for i in instances} == hostnames
-                and all(i.generated_tokens > 0 for i in instances))
+        return (
+            len(instances) == 3
+            and {i.instance_id.split("-")[0] for i in instances} == hostnames
+            and all(i.generated_tokens > 0 for i in instances)
+        )
 
     wait_until(every_instance_generated, 300, "3 instances, named after their hostnames, each generating", interval=1.0)
 

@@ -38,8 +38,15 @@ puts both paths through the faults."""
 def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(MIXED_JOB)
-    result = run_chaos(faults=10, seed=7, stop_seconds=12.0, steps_between_faults=2, output_dir=tmp_path / "run", model_dir=model_dir,
-                       job=job)
+    result = run_chaos(
+        faults=10,
+        seed=7,
+        stop_seconds=12.0,
+        steps_between_faults=2,
+        output_dir=tmp_path / "run",
+        model_dir=model_dir,
+        job=job,
+    )
     assert result["faults_survived"] == 10
     assert result["prompts_accepted"] == result["steps"] * 16
     assert (result["samples_lost"], result["samples_duplicated"], result["groups_short"]) == (0, 0, 0)
@@ -55,4 +62,3 @@ def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
     if "cut_network" in result["by_kind"]:
         namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert mesh_tag(tmp_path / "run") not in namespaces
-

@@ -23,13 +23,26 @@ KILLED_AFTER = 3
 
 def start(model_dir: Path, output_dir: Path) -> subprocess.Popen:
     command = up_command(model_dir, output_dir, free_base_port(), steps=STEPS) + [
-        "--max-staleness", "0", "--set", "algorithm.advantage_estimator=gae",
-        "--set", "algorithm.prompts_per_step=4", "--set", "algorithm.group_size=4",
-        "--set", "algorithm.checkpoint_every=2", "--set", "algorithm.eval_every=100",
+        "--max-staleness",
+        "0",
+        "--set",
+        "algorithm.advantage_estimator=gae",
+        "--set",
+        "algorithm.prompts_per_step=4",
+        "--set",
+        "algorithm.group_size=4",
+        "--set",
+        "algorithm.checkpoint_every=2",
+        "--set",
+        "algorithm.eval_every=100",
         # Evaluations (at the start, on resuming, at the end) are no part of what is compared.
-        "--set", "tasks.0.eval.prompts=1", "--set", "tasks.0.eval.samples=1",
+        "--set",
+        "tasks.0.eval.prompts=1",
+        "--set",
+        "tasks.0.eval.samples=1",
         # One sequence at a time: a response's sampled tokens then do not depend on its batch-mates.
-        "--set", "rollout.engine.max_batch_size=1",
+        "--set",
+        "rollout.engine.max_batch_size=1",
     ]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -57,7 +70,9 @@ def test_a_killed_critic_trainer_resumes_with_the_value_model_restored_bit_for_b
     reference, up = start(model_dir, uninterrupted), start(model_dir, killed)
     try:
         pid = wait_until(lambda: trainer_pid(killed), 120, "the trainer")
-        wait_until(lambda: step_records_written(killed) >= KILLED_AFTER, 300, f"step {KILLED_AFTER} trained", interval=0.01)
+        wait_until(
+            lambda: step_records_written(killed) >= KILLED_AFTER, 300, f"step {KILLED_AFTER} trained", interval=0.01
+        )
         os.kill(pid, signal.SIGKILL)
         console = finish(up)
         assert "starting it again" not in finish(reference)

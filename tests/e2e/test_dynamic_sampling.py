@@ -11,13 +11,13 @@ from tests.support import up_command
 
 pytestmark = pytest.mark.e2e
 
-REWARD = '''
+REWARD = """
 def score(completion):
     return float(len(completion) % 2)
-'''
+"""
 """A coin per sample: a group of two is all-equal half the time."""
 
-JOB = '''
+JOB = """
 [[tasks]]
 name = "parity"
 kind = "increment"
@@ -26,7 +26,7 @@ reward.function = "reward:score"
 [algorithm]
 group_size = 2
 dynamic_sampling = true
-'''
+"""
 
 
 def test_groups_with_equal_rewards_are_dropped_and_refilled_within_their_step(model_dir, tmp_path):

@@ -40,17 +40,43 @@ def service_pid(output_dir: Path, service: str) -> int:
 
 
 def scale(output_dir: Path, count: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "scale", "--run", str(output_dir), "--rollout-instances", str(count)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "rlmesh.cli.main", "scale", "--run", str(output_dir), "--rollout-instances", str(count)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def test_instances_and_the_weights_service_come_back_and_scale_while_training_goes_on(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     log = (tmp_path / "up.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", "100000", "--rollout-instances", "1:3",
-                                "--base-port", str(free_base_port()), "--model-dir", str(model_dir), "--output-dir", str(output_dir),
-                                "--set", "algorithm.eval_every=100000", "--set", "tasks.0.eval.prompts=8"],
-                               stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli.main",
+            "up",
+            "--steps",
+            "100000",
+            "--rollout-instances",
+            "1:3",
+            "--base-port",
+            str(free_base_port()),
+            "--model-dir",
+            str(model_dir),
+            "--output-dir",
+            str(output_dir),
+            "--set",
+            "algorithm.eval_every=100000",
+            "--set",
+            "tasks.0.eval.prompts=8",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     try:
         wait_until(lambda: last_trained_step(output_dir) >= 2, 180, "training to start")
 
@@ -64,11 +90,17 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
         os.kill(killed, signal.SIGKILL)
         wait_until(lambda: running(output_dir).get("rollout-1") not in (None, killed), 60, "rollout-1 to be restarted")
         steps = last_trained_step(output_dir)
-        wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the instance restarted")
+        wait_until(
+            lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the instance restarted"
+        )
 
         os.kill(service_pid(output_dir, "weights"), signal.SIGKILL)
         steps = last_trained_step(output_dir)
-        wait_until(lambda: last_trained_step(output_dir) >= steps + 3, 120, "training to go on after the weights service restarted")
+        wait_until(
+            lambda: last_trained_step(output_dir) >= steps + 3,
+            120,
+            "training to go on after the weights service restarted",
+        )
 
         result = scale(output_dir, 1)
         assert result.returncode == 0, result.stderr
@@ -84,7 +116,9 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
     assert "rollout-1 exited (killed by signal 9); restarting in 1 s" in console
     assert "rollout-1 restarted" in console and "weights exited (killed by signal 9)" in console
     assert "weights restarted" in console and "rollout-1 left (drained)" in console
-    assert "rollout instances: 1 -> 2 (rlmesh scale)" in console and "rollout instances: 2 -> 1 (rlmesh scale)" in console
+    assert (
+        "rollout instances: 1 -> 2 (rlmesh scale)" in console and "rollout instances: 2 -> 1 (rlmesh scale)" in console
+    )
     ledger = [json.loads(line) for line in (output_dir / "rollouts.jsonl").read_text().splitlines()]
     received = collections.Counter((r["batch_id"], r["prompt_id"]) for r in ledger if r["event"] == "accepted")
     submitted = {(r["batch_id"], p) for r in ledger if r["event"] == "submitted" for p in r["prompts"]}
@@ -101,13 +135,38 @@ def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_d
     output_dir = tmp_path / "run"
     log_path = tmp_path / "up.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "up", "--steps", "100000", "--rollout-instances", "1:2",
-                                    "--autoscale", "--base-port", str(free_base_port()), "--model-dir", str(model_dir),
-                                    "--output-dir", str(output_dir), "--set", "algorithm.eval_every=100000",
-                                    "--set", "tasks.0.eval.prompts=8", "--set", "rollout.engine.max_batch_size=8",
-                                    "--set", "mesh.autoscale_patience_seconds=3",
-                                    "--set", "mesh.autoscale_cooldown_seconds=3"],
-                                   stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlmesh.cli.main",
+                "up",
+                "--steps",
+                "100000",
+                "--rollout-instances",
+                "1:2",
+                "--autoscale",
+                "--base-port",
+                str(free_base_port()),
+                "--model-dir",
+                str(model_dir),
+                "--output-dir",
+                str(output_dir),
+                "--set",
+                "algorithm.eval_every=100000",
+                "--set",
+                "tasks.0.eval.prompts=8",
+                "--set",
+                "rollout.engine.max_batch_size=8",
+                "--set",
+                "mesh.autoscale_patience_seconds=3",
+                "--set",
+                "mesh.autoscale_cooldown_seconds=3",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         try:
             wait_until(lambda: len(running(output_dir)) == 2, 180, "the autoscaler to add an instance")
             steps = last_trained_step(output_dir)

@@ -111,9 +111,28 @@ eval_every = 2
 
 def run_two_steps(job: Path, output: Path, model_dir: Path) -> Path:
     """`rlmesh up --job` for 2 steps; the run's folder once it finished."""
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output),
-                             "--model-dir", str(model_dir), "--base-port", str(free_base_port()), "--steps", "2"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli.main",
+            "up",
+            "--job",
+            str(job),
+            "--output-dir",
+            str(output),
+            "--model-dir",
+            str(model_dir),
+            "--base-port",
+            str(free_base_port()),
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return output
 
@@ -124,9 +143,12 @@ def metrics(output_dir: Path) -> list[dict]:
 
 def test_a_python_environment_trains_episodes_through_sessions(tmp_path, chat_model):
     (tmp_path / "echo_env.py").write_text(ENVIRONMENT)
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": f"What is {i} plus {i}?"}) + "\n" for i in range(24)))
+    (tmp_path / "rows.jsonl").write_text(
+        "".join(json.dumps({"question": f"What is {i} plus {i}?"}) + "\n" for i in range(24))
+    )
     job = tmp_path / "job.toml"
-    job.write_text('''
+    job.write_text(
+        """
 [[tasks]]
 name = "echo"
 sampling.max_tokens = 12
@@ -140,7 +162,9 @@ samples = 1
 [tasks.environment]
 python = "echo_env.py:Echo"
 max_turns = 3
-''' + SMALL_STEPS)
+"""
+        + SMALL_STEPS
+    )
     output = run_two_steps(job, tmp_path / "run", chat_model)
     steps = [r for r in metrics(output) if "loss" in r]
     assert len(steps) == 2
@@ -159,7 +183,8 @@ max_turns = 3
 def test_a_verifiers_environment_runs_unchanged_and_its_episodes_train(tmp_path, chat_model):
     (tmp_path / "sums_env.py").write_text(VERIFIERS_ENVIRONMENT)
     job = tmp_path / "job.toml"
-    job.write_text('''
+    job.write_text(
+        """
 [[tasks]]
 name = "sums"
 kind = "verifiers"
@@ -172,7 +197,9 @@ samples = 1
 verifiers = "sums_env"
 verifiers_args = { rows = 8 }
 max_turns = 3
-''' + SMALL_STEPS)
+"""
+        + SMALL_STEPS
+    )
     output = run_two_steps(job, tmp_path / "run", chat_model)
     steps = [r for r in metrics(output) if "loss" in r]
     assert len(steps) == 2
@@ -181,7 +208,11 @@ max_turns = 3
         # session's turns: the rows' messages rendered through the chat template, the model's
         # tokens), and was scored by the taskset's rewards.
         assert record["episodes/count"] == 8 and record["episodes/ended/done"] == 8
-        assert record["episodes/turns"] >= 1 and record["episodes/tokens/model"] > 0 and record["episodes/tokens/template"] > 0
+        assert (
+            record["episodes/turns"] >= 1
+            and record["episodes/tokens/model"] > 0
+            and record["episodes/tokens/template"] > 0
+        )
         assert record["loss"] == record["loss"] and 0.0 <= record["reward"] <= 1.1
     ledger = [json.loads(line) for line in (output / "rollouts.jsonl").read_text().splitlines()]
     trained = [r for r in ledger if r["event"] == "trained"]

@@ -13,8 +13,12 @@ pytestmark = pytest.mark.e2e
 
 def test_the_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     out = tmp_path / "gpu-cpu.json"
-    result = subprocess.run([sys.executable, "-m", "bench.gpu", "--device", "cpu", "--out", str(out), "--work-dir", str(tmp_path / "work")],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--device", "cpu", "--out", str(out), "--work-dir", str(tmp_path / "work")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert figures["failed"] == []

@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from rlmesh.rpc.credentials import create_secrets, read_secret, secret_path
 from rlmesh.launch.ports import free_base_port, free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
+from rlmesh.rpc.credentials import create_secrets, read_secret, secret_path
 
 # Jobs without a model folder: the first run creates the built-in model under .rlmesh/, and a run
 # that starts meanwhile (the GPU check's short job) waits for it.
@@ -27,8 +27,19 @@ NODE_VERIFIER = ROOT / "examples" / "node-verifier"
 
 
 def up(job: Path, output_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output_dir),
-               "--base-port", str(free_base_port()), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "rlmesh.cli.main",
+        "up",
+        "--job",
+        str(job),
+        "--output-dir",
+        str(output_dir),
+        "--base-port",
+        str(free_base_port()),
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -39,8 +50,16 @@ def metrics(output_dir: Path) -> list[dict]:
 def test_the_example_task_from_its_own_files_trains(tmp_path):
     # Validations at normal priority: at low priority, on the one instance that training keeps
     # busy, their requests wait for a gap in training work, which the suite's load may not leave.
-    result = up(EXAMPLE / "job.toml", tmp_path / "run", "--steps", "40", "--set", "algorithm.eval_every=20",
-                "--set", "algorithm.validation_priority=normal")
+    result = up(
+        EXAMPLE / "job.toml",
+        tmp_path / "run",
+        "--steps",
+        "40",
+        "--set",
+        "algorithm.eval_every=20",
+        "--set",
+        "algorithm.validation_priority=normal",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     secrets = tmp_path / "run" / "secrets"
     assert f"every call authorized by role, secrets in {secrets}" in result.stdout
@@ -66,9 +85,22 @@ def node_verifier(tmp_path):
     secrets = create_secrets(tmp_path / "secrets")
     (tmp_path / "verifier.token").write_text("the-verifiers-own-token\n")
     port = free_port()
-    process = subprocess.Popen([node, "server.js", "--host", "127.0.0.1", "--port", str(port),
-                                "--token-file", str(tmp_path / "verifier.token")], cwd=NODE_VERIFIER,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            node,
+            "server.js",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(tmp_path / "verifier.token"),
+        ],
+        cwd=NODE_VERIFIER,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert process.stdout.readline().strip() == f"listening on {port}"
         yield f"127.0.0.1:{port}", secrets
@@ -81,7 +113,9 @@ def score_as(address: str, secret: str | None) -> grpc.StatusCode:
     metadata = (("authorization", f"Bearer {secret}"),) if secret else ()
     with grpc.insecure_channel(address) as channel:
         try:
-            reward_pb2_grpc.RewardServiceStub(channel).Score(reward_pb2.ScoreRequest(task="complement"), timeout=10, metadata=metadata)
+            reward_pb2_grpc.RewardServiceStub(channel).Score(
+                reward_pb2.ScoreRequest(task="complement"), timeout=10, metadata=metadata
+            )
         except grpc.RpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
@@ -107,9 +141,9 @@ weight = 1.0
 prompt.template = "{{number}}="
 reward.remote = "{node_verifier}"
 reward.remote_credential = "file:verifier.token"
-dataset.path = "{EXAMPLE / 'train.jsonl'}"
+dataset.path = "{EXAMPLE / "train.jsonl"}"
 dataset.fields = {{ answer = "complement" }}
-eval.path = "{EXAMPLE / 'held_out.jsonl'}"
+eval.path = "{EXAMPLE / "held_out.jsonl"}"
 eval.prompts = 16
 
 [algorithm]

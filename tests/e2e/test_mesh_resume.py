@@ -20,7 +20,10 @@ def submitted_uids(ledger: list[dict]) -> dict[int, list[str]]:
 
 
 def run_up(model_dir, output_dir, steps: int) -> subprocess.CompletedProcess:
-    command = up_command(model_dir, output_dir, free_base_port(), steps=steps) + ["--set", "algorithm.checkpoint_every=2"]
+    command = up_command(model_dir, output_dir, free_base_port(), steps=steps) + [
+        "--set",
+        "algorithm.checkpoint_every=2",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result

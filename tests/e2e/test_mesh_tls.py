@@ -57,17 +57,45 @@ def test_up_with_tls_trains_and_turns_strangers_away(model_dir, tmp_path):
         plaintext = grpcurl("-plaintext", manager, "grpc.health.v1.Health/Check", max_time=2.0)
         assert plaintext.returncode != 0, plaintext.stdout
         print("plaintext grpcurl:", plaintext.stderr.strip())
-        with_certs = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file,
-                             manager, "grpc.health.v1.Health/Check")
+        with_certs = grpcurl(
+            "-cacert",
+            client.ca_file,
+            "-cert",
+            client.cert_file,
+            "-key",
+            client.key_file,
+            manager,
+            "grpc.health.v1.Health/Check",
+        )
         assert with_certs.returncode == 0, with_certs.stderr
         assert json.loads(with_certs.stdout) == {"status": "SERVING"}
         listed = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, manager, "list")
         assert "rlmesh.manager.v1.ManagerService" in listed.stdout, listed.stderr
-        status = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, manager,
-                         "rlmesh.manager.v1.ManagerService/GetStatus")
-        assert status.returncode == 0 and '"authorization": "mutual TLS + bearer secrets"' in status.stdout, status.stderr
-        publish = grpcurl("-cacert", client.ca_file, "-cert", client.cert_file, "-key", client.key_file, "-d", '{"version": 999999}',
-                          manager, "rlmesh.manager.v1.ManagerService/PublishVersion")
+        status = grpcurl(
+            "-cacert",
+            client.ca_file,
+            "-cert",
+            client.cert_file,
+            "-key",
+            client.key_file,
+            manager,
+            "rlmesh.manager.v1.ManagerService/GetStatus",
+        )
+        assert status.returncode == 0 and '"authorization": "mutual TLS + bearer secrets"' in status.stdout, (
+            status.stderr
+        )
+        publish = grpcurl(
+            "-cacert",
+            client.ca_file,
+            "-cert",
+            client.cert_file,
+            "-key",
+            client.key_file,
+            "-d",
+            '{"version": 999999}',
+            manager,
+            "rlmesh.manager.v1.ManagerService/PublishVersion",
+        )
         assert publish.returncode != 0 and "not open to the operator role" in publish.stderr, publish.stderr
 
         assert not asyncio.run(check_health(manager))

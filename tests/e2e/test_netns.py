@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from rlmesh.launch.netns import NETNS_PREFIX, NetnsLayout, NetnsLink, create_netns, netns_problem, remove_netns, sweep_netns
+from rlmesh.launch.netns import (
+    NETNS_PREFIX,
+    NetnsLayout,
+    NetnsLink,
+    create_netns,
+    netns_problem,
+    remove_netns,
+    sweep_netns,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -20,7 +28,9 @@ def namespaces() -> str:
 
 
 def loopback_addresses() -> str:
-    return subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", "lo"], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["ip", "-o", "-4", "addr", "show", "dev", "lo"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def layout(tag: str, pid: int, subnet: str) -> NetnsLayout:
@@ -51,11 +61,23 @@ def test_sweep_removes_what_a_killed_mesh_left_and_keeps_a_live_mesh():
 
 
 def test_up_without_the_privileges_for_namespaces_says_so(tmp_path):
-    command = [sys.executable, "-m", "rlmesh.cli.main", "up", "--rollout-netns", "1", "--output-dir", str(tmp_path / "run")]
+    command = [
+        sys.executable,
+        "-m",
+        "rlmesh.cli.main",
+        "up",
+        "--rollout-netns",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
     if not netns_problem():
         # Root here: take away the two capabilities the namespaces need.
         command = ["setpriv", "--inh-caps=-all", "--bounding-set=-net_admin,-sys_admin", *command]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 2
-    assert "mesh.rollout_netns = 1 runs rollout instances in network namespaces, which this process cannot create" in result.stderr
+    assert (
+        "mesh.rollout_netns = 1 runs rollout instances in network namespaces, which this process cannot create"
+        in result.stderr
+    )
     assert not (tmp_path / "run").exists()

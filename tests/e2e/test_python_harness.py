@@ -37,7 +37,7 @@ answer = row["answer"]
 print(json.dumps({"reward": sum(a == b for a, b in zip(text, answer)) / max(len(text), len(answer))}))
 '''
 
-JOB = '''
+JOB = """
 [[tasks]]
 name = "harness"
 kind = "increment"
@@ -49,7 +49,7 @@ eval.samples = 1
 [tasks.environment]
 command = "python harness.py"
 max_turns = 2
-'''
+"""
 """The default algorithm settings: 16 prompts a step, 8 episodes each; max_concurrent from the cores."""
 
 STEPS = 6
@@ -64,16 +64,38 @@ def test_a_python_openai_harness_at_the_default_step_size_finishes_with_no_episo
     # `python` is the interpreter the job's harness finds first on PATH: this one, with `openai` installed.
     environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     output = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "up", "--job", str(job), "--output-dir", str(output),
-                             "--model-dir", str(model), "--base-port", str(free_base_port()), "--steps", str(STEPS)],
-                            capture_output=True, text=True, timeout=2300, cwd=ROOT, env=environment)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlmesh.cli.main",
+            "up",
+            "--job",
+            str(job),
+            "--output-dir",
+            str(output),
+            "--model-dir",
+            str(model),
+            "--base-port",
+            str(free_base_port()),
+            "--steps",
+            str(STEPS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=2300,
+        cwd=ROOT,
+        env=environment,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert len(steps) == STEPS
     for record in steps:
         assert record["episodes/count"] == 16 * 8
-        assert record["episodes/ended/done"] == 16 * 8, {k: v for k, v in record.items() if k.startswith("episodes/ended/")}
+        assert record["episodes/ended/done"] == 16 * 8, {
+            k: v for k, v in record.items() if k.startswith("episodes/ended/")
+        }
     assert [r["step"] for r in records if "eval/harness/sampled_reward" in r] == [0, STEPS]
     manager_log = (output / "logs" / "manager.log").read_text()
     assert "reaped" not in manager_log

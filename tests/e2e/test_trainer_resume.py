@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from services.trainer.ranks.checkpoint import latest_checkpoint
 from services.trainer.pipeline import load_pipeline
+from services.trainer.ranks.checkpoint import latest_checkpoint
 from tests.support import step_records_written, trainer_pid, up_command, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -53,31 +53,60 @@ def carries_accepted_and_in_flight(checkpoints: Path, read: dict[Path, bool]) ->
 def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(model_dir, tmp_path):
     output_dir = tmp_path / "run"
     command = up_command(model_dir, output_dir, free_base_port(), steps=STEPS) + [
-        "--max-staleness", "2", "--set", f"algorithm.prompts_per_step={PROMPTS}", "--set", "algorithm.group_size=4",
-        "--set", "algorithm.checkpoint_every=2", "--set", "algorithm.eval_every=100",
+        "--max-staleness",
+        "2",
+        "--set",
+        f"algorithm.prompts_per_step={PROMPTS}",
+        "--set",
+        "algorithm.group_size=4",
+        "--set",
+        "algorithm.checkpoint_every=2",
+        "--set",
+        "algorithm.eval_every=100",
         # Rollout slower than training, so checkpoints hold prompts in flight; a step trains once
         # all its groups are in, and groups of the next step finish meanwhile: accepted ahead.
-        "--set", "rollout.engine.max_batch_size=8", "--set", "algorithm.micro_batch_groups=8",
+        "--set",
+        "rollout.engine.max_batch_size=8",
+        "--set",
+        "algorithm.micro_batch_groups=8",
     ]
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     rng = random.Random(13)
     kills = []
     try:
         for kill in range(KILLS):
-            pid = wait_until(lambda: trainer_pid(output_dir) not in (None, *[k[0] for k in kills]) and trainer_pid(output_dir), 120, "a new trainer")
+            pid = wait_until(
+                lambda: trainer_pid(output_dir) not in (None, *[k[0] for k in kills]) and trainer_pid(output_dir),
+                120,
+                "a new trainer",
+            )
             progress = step_records_written(output_dir)
             # Killed only once it trained a step since it started: the run must get somewhere.
-            wait_until(lambda: step_records_written(output_dir) > progress, 120, "a step trained since it started", interval=0.01)
+            wait_until(
+                lambda: step_records_written(output_dir) > progress,
+                120,
+                "a step trained since it started",
+                interval=0.01,
+            )
             if kill == 0:
                 # Right after a checkpoint that carries both: the resume must restore them.
                 read: dict[Path, bool] = {}
-                wait_until(lambda: carries_accepted_and_in_flight(output_dir / "checkpoints", read), 120,
-                           "a checkpoint holding accepted groups and prompts in flight", interval=0.005)
+                wait_until(
+                    lambda: carries_accepted_and_in_flight(output_dir / "checkpoints", read),
+                    120,
+                    "a checkpoint holding accepted groups and prompts in flight",
+                    interval=0.005,
+                )
                 os.kill(pid, signal.SIGKILL)
                 kills.append((pid, "after a checkpoint carrying groups and prompts", True))
             elif kill == 2:
                 # In the middle of a checkpoint's background write: its .partial folder is there.
-                partial = wait_until(lambda: next((output_dir / "checkpoints").glob("*.partial"), None), 120, "a checkpoint being written", interval=0.002)
+                partial = wait_until(
+                    lambda: next((output_dir / "checkpoints").glob("*.partial"), None),
+                    120,
+                    "a checkpoint being written",
+                    interval=0.002,
+                )
                 os.kill(pid, signal.SIGKILL)
                 kills.append((pid, "during a checkpoint write", partial.exists()))
             else:

@@ -18,8 +18,8 @@ from transformers import AutoConfig
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
-from rlmesh.transfer.payload import aligned, bucket_checksums, pack_layout
 from rlmesh.rollout.v1 import rollout_pb2
+from rlmesh.transfer.payload import aligned, bucket_checksums, pack_layout
 from rlmesh.transfer.shards import layout_to_proto
 from rlmesh.weights.v1 import weights_pb2
 from tests.fuzz.harness import CRASH_CODES, Harness, Rpc, Wire, contract_rpcs
@@ -50,7 +50,8 @@ def unknown_fields(descriptor: Descriptor) -> st.SearchStrategy[bytes]:
     known = {f.number for f in descriptor.fields}
     top = max(known, default=0)
     numbers = st.one_of(st.integers(top + 1, top + 8), st.integers(1, 2**29 - 1)).filter(
-        lambda n: n not in known and not 19000 <= n <= 19999)
+        lambda n: n not in known and not 19000 <= n <= 19999
+    )
     one = st.one_of(
         st.builds(lambda n, v: varint(n << 3) + varint(v), numbers, st.integers(0, 2**64 - 1)),
         st.builds(lambda n, b: varint(n << 3 | 1) + b, numbers, st.binary(min_size=8, max_size=8)),
@@ -66,12 +67,21 @@ def wires(strategies: MessageStrategies, rpc: Rpc, seed: Message | list[Message]
     descriptor = rpc.request.DESCRIPTOR
     one = st.builds(Wire, strategies.message(descriptor), unknown_fields(descriptor))
     if not rpc.client_streaming:
-        return one if seed is None else st.one_of(one, st.builds(Wire, strategies.variants(seed), unknown_fields(descriptor)))
+        return (
+            one
+            if seed is None
+            else st.one_of(one, st.builds(Wire, strategies.variants(seed), unknown_fields(descriptor)))
+        )
     generated = st.lists(one, max_size=5)
     if seed is None:
         return generated
     kept_or_varied = st.tuples(*(st.one_of(st.just(m), strategies.variants(m)) for m in seed))
-    return st.one_of(generated, st.builds(lambda messages, extra: [Wire(m) for m in messages] + extra, kept_or_varied, st.lists(one, max_size=1)))
+    return st.one_of(
+        generated,
+        st.builds(
+            lambda messages, extra: [Wire(m) for m in messages] + extra, kept_or_varied, st.lists(one, max_size=1)
+        ),
+    )
 
 
 def oversize(rpc: Rpc, limit: int) -> Wire:
@@ -98,14 +108,24 @@ def hints(harness: Harness) -> dict[str, st.SearchStrategy]:
         "request_ids": st.sampled_from(["fuzz-request"]),
         "prompt_id": st.sampled_from(["p", "q"]),
         "address": st.sampled_from([harness.address("rollout"), harness.address("trainer"), "127.0.0.1:1"]),
-        "token_ids": tokens, "prompt_token_ids": tokens, "continued_token_ids": tokens, "stop_token_ids": tokens,
+        "token_ids": tokens,
+        "prompt_token_ids": tokens,
+        "continued_token_ids": tokens,
+        "stop_token_ids": tokens,
         "max_tokens": st.integers(1, 8),
         "temperature": st.sampled_from([0.0, 0.7, 1.0]),
         "top_p": st.sampled_from([0.0, 0.9, 1.0]),
         "n": st.integers(1, 3),
-        "micro_batch_groups": small, "min_groups": small, "tp_rank": small, "rank": small, "world_size": st.integers(1, 3),
-        "version": st.integers(-1, 3), "weight_version": st.integers(-1, 3), "policy_version": st.integers(-1, 3),
-        "base_version": st.integers(-1, 3), "pinned_version": st.integers(-1, 3),
+        "micro_batch_groups": small,
+        "min_groups": small,
+        "tp_rank": small,
+        "rank": small,
+        "world_size": st.integers(1, 3),
+        "version": st.integers(-1, 3),
+        "weight_version": st.integers(-1, 3),
+        "policy_version": st.integers(-1, 3),
+        "base_version": st.integers(-1, 3),
+        "pinned_version": st.integers(-1, 3),
     }
 
 
@@ -119,28 +139,44 @@ def prompts(count: int = 1, **sampling_fields: float) -> list[manager_pb2.Prompt
 
 
 def parked_batch() -> manager_pb2.SubmitPromptsRequest:
-    return manager_pb2.SubmitPromptsRequest(batch_id=PARKED_BATCH, policy_version=2**62, prompts=prompts(), sampling=sampling())
+    return manager_pb2.SubmitPromptsRequest(
+        batch_id=PARKED_BATCH, policy_version=2**62, prompts=prompts(), sampling=sampling()
+    )
 
 
 def delivered_batch() -> manager_pb2.SubmitPromptsRequest:
-    return manager_pb2.SubmitPromptsRequest(batch_id=DELIVERED_BATCH, policy_version=0, prompts=prompts(2), sampling=sampling())
+    return manager_pb2.SubmitPromptsRequest(
+        batch_id=DELIVERED_BATCH, policy_version=0, prompts=prompts(2), sampling=sampling()
+    )
 
 
 def rank_manifest(harness: Harness, version: int) -> common_pb2.WeightManifest:
     """A valid payload layout of the rollout engine's one tensor-parallel rank (all-zero bytes)."""
     specs = harness.mesh.rollouts[0].engine.rank_parameter_specs()
     manifest = pack_layout({spec.name: (spec.shape, spec.dtype) for spec in specs}, version)
-    manifest.bucket_crc32.extend(bucket_checksums(torch.zeros(manifest.total_bytes, dtype=torch.uint8), manifest.bucket_bytes))
+    manifest.bucket_crc32.extend(
+        bucket_checksums(torch.zeros(manifest.total_bytes, dtype=torch.uint8), manifest.bucket_bytes)
+    )
     return manifest
 
 
 def begin_request(harness: Harness) -> rollout_pb2.BeginWeightUpdateRequest:
-    return rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[rank_manifest(harness, PUSHED_VERSION)],
-                                                backend=rollout_pb2.TRANSFER_BACKEND_GRPC)
+    return rollout_pb2.BeginWeightUpdateRequest(
+        rank_manifests=[rank_manifest(harness, PUSHED_VERSION)], backend=rollout_pb2.TRANSFER_BACKEND_GRPC
+    )
 
 
-SMALL_MODEL = ModelShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=256, num_layers=2,
-                         tie_word_embeddings=True, attention_bias=True)
+SMALL_MODEL = ModelShape(
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=256,
+    num_layers=2,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 """A layout for the targeted upload cases, which need no model folder."""
 
 
@@ -151,8 +187,15 @@ def shards_header(shape: ModelShape, version: int, world_size: int = 1, rank: in
     for name, dims in hf_parameter_shapes(shape).items():
         start, stop = fsdp_rows(dims[0], world_size, rank)
         nbytes = (stop - start) * math.prod(dims[1:]) * 4
-        header.shards.add(name=name, dtype=common_pb2.D_TYPE_FLOAT32, full_shape=list(dims), row_start=start, row_end=stop,
-                          offset=aligned(end), nbytes=nbytes)
+        header.shards.add(
+            name=name,
+            dtype=common_pb2.D_TYPE_FLOAT32,
+            full_shape=list(dims),
+            row_start=start,
+            row_end=stop,
+            offset=aligned(end),
+            nbytes=nbytes,
+        )
         end = aligned(end) + nbytes
     header.total_bytes = end
     header.payload_crc32 = zlib.crc32(bytes(end))
@@ -167,27 +210,39 @@ def seeds(harness: Harness) -> dict[str, Message | list[Message]]:
     full = pack_layout({"w": ((16,), torch.float32)}, version=5)
     full.bucket_crc32.append(zlib.crc32(bytes(full.total_bytes)))
     return {
-        "manager.RegisterInstance": manager_pb2.RegisterInstanceRequest(instance_id="fuzz-instance", address="127.0.0.1:1", max_batch_size=4),
+        "manager.RegisterInstance": manager_pb2.RegisterInstanceRequest(
+            instance_id="fuzz-instance", address="127.0.0.1:1", max_batch_size=4
+        ),
         "manager.Heartbeat": manager_pb2.HeartbeatRequest(instance_id=REAL_INSTANCE),
         "manager.DeregisterInstance": manager_pb2.DeregisterInstanceRequest(instance_id="fuzz-instance"),
         "manager.PublishVersion": manager_pb2.PublishVersionRequest(version=1),
-        "manager.SubmitPrompts": manager_pb2.SubmitPromptsRequest(batch_id="fuzz-batch", prompts=prompts(2), sampling=sampling()),
+        "manager.SubmitPrompts": manager_pb2.SubmitPromptsRequest(
+            batch_id="fuzz-batch", prompts=prompts(2), sampling=sampling()
+        ),
         "manager.StreamRollouts": manager_pb2.StreamRolloutsRequest(batch_id=PARKED_BATCH, micro_batch_groups=1),
         "manager.TakeReadyGroups": manager_pb2.TakeReadyGroupsRequest(batch_id=PARKED_BATCH),
         "manager.CancelBatch": manager_pb2.CancelBatchRequest(batch_id=PARKED_BATCH),
         "manager.AcknowledgeRollouts": manager_pb2.AcknowledgeRolloutsRequest(batch_id=PARKED_BATCH),
-        "manager.ReportTrainingStep": manager_pb2.ReportTrainingStepRequest(batch_id=DELIVERED_BATCH, step_seconds=2, wait_seconds=1),
-        "rollout.Generate": rollout_pb2.GenerateRequest(request_id="fuzz-generate", prompt_token_ids=[1, 2, 3], sampling=sampling(max_tokens=4)),
+        "manager.ReportTrainingStep": manager_pb2.ReportTrainingStepRequest(
+            batch_id=DELIVERED_BATCH, step_seconds=2, wait_seconds=1
+        ),
+        "rollout.Generate": rollout_pb2.GenerateRequest(
+            request_id="fuzz-generate", prompt_token_ids=[1, 2, 3], sampling=sampling(max_tokens=4)
+        ),
         "rollout.Abort": rollout_pb2.AbortRequest(request_ids=["fuzz-generate"]),
         "rollout.BeginWeightUpdate": begin_request(harness),
         # Part of the payload only: a commit must never make the instance serve the all-zero version.
         "rollout.PushWeightChunks": [rollout_pb2.PushWeightChunksRequest(version=PUSHED_VERSION, data=bytes(65536))],
         "rollout.CommitWeightUpdate": rollout_pb2.CommitWeightUpdateRequest(version=PUSHED_VERSION),
         "rollout.Drain": rollout_pb2.DrainRequest(reason="fuzz"),
-        "weights.UploadShards": [weights_pb2.UploadShardsRequest(header=upload),
-                                 weights_pb2.UploadShardsRequest(chunk=weights_pb2.PayloadChunk(data=bytes(upload.total_bytes)))],
-        "weights.UploadWeights": [weights_pb2.UploadWeightsRequest(manifest=full),
-                                  weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(data=bytes(full.total_bytes)))],
+        "weights.UploadShards": [
+            weights_pb2.UploadShardsRequest(header=upload),
+            weights_pb2.UploadShardsRequest(chunk=weights_pb2.PayloadChunk(data=bytes(upload.total_bytes))),
+        ],
+        "weights.UploadWeights": [
+            weights_pb2.UploadWeightsRequest(manifest=full),
+            weights_pb2.UploadWeightsRequest(chunk=weights_pb2.PayloadChunk(data=bytes(full.total_bytes))),
+        ],
     }
 
 
@@ -210,10 +265,15 @@ def bad_sampling_cases() -> dict[str, Expected]:
     the manager for a whole batch and for one prompt: refused, naming the parameter. A temperature
     too small to divide logits by, and a seed past 63 bits, only the engine can judge."""
     bad = {
-        "temperature-nan": {"temperature": math.nan}, "temperature-inf": {"temperature": math.inf},
-        "temperature--inf": {"temperature": -math.inf}, "temperature-negative": {"temperature": -1.0},
-        "top_p-nan": {"top_p": math.nan}, "top_p-inf": {"top_p": math.inf}, "top_p-negative": {"top_p": -0.5},
-        "top_p-above-1": {"top_p": 1.5}, "max_tokens-0": {"max_tokens": 0},
+        "temperature-nan": {"temperature": math.nan},
+        "temperature-inf": {"temperature": math.inf},
+        "temperature--inf": {"temperature": -math.inf},
+        "temperature-negative": {"temperature": -1.0},
+        "top_p-nan": {"top_p": math.nan},
+        "top_p-inf": {"top_p": math.inf},
+        "top_p-negative": {"top_p": -0.5},
+        "top_p-above-1": {"top_p": 1.5},
+        "max_tokens-0": {"max_tokens": 0},
     }
     engine_only = {"temperature-denormal": {"temperature": 1e-45}, "seed-2^64-1": {"seed": 2**64 - 1}}
     invalid = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
@@ -221,61 +281,129 @@ def bad_sampling_cases() -> dict[str, Expected]:
     for name, fields in {**bad, **engine_only}.items():
         parameter = name.split("-")[0]
         cases[f"rollout.Generate-{name}"] = Expected(
-            "rollout.Generate", rollout_pb2.GenerateRequest(request_id=f"bad-{name}", prompt_token_ids=[1, 2], continued_token_ids=[3],
-                                                            sampling=sampling(**{"max_tokens": 4, **fields})),
-            invalid, parameter)
+            "rollout.Generate",
+            rollout_pb2.GenerateRequest(
+                request_id=f"bad-{name}",
+                prompt_token_ids=[1, 2],
+                continued_token_ids=[3],
+                sampling=sampling(**{"max_tokens": 4, **fields}),
+            ),
+            invalid,
+            parameter,
+        )
         if name in engine_only:
             continue
         cases[f"manager.SubmitPrompts-batch-{name}"] = Expected(
-            "manager.SubmitPrompts", manager_pb2.SubmitPromptsRequest(batch_id=f"bad-batch-{name}", prompts=prompts(), sampling=sampling(**fields)),
-            invalid, parameter)
+            "manager.SubmitPrompts",
+            manager_pb2.SubmitPromptsRequest(
+                batch_id=f"bad-batch-{name}", prompts=prompts(), sampling=sampling(**fields)
+            ),
+            invalid,
+            parameter,
+        )
         cases[f"manager.SubmitPrompts-prompt-{name}"] = Expected(
-            "manager.SubmitPrompts", manager_pb2.SubmitPromptsRequest(batch_id=f"bad-prompt-{name}", prompts=prompts(**fields), sampling=sampling()),
-            invalid, parameter)
+            "manager.SubmitPrompts",
+            manager_pb2.SubmitPromptsRequest(
+                batch_id=f"bad-prompt-{name}", prompts=prompts(**fields), sampling=sampling()
+            ),
+            invalid,
+            parameter,
+        )
     reports = {
-        "negative": {"step_seconds": -1, "wait_seconds": -2}, "nan": {"step_seconds": math.nan, "wait_seconds": 0},
+        "negative": {"step_seconds": -1, "wait_seconds": -2},
+        "nan": {"step_seconds": math.nan, "wait_seconds": 0},
         "inf": {"step_seconds": math.inf, "wait_seconds": math.inf},
     }
     for name, fields in reports.items():
         cases[f"manager.ReportTrainingStep-{name}"] = Expected(
-            "manager.ReportTrainingStep", manager_pb2.ReportTrainingStepRequest(batch_id=DELIVERED_BATCH, **fields), invalid)
+            "manager.ReportTrainingStep",
+            manager_pb2.ReportTrainingStepRequest(batch_id=DELIVERED_BATCH, **fields),
+            invalid,
+        )
     cases["rollout.Generate-pinned_version--1"] = Expected(
-        "rollout.Generate", rollout_pb2.GenerateRequest(request_id="pinned-negative", prompt_token_ids=[1, 2], sampling=sampling(),
-                                                        pinned_version=-1),
-        invalid, "pinned_version")
+        "rollout.Generate",
+        rollout_pb2.GenerateRequest(
+            request_id="pinned-negative", prompt_token_ids=[1, 2], sampling=sampling(), pinned_version=-1
+        ),
+        invalid,
+        "pinned_version",
+    )
     cases["manager.SubmitPrompts-policy_version--1"] = Expected(
-        "manager.SubmitPrompts", manager_pb2.SubmitPromptsRequest(batch_id="bad-policy", policy_version=-1, prompts=prompts(), sampling=sampling()),
-        invalid, "policy_version")
+        "manager.SubmitPrompts",
+        manager_pb2.SubmitPromptsRequest(
+            batch_id="bad-policy", policy_version=-1, prompts=prompts(), sampling=sampling()
+        ),
+        invalid,
+        "policy_version",
+    )
     return cases
 
 
 def unknown_id_cases() -> dict[str, Expected]:
     """Requests naming an instance, batch, request or version that does not exist."""
     not_found = frozenset({grpc.StatusCode.NOT_FOUND})
-    refused = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT})
+    refused = frozenset(
+        {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
+    )
     ghost = "no-such-instance"
     chunk = rollout_pb2.PushWeightChunksRequest(version=987654, offset=0, data=b"\x00" * 64)
     cases = {
-        "manager.Heartbeat": Expected("manager.Heartbeat", manager_pb2.HeartbeatRequest(instance_id=ghost), not_found, ghost),
-        "manager.DeregisterInstance": Expected("manager.DeregisterInstance", manager_pb2.DeregisterInstanceRequest(instance_id=ghost), not_found, ghost),
-        "manager.StreamRollouts": Expected("manager.StreamRollouts", manager_pb2.StreamRolloutsRequest(batch_id="no-such-batch", micro_batch_groups=1), not_found, "no-such-batch"),
-        "manager.TakeReadyGroups": Expected("manager.TakeReadyGroups", manager_pb2.TakeReadyGroupsRequest(batch_id="no-such-batch"), not_found, "no-such-batch"),
-        "manager.CancelBatch": Expected("manager.CancelBatch", manager_pb2.CancelBatchRequest(batch_id="no-such-batch"), not_found, "no-such-batch"),
-        "manager.ReportTrainingStep": Expected("manager.ReportTrainingStep", manager_pb2.ReportTrainingStepRequest(batch_id="no-such-batch", step_seconds=1), not_found, "no-such-batch"),
+        "manager.Heartbeat": Expected(
+            "manager.Heartbeat", manager_pb2.HeartbeatRequest(instance_id=ghost), not_found, ghost
+        ),
+        "manager.DeregisterInstance": Expected(
+            "manager.DeregisterInstance", manager_pb2.DeregisterInstanceRequest(instance_id=ghost), not_found, ghost
+        ),
+        "manager.StreamRollouts": Expected(
+            "manager.StreamRollouts",
+            manager_pb2.StreamRolloutsRequest(batch_id="no-such-batch", micro_batch_groups=1),
+            not_found,
+            "no-such-batch",
+        ),
+        "manager.TakeReadyGroups": Expected(
+            "manager.TakeReadyGroups",
+            manager_pb2.TakeReadyGroupsRequest(batch_id="no-such-batch"),
+            not_found,
+            "no-such-batch",
+        ),
+        "manager.CancelBatch": Expected(
+            "manager.CancelBatch", manager_pb2.CancelBatchRequest(batch_id="no-such-batch"), not_found, "no-such-batch"
+        ),
+        "manager.ReportTrainingStep": Expected(
+            "manager.ReportTrainingStep",
+            manager_pb2.ReportTrainingStepRequest(batch_id="no-such-batch", step_seconds=1),
+            not_found,
+            "no-such-batch",
+        ),
         # A long id must come back in the message too, cut short, not lose the answer.
-        "manager.CancelBatch-long-id": Expected("manager.CancelBatch", manager_pb2.CancelBatchRequest(batch_id="é" * 100_000), not_found, "bytes cut"),
+        "manager.CancelBatch-long-id": Expected(
+            "manager.CancelBatch", manager_pb2.CancelBatchRequest(batch_id="é" * 100_000), not_found, "bytes cut"
+        ),
         "rollout.Generate-long-id": Expected(
-            "rollout.Generate", rollout_pb2.GenerateRequest(request_id="🙂" * 100_000, sampling=sampling()), frozenset({grpc.StatusCode.INVALID_ARGUMENT}),
-            "bytes cut"),
-        "manager.PublishVersion-older": Expected("manager.PublishVersion", manager_pb2.PublishVersionRequest(version=-5), refused, "-5"),
-        "rollout.Abort": Expected("rollout.Abort", rollout_pb2.AbortRequest(request_ids=["no-such-request"]), frozenset({grpc.StatusCode.OK})),
-        "rollout.CommitWeightUpdate": Expected("rollout.CommitWeightUpdate", rollout_pb2.CommitWeightUpdateRequest(version=987654), refused, "987654"),
+            "rollout.Generate",
+            rollout_pb2.GenerateRequest(request_id="🙂" * 100_000, sampling=sampling()),
+            frozenset({grpc.StatusCode.INVALID_ARGUMENT}),
+            "bytes cut",
+        ),
+        "manager.PublishVersion-older": Expected(
+            "manager.PublishVersion", manager_pb2.PublishVersionRequest(version=-5), refused, "-5"
+        ),
+        "rollout.Abort": Expected(
+            "rollout.Abort", rollout_pb2.AbortRequest(request_ids=["no-such-request"]), frozenset({grpc.StatusCode.OK})
+        ),
+        "rollout.CommitWeightUpdate": Expected(
+            "rollout.CommitWeightUpdate", rollout_pb2.CommitWeightUpdateRequest(version=987654), refused, "987654"
+        ),
         "rollout.PushWeightChunks": Expected("rollout.PushWeightChunks", chunk, refused, "987654"),
         # Pinned to a version the instance does not serve: ABORTED, for the manager to go elsewhere.
         "rollout.Generate-pinned-version": Expected(
-            "rollout.Generate", rollout_pb2.GenerateRequest(request_id="pinned-ahead", prompt_token_ids=[1, 2], sampling=sampling(),
-                                                            pinned_version=987654),
-            frozenset({grpc.StatusCode.ABORTED}), "pinned to weight version 987654"),
+            "rollout.Generate",
+            rollout_pb2.GenerateRequest(
+                request_id="pinned-ahead", prompt_token_ids=[1, 2], sampling=sampling(), pinned_version=987654
+            ),
+            frozenset({grpc.StatusCode.ABORTED}),
+            "pinned to weight version 987654",
+        ),
     }
     return cases
 
@@ -285,14 +413,23 @@ def delivery_cases() -> dict[str, Expected]:
     invalid = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
     return {
         "manager.StreamRollouts-resume-past-sent": Expected(
-            "manager.StreamRollouts", manager_pb2.StreamRolloutsRequest(batch_id=PARKED_BATCH, micro_batch_groups=1, resume_from=7),
-            invalid, "resume_from 7"),
+            "manager.StreamRollouts",
+            manager_pb2.StreamRolloutsRequest(batch_id=PARKED_BATCH, micro_batch_groups=1, resume_from=7),
+            invalid,
+            "resume_from 7",
+        ),
         "manager.TakeReadyGroups-resume-past-sent": Expected(
-            "manager.TakeReadyGroups", manager_pb2.TakeReadyGroupsRequest(batch_id=PARKED_BATCH, resume_from=2**32 - 1),
-            invalid, "resume_from 4294967295"),
+            "manager.TakeReadyGroups",
+            manager_pb2.TakeReadyGroupsRequest(batch_id=PARKED_BATCH, resume_from=2**32 - 1),
+            invalid,
+            "resume_from 4294967295",
+        ),
         "manager.AcknowledgeRollouts-unsent": Expected(
-            "manager.AcknowledgeRollouts", manager_pb2.AcknowledgeRolloutsRequest(batch_id=PARKED_BATCH),
-            frozenset({grpc.StatusCode.FAILED_PRECONDITION}), "still to be sent"),
+            "manager.AcknowledgeRollouts",
+            manager_pb2.AcknowledgeRolloutsRequest(batch_id=PARKED_BATCH),
+            frozenset({grpc.StatusCode.FAILED_PRECONDITION}),
+            "still to be sent",
+        ),
     }
 
 
@@ -303,8 +440,17 @@ def declared_size_cases() -> dict[str, Expected]:
     invalid = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
 
     def manifest(elements: int, bucket_bytes: int, checksums: int) -> common_pb2.WeightManifest:
-        return common_pb2.WeightManifest(version=9, total_bytes=4 * elements, bucket_bytes=bucket_bytes, bucket_crc32=[0] * checksums, tensors=[
-            common_pb2.TensorSpec(name="w", dtype=common_pb2.D_TYPE_FLOAT32, shape=[elements], offset=0, nbytes=4 * elements)])
+        return common_pb2.WeightManifest(
+            version=9,
+            total_bytes=4 * elements,
+            bucket_bytes=bucket_bytes,
+            bucket_crc32=[0] * checksums,
+            tensors=[
+                common_pb2.TensorSpec(
+                    name="w", dtype=common_pb2.D_TYPE_FLOAT32, shape=[elements], offset=0, nbytes=4 * elements
+                )
+            ],
+        )
 
     def upload(header: weights_pb2.ShardsHeader) -> list[weights_pb2.UploadShardsRequest]:
         return [weights_pb2.UploadShardsRequest(header=header)]
@@ -316,12 +462,24 @@ def declared_size_cases() -> dict[str, Expected]:
     long_path.shm_path = "/dev/shm/" + "x" * 300
     return {
         "weights.UploadWeights-2^60-elements-in-1-byte-buckets": Expected(
-            "weights.UploadWeights", [weights_pb2.UploadWeightsRequest(manifest=manifest(2**60, 1, 0))], invalid, "buckets"),
+            "weights.UploadWeights",
+            [weights_pb2.UploadWeightsRequest(manifest=manifest(2**60, 1, 0))],
+            invalid,
+            "buckets",
+        ),
         "weights.UploadWeights-4Mi-buckets-with-their-checksums": Expected(
-            "weights.UploadWeights", [weights_pb2.UploadWeightsRequest(manifest=manifest(2**20, 1, 2**22))], invalid, "buckets"),
+            "weights.UploadWeights",
+            [weights_pb2.UploadWeightsRequest(manifest=manifest(2**20, 1, 2**22))],
+            invalid,
+            "buckets",
+        ),
         "weights.UploadShards-2^32-layers": Expected("weights.UploadShards", upload(layers), invalid, "parameters"),
-        "weights.UploadShards-1TiB-model-rank-without-rows": Expected("weights.UploadShards", upload(empty_rank), invalid, "over the limit"),
-        "weights.UploadShards-shm-path-too-long": Expected("weights.UploadShards", upload(long_path), invalid, "shm_path"),
+        "weights.UploadShards-1TiB-model-rank-without-rows": Expected(
+            "weights.UploadShards", upload(empty_rank), invalid, "over the limit"
+        ),
+        "weights.UploadShards-shm-path-too-long": Expected(
+            "weights.UploadShards", upload(long_path), invalid, "shm_path"
+        ),
     }
 
 
@@ -332,9 +490,20 @@ def wrong_incarnation_cases() -> dict[str, Expected]:
     """Every request that carries an incarnation token (none until a contract has the field), with
     the real instance's id and a token it was never given: refused, except that registering again is
     how a restarted process joins, where any answer but a crash is right."""
-    refused = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                         grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS})
-    bases = {"rollout.Generate": rollout_pb2.GenerateRequest(request_id="wrong-incarnation", prompt_token_ids=[1], sampling=sampling())}
+    refused = frozenset(
+        {
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.ALREADY_EXISTS,
+        }
+    )
+    bases = {
+        "rollout.Generate": rollout_pb2.GenerateRequest(
+            request_id="wrong-incarnation", prompt_token_ids=[1], sampling=sampling()
+        )
+    }
     cases = {}
     for rpc in contract_rpcs():
         field = rpc.request.DESCRIPTOR.fields_by_name.get(INCARNATION_FIELD)
@@ -352,7 +521,9 @@ def wrong_incarnation_cases() -> dict[str, Expected]:
             long_id = "a" * 100_000
             register = manager_pb2.RegisterInstanceRequest(instance_id=long_id, address="127.0.0.1:1", max_batch_size=1)
             request = rpc.request(instance_id=long_id, **{INCARNATION_FIELD: _wrong_value(field)})
-            cases[f"{rpc.key}-long-id"] = Expected(rpc.key, request, refused, before=(("manager.RegisterInstance", register),))
+            cases[f"{rpc.key}-long-id"] = Expected(
+                rpc.key, request, refused, before=(("manager.RegisterInstance", register),)
+            )
     return cases
 
 

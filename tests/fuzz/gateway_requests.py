@@ -16,15 +16,82 @@ from urllib.parse import quote
 OVERSIZE_BYTES = (8 << 20) + 1
 """One byte over the gateway's body limit."""
 
-ODD_TEXT = ["", " ", "x", "héllo wörld", "🤖" * 3, "\u0000", "\n\n", "<|im_end|>", "<tool_call>{\"name\": 1}</tool_call>",
-            "a" * 5000, "\\ud800", "%00", "../..", "{\"json\": true}", "Observation:", "null", "[" * 3000 + "]" * 3000,
-            '{"a": 1e999, "b": NaN}']
-NUMBERS = [0, -1, 1, 2, 7, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**64 - 1, -(2**63), 0.5, -0.0, 1e-320, 1e38, 1e39, 1e308]
-EXTRA_FIELDS = ["n", "stop", "tool_choice", "response_format", "logit_bias", "stream_options", "logprobs", "top_logprobs", "best_of",
-                "echo", "suffix", "presence_penalty", "frequency_penalty", "temperature", "top_p", "seed", "user", "max_completion_tokens",
-                "functions", "parallel_tool_calls", "metadata", "turn", "reward", "prompt", "messages", "tools"]
-CONTENT_TYPES = ["application/json", "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x", ""]
+ODD_TEXT = [
+    "",
+    " ",
+    "x",
+    "héllo wörld",
+    "🤖" * 3,
+    "\u0000",
+    "\n\n",
+    "<|im_end|>",
+    '<tool_call>{"name": 1}</tool_call>',
+    "a" * 5000,
+    "\\ud800",
+    "%00",
+    "../..",
+    '{"json": true}',
+    "Observation:",
+    "null",
+    "[" * 3000 + "]" * 3000,
+    '{"a": 1e999, "b": NaN}',
+]
+NUMBERS = [
+    0,
+    -1,
+    1,
+    2,
+    7,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**64 - 1,
+    -(2**63),
+    0.5,
+    -0.0,
+    1e-320,
+    1e38,
+    1e39,
+    1e308,
+]
+EXTRA_FIELDS = [
+    "n",
+    "stop",
+    "tool_choice",
+    "response_format",
+    "logit_bias",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "best_of",
+    "echo",
+    "suffix",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_p",
+    "seed",
+    "user",
+    "max_completion_tokens",
+    "functions",
+    "parallel_tool_calls",
+    "metadata",
+    "turn",
+    "reward",
+    "prompt",
+    "messages",
+    "tools",
+]
+CONTENT_TYPES = [
+    "application/json",
+    "application/json; charset=utf-8",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +139,17 @@ class Generator:
         if choice == 6:
             return rng.choice([[], [None], [1, "a"], [[1, 2], [3]], [{"type": "text", "text": None}], ["a", "b"]])
         if choice == 7:
-            return rng.choice([{}, {"a": None}, {"type": "json_object"}, {"type": "text"}, {"role": "user"},
-                               {"function": None}, {"name": 1}])
+            return rng.choice(
+                [
+                    {},
+                    {"a": None},
+                    {"type": "json_object"},
+                    {"type": "text"},
+                    {"role": "user"},
+                    {"function": None},
+                    {"name": 1},
+                ]
+            )
         if choice == 8:
             return deep(rng.choice([3, 50, 400, 900]))
         if choice == 9:
@@ -87,13 +163,27 @@ class Generator:
         if route == "chat":
             messages: list[Any] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count."}]
             if rng.random() < 0.3:
-                call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
-                messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                             {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "5"}]}]
+                call = {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+                }
+                messages += [
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "5"}]},
+                ]
             body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 4}
             if rng.random() < 0.3:
-                body["tools"] = [{"type": "function", "function": {"name": "calculator", "description": "Computes.",
-                                                                   "parameters": {"type": "object", "properties": {}}}}]
+                body["tools"] = [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "calculator",
+                            "description": "Computes.",
+                            "parameters": {"type": "object", "properties": {}},
+                        },
+                    }
+                ]
         elif route == "text":
             prompt: Any = rng.choice(["Count: 1 2", "Thought: look\nAction:", [5, 6, 7, 8]])
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
@@ -137,7 +227,10 @@ class Generator:
         parent, key = body, top
         while isinstance(parent[key], (dict, list)) and parent[key] and self.rng.random() < 0.7:
             child = parent[key]
-            parent, key = child, (self.rng.choice(list(child)) if isinstance(child, dict) else self.rng.randrange(len(child)))
+            parent, key = (
+                child,
+                (self.rng.choice(list(child)) if isinstance(child, dict) else self.rng.randrange(len(child))),
+            )
         return parent, key
 
     def request(self, open_sessions: list[Session], closed: list[Session]) -> Request:
@@ -148,7 +241,9 @@ class Generator:
         # Whose session, named how, with which key.
         naming = rng.choices(["path", "key-in-path", "header", "none"], [70, 12, 14, 4])[0]
         target_id, key = session.session_id, session.key
-        who = rng.choices(["own", "wrong-key", "no-key", "closed", "unknown", "malformed", "other-key"], [84, 4, 3, 3, 2, 2, 2])[0]
+        who = rng.choices(
+            ["own", "wrong-key", "no-key", "closed", "unknown", "malformed", "other-key"], [84, 4, 3, 3, 2, 2, 2]
+        )[0]
         if who == "wrong-key":
             key = rng.choice(["wrong", key[:-1] + ("0" if key[-1] != "0" else "1"), "", key.upper(), "k" * 300])
         elif who == "no-key":
@@ -164,22 +259,37 @@ class Generator:
         if who != "own":
             kind = f"session:{who}"
         quoted = quote(target_id, safe="/")
-        base = {"path": f"/sessions/{quoted}/v1", "key-in-path": f"/sessions/{quoted}/key/{quote(key, safe='') or 'x'}/v1",
-                "header": "/v1", "none": "/v1"}[naming]
+        base = {
+            "path": f"/sessions/{quoted}/v1",
+            "key-in-path": f"/sessions/{quoted}/key/{quote(key, safe='') or 'x'}/v1",
+            "header": "/v1",
+            "none": "/v1",
+        }[naming]
         headers: dict[str, str] = {}
         if naming == "header":
             headers["x-rlmesh-session"] = quote(target_id, safe="/")
         if naming != "key-in-path" and key:
             style = rng.choices(["bearer", "header", "basic", "bare"], [90, 6, 2, 2])[0]
-            headers.update({"bearer": {"authorization": f"Bearer {key}"}, "header": {"x-rlmesh-session-key": key},
-                            "basic": {"authorization": f"Basic {key}"}, "bare": {"authorization": key}}[style])
+            headers.update(
+                {
+                    "bearer": {"authorization": f"Bearer {key}"},
+                    "header": {"x-rlmesh-session-key": key},
+                    "basic": {"authorization": f"Basic {key}"},
+                    "bare": {"authorization": key},
+                }[style]
+            )
             if style != "bearer" and style != "header":
                 kind = f"auth:{style}"
         stream = rng.random() < 0.3
         method = {"models": "GET", "health": "GET"}.get(route, "POST")
-        path = {"chat": f"{base}/chat/completions", "text": f"{base}/completions", "reward": f"{base}/rlmesh/reward",
-                "models": f"{base}/models", "health": "/healthz",
-                "nowhere": rng.choice([f"{base}/embeddings", f"{base}/chat", "/v2/chat/completions", f"{base}/responses"])}[route]
+        path = {
+            "chat": f"{base}/chat/completions",
+            "text": f"{base}/completions",
+            "reward": f"{base}/rlmesh/reward",
+            "models": f"{base}/models",
+            "health": "/healthz",
+            "nowhere": rng.choice([f"{base}/embeddings", f"{base}/chat", "/v2/chat/completions", f"{base}/responses"]),
+        }[route]
         if rng.random() < 0.04:
             method = rng.choice(["GET", "PUT", "DELETE", "PATCH"] if method == "POST" else ["POST", "DELETE"])
             kind = "method"
@@ -211,7 +321,7 @@ class Generator:
         text = json.dumps(body).encode()
         choice = rng.randrange(8)
         if choice == 0:
-            return "bytes:truncated", text[:rng.randrange(len(text))]
+            return "bytes:truncated", text[: rng.randrange(len(text))]
         if choice == 1:
             return "bytes:bad-utf8", text[:5] + b"\xff\xfe\xc3" + text[5:]
         if choice == 2:

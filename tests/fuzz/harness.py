@@ -16,15 +16,15 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc.channels import channel_options
+from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.rpc.servers import GrpcServer
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
-from services.trainer.server import TrainerServicer
 from services.trainer.loop import TrainingStatus
+from services.trainer.server import TrainerServicer
 from tests.support import TEST_SECRETS, Mesh, build_mesh, loopback, stop_mesh
 
 CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}
@@ -60,9 +60,17 @@ def contract_rpcs() -> list[Rpc]:
     for short, module in CONTRACTS.items():
         for service in module.DESCRIPTOR.services_by_name.values():
             for method in service.methods:
-                rpcs.append(Rpc(short, method.name, f"/{service.full_name}/{method.name}",
-                                message_factory.GetMessageClass(method.input_type), message_factory.GetMessageClass(method.output_type),
-                                method.client_streaming, method.server_streaming))
+                rpcs.append(
+                    Rpc(
+                        short,
+                        method.name,
+                        f"/{service.full_name}/{method.name}",
+                        message_factory.GetMessageClass(method.input_type),
+                        message_factory.GetMessageClass(method.output_type),
+                        method.client_streaming,
+                        method.server_streaming,
+                    )
+                )
     return rpcs
 
 
@@ -139,8 +147,11 @@ class Stats:
             "legitimate_waits": self.total("waited"),
             "setup_calls": self.setup_calls,
             "rpcs": {
-                rpc: {"requests": sum(self.verdicts[rpc].values()), "statuses": dict(sorted(self.statuses[rpc].items())),
-                      "verdicts": dict(sorted(self.verdicts[rpc].items()))}
+                rpc: {
+                    "requests": sum(self.verdicts[rpc].values()),
+                    "statuses": dict(sorted(self.statuses[rpc].items())),
+                    "verdicts": dict(sorted(self.verdicts[rpc].items())),
+                }
                 for rpc in sorted(self.statuses)
             },
         }
@@ -174,20 +185,25 @@ class Harness:
     def start(self) -> None:
         self._run(self._start(), 120)
         # The client may send one megabyte past every server's limit, to test that limit.
-        self.channels = {name: grpc.insecure_channel(server.address, options=channel_options(server.config.max_message_mb + 1))
-                         for name, server in self.servers.items()}
+        self.channels = {
+            name: grpc.insecure_channel(server.address, options=channel_options(server.config.max_message_mb + 1))
+            for name, server in self.servers.items()
+        }
 
     async def _start(self) -> None:
         # A small version limit: a header that declares a huge payload must be refused, not allocated.
         self.mesh = await build_mesh(self.model_dir, "grpc", weights_settings={"max_version_gb": 1.0})
-        self.trainer = GrpcServer(loopback(),
-                                  [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
+        self.trainer = GrpcServer(loopback(), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
         status = TrainingStatus(total_steps=10, output_dir="runs/fuzz", metrics={"reward": 0.5, "loss": float("nan")})
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(status), self.trainer.server)
         await self.trainer.start()
         await self.trainer.set_serving(True)
-        self.servers = {"manager": self.mesh.manager.server, "rollout": self.mesh.rollouts[0].server,
-                        "weights": self.mesh.weights.server, "trainer": self.trainer}
+        self.servers = {
+            "manager": self.mesh.manager.server,
+            "rollout": self.mesh.rollouts[0].server,
+            "weights": self.mesh.weights.server,
+            "trainer": self.trainer,
+        }
 
     def stop(self) -> None:
         async def stop_servers() -> None:
@@ -217,7 +233,9 @@ class Harness:
         timeout = WAIT_TIMEOUT if may_wait else CALL_TIMEOUT
         channel = self.channels[rpc.service]
         kind = ("stream" if rpc.client_streaming else "unary") + "_" + ("stream" if rpc.server_streaming else "unary")
-        stub = getattr(channel, kind)(rpc.path, request_serializer=Wire.encode, response_deserializer=rpc.response.FromString)
+        stub = getattr(channel, kind)(
+            rpc.path, request_serializer=Wire.encode, response_deserializer=rpc.response.FromString
+        )
         if rpc.client_streaming:
             argument = iter([requests] if isinstance(requests, Wire) else list(requests))
         else:

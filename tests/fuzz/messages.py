@@ -30,10 +30,45 @@ _FLOAT32_EDGES = [*_FLOAT_EDGES, 3.4028234663852886e38, -3.4028234663852886e38, 
 _DOUBLE_EDGES = [*_FLOAT_EDGES, 1.7976931348623157e308, -1.7976931348623157e308, 5e-324]
 
 INTERESTING_STRINGS = [
-    "", " ", "0", "-1", "a", "/", "@", "a/b@c", "..", "../../etc/passwd", "\x00", "\x00abc", "%s%n", "{}", "null",
-    "127.0.0.1:0", "127.0.0.1:1", "localhost:65535", "[::1]:1", "host:", ":1", "host:port", "1.2.3.4:99999",
-    "/dev/shm", "/dev/shm/", "/dev/shm/..", "/dev/shm/rlmesh-fuzz-missing", "/dev/shm/" + "x" * 300, "/etc/passwd", "/proc/self/mem",
-    "qwen2", "llama", "qwen3", "gpt2", "é", "日本語", "🙂", "\u202e", "\ufeff",
+    "",
+    " ",
+    "0",
+    "-1",
+    "a",
+    "/",
+    "@",
+    "a/b@c",
+    "..",
+    "../../etc/passwd",
+    "\x00",
+    "\x00abc",
+    "%s%n",
+    "{}",
+    "null",
+    "127.0.0.1:0",
+    "127.0.0.1:1",
+    "localhost:65535",
+    "[::1]:1",
+    "host:",
+    ":1",
+    "host:port",
+    "1.2.3.4:99999",
+    "/dev/shm",
+    "/dev/shm/",
+    "/dev/shm/..",
+    "/dev/shm/rlmesh-fuzz-missing",
+    "/dev/shm/" + "x" * 300,
+    "/etc/passwd",
+    "/proc/self/mem",
+    "qwen2",
+    "llama",
+    "qwen3",
+    "gpt2",
+    "é",
+    "日本語",
+    "🙂",
+    "\u202e",
+    "\ufeff",
 ]
 """Strings that tend to matter to servers: paths, host:port forms, ids with separators, control
 and non-ASCII characters, the model families' names."""
@@ -59,7 +94,9 @@ def strings() -> st.SearchStrategy[str]:
 
 
 def binaries() -> st.SearchStrategy[bytes]:
-    long = st.builds(lambda byte, size: byte * size, st.sampled_from([b"\x00", b"\xff", b"\x28\xb5\x2f\xfd"]), LONG_SIZES)
+    long = st.builds(
+        lambda byte, size: byte * size, st.sampled_from([b"\x00", b"\xff", b"\x28\xb5\x2f\xfd"]), LONG_SIZES
+    )
     return st.one_of(st.binary(max_size=64), long)
 
 
@@ -89,7 +126,9 @@ class MessageStrategies:
     its generic ones (known ids, the version being pushed), so generated requests reach past the
     first lookup; `max_depth` bounds nesting and `max_items` the usual length of repeated fields."""
 
-    def __init__(self, hints: Mapping[str, st.SearchStrategy] | None = None, max_depth: int = 3, max_items: int = 6) -> None:
+    def __init__(
+        self, hints: Mapping[str, st.SearchStrategy] | None = None, max_depth: int = 3, max_items: int = 6
+    ) -> None:
         self.hints = dict(hints or {})
         self.max_depth = max_depth
         self.max_items = max_items
@@ -106,8 +145,11 @@ class MessageStrategies:
         plain = [f for f in descriptor.fields if f.containing_oneof is None or _synthetic(f)]
         values = {f.name: st.one_of(st.none(), self._field(f, depth)) for f in plain}
         oneofs = {
-            oneof.name: st.one_of(st.none(), *(st.tuples(st.just(f.name), self._single(f, depth)) for f in oneof.fields))
-            for oneof in descriptor.oneofs if not _synthetic(oneof.fields[0])
+            oneof.name: st.one_of(
+                st.none(), *(st.tuples(st.just(f.name), self._single(f, depth)) for f in oneof.fields)
+            )
+            for oneof in descriptor.oneofs
+            if not _synthetic(oneof.fields[0])
         }
         return st.builds(_build, st.just(cls), st.fixed_dictionaries(values), st.fixed_dictionaries(oneofs))
 

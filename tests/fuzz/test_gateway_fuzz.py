@@ -86,13 +86,24 @@ class GatewayHarness:
     def rotate(self) -> None:
         async def rotate() -> list[manager_pb2.SessionHandle]:
             for session in self.open:
-                await self.manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=session.session_id,
-                                                                                status=manager_pb2.SESSION_STATUS_DONE), timeout=10)
+                await self.manager.CloseSession(
+                    manager_pb2.CloseSessionRequest(
+                        session_id=session.session_id, status=manager_pb2.SESSION_STATUS_DONE
+                    ),
+                    timeout=10,
+                )
             self._batches += 1
-            reply = await self.manager.OpenSessions(manager_pb2.OpenSessionsRequest(
-                batch_id=f"fuzz-{self._batches}", policy_version=0, task="fuzz", sampling=self.sampling,
-                prompts=[manager_pb2.Prompt(prompt_id="p", n=SESSIONS_AT_ONCE)], limits=manager_pb2.SessionLimits(max_turns=64)),
-                timeout=10)
+            reply = await self.manager.OpenSessions(
+                manager_pb2.OpenSessionsRequest(
+                    batch_id=f"fuzz-{self._batches}",
+                    policy_version=0,
+                    task="fuzz",
+                    sampling=self.sampling,
+                    prompts=[manager_pb2.Prompt(prompt_id="p", n=SESSIONS_AT_ONCE)],
+                    limits=manager_pb2.SessionLimits(max_turns=64),
+                ),
+                timeout=10,
+            )
             return list(reply.sessions)
 
         handles = self._run(rotate())
@@ -119,7 +130,7 @@ def send_oversize(address: str, request: Request) -> tuple[int, bytes, int]:
             for offset in range(0, len(request.body), 256 << 10):
                 if select.select([sock], [], [], 0)[0]:
                     break  # the gateway answered: it reads no more
-                chunk = request.body[offset:offset + (256 << 10)]
+                chunk = request.body[offset : offset + (256 << 10)]
                 try:
                     sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
                 except OSError:
@@ -137,12 +148,22 @@ def send_oversize(address: str, request: Request) -> tuple[int, bytes, int]:
                 break
             reply += data
             head_end = reply.find(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in reply[:head_end].split(b"\r\n") if line.lower().startswith(b"content-length:")),
-                          None) if head_end >= 0 else None
+            length = (
+                next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in reply[:head_end].split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    None,
+                )
+                if head_end >= 0
+                else None
+            )
             if length is not None and len(reply) >= head_end + 4 + length:
                 break
     status = int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0
-    return status, reply[reply.find(b"\r\n\r\n") + 4:], sent
+    return status, reply[reply.find(b"\r\n\r\n") + 4 :], sent
 
 
 class Figures:
@@ -162,8 +183,10 @@ class Figures:
     def breaks(self, rule: str, request: Request, detail: str) -> None:
         self.broken[rule] += 1
         if len(self.examples) < 10:
-            self.examples.append(f"{rule}: {request.kind} {request.method} {request.path[:120]} body {(request.body or b'')[:300]!r}: "
-                                 f"{detail[:500]}")
+            self.examples.append(
+                f"{rule}: {request.kind} {request.method} {request.path[:120]} body {(request.body or b'')[:300]!r}: "
+                f"{detail[:500]}"
+            )
 
     def record(self, request: Request, status: int, body: bytes, seconds: float) -> None:
         self.statuses[str(status)] += 1
@@ -195,19 +218,33 @@ class Figures:
             return
         if not isinstance(message, str) or not message.strip():
             self.breaks("without_message", request, f"{status}: {body[:300]!r}")
-        elif param is not None and (not message.startswith(f"{param}: ") or
-                                    (request.mutated and not any(param.startswith(name) for name in request.mutated))):
-            self.breaks("misnamed_field", request, f"{status} names {param!r}, the request changed {sorted(request.mutated)}: {message}")
+        elif param is not None and (
+            not message.startswith(f"{param}: ")
+            or (request.mutated and not any(param.startswith(name) for name in request.mutated))
+        ):
+            self.breaks(
+                "misnamed_field",
+                request,
+                f"{status} names {param!r}, the request changed {sorted(request.mutated)}: {message}",
+            )
 
     def report(self, setup_calls: int, gateway_restarts: int) -> dict[str, Any]:
         return {
-            "requests": sum(self.statuses.values()), "seconds": round(time.monotonic() - self.started, 1), "seed": self.seed,
-            "server_errors": self.broken["server_errors"], "hangs": self.broken["hangs"], "unanswered": self.broken["unanswered"],
-            "without_message": self.broken["without_message"], "misnamed_field": self.broken["misnamed_field"],
+            "requests": sum(self.statuses.values()),
+            "seconds": round(time.monotonic() - self.started, 1),
+            "seed": self.seed,
+            "server_errors": self.broken["server_errors"],
+            "hangs": self.broken["hangs"],
+            "unanswered": self.broken["unanswered"],
+            "without_message": self.broken["without_message"],
+            "misnamed_field": self.broken["misnamed_field"],
             "strangers_served": self.broken["stranger_served"],
-            "stream_errors": self.broken["stream_errors"], "gateway_restarts": gateway_restarts,
-            "slowest_answer_seconds": round(self.slowest, 2), "oversize_bytes_sent_at_most": self.oversize_sent_max,
-            "stream_events": self.stream_events, "setup_calls": setup_calls,
+            "stream_errors": self.broken["stream_errors"],
+            "gateway_restarts": gateway_restarts,
+            "slowest_answer_seconds": round(self.slowest, 2),
+            "oversize_bytes_sent_at_most": self.oversize_sent_max,
+            "stream_events": self.stream_events,
+            "setup_calls": setup_calls,
             "statuses": dict(sorted(self.statuses.items())),
             "kinds": {kind: dict(sorted(counts.items())) for kind, counts in sorted(self.kinds.items())},
         }

@@ -16,10 +16,22 @@ from tests.fuzz.messages import MessageStrategies
 
 F = descriptor_pb2.FieldDescriptorProto
 SCALARS = {
-    "a_double": F.TYPE_DOUBLE, "a_float": F.TYPE_FLOAT, "an_int32": F.TYPE_INT32, "an_int64": F.TYPE_INT64, "a_uint32": F.TYPE_UINT32,
-    "a_uint64": F.TYPE_UINT64, "a_sint32": F.TYPE_SINT32, "a_sint64": F.TYPE_SINT64, "a_fixed32": F.TYPE_FIXED32,
-    "a_fixed64": F.TYPE_FIXED64, "an_sfixed32": F.TYPE_SFIXED32, "an_sfixed64": F.TYPE_SFIXED64, "a_bool": F.TYPE_BOOL,
-    "a_string": F.TYPE_STRING, "a_bytes": F.TYPE_BYTES, "incarnation_token": F.TYPE_STRING,
+    "a_double": F.TYPE_DOUBLE,
+    "a_float": F.TYPE_FLOAT,
+    "an_int32": F.TYPE_INT32,
+    "an_int64": F.TYPE_INT64,
+    "a_uint32": F.TYPE_UINT32,
+    "a_uint64": F.TYPE_UINT64,
+    "a_sint32": F.TYPE_SINT32,
+    "a_sint64": F.TYPE_SINT64,
+    "a_fixed32": F.TYPE_FIXED32,
+    "a_fixed64": F.TYPE_FIXED64,
+    "an_sfixed32": F.TYPE_SFIXED32,
+    "an_sfixed64": F.TYPE_SFIXED64,
+    "a_bool": F.TYPE_BOOL,
+    "a_string": F.TYPE_STRING,
+    "a_bytes": F.TYPE_BYTES,
+    "incarnation_token": F.TYPE_STRING,
 }
 
 
@@ -27,8 +39,12 @@ def every_kind_of_field():
     """A message type with each scalar type, a repeated field, an enum, a nested message, a map and
     a oneof, built at run time as a contract would define it."""
     file = descriptor_pb2.FileDescriptorProto(name="fuzz_kinds.proto", package="fuzzkinds", syntax="proto3")
-    file.enum_type.add(name="Color").value.extend([descriptor_pb2.EnumValueDescriptorProto(name=n, number=i)
-                                                  for i, n in enumerate(["COLOR_UNSPECIFIED", "COLOR_RED"])])
+    file.enum_type.add(name="Color").value.extend(
+        [
+            descriptor_pb2.EnumValueDescriptorProto(name=n, number=i)
+            for i, n in enumerate(["COLOR_UNSPECIFIED", "COLOR_RED"])
+        ]
+    )
     inner = file.message_type.add(name="Inner")
     inner.field.add(name="value", number=1, type=F.TYPE_INT64, label=F.LABEL_OPTIONAL)
     outer = file.message_type.add(name="Outer")
@@ -41,22 +57,42 @@ def every_kind_of_field():
     entry.options.map_entry = True
     entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
     entry.field.add(name="value", number=2, type=F.TYPE_DOUBLE, label=F.LABEL_OPTIONAL)
-    outer.field.add(name="scores", number=23, type=F.TYPE_MESSAGE, type_name=".fuzzkinds.Outer.ScoresEntry", label=F.LABEL_REPEATED)
+    outer.field.add(
+        name="scores", number=23, type=F.TYPE_MESSAGE, type_name=".fuzzkinds.Outer.ScoresEntry", label=F.LABEL_REPEATED
+    )
     outer.oneof_decl.add(name="part")
     outer.field.add(name="first", number=24, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL, oneof_index=0)
-    outer.field.add(name="second", number=25, type=F.TYPE_MESSAGE, type_name=".fuzzkinds.Inner", label=F.LABEL_OPTIONAL, oneof_index=0)
+    outer.field.add(
+        name="second",
+        number=25,
+        type=F.TYPE_MESSAGE,
+        type_name=".fuzzkinds.Inner",
+        label=F.LABEL_OPTIONAL,
+        oneof_index=0,
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("fuzzkinds.Outer"))
 
 
 OUTER = every_kind_of_field()
-EXAMPLES = settings(max_examples=400, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EXAMPLES = settings(
+    max_examples=400,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def test_every_field_gets_edge_values_and_survives_the_wire():
-    seen: dict[str, set] = {"set": set(), "floats": set(), "colors": set(), "oneof": set(), "long": set(), "negative": set()}
+    seen: dict[str, set] = {
+        "set": set(),
+        "floats": set(),
+        "colors": set(),
+        "oneof": set(),
+        "long": set(),
+        "negative": set(),
+    }
 
     @EXAMPLES
     @given(MessageStrategies().message(OUTER.DESCRIPTOR))
@@ -64,7 +100,9 @@ def test_every_field_gets_edge_values_and_survives_the_wire():
         wire = message.SerializeToString(deterministic=True)
         assert OUTER.FromString(wire).SerializeToString(deterministic=True) == wire
         seen["set"] |= {field.name for field, _ in message.ListFields()}
-        seen["floats"] |= {"nan" if math.isnan(v) else v for v in (message.a_double, message.a_float) if math.isnan(v) or math.isinf(v)}
+        seen["floats"] |= {
+            "nan" if math.isnan(v) else v for v in (message.a_double, message.a_float) if math.isnan(v) or math.isinf(v)
+        }
         seen["colors"].add(message.color)
         seen["oneof"].add(message.WhichOneof("part"))
         seen["long"] |= {name for name in ("a_string", "numbers") if len(getattr(message, name)) >= 1000}

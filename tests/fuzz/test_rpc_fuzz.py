@@ -16,8 +16,21 @@ from hypothesis import HealthCheck, given, settings
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from tests.fuzz.cases import (
-    DELIVERED_BATCH, PARKED_BATCH, Expected, bad_sampling_cases, begin_request, declared_size_cases, delivered_batch, delivery_cases, hints,
-    oversize, parked_batch, seeds, unknown_id_cases, wires, wrong_incarnation_cases,
+    DELIVERED_BATCH,
+    PARKED_BATCH,
+    Expected,
+    bad_sampling_cases,
+    begin_request,
+    declared_size_cases,
+    delivered_batch,
+    delivery_cases,
+    hints,
+    oversize,
+    parked_batch,
+    seeds,
+    unknown_id_cases,
+    wires,
+    wrong_incarnation_cases,
 )
 from tests.fuzz.harness import Harness, Outcome, Rpc, Wire, contract_rpcs
 from tests.fuzz.messages import MessageStrategies
@@ -38,8 +51,13 @@ EXAMPLES = max(BOUNDED_EXAMPLES, math.ceil(REQUESTS / len(RPCS)))
 
 def fuzz_settings(examples: int) -> settings:
     # The bounded run is derandomized so `make test` is repeatable; the full run draws afresh.
-    return settings(max_examples=examples, database=None, derandomize=not REQUESTS, print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    return settings(
+        max_examples=examples,
+        database=None,
+        derandomize=not REQUESTS,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +67,9 @@ def harness(model_dir):
     try:
         submit, stream = BY_KEY["manager.SubmitPrompts"], BY_KEY["manager.StreamRollouts"]
         assert harness.call(submit, Wire(delivered_batch()), setup=True).code == grpc.StatusCode.OK
-        streamed = harness.call(stream, Wire(manager_pb2.StreamRolloutsRequest(batch_id=DELIVERED_BATCH, micro_batch_groups=2)), setup=True)
+        streamed = harness.call(
+            stream, Wire(manager_pb2.StreamRolloutsRequest(batch_id=DELIVERED_BATCH, micro_batch_groups=2)), setup=True
+        )
         assert streamed.code == grpc.StatusCode.OK and streamed.responses, streamed
         assert harness.call(submit, Wire(parked_batch()), setup=True).code == grpc.StatusCode.OK
         yield harness
@@ -107,16 +127,29 @@ def test_a_wrong_incarnation_token_is_refused(harness, name: str):
 # Calls the fuzzer makes around a generated request so that the next one starts from a known
 # state; they are counted as setup, not as fuzz requests.
 def arrange(harness: Harness, rpc: Rpc) -> None:
-    if rpc.key in ("manager.StreamRollouts", "manager.TakeReadyGroups", "manager.CancelBatch", "manager.AcknowledgeRollouts"):
+    if rpc.key in (
+        "manager.StreamRollouts",
+        "manager.TakeReadyGroups",
+        "manager.CancelBatch",
+        "manager.AcknowledgeRollouts",
+    ):
         harness.call(BY_KEY["manager.SubmitPrompts"], Wire(parked_batch()), setup=True)
     elif rpc.key in ("rollout.PushWeightChunks", "rollout.CommitWeightUpdate"):
         harness.call(BY_KEY["rollout.BeginWeightUpdate"], Wire(begin_request(harness)), setup=True)
 
 
 def tidy(harness: Harness, rpc: Rpc, request, outcome: Outcome) -> None:
-    if rpc.key == "manager.SubmitPrompts" and outcome.code == grpc.StatusCode.OK and request.message.batch_id != PARKED_BATCH:
+    if (
+        rpc.key == "manager.SubmitPrompts"
+        and outcome.code == grpc.StatusCode.OK
+        and request.message.batch_id != PARKED_BATCH
+    ):
         # Accepted batches would keep the instance generating; only the parked one stays.
-        harness.call(BY_KEY["manager.CancelBatch"], Wire(manager_pb2.CancelBatchRequest(batch_id=request.message.batch_id)), setup=True)
+        harness.call(
+            BY_KEY["manager.CancelBatch"],
+            Wire(manager_pb2.CancelBatchRequest(batch_id=request.message.batch_id)),
+            setup=True,
+        )
     elif rpc.key == "rollout.PauseGeneration":
         harness.call(BY_KEY["rollout.ResumeGeneration"], Wire(rollout_pb2.ResumeGenerationRequest()), setup=True)
 

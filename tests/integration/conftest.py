@@ -55,17 +55,27 @@ async def instance(model_dir):
     """A rollout instance split over TP rank processes behind its real gRPC server, registered at a
     manager, beside a one-process engine on the same weights; one per module, as pushes change it."""
     manager = await start_manager(ManagerConfig(server=loopback()))
-    rollout = await start_rollout(RolloutConfig(
-        server=loopback(), instance_id="tp-0", manager_address=manager.server.address,
-        engine=EngineConfig(model_dir=str(model_dir), max_batch_size=64, tensor_parallel_size=TP),
-        transfer=TransferConfig(mooncake=True, tcp=True), register_timeout_seconds=10,
-    ))
+    rollout = await start_rollout(
+        RolloutConfig(
+            server=loopback(),
+            instance_id="tp-0",
+            manager_address=manager.server.address,
+            engine=EngineConfig(model_dir=str(model_dir), max_batch_size=64, tensor_parallel_size=TP),
+            transfer=TransferConfig(mooncake=True, tcp=True),
+            register_timeout_seconds=10,
+        )
+    )
     reference = TorchEngine(model_dir, max_batch_size=64)
     await reference.start()
     channel = open_channel(rollout.server.address)
     try:
-        yield TpInstance(model_dir, rollout, rollout_pb2_grpc.RolloutServiceStub(channel), reference,
-                         trainable_tensors(load_causal_lm(model_dir)))
+        yield TpInstance(
+            model_dir,
+            rollout,
+            rollout_pb2_grpc.RolloutServiceStub(channel),
+            reference,
+            trainable_tensors(load_causal_lm(model_dir)),
+        )
     finally:
         await channel.close()
         await reference.stop()

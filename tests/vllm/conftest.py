@@ -20,8 +20,16 @@ from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from tests.support import (
-    TORCH_ID, VLLM_MAX_BATCH, VLLM_PYTHON, PairedInstances, loopback, spawn_vllm_rollout, stop_process_group, wait_registered,
+    TORCH_ID,
+    VLLM_MAX_BATCH,
+    VLLM_PYTHON,
+    PairedInstances,
+    loopback,
+    spawn_vllm_rollout,
+    stop_process_group,
+    wait_registered,
 )
+
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
@@ -40,8 +48,10 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (the default has 16), and 512 positions leave room for requests long enough to pause or abort
     mid-stream and for prompts longer than one 128-token KV block (prefix caching)."""
     return create_default_model(
-        tmp_path_factory.mktemp("vllm-model"), TinyModelSpec(heads=4, kv_heads=2, max_positions=512, warmup_iterations=30)
+        tmp_path_factory.mktemp("vllm-model"),
+        TinyModelSpec(heads=4, kv_heads=2, max_positions=512, warmup_iterations=30),
     )
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def instances(vllm_python: Path, vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
@@ -51,14 +61,16 @@ async def instances(vllm_python: Path, vllm_model_dir: Path, tmp_path_factory: p
     torch_rollout = None
     channels = []
     try:
-        torch_rollout = await start_rollout(RolloutConfig(
-            server=loopback(),
-            instance_id=TORCH_ID,
-            manager_address=manager.server.address,
-            engine=EngineConfig(kind="torch", model_dir=str(vllm_model_dir), max_batch_size=VLLM_MAX_BATCH, seed=1),
-            transfer=TransferConfig(mooncake=False),
-            register_timeout_seconds=10,
-        ))
+        torch_rollout = await start_rollout(
+            RolloutConfig(
+                server=loopback(),
+                instance_id=TORCH_ID,
+                manager_address=manager.server.address,
+                engine=EngineConfig(kind="torch", model_dir=str(vllm_model_dir), max_batch_size=VLLM_MAX_BATCH, seed=1),
+                transfer=TransferConfig(mooncake=False),
+                register_timeout_seconds=10,
+            )
+        )
         await wait_registered(manager, process, log_path)
         channels = [open_channel(f"127.0.0.1:{port}"), open_channel(torch_rollout.server.address)]
         tokenizer = load_tokenizer(vllm_model_dir)

@@ -13,8 +13,19 @@ from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
 from tests.support import (
-    VLLM_START_SECONDS, DIGIT_PROMPTS, PUSHED_VERSION, Pushed, assert_served_as_hf, build_mesh, greedy_responses, published_tensors, stop_mesh,
-    spawn_vllm_rollout, stop_process_group, trainer_rank_results, wait_registered,
+    DIGIT_PROMPTS,
+    PUSHED_VERSION,
+    VLLM_START_SECONDS,
+    Pushed,
+    assert_served_as_hf,
+    build_mesh,
+    greedy_responses,
+    published_tensors,
+    spawn_vllm_rollout,
+    stop_mesh,
+    stop_process_group,
+    trainer_rank_results,
+    wait_registered,
 )
 
 MAX_MODEL_LEN = 512
@@ -40,8 +51,14 @@ async def push_to_vllm(rank_runner, python: Path, model_dir: Path, directory: Pa
     process, port = spawn_vllm_rollout(python, model_dir, mesh.manager_address, log_path, max_model_len=MAX_MODEL_LEN)
     try:
         # The trainer starts while vLLM does; an instance that registers later still gets the latest version.
-        spec = {"name": "llama", "model_dir": str(model_dir), "output_dir": str(directory / "trainer"),
-                "weights_address": mesh.weights_address, "version": PUSHED_VERSION, "seed": 23}
+        spec = {
+            "name": "llama",
+            "model_dir": str(model_dir),
+            "output_dir": str(directory / "trainer"),
+            "weights_address": mesh.weights_address,
+            "version": PUSHED_VERSION,
+            "seed": 23,
+        }
         trainer = asyncio.create_task(trainer_rank_results(rank_runner, [spec], directory, timeout=VLLM_START_SECONDS))
         await wait_registered(mesh.manager, process, log_path)
         ranks = [result["llama"] for result in await trainer]

@@ -19,10 +19,10 @@ import torch
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.models.loading import copy_into, load_causal_lm, trainable_tensors
-from rlmesh.transfer.payload import pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
+from rlmesh.transfer.payload import pack
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
 from tests.support import VLLM_ID, PairedInstances
 
@@ -62,14 +62,24 @@ class Response:
 
 
 def params(temperature: float, max_tokens: int, stop: list[int] = (), seed: int = 0) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=temperature, max_tokens=max_tokens, stop_token_ids=list(stop), seed=seed)
+    return common_pb2.SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, stop_token_ids=list(stop), seed=seed
+    )
 
 
-async def generate(stub: rollout_pb2_grpc.RolloutServiceStub, request_id: str, prompt: list[int], sampling: common_pb2.SamplingParams,
-                   continued: list[int] = (), into: Response | None = None) -> Response:
+async def generate(
+    stub: rollout_pb2_grpc.RolloutServiceStub,
+    request_id: str,
+    prompt: list[int],
+    sampling: common_pb2.SamplingParams,
+    continued: list[int] = (),
+    into: Response | None = None,
+) -> Response:
     """The whole stream of one request; `into` shows the tokens to a concurrent observer as they come."""
     response = into if into is not None else Response()
-    request = rollout_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, continued_token_ids=list(continued))
+    request = rollout_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, continued_token_ids=list(continued)
+    )
     async for reply in stub.Generate(request, timeout=STREAM_TIMEOUT):
         response.add(reply.chunk)
     return response
@@ -92,13 +102,18 @@ async def until(predicate, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def push_version(stub: rollout_pb2_grpc.RolloutServiceStub, tensors: dict[str, torch.Tensor], version: int) -> rollout_pb2.CommitWeightUpdateResponse:
+async def push_version(
+    stub: rollout_pb2_grpc.RolloutServiceStub, tensors: dict[str, torch.Tensor], version: int
+) -> rollout_pb2.CommitWeightUpdateResponse:
     """Begin, the payload over the gRPC stream backend (as the weights service sends it), commit."""
     manifest, payload = pack(tensors, version=version)
     begin = await stub.BeginWeightUpdate(
-        rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=RPC_TIMEOUT
+        rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC),
+        timeout=RPC_TIMEOUT,
     )
-    await GrpcStreamSender().send_rank(stub, begin.ranks[0], manifest, payload, raw_frames(manifest, payload), RPC_TIMEOUT, lambda: False)
+    await GrpcStreamSender().send_rank(
+        stub, begin.ranks[0], manifest, payload, raw_frames(manifest, payload), RPC_TIMEOUT, lambda: False
+    )
     return await stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version), timeout=RPC_TIMEOUT)
 
 
@@ -108,25 +123,31 @@ def assert_well_formed(response: Response, request_id: str) -> None:
     for chunk in response.chunks:
         assert chunk.request_id == request_id
         assert len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.weight_versions)
-    assert [c.finish_reason for c in response.chunks[:-1]] == [common_pb2.FINISH_REASON_UNSPECIFIED] * (len(response.chunks) - 1)
+    assert [c.finish_reason for c in response.chunks[:-1]] == [common_pb2.FINISH_REASON_UNSPECIFIED] * (
+        len(response.chunks) - 1
+    )
     assert response.finish != common_pb2.FINISH_REASON_UNSPECIFIED
     assert all(lp <= 0 for lp in response.logprobs)
 
 
-async def greedy_on_both(instances: PairedInstances, texts: list[str], tag: str, max_tokens: int = 12) -> list[tuple[Response, Response]]:
+async def greedy_on_both(
+    instances: PairedInstances, texts: list[str], tag: str, max_tokens: int = 12
+) -> list[tuple[Response, Response]]:
     sampling = params(0.0, max_tokens, stop=[instances.eos])
     prompts = [instances.encode(t) for t in texts]
     vllm = [generate(instances.vllm, f"{tag}-{i}", p, sampling) for i, p in enumerate(prompts)]
     torch_ = [generate(instances.torch, f"{tag}-{i}", p, sampling) for i, p in enumerate(prompts)]
     results = await asyncio.gather(*vllm, *torch_)
-    return list(zip(results[: len(prompts)], results[len(prompts):]))
+    return list(zip(results[: len(prompts)], results[len(prompts) :]))
 
 
 def assert_same_greedy(pairs: list[tuple[Response, Response]], version: int, eos: int, max_tokens: int = 12) -> None:
     for index, (vllm, torch_) in enumerate(pairs):
         assert vllm.tokens == torch_.tokens, f"prompt {index}: vLLM {vllm.tokens} != torch {torch_.tokens}"
         assert vllm.finish == torch_.finish
-        assert vllm.finish == (common_pb2.FINISH_REASON_STOP if vllm.tokens[-1] == eos else common_pb2.FINISH_REASON_LENGTH)
+        assert vllm.finish == (
+            common_pb2.FINISH_REASON_STOP if vllm.tokens[-1] == eos else common_pb2.FINISH_REASON_LENGTH
+        )
         if vllm.finish == common_pb2.FINISH_REASON_LENGTH:
             assert len(vllm.tokens) == max_tokens
         assert torch.allclose(torch.tensor(vllm.logprobs), torch.tensor(torch_.logprobs), atol=ATOL), (
@@ -152,10 +173,15 @@ async def test_greedy_tokens_and_logprobs_match_the_torch_engine(instances):
 async def test_sampled_logprobs_match_the_trainer(instances):
     """At temperature 0.7 the logprob vLLM reports for each sampled token is the trainer's:
     log-softmax of the logits divided by the temperature."""
-    requests = [(f"sampled-{i}-{seed}", instances.encode(text), seed) for i, text in enumerate(PROMPTS) for seed in (0, 11)]
-    responses = await asyncio.gather(*[
-        generate(instances.vllm, request_id, prompt, params(0.7, 12, stop=[instances.eos], seed=seed)) for request_id, prompt, seed in requests
-    ])
+    requests = [
+        (f"sampled-{i}-{seed}", instances.encode(text), seed) for i, text in enumerate(PROMPTS) for seed in (0, 11)
+    ]
+    responses = await asyncio.gather(
+        *[
+            generate(instances.vllm, request_id, prompt, params(0.7, 12, stop=[instances.eos], seed=seed))
+            for request_id, prompt, seed in requests
+        ]
+    )
     for (request_id, _, _), response in zip(requests, responses):
         assert_well_formed(response, request_id)
     samples = [TrainingSample(prompt, r.tokens, r.logprobs, 0.0) for (_, prompt, _), r in zip(requests, responses)]
@@ -208,7 +234,9 @@ async def test_abort_ends_one_request_and_spares_the_other(instances):
             generate(instances.vllm, f"survivor-{attempt}", prompt, params(1.0, LONG, seed=6), into=survivor),
         )
         await until(lambda: doomed.tokens)
-        reply = await instances.vllm.Abort(rollout_pb2.AbortRequest(request_ids=[f"doomed-{attempt}", "never-started"]), timeout=RPC_TIMEOUT)
+        reply = await instances.vllm.Abort(
+            rollout_pb2.AbortRequest(request_ids=[f"doomed-{attempt}", "never-started"]), timeout=RPC_TIMEOUT
+        )
         await running
         if reply.aborted == 1:
             break
@@ -226,9 +254,12 @@ async def test_pause_holds_requests_and_resume_finishes_them(instances):
     prompt = instances.encode("99=")
     for attempt in range(ATTEMPTS):
         held = [Response(), Response()]
-        running = asyncio.gather(*[
-            generate(instances.vllm, f"held-{attempt}-{i}", prompt, params(1.0, LONG, seed=7 + i), into=held[i]) for i in range(2)
-        ])
+        running = asyncio.gather(
+            *[
+                generate(instances.vllm, f"held-{attempt}-{i}", prompt, params(1.0, LONG, seed=7 + i), into=held[i])
+                for i in range(2)
+            ]
+        )
         try:
             await until(lambda: all(r.tokens for r in held))
             reply = await instances.vllm.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT)
@@ -268,7 +299,9 @@ async def test_a_new_version_pushed_mid_request_serves_the_torch_engines_tokens(
     reference = await generate(instances.vllm, "reference", prompt, params(0.0, LONG))
     for attempt in range(ATTEMPTS):
         across = Response()
-        running = asyncio.create_task(generate(instances.vllm, f"across-{attempt}", prompt, params(0.0, LONG), into=across))
+        running = asyncio.create_task(
+            generate(instances.vllm, f"across-{attempt}", prompt, params(0.0, LONG), into=across)
+        )
         await until(lambda: across.tokens)
         await instances.vllm.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT)
         seen = len(across.tokens)
@@ -279,8 +312,10 @@ async def test_a_new_version_pushed_mid_request_serves_the_torch_engines_tokens(
         await running
         await settle(attempt)
     else:
-        pytest.fail(f"the request finished before the pause reached it, {ATTEMPTS} times (last: {seen} tokens seen, "
-                    f"{len(across.tokens)} in all, finish {across.finish}, {running_requests} running)")
+        pytest.fail(
+            f"the request finished before the pause reached it, {ATTEMPTS} times (last: {seen} tokens seen, "
+            f"{len(across.tokens)} in all, finish {across.finish}, {running_requests} running)"
+        )
     try:
         commit = await push_version(instances.vllm, tensors, new)
         assert commit.weight_version == new
@@ -301,7 +336,10 @@ async def test_a_new_version_pushed_mid_request_serves_the_torch_engines_tokens(
     assert across.tokens[:switched_at] == reference.tokens[:switched_at]
     after = await greedy_on_both(instances, PROMPTS[:2] + [LONG_PROMPT], "after")
     assert_same_greedy(after, new, instances.eos)
-    changed = [not torch.allclose(torch.tensor(b.logprobs[:1]), torch.tensor(a.logprobs[:1]), atol=1e-3) for (b, _), (a, _) in zip(before, after)]
+    changed = [
+        not torch.allclose(torch.tensor(b.logprobs[:1]), torch.tensor(a.logprobs[:1]), atol=1e-3)
+        for (b, _), (a, _) in zip(before, after)
+    ]
     assert all(changed), "the new weights did not change the first token's logprob"
 
 
@@ -309,10 +347,14 @@ async def test_a_token_outside_the_vocabulary_is_refused(instances):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(instances.vllm, "bad", [1, 2, 999], params(1.0, 4))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "bad" in caught.value.details() and "[999]" in caught.value.details() and "vocabulary" in caught.value.details()
+    assert (
+        "bad" in caught.value.details() and "[999]" in caught.value.details() and "vocabulary" in caught.value.details()
+    )
     # vLLM's logprobs would be of the top-p truncated distribution, not the one the trainer scores.
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await generate(instances.vllm, "truncated", [1, 2], common_pb2.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4))
+        await generate(
+            instances.vllm, "truncated", [1, 2], common_pb2.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4)
+        )
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in caught.value.details()
     reply = await info(instances.vllm)
     assert reply.running_requests == 0
@@ -335,7 +377,9 @@ async def test_an_engine_core_that_dies_takes_its_instance_out_of_the_pool_and_t
     os.kill(engine_core_pid(instances.process.pid), signal.SIGKILL)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await generate(instances.vllm, "after-death", [1, 2, 3], params(1.0, 4))
-    assert caught.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), caught.value.details()
+    assert caught.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE), (
+        caught.value.details()
+    )
     deadline = time.monotonic() + 30
     while instances.process.poll() is None or VLLM_ID in instances.manager_state.instances:
         assert time.monotonic() < deadline, "the instance did not leave the pool and exit within 30 s"

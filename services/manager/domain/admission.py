@@ -33,8 +33,18 @@ class Admission(Journaled):
             raise FailedPrecondition(f"version {version} is older than the published {self.published_version}")
         self.published_version = version
 
-    def admit(self, batch_id: str, policy_version: int, prompts: list[Prompt], sampling: common_pb2.SamplingParams,
-              exact_version: bool, background: bool, known: Mapping[str, Batch], now: float, sessions: bool = False) -> Batch:
+    def admit(
+        self,
+        batch_id: str,
+        policy_version: int,
+        prompts: list[Prompt],
+        sampling: common_pb2.SamplingParams,
+        exact_version: bool,
+        background: bool,
+        known: Mapping[str, Batch],
+        now: float,
+        sessions: bool = False,
+    ) -> Batch:
         """The batch of n samples per prompt, each prompt with its own sampling if it has one, else
         the batch's; everything is validated before anything is accepted. `sessions`: each sample is
         a multi-turn session, whose prompt may be empty (its first turn appends the tokens)."""
@@ -66,12 +76,27 @@ class Admission(Journaled):
             prompt_id, token_ids, n = entry[:3]
             own = entry[3] if len(entry) > 3 and entry[3] is not None else sampling
             groups[prompt_id] = [
-                SampleRequest(f"{batch_id}/{prompt_id}/{i}", batch_id, prompt_id, list(token_ids),
-                              per_sample_sampling(own, prompt_id, i), policy_version, exact_version, background)
+                SampleRequest(
+                    f"{batch_id}/{prompt_id}/{i}",
+                    batch_id,
+                    prompt_id,
+                    list(token_ids),
+                    per_sample_sampling(own, prompt_id, i),
+                    policy_version,
+                    exact_version,
+                    background,
+                )
                 for i in range(n)
             ]
-        return Batch(batch_id, policy_version, groups, submitted_at=now, exact_version=exact_version, background=background,
-                     sessions=sessions)
+        return Batch(
+            batch_id,
+            policy_version,
+            groups,
+            submitted_at=now,
+            exact_version=exact_version,
+            background=background,
+            sessions=sessions,
+        )
 
     def within_capacity(self, request: SampleRequest) -> bool:
         """The capacity rule (AReaL, SkyRL): a sample enters generation only while
@@ -88,8 +113,11 @@ class Admission(Journaled):
         instance must serve exactly its version."""
         if request.exact_version:
             return serves_exactly(instance, request.policy_version)
-        return (instance.schedulable and self.within_capacity(request)
-                and instance.weight_version >= request.policy_version - self.max_staleness)
+        return (
+            instance.schedulable
+            and self.within_capacity(request)
+            and instance.weight_version >= request.policy_version - self.max_staleness
+        )
 
     def version_gone(self, version: int, instances: Iterable[Instance]) -> bool:
         """No instance can serve `version` any more: the pool moved past it (a newer version is

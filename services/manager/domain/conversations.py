@@ -45,16 +45,27 @@ class LoggedMessage:
 COMPLETIONS_KEY = "completions"
 """Stands last in a conversation for the turns run through /v1/completions after its messages: a
 chat request cannot extend them, so it breaks there (`mixed_endpoints`). No message's key."""
-BREAK_CAUSES = ("edited_message", "removed_message", "inserted_message", "content_mismatch", "tool_calls", "mixed_endpoints",
-                "edited_prompt")
+BREAK_CAUSES = (
+    "edited_message",
+    "removed_message",
+    "inserted_message",
+    "content_mismatch",
+    "tool_calls",
+    "mixed_endpoints",
+    "edited_prompt",
+)
 """Why a request's history did not extend the session's: the first message that differs was edited,
 removed or inserted before; it is the model's turn with other text or other tool calls; the
 session's last turns ran through /v1/completions; a completions prompt is no extension of the stream."""
 
 
 def conversation_to_proto(messages: Sequence[LoggedMessage]) -> list[manager_pb2.ConversationMessage]:
-    return [manager_pb2.ConversationMessage(match_key=m.key, end=m.end, stop_text=m.stop_text, content_key=m.content_key,
-                                            calls_key=m.calls_key) for m in messages]
+    return [
+        manager_pb2.ConversationMessage(
+            match_key=m.key, end=m.end, stop_text=m.stop_text, content_key=m.content_key, calls_key=m.calls_key
+        )
+        for m in messages
+    ]
 
 
 def conversation_from_proto(messages: Sequence[manager_pb2.ConversationMessage]) -> list[LoggedMessage]:
@@ -76,8 +87,12 @@ def message_key(message: Mapping[str, Any]) -> str:
     call_id, name = message.get("tool_call_id") or "", message.get("name") or ""
     if message.get("tool_calls"):
         return _digest(role, text, canonical_calls(message["tool_calls"]), call_id, name)
-    if (len(text) <= KEY_CACHE_MAX_CHARS and (role is None or isinstance(role, str)) and isinstance(call_id, str)
-            and isinstance(name, str)):
+    if (
+        len(text) <= KEY_CACHE_MAX_CHARS
+        and (role is None or isinstance(role, str))
+        and isinstance(call_id, str)
+        and isinstance(name, str)
+    ):
         return _plain_key(role, text, call_id, name)
     return _digest(role, text, [], call_id, name)
 
@@ -102,7 +117,9 @@ def canonical_calls(calls: Any) -> list[list[Any]]:
     for index, call in enumerate(calls):
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping):
-            raise ConversationError(f"tool_calls[{index}] must be an object with a `function` object (its name and arguments)")
+            raise ConversationError(
+                f"tool_calls[{index}] must be an object with a `function` object (its name and arguments)"
+            )
         canonical.append([function.get("name"), canonical_arguments(function.get("arguments"))])
     return canonical
 
@@ -133,17 +150,21 @@ def echo_text(text: str) -> str:
     the whitespace at its ends."""
     text = _THINK.sub("", text)
     end = text.find(THINK_END)
-    return (text[end + len(THINK_END):] if end >= 0 else text).strip()
+    return (text[end + len(THINK_END) :] if end >= 0 else text).strip()
 
 
 def echo_keys(message: Mapping[str, Any]) -> tuple[str, str]:
     """An assistant message's content and calls keys, as LoggedMessage keeps them for a model turn."""
     calls = message.get("tool_calls")
-    return (_digest(message.get("role"), echo_text(content_text(message)), [], "", message.get("name") or "", size=8),
-            _digest(None, "", canonical_calls(calls) if calls else [], "", size=8))
+    return (
+        _digest(message.get("role"), echo_text(content_text(message)), [], "", message.get("name") or "", size=8),
+        _digest(None, "", canonical_calls(calls) if calls else [], "", size=8),
+    )
 
 
-def logged_model_turn(message: Mapping[str, Any], end: int, stop_text: str, echoed: Mapping[str, Any] | None = None) -> LoggedMessage:
+def logged_model_turn(
+    message: Mapping[str, Any], end: int, stop_text: str, echoed: Mapping[str, Any] | None = None
+) -> LoggedMessage:
     """The model's turn as the conversation logs it: the assistant message the harness was sent, and
     also as it may echo it back (`echoed`: another form it may come back in; by default the same)."""
     return LoggedMessage(message_key(message), end, stop_text, *echo_keys(message if echoed is None else echoed))
@@ -154,11 +175,16 @@ def same_message(logged: LoggedMessage, key: str, message: Mapping[str, Any]) ->
     echoed with its whitespace, <think> blocks or the serialization of its arguments changed."""
     if logged.key == key:
         return True
-    return (bool(logged.content_key) and message.get("role") == "assistant"
-            and echo_keys(message) == (logged.content_key, logged.calls_key))
+    return (
+        bool(logged.content_key)
+        and message.get("role") == "assistant"
+        and echo_keys(message) == (logged.content_key, logged.calls_key)
+    )
 
 
-def break_cause(log: Sequence[LoggedMessage], keys: Sequence[str], messages: Sequence[Mapping[str, Any]], at: int) -> str:
+def break_cause(
+    log: Sequence[LoggedMessage], keys: Sequence[str], messages: Sequence[Mapping[str, Any]], at: int
+) -> str:
     """Why the request's history differs from the log from message `at` on (one of BREAK_CAUSES)."""
     logged = log[at]
     if logged.key == COMPLETIONS_KEY:
@@ -178,7 +204,7 @@ def after_completion(log: Sequence[LoggedMessage], kept_tokens: int) -> list[Log
     of the stream: its messages up to the last model turn those tokens still hold, then the mark
     later chat requests break at."""
     last = next((i for i in range(len(log) - 1, -1, -1) if log[i].is_model_turn and log[i].end <= kept_tokens), -1)
-    return [*log[:last + 1], LoggedMessage(COMPLETIONS_KEY)]
+    return [*log[: last + 1], LoggedMessage(COMPLETIONS_KEY)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +249,8 @@ def plan_turn(log: Sequence[LoggedMessage], messages: Sequence[Mapping[str, Any]
         if last_model == len(keys) - 1:
             raise ConversationError("no new message after the assistant's last turn")
         model = log[last_model]
-        pieces = turns.after_model(messages[:last_model + 1], model.stop_text, messages[last_model + 1:])
-        kept = list(log[:last_model + 1])
+        pieces = turns.after_model(messages[: last_model + 1], model.stop_text, messages[last_model + 1 :])
+        kept = list(log[: last_model + 1])
         start = last_model + 1
     keep_tokens = (kept[-1].end if kept else 0) if edited else None
     cause = break_cause(log, keys, messages, agreed) if edited else ""

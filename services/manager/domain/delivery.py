@@ -27,8 +27,12 @@ def group_size(group: list[SampleRequest]) -> int:
 def session_group_size(group: list[SampleRequest], sessions: Mapping[str, Session]) -> int:
     """A group of multi-turn sessions weighs what its trajectories train as: every part of a
     broken history, its context and its response (a sample slot holds only the last part)."""
-    return sum(trajectory_tokens(sessions[r.request_id].segments) if r.request_id in sessions
-               else len(r.prompt_token_ids) + len(r.token_ids) for r in group)
+    return sum(
+        trajectory_tokens(sessions[r.request_id].segments)
+        if r.request_id in sessions
+        else len(r.prompt_token_ids) + len(r.token_ids)
+        for r in group
+    )
 
 
 class Delivery:
@@ -48,8 +52,14 @@ class Delivery:
             sent = set(batch.sent)
             batch.ready.extend(p for p, group in batch.groups.items() if p not in sent and all(r.done for r in group))
 
-    def take_micro_batch(self, batch_id: str, groups: int, min_groups: int | None = None, max_tokens: int = 0,
-                         position: int | None = None) -> Taken | None:
+    def take_micro_batch(
+        self,
+        batch_id: str,
+        groups: int,
+        min_groups: int | None = None,
+        max_tokens: int = 0,
+        position: int | None = None,
+    ) -> Taken | None:
         """The micro-batch at `position` of the batch's stream order (default: after every group
         sent). Below the groups sent so far it is those groups again, as many as fit; at the end
         it is between `min_groups` (default: `groups`) and `groups` complete groups, fewer only
@@ -84,7 +94,9 @@ class Delivery:
         if position is None:
             return len(batch.sent)
         if not 0 <= position <= len(batch.sent):
-            raise InvalidArgument(f"resume_from {position} is past the {len(batch.sent)} groups of batch {batch.batch_id!r} sent so far")
+            raise InvalidArgument(
+                f"resume_from {position} is past the {len(batch.sent)} groups of batch {batch.batch_id!r} sent so far"
+            )
         return position
 
     def _deliverable(self, batch_id: str) -> Batch:

@@ -48,16 +48,20 @@ class Balanced:
         rates = scheduler.rates()
         fastest = max((i.sequence_tokens_per_second for i in instances.values() if i.schedulable), default=0.0)
         fast_capacity = sum(
-            i.tokens_per_second for i in instances.values()
+            i.tokens_per_second
+            for i in instances.values()
             if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
         )
         # The queue's expected work matters only when some instance is much slower than the rest.
         slow_present = any(
             0 < i.sequence_tokens_per_second and i.sequence_tokens_per_second * MIGRATION_SPEEDUP < fastest
-            for i in instances.values() if i.schedulable
+            for i in instances.values()
+            if i.schedulable
         )
         mean_length = ledger.mean_length
-        queued_tokens = sum(r.expected_remaining(mean_length) for r in ledger.queue if not r.exact_version) if slow_present else 0.0
+        queued_tokens = (
+            sum(r.expected_remaining(mean_length) for r in ledger.queue if not r.exact_version) if slow_present else 0.0
+        )
         work = scheduler.running_work()
         # Whether an instance may run a request depends only on the request's version and kind: a
         # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
@@ -75,15 +79,21 @@ class Balanced:
             # The tail rule is about a training step's end; an exact-version request can only run
             # where its version is served, which the fast instances may not be.
             candidates = [
-                c for c in candidates
-                if request.exact_version or not too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
+                c
+                for c in candidates
+                if request.exact_version
+                or not too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
             ]
             if not request.exact_version:
                 queued_tokens -= expected
                 candidates = [c for c in candidates if not beyond_saturation(c, request, work)]
             elif request.policy_version in work.holders:
                 candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
-            if not request.background and work.background and any(i.instance_id not in work.background for i in may_run[kind]):
+            if (
+                not request.background
+                and work.background
+                and any(i.instance_id not in work.background for i in may_run[kind])
+            ):
                 candidates = [c for c in candidates if c.instance_id not in work.background]
             if not candidates:
                 waiting.append(request)
@@ -91,8 +101,12 @@ class Balanced:
             # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
             candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
             preferred = [c for c in candidates if c.instance_id == (request.migrate_to or request.affinity)]
-            instance = preferred[0] if preferred else min(
-                candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
+            instance = (
+                preferred[0]
+                if preferred
+                else min(
+                    candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
+                )
             )
             assignments.append(ledger.start(request, instance))
             work.started(request, instance.instance_id)
@@ -114,7 +128,9 @@ def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningW
     return request.policy_version > work.oldest_version.get(instance.instance_id, request.policy_version)
 
 
-def too_slow_for_the_tail(instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float) -> bool:
+def too_slow_for_the_tail(
+    instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float
+) -> bool:
     """Near the end of the queue a much slower instance should start nothing: the fast ones
     would drain what is queued and finish this request sooner than it could."""
     rate = instance.sequence_tokens_per_second

@@ -22,8 +22,13 @@ LENGTH_SMOOTHING = 0.05
 
 
 class RequestLedger:
-    def __init__(self, tracker: ChangeTracker, instances: Mapping[str, Instance], batches: Mapping[str, Batch],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        tracker: ChangeTracker,
+        instances: Mapping[str, Instance],
+        batches: Mapping[str, Batch],
+        clock: Callable[[], float],
+    ) -> None:
         self.instances = instances
         self.batches = batches
         self.clock = clock
@@ -99,8 +104,15 @@ class RequestLedger:
         instance.outstanding_tokens += request.charged
         return Assignment(request, instance, request.attempt)
 
-    def record_chunk(self, request_id: str, attempt: int, token_ids: list[int], logprobs: list[float], weight_versions: list[int],
-                     finish_reason: int) -> bool:
+    def record_chunk(
+        self,
+        request_id: str,
+        attempt: int,
+        token_ids: list[int],
+        logprobs: list[float],
+        weight_versions: list[int],
+        finish_reason: int,
+    ) -> bool:
         """Appends a chunk from the request's current attempt; chunks from an abandoned attempt
         are counted as discarded, never kept, so nothing is counted twice. An ABORT (the instance
         drains, or the request is being migrated) continues the request elsewhere. A chunk of a
@@ -119,7 +131,9 @@ class RequestLedger:
         if request.exact_version:
             # An instance that did not hold the pin (one predating it) switched mid-request: the
             # tokens of the version are kept and the request continues from them on another instance.
-            on_version = next((i for i, v in enumerate(weight_versions) if v != request.policy_version), len(weight_versions))
+            on_version = next(
+                (i for i, v in enumerate(weight_versions) if v != request.policy_version), len(weight_versions)
+            )
             if on_version < accepted:
                 if instance:
                     instance.refused_version = max(instance.refused_version, request.policy_version)
@@ -140,8 +154,14 @@ class RequestLedger:
             self.requeue(request)
         return True
 
-    def _record_tokens(self, request: SampleRequest, instance: Instance | None, token_ids: list[int], logprobs: list[float],
-                       weight_versions: list[int]) -> None:
+    def _record_tokens(
+        self,
+        request: SampleRequest,
+        instance: Instance | None,
+        token_ids: list[int],
+        logprobs: list[float],
+        weight_versions: list[int],
+    ) -> None:
         """Appends `token_ids` with the logprobs and versions at the same positions."""
         count = len(token_ids)
         request.token_ids += token_ids
@@ -203,8 +223,11 @@ class RequestLedger:
                 self.detach(request)
                 self.sessions.turn_failed(request, reason)
                 return Failure(quarantine, batch_failed=False)
-            self._fail_batch(request, f"sample {request.request_id} failed {request.failures_in_a_row} times in a row on "
-                                      f"{len(request.failed_on)} instances, the last on instance {request.instance_id}: {reason}")
+            self._fail_batch(
+                request,
+                f"sample {request.request_id} failed {request.failures_in_a_row} times in a row on "
+                f"{len(request.failed_on)} instances, the last on instance {request.instance_id}: {reason}",
+            )
             return Failure(quarantine, batch_failed=True)
         self.requeue(request)
         return Failure(quarantine, batch_failed=False)
@@ -245,7 +268,9 @@ class RequestLedger:
     def _complete(self, request: SampleRequest, reason: int) -> None:
         request.finish_reason = reason
         length = len(request.token_ids)
-        self.mean_length = length if self.mean_length is None else self.mean_length + LENGTH_SMOOTHING * (length - self.mean_length)
+        self.mean_length = (
+            length if self.mean_length is None else self.mean_length + LENGTH_SMOOTHING * (length - self.mean_length)
+        )
         if request.session_id and self.sessions is not None:
             self.sessions.turn_finished(request)
         else:

@@ -16,8 +16,18 @@ FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 @dataclass(slots=True)
 class Instance(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"address", "weight_version", "max_batch_size", "saturation_batch_size", "min_version", "incarnation", "token", "preemptible",
-         "draining"})
+        {
+            "address",
+            "weight_version",
+            "max_batch_size",
+            "saturation_batch_size",
+            "min_version",
+            "incarnation",
+            "token",
+            "preemptible",
+            "draining",
+        }
+    )
     KIND: ClassVar[str] = INSTANCE
 
     instance_id: str
@@ -77,7 +87,8 @@ class Instance(Journaled):
 @dataclass(slots=True)
 class SampleRequest(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"token_ids", "logprobs", "weight_versions", "instance_ids", "finish_reason", "attempt", "migrations"})
+        {"token_ids", "logprobs", "weight_versions", "instance_ids", "finish_reason", "attempt", "migrations"}
+    )
     KIND: ClassVar[str] = REQUEST
 
     request_id: str

@@ -46,8 +46,18 @@ class InstanceRegistry(Journaled):
         self.instances.restore(instances)
         self.empty_since = None if self.instances else now
 
-    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float,
-                 preemptible: bool, token: str, min_version: int, saturation_batch_size: int = 0) -> tuple[Instance, Instance | None]:
+    def register(
+        self,
+        instance_id: str,
+        address: str,
+        weight_version: int,
+        max_batch_size: int,
+        now: float,
+        preemptible: bool,
+        token: str,
+        min_version: int,
+        saturation_batch_size: int = 0,
+    ) -> tuple[Instance, Instance | None]:
         """Admits an instance as a new incarnation when its id is free or its lease expired, and
         returns it with the expired incarnation it replaces, if one was not yet swept. While the
         lease is live, only the registered process (same address, its token) may register again,
@@ -60,7 +70,9 @@ class InstanceRegistry(Journaled):
         if max_batch_size < 1:
             raise InvalidArgument("max_batch_size must be at least 1")
         if saturation_batch_size > max_batch_size:
-            raise InvalidArgument(f"saturation_batch_size ({saturation_batch_size}) must not exceed max_batch_size ({max_batch_size})")
+            raise InvalidArgument(
+                f"saturation_batch_size ({saturation_batch_size}) must not exceed max_batch_size ({max_batch_size})"
+            )
         current = self.instances.get(instance_id)
         if current is not None and current.lease_expires >= now:
             if address != current.address or not same_token(token, current.token):
@@ -70,7 +82,11 @@ class InstanceRegistry(Journaled):
                     f"expire or come from that address with its incarnation token"
                 )
             self._renew(current, weight_version, now)
-            current.max_batch_size, current.saturation_batch_size, current.preemptible = max_batch_size, saturation_batch_size, preemptible
+            current.max_batch_size, current.saturation_batch_size, current.preemptible = (
+                max_batch_size,
+                saturation_batch_size,
+                preemptible,
+            )
             return current, None
         replaced = self.drop(instance_id, now) if current is not None else None
         self.registrations += 1
@@ -100,7 +116,9 @@ class InstanceRegistry(Journaled):
 
     def _renew(self, instance: Instance, weight_version: int, now: float) -> None:
         if weight_version < instance.reported_version:
-            raise InvalidArgument(f"weight_version {weight_version} is older than the reported {instance.reported_version}")
+            raise InvalidArgument(
+                f"weight_version {weight_version} is older than the reported {instance.reported_version}"
+            )
         instance.reported_version = weight_version
         # A report sent just before a switch may arrive after a chunk of the new version raised the record.
         instance.weight_version = max(instance.weight_version, weight_version)
@@ -145,7 +163,9 @@ class InstanceRegistry(Journaled):
                 rate = tokens / elapsed
                 instance.tokens_per_second += RATE_SMOOTHING * (rate - instance.tokens_per_second)
                 per_sequence = rate / busy
-                instance.sequence_tokens_per_second += RATE_SMOOTHING * (per_sequence - instance.sequence_tokens_per_second)
+                instance.sequence_tokens_per_second += RATE_SMOOTHING * (
+                    per_sequence - instance.sequence_tokens_per_second
+                )
             instance.rate_tokens, instance.rate_time = instance.generated_tokens, now
             instance.busy_samples = len(instance.running)
 

@@ -34,14 +34,22 @@ class RunningWork:
         if request.exact_version:
             self.holders.setdefault(request.policy_version, set()).add(instance_id)
         else:
-            self.oldest_version[instance_id] = min(self.oldest_version.get(instance_id, request.policy_version), request.policy_version)
+            self.oldest_version[instance_id] = min(
+                self.oldest_version.get(instance_id, request.policy_version), request.policy_version
+            )
         if request.background:
             self.background.add(instance_id)
 
 
 class Scheduler:
-    def __init__(self, instances: Mapping[str, Instance], batches: Mapping[str, Batch], ledger: RequestLedger,
-                 admission: Admission, policy: DispatchPolicy) -> None:
+    def __init__(
+        self,
+        instances: Mapping[str, Instance],
+        batches: Mapping[str, Batch],
+        ledger: RequestLedger,
+        admission: Admission,
+        policy: DispatchPolicy,
+    ) -> None:
         self.instances = instances
         self.batches = batches
         self.ledger = ledger
@@ -91,8 +99,10 @@ class Scheduler:
         failed = {r.batch_id for r in queue if r.exact_version and r.policy_version in gone}
         for batch_id in sorted(failed):
             batch = self.batches[batch_id]
-            batch.error = (f"version {batch.policy_version} is no longer served by any instance: evaluation of it is skipped "
-                           f"({batch.unfinished} of its samples unfinished; published version {self.admission.published_version})")
+            batch.error = (
+                f"version {batch.policy_version} is no longer served by any instance: evaluation of it is skipped "
+                f"({batch.unfinished} of its samples unfinished; published version {self.admission.published_version})"
+            )
             batch.version_gone = True
             for group in batch.groups.values():
                 for request in group:
@@ -126,8 +136,11 @@ class Scheduler:
             for request in in_flight:
                 source = self.instances[request.instance_id] if request.instance_id else None
                 if (
-                    source is None or source is target or request.migrate_to is not None
-                    or request.migrations >= MAX_MIGRATIONS or not self.admission.may_run(target, request)
+                    source is None
+                    or source is target
+                    or request.migrate_to is not None
+                    or request.migrations >= MAX_MIGRATIONS
+                    or not self.admission.may_run(target, request)
                     or len(source.running) <= len(target.running)
                 ):
                     continue

@@ -17,8 +17,11 @@ from services.manager.domain.journaled import SESSION, ChangeTracker, Journaled,
 from services.manager.domain.ledger import RequestLedger
 from services.manager.domain.records import Batch, SampleRequest
 
-MODEL, ENVIRONMENT, TEMPLATE = (manager_pb2.SEGMENT_SOURCE_MODEL, manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
-                                manager_pb2.SEGMENT_SOURCE_TEMPLATE)
+MODEL, ENVIRONMENT, TEMPLATE = (
+    manager_pb2.SEGMENT_SOURCE_MODEL,
+    manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
+    manager_pb2.SEGMENT_SOURCE_TEMPLATE,
+)
 OPEN = manager_pb2.SESSION_STATUS_OPEN
 DONE = manager_pb2.SESSION_STATUS_DONE
 TRUNCATED_CONTEXT = manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT
@@ -71,7 +74,18 @@ class Limits:
 @dataclass(slots=True)
 class Session(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"segments", "status", "detail", "turns", "reward", "turn_rewards", "environment_seconds", "conversation", "limits"})
+        {
+            "segments",
+            "status",
+            "detail",
+            "turns",
+            "reward",
+            "turn_rewards",
+            "environment_seconds",
+            "conversation",
+            "limits",
+        }
+    )
     KIND: ClassVar[str] = SESSION
 
     session_id: str
@@ -124,7 +138,7 @@ def stream_of(segments: list[Segment]) -> list[int]:
     stream: list[int] = []
     for segment in segments:
         if segment.starts_part:
-            stream = stream[:segment.reused_prefix_tokens]
+            stream = stream[: segment.reused_prefix_tokens]
         stream += segment.token_ids
     return stream
 
@@ -143,8 +157,9 @@ class TurnState:
 class Sessions:
     """Every open and closed session of the batches the manager holds, by session id."""
 
-    def __init__(self, tracker: ChangeTracker, ledger: RequestLedger, batches: Mapping[str, Batch],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, tracker: ChangeTracker, ledger: RequestLedger, batches: Mapping[str, Batch], clock: Callable[[], float]
+    ) -> None:
         self.sessions: Records[Session] = Records(tracker, SESSION)
         self.ledger = ledger
         self.batches = batches
@@ -166,8 +181,18 @@ class Sessions:
         for prompt_id, group in batch.groups.items():
             for slot in group:
                 segments = [Segment(ENVIRONMENT, list(slot.prompt_token_ids))] if slot.prompt_token_ids else []
-                session = Session(slot.request_id, batch.batch_id, prompt_id, secrets.token_hex(16), slot.sampling,
-                                  batch.policy_version, limits, segments, opened_at=now, idle_since=now)
+                session = Session(
+                    slot.request_id,
+                    batch.batch_id,
+                    prompt_id,
+                    secrets.token_hex(16),
+                    slot.sampling,
+                    batch.policy_version,
+                    limits,
+                    segments,
+                    opened_at=now,
+                    idle_since=now,
+                )
                 self.sessions[session.session_id] = session
                 opened.append(session)
         return opened
@@ -175,7 +200,9 @@ class Sessions:
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise NotFound(f"session {session_id!r} is unknown (never opened, or its batch was delivered and acknowledged)")
+            raise NotFound(
+                f"session {session_id!r} is unknown (never opened, or its batch was delivered and acknowledged)"
+            )
         return session
 
     def start(self, session_id: str) -> Session:
@@ -187,19 +214,30 @@ class Sessions:
             session.opened_at = session.idle_since = self.clock()
         return session
 
-    def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                 sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None) -> TurnState:
+    def run_turn(
+        self,
+        session_id: str,
+        turn: int,
+        append: list[Segment],
+        keep_tokens: int | None,
+        sampling: common_pb2.SamplingParams | None,
+        conversation: list[LoggedMessage] | None = None,
+    ) -> TurnState:
         """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands.
         `conversation`: the gateway's record of the messages before it, kept with the turn."""
         session = self.start(session_id)
         if turn == session.turns - 1:
             differs = self._asked_otherwise(session, turn, append, keep_tokens)
             if differs:
-                raise FailedPrecondition(f"session {session_id!r}: turn {turn} was asked for with {differs}: a retried call must ask "
-                                         f"for the same turn, and the next is turn {session.turns}")
+                raise FailedPrecondition(
+                    f"session {session_id!r}: turn {turn} was asked for with {differs}: a retried call must ask "
+                    f"for the same turn, and the next is turn {session.turns}"
+                )
             return self.turn_state(session, turn)
         if turn != session.turns:
-            raise FailedPrecondition(f"session {session_id!r} has run {session.turns} turns: the next is turn {session.turns}, not {turn}")
+            raise FailedPrecondition(
+                f"session {session_id!r} has run {session.turns} turns: the next is turn {session.turns}, not {turn}"
+            )
         if not session.is_open:
             return TurnState(session.status, stream_tokens=len(session.part_tokens()))
         batch = self.batches.get(session.batch_id)
@@ -218,9 +256,12 @@ class Sessions:
         if limits.max_total_tokens:
             room = limits.max_total_tokens - len(stream)
             if room <= 0:
-                self.close(session, TRUNCATED_CONTEXT,
-                           f"turn {turn} would start at {len(stream)} tokens, max_total_tokens is {limits.max_total_tokens}",
-                           settle=False)
+                self.close(
+                    session,
+                    TRUNCATED_CONTEXT,
+                    f"turn {turn} would start at {len(stream)} tokens, max_total_tokens is {limits.max_total_tokens}",
+                    settle=False,
+                )
                 return TurnState(session.status, stream_tokens=len(session.part_tokens()))
             params.max_tokens = min(params.max_tokens, room)
         now = self.clock()
@@ -233,9 +274,16 @@ class Sessions:
         session.turn_started = None
         if conversation:
             session.conversation = conversation
-        request = SampleRequest(f"{session_id}#{turn}", session.batch_id, session.prompt_id, stream,
-                                per_sample_sampling(params, session_id.replace("/", ":"), turn), session.policy_version,
-                                session_id=session_id, affinity=session.last_instance)
+        request = SampleRequest(
+            f"{session_id}#{turn}",
+            session.batch_id,
+            session.prompt_id,
+            stream,
+            per_sample_sampling(params, session_id.replace("/", ":"), turn),
+            session.policy_version,
+            session_id=session_id,
+            affinity=session.last_instance,
+        )
         session.turn = request
         self.ledger.add_turn(request)
         return TurnState(OPEN, running=request)
@@ -256,8 +304,10 @@ class Sessions:
             started = started[1:]  # the prompt the session opened with
         asked = [(s.source, list(s.token_ids)) for s in append if s.token_ids]
         if asked != [(s.source, s.token_ids) for s in started]:
-            return (f"other segments to append ({sum(len(t) for _, t in asked)} tokens; it started with "
-                    f"{sum(len(s.token_ids) for s in started)})")
+            return (
+                f"other segments to append ({sum(len(t) for _, t in asked)} tokens; it started with "
+                f"{sum(len(s.token_ids) for s in started)})"
+            )
         kept = started[0].reused_prefix_tokens if started and started[0].starts_part else None
         if kept != keep_tokens:
             return f"keep_tokens {keep_tokens} (it started with {kept})"
@@ -269,19 +319,27 @@ class Sessions:
         caller named) when the history was edited."""
         for index, segment in enumerate(append):
             if segment.source not in (ENVIRONMENT, TEMPLATE):
-                raise InvalidArgument(f"append[{index}]: source must be ENVIRONMENT or TEMPLATE: only the engine adds model tokens")
+                raise InvalidArgument(
+                    f"append[{index}]: source must be ENVIRONMENT or TEMPLATE: only the engine adds model tokens"
+                )
             if segment.logprobs or segment.weight_versions or segment.instance_ids or segment.starts_part:
-                raise InvalidArgument(f"append[{index}]: logprobs, weight_versions, instance_ids and starts_part belong to model "
-                                      f"segments and breaks; leave them empty")
+                raise InvalidArgument(
+                    f"append[{index}]: logprobs, weight_versions, instance_ids and starts_part belong to model "
+                    f"segments and breaks; leave them empty"
+                )
             if segment.break_cause and (keep_tokens is None or len(segment.break_cause) > 64):
-                raise InvalidArgument(f"append[{index}]: break_cause names why a history broke: give it with keep_tokens, in at "
-                                      f"most 64 characters")
+                raise InvalidArgument(
+                    f"append[{index}]: break_cause names why a history broke: give it with keep_tokens, in at "
+                    f"most 64 characters"
+                )
         segments = [Segment(s.source, list(s.token_ids), turn=turn) for s in append if s.token_ids]
         if keep_tokens is None:
             return segments
         stream = session.part_tokens()
         if keep_tokens > len(stream):
-            raise InvalidArgument(f"keep_tokens {keep_tokens} exceeds the {len(stream)} tokens of session {session.session_id!r}")
+            raise InvalidArgument(
+                f"keep_tokens {keep_tokens} exceeds the {len(stream)} tokens of session {session.session_id!r}"
+            )
         if not segments:
             raise InvalidArgument("keep_tokens (an edited history) needs segments to append after the kept tokens")
         segments[0].starts_part = True
@@ -296,8 +354,17 @@ class Sessions:
         if session is None or session.turn is not request:
             return
         turn = session.turns - 1
-        session.segments += [Segment(MODEL, list(request.token_ids), list(request.logprobs), list(request.weight_versions),
-                                     request.finish_reason, list(request.instance_ids), turn=turn)]
+        session.segments += [
+            Segment(
+                MODEL,
+                list(request.token_ids),
+                list(request.logprobs),
+                list(request.weight_versions),
+                request.finish_reason,
+                list(request.instance_ids),
+                turn=turn,
+            )
+        ]
         session.turn = None
         session.idle_since = self.clock()
         if request.instance_ids:
@@ -309,23 +376,32 @@ class Sessions:
         from): the session ends with the error; the batch goes on."""
         session = self.sessions.get(request.session_id)
         if session is not None and session.turn is request:
-            self.close(session, ENVIRONMENT_ERROR, f"an instance refused turn {session.turns - 1}: {reason}", settle=False)
+            self.close(
+                session, ENVIRONMENT_ERROR, f"an instance refused turn {session.turns - 1}: {reason}", settle=False
+            )
 
     def turn_failed(self, request: SampleRequest, reason: str) -> None:
         """A turn failed attempt after attempt (an error on every instance it tried, such as running
         out of memory on a long context): the session ends with the error; the batch goes on."""
         session = self.sessions.get(request.session_id)
         if session is not None and session.turn is request:
-            self.close(session, ENVIRONMENT_ERROR, f"turn {session.turns - 1} failed {request.failures_in_a_row} times in a row "
-                                                   f"on {len(request.failed_on)} instances: {reason}", settle=False)
+            self.close(
+                session,
+                ENVIRONMENT_ERROR,
+                f"turn {session.turns - 1} failed {request.failures_in_a_row} times in a row "
+                f"on {len(request.failed_on)} instances: {reason}",
+                settle=False,
+            )
 
     def set_reward(self, session_id: str, reward: float, turn: int | None) -> None:
         session = self.get(session_id)
         if reward != reward or abs(reward) == float("inf"):
             raise InvalidArgument(f"session {session_id!r}: reward must be a finite number, got {reward}")
         if self.settled(session):
-            raise FailedPrecondition(f"session {session_id!r} was closed ({manager_pb2.SessionStatus.Name(session.status)}) and its "
-                                     f"group may be delivered: no reward is taken after its close")
+            raise FailedPrecondition(
+                f"session {session_id!r} was closed ({manager_pb2.SessionStatus.Name(session.status)}) and its "
+                f"group may be delivered: no reward is taken after its close"
+            )
         if turn is None:
             session.reward = reward
             return
@@ -339,8 +415,10 @@ class Sessions:
         The manager ends a session itself (a limit, a turn refused or failing) without settling it:
         its episode may still be scoring what it did, and its owner's close settles it."""
         if status not in CLOSING_STATUSES:
-            raise InvalidArgument(f"status must be one of {sorted(manager_pb2.SessionStatus.Name(s) for s in CLOSING_STATUSES)}, "
-                                  f"got {manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status}")
+            raise InvalidArgument(
+                f"status must be one of {sorted(manager_pb2.SessionStatus.Name(s) for s in CLOSING_STATUSES)}, "
+                f"got {manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status}"
+            )
         dropped = None
         if session.is_open:
             dropped = session.turn
@@ -371,7 +449,7 @@ class Sessions:
         slot = self._slot(session)
         if slot is None or slot.done:
             return
-        slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids):]
+        slot.token_ids = stream_of(session.segments)[len(slot.prompt_token_ids) :]
         slot.finish_reason = common_pb2.FINISH_REASON_STOP
         self.batches[session.batch_id].sample_finished(session.prompt_id, self.clock())
 
@@ -437,6 +515,8 @@ def deadline_passed(session: Session, now: float) -> str:
         if limits.turn_deadline_seconds and started is not None and now - started > limits.turn_deadline_seconds:
             return f"turn {session.turns - 1} generated for more than turn_deadline_seconds ({limits.turn_deadline_seconds:g})"
     elif limits.step_deadline_seconds and now - session.idle_since > limits.step_deadline_seconds:
-        return (f"no call for more than step_deadline_seconds ({limits.step_deadline_seconds:g}) after turn "
-                f"{session.turns - 1 if session.turns else 'opening'}")
+        return (
+            f"no call for more than step_deadline_seconds ({limits.step_deadline_seconds:g}) after turn "
+            f"{session.turns - 1 if session.turns else 'opening'}"
+        )
     return ""

@@ -16,7 +16,7 @@ from services.manager.domain.breaker import Failure
 from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.delivery import Delivery, Taken
 from services.manager.domain.dispatch_policy import PolicyName, dispatch_policy
-from services.manager.domain.journaled import BATCH, ChangeTracker, Changed, Records
+from services.manager.domain.journaled import BATCH, Changed, ChangeTracker, Records
 from services.manager.domain.ledger import RequestLedger
 from services.manager.domain.records import Assignment, Batch, Instance, SampleRequest
 from services.manager.domain.registry import InstanceRegistry
@@ -29,8 +29,13 @@ MAX_STEP_SECONDS = 1e6
 
 
 class ManagerState:
-    def __init__(self, lease_seconds: float, max_staleness: int, policy: PolicyName = "balanced",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_seconds: float,
+        max_staleness: int,
+        policy: PolicyName = "balanced",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.clock = clock
         self.tracker = ChangeTracker()
         self.registry = InstanceRegistry(self.tracker, lease_seconds, clock())
@@ -39,7 +44,9 @@ class ManagerState:
         self.ledger = RequestLedger(self.tracker, self.registry.instances, batches, clock)
         self.delivery = Delivery(batches, self.ledger, clock)
         self.sessions = Sessions(self.tracker, self.ledger, batches, clock)
-        self.scheduler = Scheduler(self.registry.instances, batches, self.ledger, self.admission, dispatch_policy(policy))
+        self.scheduler = Scheduler(
+            self.registry.instances, batches, self.ledger, self.admission, dispatch_policy(policy)
+        )
         self.balancer = StageBalancer()
 
     @property
@@ -73,8 +80,16 @@ class ManagerState:
     def take_changes(self) -> Changed:
         return self.tracker.take()
 
-    def restore(self, instances: list[Instance], batches: list[Batch], published_version: int, registrations: int, now: float,
-                sessions: list[Session] | None = None, turns: list[SampleRequest] | None = None) -> None:
+    def restore(
+        self,
+        instances: list[Instance],
+        batches: list[Batch],
+        published_version: int,
+        registrations: int,
+        now: float,
+        sessions: list[Session] | None = None,
+        turns: list[SampleRequest] | None = None,
+    ) -> None:
         """Takes over what a journal kept. Every restored instance gets a fresh lease to heartbeat
         within; its streams died with the manager before, so every unfinished request (a session's
         running turn too) is queued to continue from its tokens so far."""
@@ -86,15 +101,35 @@ class ManagerState:
 
     # Instances ---------------------------------------------------------------------------
 
-    def register(self, instance_id: str, address: str, weight_version: int, max_batch_size: int, now: float,
-                 preemptible: bool = False, token: str = "", saturation_batch_size: int = 0) -> tuple[Instance, list[SampleRequest]]:
+    def register(
+        self,
+        instance_id: str,
+        address: str,
+        weight_version: int,
+        max_batch_size: int,
+        now: float,
+        preemptible: bool = False,
+        token: str = "",
+        saturation_batch_size: int = 0,
+    ) -> tuple[Instance, list[SampleRequest]]:
         """See InstanceRegistry.register; returns the instance with the requests of the expired
         incarnation it replaces, requeued."""
-        instance, replaced = self.registry.register(instance_id, address, weight_version, max_batch_size, now, preemptible, token,
-                                                    self.published_version, saturation_batch_size)
+        instance, replaced = self.registry.register(
+            instance_id,
+            address,
+            weight_version,
+            max_batch_size,
+            now,
+            preemptible,
+            token,
+            self.published_version,
+            saturation_batch_size,
+        )
         return instance, self.ledger.requeue_running(replaced) if replaced else []
 
-    def heartbeat(self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str) -> None:
+    def heartbeat(
+        self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str
+    ) -> None:
         self.registry.heartbeat(instance_id, weight_version, now, draining, token)
 
     def deregister(self, instance_id: str, token: str, now: float = 0.0) -> list[SampleRequest]:
@@ -125,23 +160,38 @@ class ManagerState:
 
     # Requests ----------------------------------------------------------------------------
 
-    def submit(self, batch_id: str, policy_version: int, prompts: list[Prompt], sampling: common_pb2.SamplingParams,
-               exact_version: bool = False, background: bool = False) -> int:
+    def submit(
+        self,
+        batch_id: str,
+        policy_version: int,
+        prompts: list[Prompt],
+        sampling: common_pb2.SamplingParams,
+        exact_version: bool = False,
+        background: bool = False,
+    ) -> int:
         """Queues n samples per prompt (see Admission.admit); returns how many. `exact_version`:
         every token is to come from exactly policy_version (held-out evaluation). `background`:
         instances decode them only with the CPU other work leaves."""
-        batch = self.admission.admit(batch_id, policy_version, prompts, sampling, exact_version, background, self.batches,
-                                     self.clock())
+        batch = self.admission.admit(
+            batch_id, policy_version, prompts, sampling, exact_version, background, self.batches, self.clock()
+        )
         self.batches[batch_id] = batch
         return self.ledger.add(batch)
 
     # Sessions ----------------------------------------------------------------------------
 
-    def open_sessions(self, batch_id: str, policy_version: int, prompts: list[Prompt], sampling: common_pb2.SamplingParams,
-                      limits: Limits) -> list[Session]:
+    def open_sessions(
+        self,
+        batch_id: str,
+        policy_version: int,
+        prompts: list[Prompt],
+        sampling: common_pb2.SamplingParams,
+        limits: Limits,
+    ) -> list[Session]:
         """A batch of n multi-turn sessions per prompt (see Sessions.open)."""
-        batch = self.admission.admit(batch_id, policy_version, prompts, sampling, False, False, self.batches, self.clock(),
-                                     sessions=True)
+        batch = self.admission.admit(
+            batch_id, policy_version, prompts, sampling, False, False, self.batches, self.clock(), sessions=True
+        )
         problem = limits.problem()
         if problem:
             raise InvalidArgument(problem)
@@ -149,8 +199,15 @@ class ManagerState:
         self.ledger.add(batch)
         return self.sessions.open(batch, limits)
 
-    def run_turn(self, session_id: str, turn: int, append: list[Segment], keep_tokens: int | None,
-                 sampling: common_pb2.SamplingParams | None, conversation: list[LoggedMessage] | None = None) -> TurnState:
+    def run_turn(
+        self,
+        session_id: str,
+        turn: int,
+        append: list[Segment],
+        keep_tokens: int | None,
+        sampling: common_pb2.SamplingParams | None,
+        conversation: list[LoggedMessage] | None = None,
+    ) -> TurnState:
         if sampling is not None:
             check_sampling(sampling, "sampling")
         return self.sessions.run_turn(session_id, turn, append, keep_tokens, sampling, conversation)
@@ -170,8 +227,15 @@ class ManagerState:
         """The abort did not reach the instance: the request stays where it runs."""
         request.migrate_to = None
 
-    def record_chunk(self, request_id: str, attempt: int, token_ids: list[int], logprobs: list[float], weight_versions: list[int],
-                     finish_reason: int) -> bool:
+    def record_chunk(
+        self,
+        request_id: str,
+        attempt: int,
+        token_ids: list[int],
+        logprobs: list[float],
+        weight_versions: list[int],
+        finish_reason: int,
+    ) -> bool:
         return self.ledger.record_chunk(request_id, attempt, token_ids, logprobs, weight_versions, finish_reason)
 
     def version_refused(self, request_id: str, attempt: int) -> bool:
@@ -191,8 +255,14 @@ class ManagerState:
 
     # Delivery ----------------------------------------------------------------------------
 
-    def take_micro_batch(self, batch_id: str, groups: int, min_groups: int | None = None, max_tokens: int = 0,
-                         position: int | None = None) -> Taken | None:
+    def take_micro_batch(
+        self,
+        batch_id: str,
+        groups: int,
+        min_groups: int | None = None,
+        max_tokens: int = 0,
+        position: int | None = None,
+    ) -> Taken | None:
         return self.delivery.take_micro_batch(batch_id, groups, min_groups, max_tokens, position)
 
     def take_ready(self, batch_id: str, position: int | None = None) -> Taken:
@@ -212,8 +282,10 @@ class ManagerState:
         if finished is None:
             raise NotFound(f"batch {batch_id!r} was not fully delivered (or is too old to remember)")
         if not (0 < step_seconds <= MAX_STEP_SECONDS and 0 <= wait_seconds <= step_seconds):
-            raise InvalidArgument(f"need 0 < step_seconds <= {MAX_STEP_SECONDS:g} and 0 <= wait_seconds <= step_seconds, "
-                                  f"got {step_seconds}, {wait_seconds}")
+            raise InvalidArgument(
+                f"need 0 < step_seconds <= {MAX_STEP_SECONDS:g} and 0 <= wait_seconds <= step_seconds, "
+                f"got {step_seconds}, {wait_seconds}"
+            )
         submitted, completed, tokens = finished
         reserved = sum(i.tokens_per_second for i in self.instances.values() if not i.preemptible)
         timing = StepTiming(step_seconds, wait_seconds, completed - submitted, tokens)

@@ -9,22 +9,42 @@ from services.manager.domain.sessions import Segment, Session
 
 def segment_to_proto(segment: Segment) -> manager_pb2.Segment:
     return manager_pb2.Segment(
-        source=segment.source, token_ids=segment.token_ids, logprobs=segment.logprobs, weight_versions=segment.weight_versions,
-        finish_reason=segment.finish_reason, instance_ids=segment.instance_ids, starts_part=segment.starts_part,
-        reused_prefix_tokens=segment.reused_prefix_tokens, turn=segment.turn, break_cause=segment.break_cause,
+        source=segment.source,
+        token_ids=segment.token_ids,
+        logprobs=segment.logprobs,
+        weight_versions=segment.weight_versions,
+        finish_reason=segment.finish_reason,
+        instance_ids=segment.instance_ids,
+        starts_part=segment.starts_part,
+        reused_prefix_tokens=segment.reused_prefix_tokens,
+        turn=segment.turn,
+        break_cause=segment.break_cause,
     )
 
 
 def segment_from_proto(message: manager_pb2.Segment) -> Segment:
-    return Segment(message.source, list(message.token_ids), list(message.logprobs), list(message.weight_versions),
-                   message.finish_reason, list(message.instance_ids), message.starts_part, message.reused_prefix_tokens,
-                   message.turn, message.break_cause)
+    return Segment(
+        message.source,
+        list(message.token_ids),
+        list(message.logprobs),
+        list(message.weight_versions),
+        message.finish_reason,
+        list(message.instance_ids),
+        message.starts_part,
+        message.reused_prefix_tokens,
+        message.turn,
+        message.break_cause,
+    )
 
 
 def trajectory(session: Session) -> manager_pb2.SessionTrajectory:
     message = manager_pb2.SessionTrajectory(
-        session_id=session.session_id, segments=[segment_to_proto(s) for s in session.segments], status=session.status,
-        detail=session.detail, turns=session.turns, turn_rewards=session.turn_rewards,
+        session_id=session.session_id,
+        segments=[segment_to_proto(s) for s in session.segments],
+        status=session.status,
+        detail=session.detail,
+        turns=session.turns,
+        turn_rewards=session.turn_rewards,
         environment_seconds=session.environment_seconds,
     )
     if session.reward is not None:

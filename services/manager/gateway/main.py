@@ -36,15 +36,28 @@ async def serve(config: ManagerConfig, listening: socket.socket, manager_address
     channel = open_channel(manager_address)
     await asyncio.wait_for(channel.channel_ready(), config.rpc_timeout_seconds)
     tokenizer = load_hf_tokenizer(config.model_dir)
-    sessions = GatewaySessions(manager_pb2_grpc.ManagerServiceStub(channel), tokenizer, config.gateway_turn_timeout_seconds,
-                               config.rpc_timeout_seconds)
+    sessions = GatewaySessions(
+        manager_pb2_grpc.ManagerServiceStub(channel),
+        tokenizer,
+        config.gateway_turn_timeout_seconds,
+        config.rpc_timeout_seconds,
+    )
     app = create_app(Gateway(sessions, tokenizer, model_name=config.model_dir.rstrip("/").rsplit("/", 1)[-1]))
     # With the mesh's TLS on, HTTPS with the manager's certificate; harnesses hold no client
     # certificate (their session's key is their credential), so none is asked for.
     tls = config.server.tls
-    server = uvicorn.Server(uvicorn.Config(app, http="httptools", log_level="warning", lifespan="off", access_log=False,
-                                           timeout_graceful_shutdown=SHUTDOWN_SECONDS,
-                                           ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            http="httptools",
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=SHUTDOWN_SECONDS,
+            ssl_certfile=tls.cert_file if tls else None,
+            ssl_keyfile=tls.key_file if tls else None,
+        )
+    )
     # What was made up to here (the imports of transformers and torch: 240,000 objects) lives as long
     # as the process: left to the collector, each full collection scans it all again, 90 ms during
     # which no request moves.

@@ -78,7 +78,9 @@ class GatewayProcess:
     @classmethod
     async def start(cls, config: ManagerConfig, manager_address: str) -> GatewayProcess:
         if not config.model_dir:
-            raise ValueError("gateway_port is set but model_dir is not: the gateway renders messages with the model's tokenizer")
+            raise ValueError(
+                "gateway_port is set but model_dir is not: the gateway renders messages with the model's tokenizer"
+            )
         gateway = cls(config, manager_address, await bind(config.server.host, config.gateway_port))
         try:
             await gateway._spawn()
@@ -86,8 +88,12 @@ class GatewayProcess:
             await gateway.stop()
             raise
         gateway._watch = asyncio.create_task(gateway._keep_running(), name="gateway-process")
-        log.info("gateway listening", address=gateway.address, pid=gateway.process.pid,
-                 base_url=f"{gateway.scheme}://{gateway.address}/sessions/<session id>/v1")
+        log.info(
+            "gateway listening",
+            address=gateway.address,
+            pid=gateway.process.pid,
+            base_url=f"{gateway.scheme}://{gateway.address}/sessions/<session id>/v1",
+        )
         return gateway
 
     async def _spawn(self) -> None:
@@ -96,15 +102,25 @@ class GatewayProcess:
         env = {**os.environ, CONFIG_VARIABLE: self.config.model_dump_json()}
 
         def args(listen_fd: int) -> list[str]:
-            return ["--listen-fd", str(listen_fd), "--manager-address", self.manager_address, "--parent-pid", str(os.getpid())]
+            return [
+                "--listen-fd",
+                str(listen_fd),
+                "--manager-address",
+                self.manager_address,
+                "--parent-pid",
+                str(os.getpid()),
+            ]
 
         # A forked one skips the imports (uvicorn, transformers, torch) that cost an exec'd one 4 to 5 CPU-seconds.
-        self.process = (await asyncio.to_thread(start_helper, MODULE, args(LISTEN_FD), env, {LISTEN_FD: fd})
-                        or await asyncio.create_subprocess_exec(sys.executable, "-m", MODULE, *args(fd), pass_fds=(fd,), env=env))
+        self.process = await asyncio.to_thread(
+            start_helper, MODULE, args(LISTEN_FD), env, {LISTEN_FD: fd}
+        ) or await asyncio.create_subprocess_exec(sys.executable, "-m", MODULE, *args(fd), pass_fds=(fd,), env=env)
         deadline = asyncio.get_running_loop().time() + READY_SECONDS
         while not await self.healthy():
             if self.process.returncode is not None:
-                raise RuntimeError(f"the gateway process exited with {self.process.returncode} before serving (its log says why)")
+                raise RuntimeError(
+                    f"the gateway process exited with {self.process.returncode} before serving (its log says why)"
+                )
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"the gateway process did not answer on {self.address} within {READY_SECONDS:.0f} s")
             await asyncio.sleep(0.1)

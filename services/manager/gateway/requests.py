@@ -70,13 +70,20 @@ def check_common(body: dict[str, Any]) -> None:
             raise Invalid(name, f"must be a positive integer below 2^32, got {_shown(value)}")
     _optional(body, "stream", bool, "true or false")
     options = _optional(body, "stream_options", dict, "an object")
-    if options is not None and options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+    if (
+        options is not None
+        and options.get("include_usage") is not None
+        and not isinstance(options["include_usage"], bool)
+    ):
         raise Invalid("stream_options.include_usage", f"must be true or false, got {_shown(options['include_usage'])}")
     stop_strings(body)
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value != 0):
-            raise Invalid(name, "penalties are not supported: the trainer's logprobs are the task's sampling (give 0 or leave it out)")
+            raise Invalid(
+                name,
+                "penalties are not supported: the trainer's logprobs are the task's sampling (give 0 or leave it out)",
+            )
 
 
 def stop_strings(body: dict[str, Any]) -> list[str]:
@@ -112,10 +119,16 @@ def check_chat(body: dict[str, Any]) -> None:
     _optional(body, "logprobs", bool, "true or false")
     top = body.get("top_logprobs")
     if top is not None and (not _is_int(top) or top != 0):
-        raise Invalid("top_logprobs", "alternatives are not kept: each token's own logprob is in `logprobs` and the rlmesh extension")
+        raise Invalid(
+            "top_logprobs",
+            "alternatives are not kept: each token's own logprob is in `logprobs` and the rlmesh extension",
+        )
     response_format = body.get("response_format")
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise Invalid("response_format", 'only {"type": "text"} is supported: constrained output would not be what the model samples')
+        raise Invalid(
+            "response_format",
+            'only {"type": "text"} is supported: constrained output would not be what the model samples',
+        )
 
 
 def _check_message(path: str, message: Any) -> None:
@@ -127,9 +140,15 @@ def _check_message(path: str, message: Any) -> None:
     content = message.get("content")
     if isinstance(content, list):
         for index, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type", "text"), str) or (
-                    part.get("type", "text") == "text" and not isinstance(part.get("text"), str)):
-                raise Invalid(f"{path}.content[{index}]", f'a text part must be an object with a string "text", got {_shown(part)}')
+            if (
+                not isinstance(part, dict)
+                or not isinstance(part.get("type", "text"), str)
+                or (part.get("type", "text") == "text" and not isinstance(part.get("text"), str))
+            ):
+                raise Invalid(
+                    f"{path}.content[{index}]",
+                    f'a text part must be an object with a string "text", got {_shown(part)}',
+                )
     elif content is not None and not isinstance(content, str):
         raise Invalid(f"{path}.content", f"must be a string, a list of content parts or null, got {_shown(content)}")
     for name in ("name", "tool_call_id"):
@@ -150,12 +169,16 @@ def _check_message(path: str, message: Any) -> None:
                 raise Invalid(f"{where}.{name}", f"must be a string, got {_shown(call[name])}")
         function = call.get("function")
         if not isinstance(function, dict):
-            raise Invalid(f"{where}.function", f'must be an object with a string "name" and "arguments", got {_shown(function)}')
+            raise Invalid(
+                f"{where}.function", f'must be an object with a string "name" and "arguments", got {_shown(function)}'
+            )
         if not isinstance(function.get("name"), str):
             raise Invalid(f"{where}.function.name", f"must be a string, got {_shown(function.get('name'))}")
         arguments = function.get("arguments")
         if arguments is not None and not isinstance(arguments, (str, dict)):
-            raise Invalid(f"{where}.function.arguments", f"must be a JSON string (or an object), got {_shown(arguments)}")
+            raise Invalid(
+                f"{where}.function.arguments", f"must be a JSON string (or an object), got {_shown(arguments)}"
+            )
 
 
 def _check_tool(path: str, tool: Any) -> None:
@@ -174,7 +197,9 @@ def _check_tool_choice(choice: Any, tools: bool) -> None:
     # would take constrained decoding, and what it samples would not be what is trained.
     if choice is None or choice == "auto" or (choice == "none" and not tools):
         return
-    raise Invalid("tool_choice", f'only "auto" is supported (the model chooses; "none" only without tools), got {_shown(choice)}')
+    raise Invalid(
+        "tool_choice", f'only "auto" is supported (the model chooses; "none" only without tools), got {_shown(choice)}'
+    )
 
 
 def check_completion(body: dict[str, Any]) -> None:
@@ -184,7 +209,10 @@ def check_completion(body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
         if all(isinstance(p, (str, list)) for p in prompt):
-            raise Invalid("prompt", "a batch of prompts is not supported: send one prompt (a string or a list of token ids) per request")
+            raise Invalid(
+                "prompt",
+                "a batch of prompts is not supported: send one prompt (a string or a list of token ids) per request",
+            )
         bad = next(i for i, t in enumerate(prompt) if not _is_int(t))
         raise Invalid(f"prompt[{bad}]", f"must be a token id (an integer), got {_shown(prompt[bad])}")
     if isinstance(prompt, list):
@@ -198,17 +226,24 @@ def check_completion(body: dict[str, Any]) -> None:
         raise Invalid("best_of", "must be 1: a session is one trajectory")
     echo = body.get("echo")
     if echo is not None and echo is not False:
-        raise Invalid("echo", "echoing the prompt is not supported: the turn's own tokens are in the response's rlmesh extension")
+        raise Invalid(
+            "echo", "echoing the prompt is not supported: the turn's own tokens are in the response's rlmesh extension"
+        )
     logprobs = body.get("logprobs")
     if logprobs is not None and (not _is_int(logprobs) or logprobs != 0):
-        raise Invalid("logprobs", "alternatives are not kept: the turn's token ids and logprobs are in the response's rlmesh extension")
+        raise Invalid(
+            "logprobs",
+            "alternatives are not kept: the turn's token ids and logprobs are in the response's rlmesh extension",
+        )
 
 
 def reward_of(body: dict[str, Any]) -> tuple[float, int | None]:
     """A reported reward and the turn it is for (None: the episode's final reward)."""
     value, turn = body.get("reward"), body.get("turn")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Invalid("reward", f'give {{"reward": <number>}} and optionally {{"turn": <turn index>}}, got {_shown(value)}')
+        raise Invalid(
+            "reward", f'give {{"reward": <number>}} and optionally {{"turn": <turn index>}}, got {_shown(value)}'
+        )
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
         raise Invalid("reward", f"must be a finite number within float32's range, got {_shown(value)}")
     if turn is not None and (not _is_int(turn) or not 0 <= turn < UINT32):

@@ -15,16 +15,21 @@ from typing import Any
 import grpc
 import structlog
 
+from rlmesh.chat.stop_strings import cut_at_stop
+from rlmesh.chat.tool_calls import ParsedTurn, parse_tool_calls
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rpc.channels import call_options
-from rlmesh.chat.stop_strings import cut_at_stop
-from rlmesh.chat.tool_calls import ParsedTurn, parse_tool_calls
-from services.manager.gateway import openai_format as wire
-from services.manager.domain.conversations import (COMPLETIONS_KEY, LoggedMessage, conversation_from_proto, conversation_to_proto,
-                                             logged_model_turn)
-from services.manager.gateway.openai_format import GatewayError
+from services.manager.domain.conversations import (
+    COMPLETIONS_KEY,
+    LoggedMessage,
+    conversation_from_proto,
+    conversation_to_proto,
+    logged_model_turn,
+)
 from services.manager.domain.sessions import stream_of
+from services.manager.gateway import openai_format as wire
+from services.manager.gateway.openai_format import GatewayError
 
 MAX_VIEWS = 4096
 """Sessions kept in the cache; one evicted is read from the manager again on its next request."""
@@ -42,15 +47,22 @@ WATCH_RETRY_SECONDS = (0.5, 10.0)
 log = structlog.get_logger()
 
 _HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.FAILED_PRECONDITION: 409, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
 
 def http_error(exc: grpc.aio.AioRpcError) -> GatewayError:
     """The manager's refusal as HTTP: its message, and the status closest to its code (502 for the rest)."""
-    return GatewayError(_HTTP_STATUS.get(exc.code(), 502), exc.details() or exc.code().name, "invalid_request_error", exc.code().name)
+    return GatewayError(
+        _HTTP_STATUS.get(exc.code(), 502), exc.details() or exc.code().name, "invalid_request_error", exc.code().name
+    )
 
 
 @dataclass(slots=True)
@@ -118,31 +130,60 @@ class ExpiringSet:
         self._until.pop(item, None)
 
 
-def model_turn(tokenizer: Any, session_id: str, turn: int, segment: manager_pb2.Segment,
-               end: int, stop: Sequence[str] = (), tools: bool | None = None) -> tuple[dict[str, Any], ParsedTurn, LoggedMessage]:
+def model_turn(
+    tokenizer: Any,
+    session_id: str,
+    turn: int,
+    segment: manager_pb2.Segment,
+    end: int,
+    stop: Sequence[str] = (),
+    tools: bool | None = None,
+) -> tuple[dict[str, Any], ParsedTurn, LoggedMessage]:
     """A model turn as the harness sees it (its assistant message and parsed tool calls, its text
     ending before a stop string) and as the conversation logs it (ending at `end` tokens of the part).
     `tools`: whether its request offered tools (only then are calls read from its text); None when
     not known (a turn read back from the record): its log then matches the turn as text and as calls."""
     text = cut_at_stop(tokenizer.decode(list(segment.token_ids), skip_special_tokens=True), stop)
-    parsed = parse_tool_calls(text, f"call_{session_id.rsplit('/', 1)[-1]}_{turn}") if tools is not False else ParsedTurn(text, [], 0)
+    parsed = (
+        parse_tool_calls(text, f"call_{session_id.rsplit('/', 1)[-1]}_{turn}")
+        if tools is not False
+        else ParsedTurn(text, [], 0)
+    )
     message = wire.chat_message(parsed, text)
-    stop_text = "" if segment.finish_reason == common_pb2.FINISH_REASON_LENGTH else tokenizer.decode(list(segment.token_ids[-1:]))
+    stop_text = (
+        ""
+        if segment.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        else tokenizer.decode(list(segment.token_ids[-1:]))
+    )
     if tools is None and parsed.tool_calls:
-        return message, parsed, logged_model_turn({"role": "assistant", "content": text}, end, stop_text, echoed=message)
+        return (
+            message,
+            parsed,
+            logged_model_turn({"role": "assistant", "content": text}, end, stop_text, echoed=message),
+        )
     return message, parsed, logged_model_turn(message, end, stop_text)
 
 
 def ran_elsewhere(view: SessionView, refusal: str = "") -> GatewayError:
     if refusal:
-        return GatewayError(409, f"{refusal} (session {view.session_id!r} may have run turns this gateway did not know of)",
-                            "invalid_request_error", "FAILED_PRECONDITION")
-    return GatewayError(409, f"session {view.session_id!r} had run turns this gateway did not know of: send the request again",
-                        "invalid_request_error", "FAILED_PRECONDITION")
+        return GatewayError(
+            409,
+            f"{refusal} (session {view.session_id!r} may have run turns this gateway did not know of)",
+            "invalid_request_error",
+            "FAILED_PRECONDITION",
+        )
+    return GatewayError(
+        409,
+        f"session {view.session_id!r} had run turns this gateway did not know of: send the request again",
+        "invalid_request_error",
+        "FAILED_PRECONDITION",
+    )
 
 
 class GatewaySessions:
-    def __init__(self, manager: Any, tokenizer: Any, turn_timeout: float, rpc_timeout: float, capacity: int = MAX_VIEWS) -> None:
+    def __init__(
+        self, manager: Any, tokenizer: Any, turn_timeout: float, rpc_timeout: float, capacity: int = MAX_VIEWS
+    ) -> None:
         self.manager = manager
         """The manager's ManagerService stub."""
         self.tokenizer = tokenizer
@@ -171,8 +212,17 @@ class GatewaySessions:
             if view is None:
                 opened = self._announced.get(session_id)
                 if opened is not None:
-                    view = SessionView(session_id, opened.key, opened.sampling, 0, [], list(opened.token_ids), announced=True,
-                                       refuse_agent_rewards=opened.refuse_agent_rewards, refuse_breaks=opened.refuse_breaks)
+                    view = SessionView(
+                        session_id,
+                        opened.key,
+                        opened.sampling,
+                        0,
+                        [],
+                        list(opened.token_ids),
+                        announced=True,
+                        refuse_agent_rewards=opened.refuse_agent_rewards,
+                        refuse_breaks=opened.refuse_breaks,
+                    )
                 elif not self._unknown.known(session_id):
                     view = await self._load(session_id)
             if view is not None:
@@ -187,14 +237,20 @@ class GatewaySessions:
                 else:
                     view = None
         if view is None or not key or not _same_key(view.key, key):
-            raise GatewayError(401, f"no session {session_id!r} for this key: present the session's key as the bearer key",
-                               "authentication_error", "invalid_api_key")
+            raise GatewayError(
+                401,
+                f"no session {session_id!r} for this key: present the session's key as the bearer key",
+                "authentication_error",
+                "invalid_api_key",
+            )
         self._views.move_to_end(session_id)
         return view
 
     async def _load(self, session_id: str) -> SessionView | None:
         try:
-            reply = await self.manager.GetSession(manager_pb2.GetSessionRequest(session_id=session_id), **call_options(self.rpc_timeout))
+            reply = await self.manager.GetSession(
+                manager_pb2.GetSessionRequest(session_id=session_id), **call_options(self.rpc_timeout)
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 self._unknown.add(session_id)
@@ -215,7 +271,9 @@ class GatewaySessions:
         wait = WATCH_RETRY_SECONDS[0]
         while True:
             try:
-                async for reply in self.manager.WatchSessions(manager_pb2.WatchSessionsRequest(), **call_options(WATCH_SECONDS)):
+                async for reply in self.manager.WatchSessions(
+                    manager_pb2.WatchSessionsRequest(), **call_options(WATCH_SECONDS)
+                ):
                     wait = WATCH_RETRY_SECONDS[0]
                     self.announce(reply.sessions)
                     self.drop(reply.forgotten)
@@ -225,7 +283,9 @@ class GatewaySessions:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("the manager announces no sessions: each is read on its first request")
                     return
-                log.warning("watching the sessions that open failed; watching again", code=exc.code().name, after_seconds=wait)
+                log.warning(
+                    "watching the sessions that open failed; watching again", code=exc.code().name, after_seconds=wait
+                )
             await asyncio.sleep(wait)
             wait = min(2 * wait, WATCH_RETRY_SECONDS[1])
 
@@ -252,27 +312,58 @@ class GatewaySessions:
         segments = list(trajectory.segments)
         conversation = conversation_from_proto(reply.conversation)
         last_turn = trajectory.turns - 1
-        index = next((i for i in range(len(segments) - 1, -1, -1)
-                      if segments[i].source == manager_pb2.SEGMENT_SOURCE_MODEL and segments[i].turn == last_turn), None)
+        index = next(
+            (
+                i
+                for i in range(len(segments) - 1, -1, -1)
+                if segments[i].source == manager_pb2.SEGMENT_SOURCE_MODEL and segments[i].turn == last_turn
+            ),
+            None,
+        )
         running = trajectory.status == manager_pb2.SESSION_STATUS_OPEN and trajectory.turns > 0 and index is None
         # After turns through /v1/completions the last is no chat turn: chat requests break at the mark.
-        if index is not None and conversation and not conversation[-1].is_model_turn and conversation[-1].key != COMPLETIONS_KEY:
-            _, _, logged = model_turn(self.tokenizer, trajectory.session_id, last_turn, segments[index], len(stream_of(segments[:index + 1])))
+        if (
+            index is not None
+            and conversation
+            and not conversation[-1].is_model_turn
+            and conversation[-1].key != COMPLETIONS_KEY
+        ):
+            _, _, logged = model_turn(
+                self.tokenizer, trajectory.session_id, last_turn, segments[index], len(stream_of(segments[: index + 1]))
+            )
             conversation.append(logged)
-        return SessionView(trajectory.session_id, reply.key, reply.sampling, last_turn if running else trajectory.turns,
-                           conversation, stream_of(segments), refuse_agent_rewards=reply.refuse_agent_rewards,
-                           refuse_breaks=reply.refuse_breaks)
+        return SessionView(
+            trajectory.session_id,
+            reply.key,
+            reply.sampling,
+            last_turn if running else trajectory.turns,
+            conversation,
+            stream_of(segments),
+            refuse_agent_rewards=reply.refuse_agent_rewards,
+            refuse_breaks=reply.refuse_breaks,
+        )
 
     def forget(self, session_id: str) -> None:
         """Drops a view that may no longer match the manager's record: the next request reads it again."""
         self._views.pop(session_id, None)
 
-    async def run(self, view: SessionView, append: list[manager_pb2.Segment], keep_tokens: int | None,
-                  sampling: common_pb2.SamplingParams, conversation: list[LoggedMessage],
-                  progress: Callable[[list[int]], None] | None = None) -> TurnResult:
+    async def run(
+        self,
+        view: SessionView,
+        append: list[manager_pb2.Segment],
+        keep_tokens: int | None,
+        sampling: common_pb2.SamplingParams,
+        conversation: list[LoggedMessage],
+        progress: Callable[[list[int]], None] | None = None,
+    ) -> TurnResult:
         """Runs the view's next turn; `progress` (streamed through StreamTurn) gets its tokens so far."""
-        request = manager_pb2.RunTurnRequest(session_id=view.session_id, turn=view.next_turn, append=append, sampling=sampling,
-                                             conversation=conversation_to_proto(conversation))
+        request = manager_pb2.RunTurnRequest(
+            session_id=view.session_id,
+            turn=view.next_turn,
+            append=append,
+            sampling=sampling,
+            conversation=conversation_to_proto(conversation),
+        )
         if keep_tokens is not None:
             request.keep_tokens = keep_tokens
         try:
@@ -280,13 +371,17 @@ class GatewaySessions:
                 reply = await self.manager.RunTurn(request, **call_options(self.turn_timeout))
             else:
                 reply = None
-                async for message in self.manager.StreamTurn(manager_pb2.StreamTurnRequest(run=request), **call_options(self.turn_timeout)):
+                async for message in self.manager.StreamTurn(
+                    manager_pb2.StreamTurnRequest(run=request), **call_options(self.turn_timeout)
+                ):
                     if message.HasField("result"):
                         reply = message.result
                     else:
                         progress(list(message.token_ids))
                 if reply is None:
-                    raise GatewayError(502, "the manager's turn stream ended before the turn did", "api_error", "INTERNAL")
+                    raise GatewayError(
+                        502, "the manager's turn stream ended before the turn did", "api_error", "INTERNAL"
+                    )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self.forget(view.session_id)

@@ -15,8 +15,10 @@ def engine_device(device: str, tensor_parallel_size: int) -> torch.device:
     if not torch.cuda.is_available():
         raise ValueError(f"engine device cuda: torch {torch.__version__} sees no CUDA device on this host")
     if tensor_parallel_size > 1:
-        raise ValueError("engine device cuda runs one rank per instance: tensor_parallel_size must be 1 "
-                         "(tensor-parallel decoding on GPUs is the vLLM engine's)")
+        raise ValueError(
+            "engine device cuda runs one rank per instance: tensor_parallel_size must be 1 "
+            "(tensor-parallel decoding on GPUs is the vLLM engine's)"
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 

@@ -13,15 +13,24 @@ from pathlib import Path
 
 import structlog
 import torch
+
+from rlmesh.chat.stop_strings import StopMatcher, tokenizer_decoder
 from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.lifecycle import SessionPriority
 from rlmesh.models.families import check_model_dir
 from rlmesh.models.loading import serving_config, weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors, tp_parameter_shapes
 from rlmesh.transfer.payload import name_mismatch
-from rlmesh.chat.stop_strings import StopMatcher, tokenizer_decoder
 from services.rollout.engine import (
-    Chunk, ChunkStream, EngineRequest, Finish, ParameterSpec, TensorParallelEngine, UpdateMode, check_pin, validate_request,
+    Chunk,
+    ChunkStream,
+    EngineRequest,
+    Finish,
+    ParameterSpec,
+    TensorParallelEngine,
+    UpdateMode,
+    check_pin,
+    validate_request,
 )
 from services.rollout.torch.device import engine_device, serving_dtype
 from services.rollout.torch.prefix_cache import PrefixCache
@@ -60,10 +69,21 @@ class TorchEngine(TensorParallelEngine):
     On a GPU (`device` cuda) the weights, the KV cache and sampling live on the device; the host
     only builds each step's inputs and reads back one token and logprob per row."""
 
-    def __init__(self, model_dir: str | Path, max_batch_size: int = 256, seed: int = 0, weight_version: int = 0,
-                 tensor_parallel_size: int = 1, transfer: RankTransfer = RankTransfer(), threads: int = 1,
-                 update_mode: UpdateMode = "continue", stream_interval: int = 1, device: str = "cpu",
-                 dtype: str = "auto", prefix_cache_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_batch_size: int = 256,
+        seed: int = 0,
+        weight_version: int = 0,
+        tensor_parallel_size: int = 1,
+        transfer: RankTransfer = RankTransfer(),
+        threads: int = 1,
+        update_mode: UpdateMode = "continue",
+        stream_interval: int = 1,
+        device: str = "cpu",
+        dtype: str = "auto",
+        prefix_cache_bytes: int = 256 << 20,
+    ) -> None:
         super().__init__(max_batch_size, weight_version, update_mode)
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
@@ -82,7 +102,9 @@ class TorchEngine(TensorParallelEngine):
         self._pad_id = int(config.pad_token_id if config.pad_token_id is not None else config.eos_token_id)
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        kv_bytes_per_token = 2 * int(config.num_hidden_layers) * heads * head_dim * self._dtype.itemsize // tensor_parallel_size
+        kv_bytes_per_token = (
+            2 * int(config.num_hidden_layers) * heads * head_dim * self._dtype.itemsize // tensor_parallel_size
+        )
         self._staged_version: int | None = None
         self._rng = torch.Generator(self._device).manual_seed(seed)
         self._cond = threading.Condition()
@@ -100,8 +122,16 @@ class TorchEngine(TensorParallelEngine):
         self._stopped = False
         self._failure = ""
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
-        self._group = TensorParallelGroup(model_dir, tensor_parallel_size, transfer, weight_version, threads, self._fail,
-                                          self._device, serving_dtype(dtype))
+        self._group = TensorParallelGroup(
+            model_dir,
+            tensor_parallel_size,
+            transfer,
+            weight_version,
+            threads,
+            self._fail,
+            self._device,
+            serving_dtype(dtype),
+        )
         self.prefix_cache = PrefixCache(prefix_cache_bytes, kv_bytes_per_token, self._group.run)
         """Kept KV caches of finished session turns (decode thread only)."""
 
@@ -121,7 +151,10 @@ class TorchEngine(TensorParallelEngine):
         return [ParameterSpec(name, shape, self._dtype) for name, shape in hf_parameter_shapes(self._shape).items()]
 
     def rank_parameter_specs(self) -> list[ParameterSpec]:
-        return [ParameterSpec(name, shape, self._dtype) for name, shape in tp_parameter_shapes(self._shape, self._group.tp).items()]
+        return [
+            ParameterSpec(name, shape, self._dtype)
+            for name, shape in tp_parameter_shapes(self._shape, self._group.tp).items()
+        ]
 
     async def start(self) -> None:
         self._thread.start()
@@ -226,7 +259,9 @@ class TorchEngine(TensorParallelEngine):
                 raise InvalidArgument(f"weight names do not match the model: {mismatch}")
             for name, tensor in tensors.items():
                 if tuple(tensor.shape) != expected[name]:
-                    raise InvalidArgument(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected[name]}")
+                    raise InvalidArgument(
+                        f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected[name]}"
+                    )
             for rank in self.ranks:
                 rank.stage(shard_full_tensors(tensors, self._shape, self._group.tp, rank.rank), served)
             with self._cond:
@@ -356,7 +391,9 @@ class TorchEngine(TensorParallelEngine):
 
     def _abandon(self) -> None:
         """Under the lock, once the group failed: every request ends aborted, a pending switch fails."""
-        emitted = [(s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE]
+        emitted = [
+            (s, s.take_chunk(Finish.ABORT)) for s in self._batch.rows + list(self._waiting) if s.finish is Finish.NONE
+        ]
         self._batch = RunningBatch(self._device)
         self._recompute_pending = False
         self._waiting.clear()
@@ -447,7 +484,13 @@ class TorchEngine(TensorParallelEngine):
         logits = self._group.run("decode", self._batch.next_tokens)
         self._batch.next_tokens = self._sample(self._batch.rows, logits.float(), self._version, emitted)
 
-    def _sample(self, rows: list[DecodingSequence], logits: torch.Tensor, version: int, emitted: list[tuple[DecodingSequence, Chunk]]) -> torch.Tensor:
+    def _sample(
+        self,
+        rows: list[DecodingSequence],
+        logits: torch.Tensor,
+        version: int,
+        emitted: list[tuple[DecodingSequence, Chunk]],
+    ) -> torch.Tensor:
         """Samples one token per row (`draw`) and files it with its logprob in the row's next chunk."""
         tokens, chosen = draw(logits, [s.request.sampling for s in rows], [s.generator for s in rows], self._rng)
         for sequence, token, logprob in zip(rows, tokens.tolist(), chosen):
@@ -459,7 +502,9 @@ class TorchEngine(TensorParallelEngine):
             sequence.pending.logprobs.append(logprob)
             sequence.pending.weight_versions.append(version)
             if token in sequence.request.sampling.stop_token_ids or (
-                    sequence.stop is not None and sequence.stop.reached(sequence.request.continued_token_ids, sequence.token_ids)):
+                sequence.stop is not None
+                and sequence.stop.reached(sequence.request.continued_token_ids, sequence.token_ids)
+            ):
                 emitted.append((sequence, sequence.take_chunk(Finish.STOP)))
             elif len(sequence.token_ids) >= sequence.request.remaining_tokens:
                 emitted.append((sequence, sequence.take_chunk(Finish.LENGTH)))

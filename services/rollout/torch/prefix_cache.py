@@ -51,8 +51,12 @@ class PrefixCache:
         to the request's prefill), or None when nothing kept serves it: only an entry computed by
         the served `version` does."""
         prefix = self.entries.get(key) if key else None
-        if (prefix is None or prefix.version != version or len(context) <= len(prefix.token_ids)
-                or context[:len(prefix.token_ids)] != prefix.token_ids):
+        if (
+            prefix is None
+            or prefix.version != version
+            or len(context) <= len(prefix.token_ids)
+            or context[: len(prefix.token_ids)] != prefix.token_ids
+        ):
             return None
         del self.entries[key]
         self.hits += 1

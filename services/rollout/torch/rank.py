@@ -20,9 +20,9 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.lifecycle import return_freed_memory
 from rlmesh.models.loading import load_weights, serving_config, weights_dtype
 from rlmesh.models.tp_layout import ModelShape, hf_parameter_shapes, shard_full_tensors
-from rlmesh.transfer.payload import bucket_ranges, pack_layout, unpack
 from rlmesh.transfer.auth import new_secret
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, background_thread
+from rlmesh.transfer.payload import bucket_ranges, pack_layout, unpack
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
 from services.rollout.torch.tp_model import Collectives, RankLayout, build_rank_model
@@ -119,8 +119,13 @@ class RankRunner:
     the same rows and every collective finds its peers. Each returns full last-position logits, on
     the rank's device; inputs may come from the host."""
 
-    def __init__(self, active: PreTrainedModel, standby: PreTrainedModel, version: int,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        active: PreTrainedModel,
+        standby: PreTrainedModel,
+        version: int,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.active = active
         self.standby = standby
         self.version = version
@@ -142,8 +147,10 @@ class RankRunner:
     def save_prefix(self, key: str, row: int) -> None:
         """Keeps a finishing row's KV cache (its valid, right-aligned entries) under `key`."""
         valid = int(self.batch.mask[row].sum())
-        self.prefixes[key] = [(layer.keys[row:row + 1, :, -valid:].clone(), layer.values[row:row + 1, :, -valid:].clone())
-                              for layer in self.batch.cache.layers]
+        self.prefixes[key] = [
+            (layer.keys[row : row + 1, :, -valid:].clone(), layer.values[row : row + 1, :, -valid:].clone())
+            for layer in self.batch.cache.layers
+        ]
 
     def drop_prefix(self, key: str | None) -> None:
         """Forgets one kept KV cache, or all of them (None)."""
@@ -166,8 +173,14 @@ class RankRunner:
         width = kept + suffix.shape[1]
         mask = torch.ones(1, width, dtype=torch.long, device=self.device)
         positions = torch.arange(kept, width, device=self.device)[None]
-        out = self.active(input_ids=suffix, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                          logits_to_keep=1)
+        out = self.active(
+            input_ids=suffix,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         self.batch.join(out.past_key_values, mask, positions[:, -1] + 1)
         return out.logits[:, -1]
 
@@ -175,9 +188,17 @@ class RankRunner:
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         tokens = tokens.to(self.device, non_blocking=True)
-        batch.mask = torch.cat([batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype, device=self.device)], dim=1)
-        out = self.active(input_ids=tokens[:, None], attention_mask=batch.mask, position_ids=batch.positions[:, None],
-                          past_key_values=batch.cache, use_cache=True, logits_to_keep=1)
+        batch.mask = torch.cat(
+            [batch.mask, torch.ones(len(batch), 1, dtype=batch.mask.dtype, device=self.device)], dim=1
+        )
+        out = self.active(
+            input_ids=tokens[:, None],
+            attention_mask=batch.mask,
+            position_ids=batch.positions[:, None],
+            past_key_values=batch.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         batch.cache = out.past_key_values
         batch.positions = batch.positions + 1
         return out.logits[:, -1]
@@ -209,10 +230,24 @@ class RankHandle(Protocol):
 
     rank: int
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
-                proven_at_commit: bool = False) -> RankPort: ...
+    def prepare(
+        self,
+        manifest: common_pb2.WeightManifest,
+        load: bool,
+        after_version: int,
+        keep_base: bool = False,
+        proven_at_commit: bool = False,
+    ) -> RankPort: ...
 
-    def write(self, version: int, offset: int, data: bytes, compression: int = ..., raw_bytes: int = ..., base_version: int = ...) -> None: ...
+    def write(
+        self,
+        version: int,
+        offset: int,
+        data: bytes,
+        compression: int = ...,
+        raw_bytes: int = ...,
+        base_version: int = ...,
+    ) -> None: ...
 
     def verify(self, version: int, timeout: float, proof: bytes = b"") -> list[int]: ...
 
@@ -241,8 +276,13 @@ class ModelSlot:
     buffer, and once every bucket is checked each bucket is copied once into the device buffer the
     parameters view (`upload`), on a stream of its own so decoding on the other copy goes on."""
 
-    def __init__(self, model: PreTrainedModel, layout: RankLayout, buffer: ReceiveBuffer,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layout: RankLayout,
+        buffer: ReceiveBuffer,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.model = model
         self.layout = layout
         self.buffer = buffer
@@ -308,8 +348,14 @@ class RankWeights:
     the standby copy's own memory; on a delta link, after each switch the new standby copy catches
     up with the served one in the background, so it is the base the next delta applies to."""
 
-    def __init__(self, rank: int, transfer: RankTransfer, runner: RankRunner | None = None, layout: RankLayout | None = None,
-                 manifest: common_pb2.WeightManifest | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        transfer: RankTransfer,
+        runner: RankRunner | None = None,
+        layout: RankLayout | None = None,
+        manifest: common_pb2.WeightManifest | None = None,
+    ) -> None:
         """`manifest`: the payload layout the models' parameters are laid over at first."""
         self.rank = rank
         self.runner = runner
@@ -351,8 +397,14 @@ class RankWeights:
     def standby(self) -> ModelSlot:
         return self._slots[id(self.runner.standby)]
 
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
-                proven_at_commit: bool = False) -> RankPort:
+    def prepare(
+        self,
+        manifest: common_pb2.WeightManifest,
+        load: bool,
+        after_version: int,
+        keep_base: bool = False,
+        proven_at_commit: bool = False,
+    ) -> RankPort:
         """Arms the receiver for a version under a new push session secret. With `load` it lands in
         the standby model itself, once this rank serves `after_version` (its standby copy is then
         unused) and that copy caught up; without, in a separate buffer of full tensors. `keep_base`:
@@ -375,11 +427,25 @@ class RankWeights:
                 base = -1
             secret = new_secret()
             self.receiver.prepare(manifest, buffer, base, secret, proven_at_commit)
-        return RankPort(self.rank, self.session, buffer.address if self.session else 0, buffer.tensor.numel(),
-                        self.tcp.address if self.tcp else "", base, secret)
+        return RankPort(
+            self.rank,
+            self.session,
+            buffer.address if self.session else 0,
+            buffer.tensor.numel(),
+            self.tcp.address if self.tcp else "",
+            base,
+            secret,
+        )
 
-    def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
-              base_version: int = -1) -> None:
+    def write(
+        self,
+        version: int,
+        offset: int,
+        data: bytes,
+        compression: int = common_pb2.COMPRESSION_NONE,
+        raw_bytes: int = 0,
+        base_version: int = -1,
+    ) -> None:
         if compression not in _RAW:
             self.receiver.write(version, offset, data, compression, raw_bytes, base_version)
             return
@@ -473,15 +539,24 @@ class RankWeights:
         self.receiver.close()
 
 
-def build_rank(model_dir: str | Path, collectives: Collectives, transfer: RankTransfer, version: int,
-               device: torch.device = torch.device("cpu"), dtype: torch.dtype | None = None) -> tuple[RankRunner, RankWeights]:
+def build_rank(
+    model_dir: str | Path,
+    collectives: Collectives,
+    transfer: RankTransfer,
+    version: int,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype | None = None,
+) -> tuple[RankRunner, RankWeights]:
     """A rank's two model copies on `device`, cut from the model folder's full weights, and its
     receiving end. `dtype`: what the copies hold and pushes carry (None: the folder's dtype)."""
     config = serving_config(model_dir, dtype)
     shape = ModelShape.from_hf_config(config)
     layout = RankLayout(shape, collectives.size)
     full = load_weights(model_dir, hf_parameter_shapes(shape).keys())
-    tensors = {name: t.to(weights_dtype(config)) for name, t in shard_full_tensors(full, shape, collectives.size, collectives.rank).items()}
+    tensors = {
+        name: t.to(weights_dtype(config))
+        for name, t in shard_full_tensors(full, shape, collectives.size, collectives.rank).items()
+    }
     del full
     manifest = pack_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, version)
     models = [build_rank_model(config, collectives).to(device) for _ in range(2)]

@@ -57,7 +57,6 @@ class DecodingSequence:
         return chunk
 
 
-
 class RunningBatch:
     """The sequences being decoded, in the row order of every rank's KV cache (see KvBatch), and
     the token each feeds next."""

@@ -9,8 +9,12 @@ import torch
 from services.rollout.engine import Sampling
 
 
-def draw(logits: torch.Tensor, sampling: Sequence[Sampling], generators: Sequence[torch.Generator | None],
-         rng: torch.Generator) -> tuple[torch.Tensor, list[float]]:
+def draw(
+    logits: torch.Tensor,
+    sampling: Sequence[Sampling],
+    generators: Sequence[torch.Generator | None],
+    rng: torch.Generator,
+) -> tuple[torch.Tensor, list[float]]:
     """One token per row and its logprob, vectorised except for rows with a generator of their own
     (seeded requests); the logprob is taken under the temperature-scaled distribution before top-p
     truncation. Temperature 0 is greedy."""

@@ -68,8 +68,12 @@ def receive(connection: Connection) -> Any:
     return from_wire(pickle.loads(connection.recv_bytes()))
 
 
-_ERRORS: dict[str, type[Exception]] = {"transfer": TransferError, "invalid": InvalidArgument, "precondition": FailedPrecondition,
-                                       "unproven": UnprovenPayload}
+_ERRORS: dict[str, type[Exception]] = {
+    "transfer": TransferError,
+    "invalid": InvalidArgument,
+    "precondition": FailedPrecondition,
+    "unproven": UnprovenPayload,
+}
 
 
 class Worker:
@@ -86,14 +90,21 @@ class Worker:
         weights, self._weights_child = socket.socketpair()
         self.step = Connection(step.detach())
         self.weights = Connection(weights.detach())
-        self._spec = {**spec, "rank": rank, "parent_pid": os.getpid(),
-                      "step_fd": self._step_child.fileno(), "weights_fd": self._weights_child.fileno()}
+        self._spec = {
+            **spec,
+            "rank": rank,
+            "parent_pid": os.getpid(),
+            "step_fd": self._step_child.fileno(),
+            "weights_fd": self._weights_child.fileno(),
+        }
         self.process: subprocess.Popen | WarmHelper | None = None
         started = threading.Event()
         # PR_SET_PDEATHSIG fires when the thread that forked the child ends: the supervising
         # thread forks it and lives exactly as long as it. (One the warm fork server forks ends
         # when this process's connection to its keeper closes.)
-        self._supervisor = threading.Thread(target=self._supervise, args=(started,), name=f"tp-worker-{rank}", daemon=True)
+        self._supervisor = threading.Thread(
+            target=self._supervise, args=(started,), name=f"tp-worker-{rank}", daemon=True
+        )
         self._supervisor.start()
         started.wait()
         if self.process is None:
@@ -104,9 +115,9 @@ class Worker:
             args = [json.dumps(self._spec)]
             env = {**os.environ, "OMP_NUM_THREADS": str(self._spec["threads"])}
             fds = (self._step_child.fileno(), self._weights_child.fileno())
-            self.process = (start_helper(WORKER_MODULE, args, env, {fd: fd for fd in fds})
-                            or subprocess.Popen([sys.executable, "-m", WORKER_MODULE, *args], pass_fds=fds,
-                                                stdin=subprocess.DEVNULL, env=env))
+            self.process = start_helper(WORKER_MODULE, args, env, {fd: fd for fd in fds}) or subprocess.Popen(
+                [sys.executable, "-m", WORKER_MODULE, *args], pass_fds=fds, stdin=subprocess.DEVNULL, env=env
+            )
         finally:
             self._step_child.close()
             self._weights_child.close()
@@ -119,9 +130,13 @@ class Worker:
         """Waits for the worker's start-up message `what` on its step channel."""
         while not self.step.poll(0.1):
             if self.process.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {self.rank} exited with code {self.process.returncode} while starting")
+                raise RuntimeError(
+                    f"tensor-parallel rank {self.rank} exited with code {self.process.returncode} while starting"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tensor-parallel rank {self.rank} did not start within {START_TIMEOUT_SECONDS:.0f} s")
+                raise TimeoutError(
+                    f"tensor-parallel rank {self.rank} did not start within {START_TIMEOUT_SECONDS:.0f} s"
+                )
         message = receive(self.step)
         if message[0] != what:
             raise RuntimeError(f"tensor-parallel rank {self.rank} failed to start: {message[1]}")
@@ -139,12 +154,25 @@ class Worker:
         raise _ERRORS.get(reply[1], TransferError)(reply[2])
 
     # The weight operations of a rank, as RankWeights offers them in-process.
-    def prepare(self, manifest: common_pb2.WeightManifest, load: bool, after_version: int, keep_base: bool = False,
-                proven_at_commit: bool = False) -> RankPort:
+    def prepare(
+        self,
+        manifest: common_pb2.WeightManifest,
+        load: bool,
+        after_version: int,
+        keep_base: bool = False,
+        proven_at_commit: bool = False,
+    ) -> RankPort:
         return self.call("prepare", manifest.SerializeToString(), load, after_version, keep_base, proven_at_commit)
 
-    def write(self, version: int, offset: int, data: bytes, compression: int = common_pb2.COMPRESSION_NONE, raw_bytes: int = 0,
-              base_version: int = -1) -> None:
+    def write(
+        self,
+        version: int,
+        offset: int,
+        data: bytes,
+        compression: int = common_pb2.COMPRESSION_NONE,
+        raw_bytes: int = 0,
+        base_version: int = -1,
+    ) -> None:
         self.call("write", version, offset, data, compression, raw_bytes, base_version)
 
     def verify(self, version: int, timeout: float, proof: bytes = b"") -> list[int]:
@@ -176,9 +204,17 @@ class TensorParallelGroup:
     0, and the collectives inside the forward passes keep the ranks in step. Sampling happens on
     rank 0 only; the tokens reach the workers as arguments of the next step."""
 
-    def __init__(self, model_dir: str | Path, tp: int, transfer: RankTransfer, version: int, threads: int,
-                 on_failure: Callable[[str], None], device: torch.device = torch.device("cpu"),
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tp: int,
+        transfer: RankTransfer,
+        version: int,
+        threads: int,
+        on_failure: Callable[[str], None],
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.tp = tp
         self._on_failure = on_failure
         self.failure = ""
@@ -190,10 +226,23 @@ class TensorParallelGroup:
         deadline = time.monotonic() + START_TIMEOUT_SECONDS
         try:
             if tp > 1:
-                self._store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS),
-                                            wait_for_workers=False)
-                spec = {"model_dir": str(model_dir), "tp": tp, "store_port": self._store.port, "version": version,
-                        "threads": threads, "transfer": asdict(transfer), "dtype": str(dtype).removeprefix("torch.") if dtype else ""}
+                self._store = dist.TCPStore(
+                    "127.0.0.1",
+                    0,
+                    tp,
+                    True,
+                    timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS),
+                    wait_for_workers=False,
+                )
+                spec = {
+                    "model_dir": str(model_dir),
+                    "tp": tp,
+                    "store_port": self._store.port,
+                    "version": version,
+                    "threads": threads,
+                    "transfer": asdict(transfer),
+                    "dtype": str(dtype).removeprefix("torch.") if dtype else "",
+                }
                 for rank in range(1, tp):
                     self.workers.append(Worker(rank, spec, self._worker_exited))
                 for worker in self.workers:

@@ -26,10 +26,17 @@ from services.rollout.torch.tp_model import Collectives
 
 log = structlog.get_logger()
 
-_STEP_OPS = frozenset({"prefill", "decode", "keep", "clear", "switch", "save_prefix", "drop_prefix", "prefill_prefixed"})
+_STEP_OPS = frozenset(
+    {"prefill", "decode", "keep", "clear", "switch", "save_prefix", "drop_prefix", "prefill_prefixed"}
+)
 # Subclasses before their bases: the first match names the error.
-_ERROR_KINDS = ((UnprovenPayload, "unproven"), (TransferError, "transfer"), (InvalidArgument, "invalid"),
-                (FailedPrecondition, "precondition"), (ValueError, "invalid"))
+_ERROR_KINDS = (
+    (UnprovenPayload, "unproven"),
+    (TransferError, "transfer"),
+    (InvalidArgument, "invalid"),
+    (FailedPrecondition, "precondition"),
+    (ValueError, "invalid"),
+)
 
 
 def replay_steps(channel: Connection, runner: RankRunner) -> None:
@@ -79,10 +86,21 @@ def main(spec: dict[str, Any]) -> int:
     steps, weight_channel = Connection(spec["step_fd"]), Connection(spec["weights_fd"])
     try:
         send(steps, ("joining", None))
-        store = dist.TCPStore("127.0.0.1", spec["store_port"], spec["tp"], False, timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            spec["store_port"],
+            spec["tp"],
+            False,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_SECONDS),
+        )
         collectives = Collectives.connect(store, rank, spec["tp"])
-        runner, weights = build_rank(spec["model_dir"], collectives, RankTransfer(**spec["transfer"]), spec["version"],
-                                     dtype=getattr(torch, spec["dtype"]) if spec["dtype"] else None)
+        runner, weights = build_rank(
+            spec["model_dir"],
+            collectives,
+            RankTransfer(**spec["transfer"]),
+            spec["version"],
+            dtype=getattr(torch, spec["dtype"]) if spec["dtype"] else None,
+        )
         send(steps, ("ready", None))
     except Exception as exc:
         log.exception("tensor-parallel rank failed to start")

@@ -91,7 +91,9 @@ def reinforce_pp(groups: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @critic_estimator("gae")
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over each sequence's response tokens (where `mask` is 1):
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, the state after the
     last response token terminal (V = 0); returns are A + V. All [sequences, tokens], 0 off the mask."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.pipeline import ScoredGroup
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.trajectories import turn_credit
 
 
@@ -27,5 +27,7 @@ def with_advantages(micro_batch: list[ScoredGroup], estimator_name: str) -> list
     credited = [g for g in micro_batch if g.turn_rewards is not None]
     for group, credit in zip(credited, turn_credit([g.turn_rewards for g in credited], estimator.compute)):
         for sample, owner in zip(group.samples, group.owners()):
-            sample.token_advantages = [credit[owner].get(turn, 0.0) if turn >= 0 else 0.0 for turn in sample.token_turns]
+            sample.token_advantages = [
+                credit[owner].get(turn, 0.0) if turn >= 0 else 0.0 for turn in sample.token_turns
+            ]
     return samples

@@ -156,7 +156,9 @@ def policy_loss(
     mask = mask.to(logprobs.dtype)
     proximal = (logprobs if proximal_logprobs is None else proximal_logprobs).detach()
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    token = compute(LossInputs(logprobs, behaviour_logprobs, proximal, adv, clip_low, clip_high, importance_cap, cap_mode))
+    token = compute(
+        LossInputs(logprobs, behaviour_logprobs, proximal, adv, clip_low, clip_high, importance_cap, cap_mode)
+    )
     token_loss = token.loss
     if reference_logprobs is not None and kl_coef > 0:
         token_loss = token_loss + kl_coef * k3_kl(logprobs, reference_logprobs)
@@ -179,17 +181,47 @@ def policy_loss(
         masked_weights = torch.where(mask > 0, raw_weight, torch.zeros_like(raw_weight))
         weight_max = masked_weights.max() if masked_weights.numel() else masked_weights.new_zeros(())
         # One transfer of every figure: on a GPU each float() would wait for the device on its own.
-        figures = torch.cat([torch.stack([
-            total.detach(), count.to(mask.dtype), mask.sum(), masked(was_clipped, mask).sum(),
-            masked(k3_kl(logprobs, kl_anchor), mask).sum(), masked(raw_weight, mask).sum(), weight_max,
-            masked(over_cap.to(mask.dtype), mask).sum(), masked(k3_kl(behaviour_logprobs, proximal), mask).sum(),
-        ]), (~torch.isfinite(row_losses.detach())).to(mask.dtype)]).tolist()
-        (loss_sum, count_value, tokens, clipped_tokens, kl, importance_weight_sum, importance_weight_max, capped_tokens,
-         behaviour_kl) = figures[:9]
-        totals = LossTotals(loss=loss_sum, count=count_value, tokens=tokens, clipped_tokens=clipped_tokens, kl=kl,
-                            importance_weight=importance_weight_sum, importance_weight_max=importance_weight_max,
-                            capped_tokens=capped_tokens, behaviour_kl=behaviour_kl,
-                            nonfinite_rows=tuple(row for row, flag in enumerate(figures[9:]) if flag))
+        figures = torch.cat(
+            [
+                torch.stack(
+                    [
+                        total.detach(),
+                        count.to(mask.dtype),
+                        mask.sum(),
+                        masked(was_clipped, mask).sum(),
+                        masked(k3_kl(logprobs, kl_anchor), mask).sum(),
+                        masked(raw_weight, mask).sum(),
+                        weight_max,
+                        masked(over_cap.to(mask.dtype), mask).sum(),
+                        masked(k3_kl(behaviour_logprobs, proximal), mask).sum(),
+                    ]
+                ),
+                (~torch.isfinite(row_losses.detach())).to(mask.dtype),
+            ]
+        ).tolist()
+        (
+            loss_sum,
+            count_value,
+            tokens,
+            clipped_tokens,
+            kl,
+            importance_weight_sum,
+            importance_weight_max,
+            capped_tokens,
+            behaviour_kl,
+        ) = figures[:9]
+        totals = LossTotals(
+            loss=loss_sum,
+            count=count_value,
+            tokens=tokens,
+            clipped_tokens=clipped_tokens,
+            kl=kl,
+            importance_weight=importance_weight_sum,
+            importance_weight_max=importance_weight_max,
+            capped_tokens=capped_tokens,
+            behaviour_kl=behaviour_kl,
+            nonfinite_rows=tuple(row for row, flag in enumerate(figures[9:]) if flag),
+        )
     return total, totals
 
 
@@ -198,8 +230,9 @@ def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, values * mask, torch.zeros_like(values))
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       clip: float) -> torch.Tensor:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip: float
+) -> torch.Tensor:
     """The critic's loss summed over the masked tokens: half the larger squared error of the value
     and of the value kept within `clip` of `old_values` (PPO's value clipping: one update moves a
     value at most that far from where the step started, as the policy's ratio clip does)."""

@@ -42,7 +42,9 @@ def overlong(sample: ShapingInput, settings: Any) -> float | None:
     """`overlong_penalty` with the settings' overlong_buffer_tokens and overlong_penalty; off at 0 buffer tokens."""
     if not settings.overlong_buffer_tokens:
         return None
-    return overlong_penalty(sample.response_length, sample.max_tokens, settings.overlong_buffer_tokens, settings.overlong_penalty)
+    return overlong_penalty(
+        sample.response_length, sample.max_tokens, settings.overlong_buffer_tokens, settings.overlong_penalty
+    )
 
 
 def shape(sample: ShapingInput, settings: Any) -> dict[str, float]:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from rlmesh.environments.base import checked_reward
 from rlmesh.chat.gateway_client import session_base_url, trust_environment
+from rlmesh.environments.base import checked_reward
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.episodes.steps import row_of
@@ -66,22 +66,31 @@ def tail(path: Path, size: int) -> str:
         return file.read().decode(errors="replace")
 
 
-def agent_environment(handle: manager_pb2.SessionHandle, prompt: TaskPrompt, gateway_address: str, folder: Path) -> dict[str, str]:
+def agent_environment(
+    handle: manager_pb2.SessionHandle, prompt: TaskPrompt, gateway_address: str, folder: Path
+) -> dict[str, str]:
     """The agent's environment variables: its session on the gateway, its key and its row (in a file
     in `folder`, and inline when small enough)."""
     row = json.dumps(row_of(prompt), default=str)
     row_file = folder / "row.json"
     row_file.write_text(row)
-    environment = {**os.environ, **trust_environment(), "OPENAI_BASE_URL": session_base_url(gateway_address, handle.session_id),
-                   "OPENAI_API_KEY": handle.key, "RLMESH_SESSION_ID": handle.session_id, "RLMESH_ROW_FILE": str(row_file)}
+    environment = {
+        **os.environ,
+        **trust_environment(),
+        "OPENAI_BASE_URL": session_base_url(gateway_address, handle.session_id),
+        "OPENAI_API_KEY": handle.key,
+        "RLMESH_SESSION_ID": handle.session_id,
+        "RLMESH_ROW_FILE": str(row_file),
+    }
     environment.pop("RLMESH_ROW", None)
     if len(row.encode()) <= ROW_IN_ENVIRONMENT_BYTES:
         environment["RLMESH_ROW"] = row
     return environment
 
 
-async def run_agent(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt,
-                    gateway_address: str) -> tuple[int, str]:
+async def run_agent(
+    mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt, gateway_address: str
+) -> tuple[int, str]:
     """Runs the agent's command for the episode until it exits or the episode's deadline passes
     (then its process group is killed: `deadline`); returns the status the session was closed with
     and why. Its output goes to files, so a child it leaves holding them does not keep the episode
@@ -94,9 +103,15 @@ async def run_agent(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2.Ses
         folder = Path(scratch)
         environment = agent_environment(handle, prompt, gateway_address, folder)
         with (folder / "stdout").open("wb") as stdout, (folder / "stderr").open("wb") as stderr:
-            process = await asyncio.create_subprocess_exec(*shlex.split(config.command), cwd=spec.working_dir or None,
-                                                           env=environment, stdin=asyncio.subprocess.DEVNULL, stdout=stdout,
-                                                           stderr=stderr, start_new_session=True)
+            process = await asyncio.create_subprocess_exec(
+                *shlex.split(config.command),
+                cwd=spec.working_dir or None,
+                env=environment,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
         try:
             await asyncio.wait_for(process.wait(), config.episode_deadline_seconds)
         except TimeoutError:

@@ -27,9 +27,9 @@ from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import TaskMixture
 from rlmesh.tasks.config import EnvironmentConfig
 from services.trainer.episodes.agents import run_agent
+from services.trainer.episodes.environment_threads import EnvironmentThreads
 from services.trainer.episodes.steps import run_steps
 from services.trainer.episodes.verifiers_environment import run_verifiers
-from services.trainer.episodes.environment_threads import EnvironmentThreads
 from services.trainer.mesh import MeshClient
 
 log = structlog.get_logger()
@@ -61,7 +61,8 @@ class EpisodeErrors:
         if len(self.outcomes) == self.outcomes.maxlen and sum(self.outcomes) / len(self.outcomes) > self.max_rate:
             raise TooManyEpisodeErrors(
                 f"task {self.task!r}: {sum(self.outcomes)} of the last {len(self.outcomes)} episodes failed (environment error or "
-                f"deadline), above environment.max_error_rate ({self.max_rate:g}); the last: {self.last_reason}")
+                f"deadline), above environment.max_error_rate ({self.max_rate:g}); the last: {self.last_reason}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +84,10 @@ class EpisodeSpec:
 
     def chat_turns(self) -> ChatTurns:
         if self.turns is None:
-            raise EnvironmentFailure("the environment gave chat messages but the model's tokenizer has no chat template: "
-                                     "give raw observations (Text, Tokens) instead")
+            raise EnvironmentFailure(
+                "the environment gave chat messages but the model's tokenizer has no chat template: "
+                "give raw observations (Text, Tokens) instead"
+            )
         return self.turns
 
     def limits(self) -> manager_pb2.SessionLimits:
@@ -92,18 +95,23 @@ class EpisodeSpec:
         total = config.max_total_tokens or self.context_length
         if config.max_total_tokens and self.context_length:
             total = min(config.max_total_tokens, self.context_length)
-        return manager_pb2.SessionLimits(max_turns=config.max_turns, max_total_tokens=total,
-                                         turn_deadline_seconds=config.turn_deadline_seconds,
-                                         session_deadline_seconds=config.episode_deadline_seconds,
-                                         # The manager's bound on the environment's step leaves the driver time to close first.
-                                         step_deadline_seconds=2 * config.step_deadline_seconds,
-                                         # The driver starts each session when its episode gets a place (max_concurrent).
-                                         wait_for_start=True, refuse_agent_rewards=config.agent_rewards is False,
-                                         refuse_breaks=config.on_break == "refuse")
+        return manager_pb2.SessionLimits(
+            max_turns=config.max_turns,
+            max_total_tokens=total,
+            turn_deadline_seconds=config.turn_deadline_seconds,
+            session_deadline_seconds=config.episode_deadline_seconds,
+            # The manager's bound on the environment's step leaves the driver time to close first.
+            step_deadline_seconds=2 * config.step_deadline_seconds,
+            # The driver starts each session when its episode gets a place (max_concurrent).
+            wait_for_start=True,
+            refuse_agent_rewards=config.agent_rewards is False,
+            refuse_breaks=config.on_break == "refuse",
+        )
 
 
-def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], context_length: int,
-                  working_dir: str = "") -> dict[str, EpisodeSpec]:
+def episode_specs(
+    mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], context_length: int, working_dir: str = ""
+) -> dict[str, EpisodeSpec]:
     """The multi-turn tasks of a job, by name."""
     specs = {}
     for task in mixture.tasks:
@@ -113,17 +121,38 @@ def episode_specs(mixture: TaskMixture, tokenizer: Any, stop_ids: list[int], con
             turns: ChatTurns | None = ChatTurns(tokenizer)
         except RenderError:
             turns = None
-        specs[task.name] = EpisodeSpec(task.name, task.config.environment, task.environment, turns, tokenizer, stop_ids,
-                                       context_length, working_dir)
+        specs[task.name] = EpisodeSpec(
+            task.name,
+            task.config.environment,
+            task.environment,
+            turns,
+            tokenizer,
+            stop_ids,
+            context_length,
+            working_dir,
+        )
     return specs
 
 
-async def open_sessions(mesh: MeshClient, spec: EpisodeSpec, batch_id: str, version: int,
-                        prompts: list[tuple[str, list[int], common_pb2.SamplingParams]], n: int) -> list[manager_pb2.SessionHandle]:
+async def open_sessions(
+    mesh: MeshClient,
+    spec: EpisodeSpec,
+    batch_id: str,
+    version: int,
+    prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+    n: int,
+) -> list[manager_pb2.SessionHandle]:
     """`n` sessions per prompt at the manager, as one batch; each starts empty (its environment's
     reset gives its first messages)."""
-    return await mesh.open_sessions(batch_id, version, [(pid, [], sampling) for pid, _, sampling in prompts], n, prompts[0][2],
-                                    spec.limits(), spec.task)
+    return await mesh.open_sessions(
+        batch_id,
+        version,
+        [(pid, [], sampling) for pid, _, sampling in prompts],
+        n,
+        prompts[0][2],
+        spec.limits(),
+        spec.task,
+    )
 
 
 class EpisodeDriver:
@@ -132,8 +161,13 @@ class EpisodeDriver:
     most; the others wait for a place); the user's sync environment code runs on threads of its own
     (EnvironmentThreads), async code on the loop under a deadline."""
 
-    def __init__(self, mesh: MeshClient, threads: int, on_failure: Callable[[BaseException], Awaitable[None]],
-                 gateway_address: str = "") -> None:
+    def __init__(
+        self,
+        mesh: MeshClient,
+        threads: int,
+        on_failure: Callable[[BaseException], Awaitable[None]],
+        gateway_address: str = "",
+    ) -> None:
         self.mesh = mesh
         self.gateway_address = gateway_address
         """The manager's OpenAI gateway, where agent commands are pointed."""
@@ -148,27 +182,45 @@ class EpisodeDriver:
         self.verifiers: dict[str, VerifiersEpisodes] = {}
         """By task: its verifiers environment, serving from its first episode on."""
 
-    async def open(self, spec: EpisodeSpec, batch_id: str, version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
-                   n: int, task_prompts: Mapping[str, TaskPrompt], counted: bool = True) -> None:
+    async def open(
+        self,
+        spec: EpisodeSpec,
+        batch_id: str,
+        version: int,
+        prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+        n: int,
+        task_prompts: Mapping[str, TaskPrompt],
+        counted: bool = True,
+    ) -> None:
         """Opens `n` sessions per prompt and runs their episodes."""
         self.start(spec, await open_sessions(self.mesh, spec, batch_id, version, prompts, n), task_prompts, counted)
 
-    def start(self, spec: EpisodeSpec, handles: list[manager_pb2.SessionHandle], prompts: Mapping[str, TaskPrompt],
-              counted: bool = True) -> None:
+    def start(
+        self,
+        spec: EpisodeSpec,
+        handles: list[manager_pb2.SessionHandle],
+        prompts: Mapping[str, TaskPrompt],
+        counted: bool = True,
+    ) -> None:
         """Runs the episodes of a batch's sessions in the background. `counted`: their failures count
         towards the task's error rate (training episodes; held-out ones are only reported)."""
         for handle in handles:
-            task = asyncio.create_task(self._guarded(spec, handle, prompts[handle.prompt_id], counted),
-                                       name=f"episode {handle.session_id}")
+            task = asyncio.create_task(
+                self._guarded(spec, handle, prompts[handle.prompt_id], counted), name=f"episode {handle.session_id}"
+            )
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _guarded(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt, counted: bool) -> None:
+    async def _guarded(
+        self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt, counted: bool
+    ) -> None:
         try:
             status, reason = await self.run_episode(spec, handle, prompt)
             if not counted or status == manager_pb2.SESSION_STATUS_UNSPECIFIED:
                 return
-            errors = self.errors.setdefault(spec.task, EpisodeErrors(spec.task, spec.config.max_error_rate, spec.config.error_window))
+            errors = self.errors.setdefault(
+                spec.task, EpisodeErrors(spec.task, spec.config.max_error_rate, spec.config.error_window)
+            )
             errors.record(status in FAILED, reason)
         except asyncio.CancelledError:
             raise
@@ -184,14 +236,18 @@ class EpisodeDriver:
         result = await self.threads.call(method, argument, deadline=deadline)
         return await result if inspect.isawaitable(result) else result
 
-    async def run_episode(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt) -> tuple[int, str]:
+    async def run_episode(
+        self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt
+    ) -> tuple[int, str]:
         """One episode to its end, once the task has a place for it; returns the status its session
         was closed with and why."""
         places = self.places.setdefault(spec.task, asyncio.Semaphore(spec.config.concurrency))
         async with places:
             return await self._run_started(spec, handle, prompt)
 
-    async def _run_started(self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt) -> tuple[int, str]:
+    async def _run_started(
+        self, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt
+    ) -> tuple[int, str]:
         config = spec.config
         session_id = handle.session_id
         environment = None
@@ -202,7 +258,9 @@ class EpisodeDriver:
             if config.command:
                 return await run_agent(self.mesh, spec, handle, prompt, self.gateway_address)
             if config.verifiers:
-                return await run_verifiers(self.mesh, spec, handle, prompt, self.gateway_address, self._verifiers_of(spec))
+                return await run_verifiers(
+                    self.mesh, spec, handle, prompt, self.gateway_address, self._verifiers_of(spec)
+                )
             environment = spec.make_environment(session_id)
             return await run_steps(self.mesh, spec, session_id, prompt, environment, self.call)
         except grpc.aio.AioRpcError as exc:
@@ -212,8 +270,9 @@ class EpisodeDriver:
             # One session's call failing (a manager too busy to answer in time, a refusal) ends its episode, not the job.
             reason = f"a call to the manager failed: {exc.code().name}: {exc.details()}"
             log.warning("episode failed", session_id=session_id, reason=reason)
-            return await self._end(session_id, DEADLINE if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else ENVIRONMENT_ERROR,
-                                   reason), reason
+            return await self._end(
+                session_id, DEADLINE if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else ENVIRONMENT_ERROR, reason
+            ), reason
         except TimeoutError:
             reason = f"the environment took longer than step_deadline_seconds ({config.step_deadline_seconds:g})"
             return await self._end(session_id, DEADLINE, reason), reason
@@ -233,8 +292,11 @@ class EpisodeDriver:
         try:
             return await self.mesh.close_session(session_id, status, reason[:2000])
         except grpc.aio.AioRpcError as exc:
-            log.warning("closing a failed episode's session failed: the manager reaps it at its deadline", session_id=session_id,
-                        error=f"{exc.code().name}: {exc.details()}")
+            log.warning(
+                "closing a failed episode's session failed: the manager reaps it at its deadline",
+                session_id=session_id,
+                error=f"{exc.code().name}: {exc.details()}",
+            )
             return status
 
     def _verifiers_of(self, spec: EpisodeSpec) -> VerifiersEpisodes:
@@ -242,7 +304,9 @@ class EpisodeDriver:
             config = spec.config
             assert config.verifiers is not None
             search_path = [spec.working_dir] if spec.working_dir else []
-            self.verifiers[spec.task] = VerifiersEpisodes(load_verifiers(config.verifiers, config.verifiers_args, search_path))
+            self.verifiers[spec.task] = VerifiersEpisodes(
+                load_verifiers(config.verifiers, config.verifiers_args, search_path)
+            )
         return self.verifiers[spec.task]
 
     async def _close(self, environment: Any, spec: EpisodeSpec, session_id: str) -> None:
@@ -256,7 +320,9 @@ class EpisodeDriver:
             else:
                 await self.threads.call(close, deadline=spec.config.step_deadline_seconds)
         except Exception as exc:  # noqa: BLE001 - the user's environment may raise anything
-            log.warning("closing an episode's environment failed", session_id=session_id, error=f"{type(exc).__name__}: {exc}")
+            log.warning(
+                "closing an episode's environment failed", session_id=session_id, error=f"{type(exc).__name__}: {exc}"
+            )
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -78,9 +78,12 @@ class EnvironmentThreads:
                 # Past the bound the place stays taken until the call ends: the pool shrinks instead of growing.
                 holds_place = False
                 _free_when_done(future, places)
-                log.error("a hung environment call keeps its thread's place: too many are written off already",
-                          call=getattr(function, "__qualname__", repr(function)), written_off_threads=self.written_off,
-                          max_written_off=self.max_written_off)
+                log.error(
+                    "a hung environment call keeps its thread's place: too many are written off already",
+                    call=getattr(function, "__qualname__", repr(function)),
+                    written_off_threads=self.written_off,
+                    max_written_off=self.max_written_off,
+                )
             raise
         except asyncio.CancelledError:
             holds_place = False
@@ -99,6 +102,9 @@ class EnvironmentThreads:
             _retrieve(done)
 
         future.add_done_callback(came_back)
-        log.warning("an environment call passed its deadline: its thread is written off and another takes its place",
-                    call=getattr(function, "__qualname__", repr(function)), written_off_threads=self.written_off,
-                    written_off_total=self.written_off_total)
+        log.warning(
+            "an environment call passed its deadline: its thread is written off and another takes its place",
+            call=getattr(function, "__qualname__", repr(function)),
+            written_off_threads=self.written_off,
+            written_off_total=self.written_off_total,
+        )

@@ -18,10 +18,10 @@ import structlog
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
-from services.trainer.ranks.child_process import ChildProcess, end_child, frame, how_it_ended, next_frame, start_child
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec, TooManyEpisodeErrors, open_sessions
 from services.trainer.mesh import MeshClient
+from services.trainer.ranks.child_process import ChildProcess, end_child, frame, how_it_ended, next_frame, start_child
 
 log = structlog.get_logger()
 
@@ -36,8 +36,9 @@ class EpisodeProcessError(RuntimeError):
 class EpisodeProcess:
     """Rank 0's handle on the episode process, used as the trainer uses an EpisodeDriver."""
 
-    def __init__(self, process: ChildProcess, mesh: MeshClient,
-                 on_failure: Callable[[BaseException], Awaitable[None]]) -> None:
+    def __init__(
+        self, process: ChildProcess, mesh: MeshClient, on_failure: Callable[[BaseException], Awaitable[None]]
+    ) -> None:
         self.process = process
         self.mesh = mesh
         self.on_failure = on_failure
@@ -47,8 +48,14 @@ class EpisodeProcess:
         self._reader = asyncio.create_task(self._read(), name="episode process reports")
 
     @classmethod
-    async def start(cls, config: TrainerConfig, mesh: MeshClient, stop_ids: list[int], context_length: int,
-                    on_failure: Callable[[BaseException], Awaitable[None]]) -> EpisodeProcess:
+    async def start(
+        cls,
+        config: TrainerConfig,
+        mesh: MeshClient,
+        stop_ids: list[int],
+        context_length: int,
+        on_failure: Callable[[BaseException], Awaitable[None]],
+    ) -> EpisodeProcess:
         """Starts the process and waits until it has built the job's multi-turn tasks."""
         process = await start_child("services.trainer.episodes.process", "--parent-pid", str(os.getpid()))
         episodes = cls(process, mesh, on_failure)
@@ -57,23 +64,40 @@ class EpisodeProcess:
             await asyncio.wait_for(asyncio.shield(episodes._ready), config.startup_timeout_seconds)
         except TimeoutError:
             await episodes.close()
-            raise EpisodeProcessError(f"the episode process (pid {process.pid}) did not build the job's multi-turn tasks within "
-                                      f"startup_timeout_seconds ({config.startup_timeout_seconds:g})") from None
+            raise EpisodeProcessError(
+                f"the episode process (pid {process.pid}) did not build the job's multi-turn tasks within "
+                f"startup_timeout_seconds ({config.startup_timeout_seconds:g})"
+            ) from None
         except BaseException:
             await episodes.close()
             raise
         log.info("episode process ready", pid=process.pid)
         return episodes
 
-    async def open(self, spec: EpisodeSpec, batch_id: str, version: int, prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
-                   n: int, task_prompts: Mapping[str, TaskPrompt], counted: bool = True) -> None:
+    async def open(
+        self,
+        spec: EpisodeSpec,
+        batch_id: str,
+        version: int,
+        prompts: list[tuple[str, list[int], common_pb2.SamplingParams]],
+        n: int,
+        task_prompts: Mapping[str, TaskPrompt],
+        counted: bool = True,
+    ) -> None:
         """Opens `n` sessions per prompt here and has the process run their episodes."""
         if self.failure is not None:
             raise self.failure
         handles = await open_sessions(self.mesh, spec, batch_id, version, prompts, n)
         ids = {handle.prompt_id for handle in handles}
-        self._send(("start", spec.task, [handle.SerializeToString() for handle in handles],
-                    {pid: prompt for pid, prompt in task_prompts.items() if pid in ids}, counted))
+        self._send(
+            (
+                "start",
+                spec.task,
+                [handle.SerializeToString() for handle in handles],
+                {pid: prompt for pid, prompt in task_prompts.items() if pid in ids},
+                counted,
+            )
+        )
 
     def _send(self, message: Any) -> None:
         stdin = self.process.stdin
@@ -96,15 +120,19 @@ class EpisodeProcess:
                 self._ready.set_result(None)
             elif kind == "failure" and self.failure is None:
                 name, reason = values
-                self.failure = (TooManyEpisodeErrors(reason) if name == TooManyEpisodeErrors.__name__
-                                else EpisodeProcessError(f"the episode process failed: {name}: {reason}"))
+                self.failure = (
+                    TooManyEpisodeErrors(reason)
+                    if name == TooManyEpisodeErrors.__name__
+                    else EpisodeProcessError(f"the episode process failed: {name}: {reason}")
+                )
                 await self.on_failure(self.failure)
         code = await self.process.wait()
         if self._closing:
             return
         ending = how_it_ended(code)
-        failure = EpisodeProcessError(f"the episode process (pid {self.process.pid}) {ending}; its error, if any, is in the "
-                                      "trainer's log")
+        failure = EpisodeProcessError(
+            f"the episode process (pid {self.process.pid}) {ending}; its error, if any, is in the trainer's log"
+        )
         if not self._ready.done():
             # Starting, not running: `start` raises it.
             self._ready.set_exception(failure)
@@ -114,8 +142,13 @@ class EpisodeProcess:
             await self.on_failure(failure)
 
 
-async def start_episodes(config: TrainerConfig, mesh: MeshClient, specs: Mapping[str, EpisodeSpec], context_length: int,
-                         on_failure: Callable[[BaseException], Awaitable[None]]) -> EpisodeDriver | EpisodeProcess:
+async def start_episodes(
+    config: TrainerConfig,
+    mesh: MeshClient,
+    specs: Mapping[str, EpisodeSpec],
+    context_length: int,
+    on_failure: Callable[[BaseException], Awaitable[None]],
+) -> EpisodeDriver | EpisodeProcess:
     """What runs the episodes of the job's multi-turn tasks, where `episode_driver` says."""
     if config.episode_driver == "process":
         stop_ids = next(iter(specs.values())).stop_ids
@@ -135,13 +168,19 @@ async def serve(requests: asyncio.StreamReader, replies: asyncio.WriteTransport)
     config = TrainerConfig.model_validate_json(config_json)
     use_server_identity(config.server)
     tokenizer = load_hf_tokenizer(config.model_dir)
-    mixture = TaskMixture([build_task(t, tokenizer, config.seed, config.python_path) for t in config.tasks], config.seed)
-    specs = episode_specs(mixture, tokenizer, stop_ids, context_length, config.python_path[0] if config.python_path else "")
+    mixture = TaskMixture(
+        [build_task(t, tokenizer, config.seed, config.python_path) for t in config.tasks], config.seed
+    )
+    specs = episode_specs(
+        mixture, tokenizer, stop_ids, context_length, config.python_path[0] if config.python_path else ""
+    )
 
     async def failed(exc: BaseException) -> None:
         replies.write(frame(("failure", type(exc).__name__, str(exc))))
 
-    mesh = MeshClient(config.manager_address, config.weights_address, config.rpc_timeout_seconds, config.manager_outage_seconds)
+    mesh = MeshClient(
+        config.manager_address, config.weights_address, config.rpc_timeout_seconds, config.manager_outage_seconds
+    )
     driver = EpisodeDriver(mesh, max(s.config.threads for s in specs.values()), failed, config.gateway_address)
     replies.write(frame(("ready",)))
     try:

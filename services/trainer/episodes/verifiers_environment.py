@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlmesh.chat.gateway_client import session_base_url
 from rlmesh.environments.base import checked_reward
 from rlmesh.environments.verifiers_adapter import INDEX_FIELD, VerifiersEpisodes
-from rlmesh.chat.gateway_client import session_base_url
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.mesh import MeshClient
@@ -21,8 +21,14 @@ DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE
 ENVIRONMENT_ERROR = manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR
 
 
-async def run_verifiers(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2.SessionHandle, prompt: TaskPrompt,
-                        gateway_address: str, episodes: VerifiersEpisodes) -> tuple[int, str]:
+async def run_verifiers(
+    mesh: MeshClient,
+    spec: EpisodeSpec,
+    handle: manager_pb2.SessionHandle,
+    prompt: TaskPrompt,
+    gateway_address: str,
+    episodes: VerifiersEpisodes,
+) -> tuple[int, str]:
     """Runs the episode of the prompt's taskset row; returns the status the session was closed with and why."""
     config = spec.config
     if not gateway_address:
@@ -31,7 +37,9 @@ async def run_verifiers(mesh: MeshClient, spec: EpisodeSpec, handle: manager_pb2
     # would carry it into the session's detail and the logs.
     base_url = session_base_url(gateway_address, handle.session_id)
     try:
-        outcome = await episodes.run(prompt.metadata[INDEX_FIELD], base_url, spec.task, config.episode_deadline_seconds, handle.key)
+        outcome = await episodes.run(
+            prompt.metadata[INDEX_FIELD], base_url, spec.task, config.episode_deadline_seconds, handle.key
+        )
     except TimeoutError:
         reason = f"the verifiers episode ran longer than episode_deadline_seconds ({config.episode_deadline_seconds:g})"
         return await mesh.close_session(handle.session_id, DEADLINE, reason), reason

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 import structlog
 import torch
@@ -99,7 +100,12 @@ def _complete(directory: Path, target: Path, partial: Path, state: TrainerState,
     """Rank 0, once every rank's shards are written: the state, then the rename, then pruning."""
     if state.pipeline:
         _write_durably(partial / PIPELINE_FILE, lambda file: file.write(state.pipeline))
-    saved = {"step": state.step, "version": state.version, "task_cursors": dict(state.task_cursors), "world_size": world_size}
+    saved = {
+        "step": state.step,
+        "version": state.version,
+        "task_cursors": dict(state.task_cursors),
+        "world_size": world_size,
+    }
     _write_durably(partial / STATE_FILE, lambda file: torch.save(saved, file))
     shutil.rmtree(target, ignore_errors=True)
     # Rename last so a crash mid-save never leaves a checkpoint that looks complete.
@@ -178,17 +184,27 @@ def gather_rows(pieces: list[tuple[tuple[int, int], torch.Tensor]], rows: tuple[
     return torch.cat(parts) if parts else pieces[0][1][:0]
 
 
-def save_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    export_hf: bool = False, tokenizer_dir: Path | None = None,
-                    group: dist.ProcessGroup | None = None, critic: Trained | None = None) -> Path:
+def save_checkpoint(
+    directory: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    export_hf: bool = False,
+    tokenizer_dir: Path | None = None,
+    group: dist.ProcessGroup | None = None,
+    critic: Trained | None = None,
+) -> Path:
     """Saves every rank's shards (the critic's with them, if given), and returns when they are on
     disk; with `export_hf` rank 0 also writes the whole policy as an HF folder (the only place the
     full model is gathered, offloaded to CPU). `group` is a gloo group for barriers (None: the
     default group)."""
     target, partial = _begin(directory, state.step, group)
     _write(partial, _stage(_parts(model, optimizer, critic)), group)
-    full = (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if export_hf else None)
+    full = (
+        get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if export_hf
+        else None
+    )
     if _rank() == 0:
         if full is not None:
             export_hf_folder(partial, model, full, tokenizer_dir)
@@ -215,8 +231,14 @@ class BackgroundCheckpoints:
         self._writing: Future | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-             barrier_group: dist.ProcessGroup | None = None, critic: Trained | None = None) -> Path:
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        barrier_group: dist.ProcessGroup | None = None,
+        critic: Trained | None = None,
+    ) -> Path:
         """Starts writing a checkpoint; returns its folder (complete once `wait` returns)."""
         self.wait()
         target, partial = _begin(self.directory, state.step, barrier_group)
@@ -242,8 +264,9 @@ class BackgroundCheckpoints:
         self._writer.shutdown()
 
 
-def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, torch.Tensor],
-                     tokenizer_dir: Path | None = None) -> None:
+def export_hf_folder(
+    path: Path, model: torch.nn.Module, full_state: dict[str, torch.Tensor], tokenizer_dir: Path | None = None
+) -> None:
     """The policy as an HF-format folder any engine loads: config, safetensors (tied weights
     once), generation config and, if given, the tokenizer."""
     from safetensors.torch import save_file
@@ -262,14 +285,17 @@ def export_hf_folder(path: Path, model: torch.nn.Module, full_state: dict[str, t
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    complete = [p for p in sorted(directory.glob("step_??????")) if (p / STATE_FILE).is_file() and _shard_file(p, 0).is_file()]
+    complete = [
+        p for p in sorted(directory.glob("step_??????")) if (p / STATE_FILE).is_file() and _shard_file(p, 0).is_file()
+    ]
     if not complete and any((p / STATE_FILE).is_file() for p in directory.glob("step_??????")):
         log.warning("ignoring checkpoints without shard files: written by an older trainer", directory=str(directory))
     return complete[-1] if complete else None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    critic: Trained | None = None) -> TrainerState:
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic: Trained | None = None
+) -> TrainerState:
     """Loads the policy and optimizer (and the critic, if given) into this rank's shards
     (resharded if the checkpoint was saved by another number of ranks) and this rank's RNG state
     if the checkpoint has one."""
@@ -285,10 +311,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return TrainerState(step=saved["step"], version=saved["version"], task_cursors=dict(saved.get("task_cursors", {})))
 
 
-def _load_part(path: Path, shards: list[dict], prefix: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load_part(
+    path: Path, shards: list[dict], prefix: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """One model and its optimizer from the shard files' entries under `prefix`."""
     if f"{prefix}param_groups" not in shards[0]:
-        raise ValueError(f"checkpoint {path} holds no {prefix.rstrip('/') or 'policy'}: it was saved by a trainer without one")
+        raise ValueError(
+            f"checkpoint {path} holds no {prefix.rstrip('/') or 'policy'}: it was saved by a trainer without one"
+        )
     model_state, optimizer_state = get_state_dict(model, optimizer)
     for key, value in _flat_entries(model_state, optimizer_state, prefix).items():
         if key not in shards[0]["tensors"] and key not in shards[0]["values"]:
@@ -302,7 +332,9 @@ def _load_part(path: Path, shards: list[dict], prefix: str, model: torch.nn.Modu
             local.copy_(shards[0]["tensors"][key])
             continue
         # A tensor a rank saved whole (an unsharded model's) covers every row.
-        pieces = [(shard["rows"].get(key, (0, shard["tensors"][key].shape[0])), shard["tensors"][key]) for shard in shards]
+        pieces = [
+            (shard["rows"].get(key, (0, shard["tensors"][key].shape[0])), shard["tensors"][key]) for shard in shards
+        ]
         local.copy_(gather_rows(pieces, rows or (0, local.shape[0])))
     optimizer_state["param_groups"] = shards[0][f"{prefix}param_groups"]
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)

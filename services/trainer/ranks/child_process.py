@@ -20,9 +20,9 @@ ChildProcess = asyncio.subprocess.Process | AsyncWarmHelper
 async def start_child(module: str, *args: str) -> ChildProcess:
     """`python -m module args...` with pipes on its stdin and stdout, its stderr this process's:
     forked by the warm fork server where one serves this process, else exec'd."""
-    return (await start_async_helper(module, list(args), dict(os.environ))
-            or await asyncio.create_subprocess_exec(sys.executable, "-m", module, *args, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE))
+    return await start_async_helper(module, list(args), dict(os.environ)) or await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
 
 
 def frame(message: Any) -> bytes:

@@ -128,8 +128,15 @@ def retry_delays(timeout: float) -> list[float]:
 
 
 class RankGroup:
-    def __init__(self, rank: RankInfo, policy: ShardedPolicy, handoff: ShardHandoff, thread: TorchThread,
-                 checkpoints: Path, publish_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        rank: RankInfo,
+        policy: ShardedPolicy,
+        handoff: ShardHandoff,
+        thread: TorchThread,
+        checkpoints: Path,
+        publish_timeout: float = 300.0,
+    ) -> None:
         """`publish_timeout`: how long a version's upload is tried again while the weights service
         is unreachable (restarting) before the publish fails."""
         self.rank = rank
@@ -175,7 +182,9 @@ class RankGroup:
             try:
                 await self.execute(command)
             except CollectiveFailure as exc:
-                log.warning("command failed on every rank; waiting for rank 0", command=type(command).__name__, error=str(exc))
+                log.warning(
+                    "command failed on every rank; waiting for rank 0", command=type(command).__name__, error=str(exc)
+                )
             if isinstance(command, Stop):
                 return
 
@@ -224,8 +233,9 @@ class RankGroup:
         if export_hf:
             self.background.wait()
             return self.policy.save(self.checkpoints, state, export_hf=True)
-        return self.background.save(self.policy.model, self.policy.optimizer, state, self.rank.control,
-                                    critic=self.policy.trained_critic)
+        return self.background.save(
+            self.policy.model, self.policy.optimizer, state, self.rank.control, critic=self.policy.trained_critic
+        )
 
     def _pack(self, version: int) -> PackedShards:
         packed = self.handoff.pack(version, self.policy.local_shards())
@@ -270,18 +280,30 @@ class RankGroup:
             failed = [(e, r) for e, r, _, _ in outcomes if e]
             if not failed:
                 break
-            failure = CollectiveFailure(f"publishing version {version}: " + "; ".join(e for e, _ in failed),
-                                        retryable=all(r for _, r in failed))
+            failure = CollectiveFailure(
+                f"publishing version {version}: " + "; ".join(e for e, _ in failed), retryable=all(r for _, r in failed)
+            )
             if not failure.retryable or delay is None:
                 raise failure
-            log.warning("the weights service is unreachable; uploading the version again", weight_version=version,
-                        retry_in_s=delay, error=str(failure))
+            log.warning(
+                "the weights service is unreachable; uploading the version again",
+                weight_version=version,
+                retry_in_s=delay,
+                error=str(failure),
+            )
             await asyncio.sleep(delay)
         if not any(c for _, _, c, _ in outcomes):
-            raise CollectiveFailure(f"publishing version {version}: every rank uploaded its shards but the weights "
-                                    "service never reported the version complete")
-        return PublishResult(version=version, seconds=time.perf_counter() - started, pack_seconds=packed.pack_seconds,
-                             upload_seconds=upload_seconds, rank_bytes=[b for _, _, _, b in outcomes])
+            raise CollectiveFailure(
+                f"publishing version {version}: every rank uploaded its shards but the weights "
+                "service never reported the version complete"
+            )
+        return PublishResult(
+            version=version,
+            seconds=time.perf_counter() - started,
+            pack_seconds=packed.pack_seconds,
+            upload_seconds=upload_seconds,
+            rank_bytes=[b for _, _, _, b in outcomes],
+        )
 
     def _agree(self, outcome: Any) -> list[Any]:
         """Every rank's upload outcome, on the publishing group (any thread but the torch thread)."""

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from rlmesh.models.loading import load_causal_lm
 from services.trainer.algorithms.losses import clipped_value_loss
-from services.trainer.ranks.batching import MicroBatch
 from services.trainer.config import TrainerConfig
+from services.trainer.ranks.batching import MicroBatch
 from services.trainer.ranks.distributed import RankInfo
 from services.trainer.ranks.optimizing import clipped_norm
 
@@ -37,8 +37,15 @@ class CriticSums:
         return CriticSums(*(a + b for a, b in zip(self.as_list(), other.as_list())))
 
     def as_list(self) -> list[float]:
-        return [self.tokens, self.value_loss, self.values, self.returns, self.returns_squared, self.residuals,
-                self.residuals_squared]
+        return [
+            self.tokens,
+            self.value_loss,
+            self.values,
+            self.returns,
+            self.returns_squared,
+            self.residuals,
+            self.residuals_squared,
+        ]
 
     def metrics(self) -> dict[str, float]:
         """`critic/explained_variance`: 1 - Var(returns - values) / Var(returns), 1 for a perfect
@@ -47,8 +54,11 @@ class CriticSums:
         returns_variance = self.returns_squared / count - (self.returns / count) ** 2
         residual_variance = self.residuals_squared / count - (self.residuals / count) ** 2
         explained = 1.0 - residual_variance / returns_variance if returns_variance > 1e-12 else 0.0
-        return {"critic/value_loss": self.value_loss / count, "critic/explained_variance": explained,
-                "critic/values_mean": self.values / count}
+        return {
+            "critic/value_loss": self.value_loss / count,
+            "critic/explained_variance": explained,
+            "critic/values_mean": self.values / count,
+        }
 
 
 class ValueModel(torch.nn.Module):
@@ -74,7 +84,9 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor, rank: RankInfo) -> torc
     """Advantages centred and scaled over every rank's response tokens of the micro-batch (one
     all-reduce: N ranks compute what one rank computes)."""
     masked = advantages * mask
-    sums = torch.tensor([float(mask.sum()), float(masked.sum()), float((masked * advantages).sum())], dtype=torch.float64)
+    sums = torch.tensor(
+        [float(mask.sum()), float(masked.sum()), float((masked * advantages).sum())], dtype=torch.float64
+    )
     if rank.world_size > 1:
         dist.all_reduce(sums, group=rank.control)
     count, total, squares = sums.tolist()
@@ -90,7 +102,9 @@ class ShardedCritic:
         """`shard`: how the policy is sharded (`policy.shard_model`), applied to the value model alike."""
         self.config = config
         self.rank = rank
-        self.model = shard(ValueModel(load_causal_lm(config.model_dir).to(rank.device)).to(rank.device), rank, compute_dtype)
+        self.model = shard(
+            ValueModel(load_causal_lm(config.model_dir).to(rank.device)).to(rank.device), rank, compute_dtype
+        )
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.critic_learning_rate)
         self.snapshot = None
@@ -114,14 +128,24 @@ class ShardedCritic:
         with torch.no_grad():
             return self.snapshot(input_ids=batch.input_ids, attention_mask=batch.attention_mask)[:, :-1].float()
 
-    def loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-             mask: torch.Tensor) -> tuple[torch.Tensor, CriticSums]:
+    def loss(
+        self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, CriticSums]:
         """The micro-batch's value loss as an unnormalised sum over its response tokens, and its sums."""
         total = clipped_value_loss(values, old_values, returns, mask, self.config.value_clip)
         with torch.no_grad():
             residuals = (returns - values) * mask
-            figures = torch.stack([mask.sum(), total.detach(), (values * mask).sum(), (returns * mask).sum(),
-                                   (returns * returns * mask).sum(), residuals.sum(), (residuals * residuals).sum()])
+            figures = torch.stack(
+                [
+                    mask.sum(),
+                    total.detach(),
+                    (values * mask).sum(),
+                    (returns * mask).sum(),
+                    (returns * returns * mask).sum(),
+                    residuals.sum(),
+                    (residuals * residuals).sum(),
+                ]
+            )
         return total, CriticSums(*figures.tolist())
 
     def idle_loss(self, dummy: torch.Tensor, from_snapshot: bool) -> torch.Tensor:

@@ -31,8 +31,14 @@ class EvalResponses:
 
 
 @torch.no_grad()
-def generate_responses(model, request: EvalRequest, stop_ids: Sequence[int], pad_id: int, synced_gpus: bool = False,
-                       device: torch.device | None = None) -> EvalResponses:
+def generate_responses(
+    model,
+    request: EvalRequest,
+    stop_ids: Sequence[int],
+    pad_id: int,
+    synced_gpus: bool = False,
+    device: torch.device | None = None,
+) -> EvalResponses:
     """`synced_gpus`: the model is sharded over several ranks that all run this evaluation; every
     rank keeps decoding until all are done, so their FSDP collectives stay matched."""
     prompts = request.prompts

@@ -27,10 +27,16 @@ import structlog
 import torch
 
 from rlmesh.models.tp_layout import ModelShape
-from rlmesh.transfer.payload import crc32, stream_chunks, torch_dtype
 from rlmesh.rpc.channels import call_options
+from rlmesh.transfer.payload import crc32, stream_chunks, torch_dtype
 from rlmesh.transfer.shards import (
-    SHM_DIR, LocalShard, SharedMemorySlot, as_bytes, layout_to_proto, shard_specs, write_payload,
+    SHM_DIR,
+    LocalShard,
+    SharedMemorySlot,
+    as_bytes,
+    layout_to_proto,
+    shard_specs,
+    write_payload,
 )
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 
@@ -95,8 +101,17 @@ class PackedShards:
 
 
 class ShardHandoff:
-    def __init__(self, stub: weights_pb2_grpc.WeightsServiceStub, shape: ModelShape, rank: int, world_size: int,
-                 mode: str, mesh: str, timeout: float, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        stub: weights_pb2_grpc.WeightsServiceStub,
+        shape: ModelShape,
+        rank: int,
+        world_size: int,
+        mode: str,
+        mesh: str,
+        timeout: float,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """`dtype`: what the shards are cast to in the payload (the version's served dtype)."""
         if mode not in ("shm", "stream"):
             raise ValueError(f"handoff must be 'shm' or 'stream', got {mode!r}")
@@ -132,7 +147,9 @@ class ShardHandoff:
         if not self._slots or self._slots[0].nbytes < nbytes:
             for slot in self._slots:
                 slot.close()
-            self._slots = [SharedMemorySlot(slot_name(self.mesh, os.getpid(), self.rank, i), nbytes) for i in range(SLOTS_PER_RANK)]
+            self._slots = [
+                SharedMemorySlot(slot_name(self.mesh, os.getpid(), self.rank, i), nbytes) for i in range(SLOTS_PER_RANK)
+            ]
             log.info("shared-memory slots allocated", slots=[str(s.path) for s in self._slots], bytes=nbytes)
         slot = self._slots[self._published % SLOTS_PER_RANK]
         return slot.tensor, str(slot.path)
@@ -147,8 +164,13 @@ class ShardHandoff:
         target, shm_path = self._target(total)
         self._published += 1
         header = weights_pb2.ShardsHeader(
-            version=version, rank=self.rank, world_size=self.world_size, layout=self.layout, shards=specs,
-            total_bytes=total, shm_path=shm_path,
+            version=version,
+            rank=self.rank,
+            world_size=self.world_size,
+            layout=self.layout,
+            shards=specs,
+            total_bytes=total,
+            shm_path=shm_path,
         )
         device = next((shard.tensor.device for shard in shards.values()), torch.device("cpu"))
         if device.type != "cuda":
@@ -158,8 +180,9 @@ class ShardHandoff:
         self._unlanded = PackedShards(header, target, time.perf_counter() - started, copied)
         return self._unlanded
 
-    def _enqueue_copy(self, shards: Mapping[str, LocalShard], specs: list[weights_pb2.ShardSpec], total: int,
-                      device: torch.device) -> torch.cuda.Event:
+    def _enqueue_copy(
+        self, shards: Mapping[str, LocalShard], specs: list[weights_pb2.ShardSpec], total: int, device: torch.device
+    ) -> torch.cuda.Event:
         """Casts each shard on the device and copies it to the staging buffer, on a side stream that
         first waits for the compute stream (the last optimizer step); returns the copy's event.
         Whatever changes the shards must wait for that event (`ShardedPolicy.guard_writes`)."""
@@ -174,7 +197,8 @@ class ShardHandoff:
             for spec, shard in zip(specs, shards.values()):
                 if spec.nbytes:
                     self._staging[spec.offset : spec.offset + spec.nbytes].copy_(
-                        as_bytes(shard.tensor, torch_dtype(spec.dtype)), non_blocking=True)
+                        as_bytes(shard.tensor, torch_dtype(spec.dtype)), non_blocking=True
+                    )
             copied = torch.cuda.Event()
             copied.record(self._stream)
         return copied
@@ -212,12 +236,18 @@ class ShardHandoff:
         try:
             return await self._send(packed)
         except grpc.aio.AioRpcError as exc:
-            unreadable = (packed.header.shm_path and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-                          and "shm_path" in (exc.details() or ""))
+            unreadable = (
+                packed.header.shm_path
+                and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "shm_path" in (exc.details() or "")
+            )
             if not unreadable:
                 raise self._failed(packed, exc) from exc
-            log.warning("the weights service cannot read this rank's shared memory (another host or container?); "
-                        "streaming the shards instead: set handoff = \"stream\"", error=exc.details())
+            log.warning(
+                "the weights service cannot read this rank's shared memory (another host or container?); "
+                'streaming the shards instead: set handoff = "stream"',
+                error=exc.details(),
+            )
         packed.header.shm_path = ""
         try:
             reply = await self._send(packed)
@@ -238,9 +268,11 @@ class ShardHandoff:
         return await self.stub.UploadShards(parts(), **call_options(self.timeout))
 
     def _failed(self, packed: PackedShards, exc: grpc.aio.AioRpcError) -> PublishError:
-        return PublishError(f"rank {self.rank}: UploadShards of version {packed.header.version} failed: "
-                            f"{exc.code().name}: {exc.details()}",
-                            retryable=exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED))
+        return PublishError(
+            f"rank {self.rank}: UploadShards of version {packed.header.version} failed: "
+            f"{exc.code().name}: {exc.details()}",
+            retryable=exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED),
+        )
 
     def close(self) -> None:
         """Unmaps and unlinks the slots. A slot something still views keeps its memory until the

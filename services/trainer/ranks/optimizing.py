@@ -39,8 +39,9 @@ def clipped_norm(model: torch.nn.Module, count: float, max_grad_norm: float) -> 
     return float(norm)
 
 
-def mini_batch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count: float, max_grad_norm: float,
-                    apply: bool = True) -> float:
+def mini_batch_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, count: float, max_grad_norm: float, apply: bool = True
+) -> float:
     """`clipped_norm`, then a step unless `apply` is False, then clears; returns the norm before
     clipping. A norm that is not finite never reaches the optimizer: the gradients are cleared
     and NonFiniteUpdate raised."""

@@ -38,9 +38,9 @@ from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.transfer.shards import LocalShard
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
 from services.trainer.algorithms.losses import policy_loss
+from services.trainer.config import TrainerConfig
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.ranks.checkpoint import Trained, TrainerState, load_checkpoint, save_checkpoint
-from services.trainer.config import TrainerConfig
 from services.trainer.ranks.critic import CriticSums, ShardedCritic, whiten
 from services.trainer.ranks.distributed import RankInfo
 from services.trainer.ranks.evaluation import EvalRequest, EvalResponses, generate_responses
@@ -96,8 +96,11 @@ def shard_model(model: torch.nn.Module, rank: RankInfo, dtype: torch.dtype = tor
     units = [m for m in model.modules() if type(m).__name__ in no_split]
     if not units:
         raise ValueError(f"{type(model).__name__} names no decoder layer class to shard (_no_split_modules)")
-    precision = (MixedPrecisionPolicy() if dtype == torch.float32
-                 else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    precision = (
+        MixedPrecisionPolicy()
+        if dtype == torch.float32
+        else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    )
     for unit in units:
         fully_shard(unit, mp_policy=precision)
     fully_shard(model, mp_policy=precision)
@@ -206,11 +209,15 @@ class ShardedPolicy:
         if self.config.loss == "ppo":
             return False
         if not self.step_begun:
-            raise RuntimeError(f"loss {self.config.loss!r} needs the policy at the start of each training step: "
-                               "the training loop must send BeginStep before a step's first micro-batch")
+            raise RuntimeError(
+                f"loss {self.config.loss!r} needs the policy at the start of each training step: "
+                "the training loop must send BeginStep before a step's first micro-batch"
+            )
         if self.stepped_in_step and self.proximal is None:
-            raise RuntimeError("a micro-batch arrived after an optimizer step of the same training step, but with "
-                               "mini_batches_per_step 1 no step-start snapshot is kept: send BeginStep at each step")
+            raise RuntimeError(
+                "a micro-batch arrived after an optimizer step of the same training step, but with "
+                "mini_batches_per_step 1 no step-start snapshot is kept: send BeginStep at each step"
+            )
         return self.stepped_in_step
 
     def backward(self, samples: list[TrainingSample]) -> MicroBatchStats:
@@ -225,8 +232,10 @@ class ShardedPolicy:
         # collectives): the reference's own forward only for samples that bring no log-probabilities.
         given = all(s.reference_logprobs is not None for s in samples)
         if config.kl_coef > 0 and self.reference is None and not given:
-            raise RuntimeError("kl_coef > 0 with the reference in its own process (placement): every sample "
-                               "must carry its reference_logprobs")
+            raise RuntimeError(
+                "kl_coef > 0 with the reference in its own process (placement): every sample "
+                "must carry its reference_logprobs"
+            )
         own_reference = self.reference is not None and not given
         critic_sums = CriticSums()
         nonfinite = [0.0] * len(samples)
@@ -249,13 +258,31 @@ class ShardedPolicy:
                 # The KL penalty is in the critic's rewards, not the loss.
                 kl_coef = 0.0
             logprobs = token_logprobs(self.model, batch)
-            loss, totals = policy_loss(logprobs, batch.behaviour_logprobs, advantages, batch.response_mask,
-                                       loss=config.loss, proximal_logprobs=proximal, clip_low=config.clip_low,
-                                       clip_high=config.clip_high, importance_cap=config.importance_cap,
-                                       cap_mode=config.importance_cap_mode,
-                                       aggregation=config.loss_aggregation, reference_logprobs=reference, kl_coef=kl_coef)
-            sums = [totals.loss, totals.count, totals.tokens, totals.kl, totals.clipped_tokens, totals.importance_weight,
-                    totals.capped_tokens, totals.behaviour_kl]
+            loss, totals = policy_loss(
+                logprobs,
+                batch.behaviour_logprobs,
+                advantages,
+                batch.response_mask,
+                loss=config.loss,
+                proximal_logprobs=proximal,
+                clip_low=config.clip_low,
+                clip_high=config.clip_high,
+                importance_cap=config.importance_cap,
+                cap_mode=config.importance_cap_mode,
+                aggregation=config.loss_aggregation,
+                reference_logprobs=reference,
+                kl_coef=kl_coef,
+            )
+            sums = [
+                totals.loss,
+                totals.count,
+                totals.tokens,
+                totals.kl,
+                totals.clipped_tokens,
+                totals.importance_weight,
+                totals.capped_tokens,
+                totals.behaviour_kl,
+            ]
             weight_max = totals.importance_weight_max
             # This rank's rows are the micro-batch's samples rank, rank + world_size, ...
             for row in totals.nonfinite_rows:
@@ -274,7 +301,9 @@ class ShardedPolicy:
             if self.critic is not None:
                 # The critic's forwards and the whitening's all-reduce in the order the other ranks run them.
                 value_loss = self.critic.idle_loss(dummy, critic_from_snapshot)
-                whiten(torch.zeros(1, 1, device=self.rank.device), torch.zeros(1, 1, device=self.rank.device), self.rank)
+                whiten(
+                    torch.zeros(1, 1, device=self.rank.device), torch.zeros(1, 1, device=self.rank.device), self.rank
+                )
             loss = self.model(input_ids=dummy).logits.sum() * 0.0
             sums, weight_max = [0.0] * 8, 0.0
         # The critic's graph apart from the policy's, after it: every rank reduces their gradients in one order.
@@ -291,7 +320,9 @@ class ShardedPolicy:
         loss_sum, count, tokens, kl, clipped, weights, capped, behaviour_kl = figures[:8]
         critic_end = 8 + len(critic_figures)
         critic = CriticSums(*figures[8:critic_end]) if self.critic is not None else None
-        names = [getattr(sample, "sample_id", "") or f"micro-batch sample {index}" for index, sample in enumerate(samples)]
+        names = [
+            getattr(sample, "sample_id", "") or f"micro-batch sample {index}" for index, sample in enumerate(samples)
+        ]
         self.pending_samples += names
         if not math.isfinite(loss_sum) or (critic is not None and not math.isfinite(critic.value_loss)):
             poisoned = [names[i] for i, flag in enumerate(figures[critic_end:]) if flag]
@@ -300,13 +331,22 @@ class ShardedPolicy:
             self.critic.pending_tokens += critic.tokens
         self.pending_count += count
         per_token = max(tokens, 1.0)
-        return MicroBatchStats(loss=loss_sum / max(count, 1.0), loss_count=int(count), tokens=int(tokens), kl=kl / per_token,
-                               clip_fraction=clipped / per_token, importance_weight_mean=weights / per_token,
-                               importance_weight_max=largest.item(), capped_fraction=capped / per_token,
-                               behaviour_kl=behaviour_kl / per_token, critic=critic)
+        return MicroBatchStats(
+            loss=loss_sum / max(count, 1.0),
+            loss_count=int(count),
+            tokens=int(tokens),
+            kl=kl / per_token,
+            clip_fraction=clipped / per_token,
+            importance_weight_mean=weights / per_token,
+            importance_weight_max=largest.item(),
+            capped_fraction=capped / per_token,
+            behaviour_kl=behaviour_kl / per_token,
+            critic=critic,
+        )
 
-    def _critic_pass(self, batch, reference: torch.Tensor | None,
-                     from_snapshot: bool) -> tuple[torch.Tensor, torch.Tensor, CriticSums]:
+    def _critic_pass(
+        self, batch, reference: torch.Tensor | None, from_snapshot: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, CriticSums]:
         """The critic's values of the share, GAE's per-token advantages (whitened over the
         micro-batch) from the rewards (the KL penalty to the reference included, if any) and the
         values as the step began, and the value loss against GAE's returns."""
@@ -354,14 +394,22 @@ class ShardedPolicy:
             self.critic.clear()
         self.pending_count = 0.0
         self.pending_samples = []
-        raise NonFiniteUpdate(f"step {self.training_step}: {what} in samples {sample_names(samples)}: the optimizer step is "
-                              "refused, the weights and the optimizer state are unchanged")
+        raise NonFiniteUpdate(
+            f"step {self.training_step}: {what} in samples {sample_names(samples)}: the optimizer step is "
+            "refused, the weights and the optimizer state are unchanged"
+        )
 
     def evaluate(self, request: EvalRequest) -> EvalResponses:
         """Held-out responses; every rank runs the same generation (FSDP forwards need every rank),
         kept in lockstep (synced_gpus) until every rank is done."""
-        return generate_responses(self.model, request, self.stop_ids, self.pad_id, synced_gpus=self.rank.world_size > 1,
-                                  device=self.rank.device)
+        return generate_responses(
+            self.model,
+            request,
+            self.stop_ids,
+            self.pad_id,
+            synced_gpus=self.rank.world_size > 1,
+            device=self.rank.device,
+        )
 
     def guard_writes(self, read_by: torch.cuda.Event | None) -> None:
         """Nothing changes the shards before `read_by` (None: nothing reads them in the background):
@@ -387,8 +435,10 @@ class ShardedPolicy:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole on every rank. For tests only: never on the hand-off path."""
-        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
-                for name, p in self.model.named_parameters()}
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+            for name, p in self.model.named_parameters()
+        }
 
     @property
     def trained_critic(self) -> Trained | None:
@@ -396,8 +446,16 @@ class ShardedPolicy:
         return (self.critic.model, self.critic.optimizer) if self.critic is not None else None
 
     def save(self, directory: Path, state: TrainerState, export_hf: bool) -> Path:
-        return save_checkpoint(directory, self.model, self.optimizer, state, export_hf=export_hf,
-                               tokenizer_dir=Path(self.config.model_dir), group=self.rank.control, critic=self.trained_critic)
+        return save_checkpoint(
+            directory,
+            self.model,
+            self.optimizer,
+            state,
+            export_hf=export_hf,
+            tokenizer_dir=Path(self.config.model_dir),
+            group=self.rank.control,
+            critic=self.trained_critic,
+        )
 
     def load(self, path: Path) -> TrainerState:
         self._wait_for_readers()

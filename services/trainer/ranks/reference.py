@@ -17,8 +17,16 @@ import structlog
 import torch
 
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
-from services.trainer.ranks.child_process import (ChildProcess, end_child, frame, how_it_ended, next_frame, read_frame, start_child,
-                                            write_frame)
+from services.trainer.ranks.child_process import (
+    ChildProcess,
+    end_child,
+    frame,
+    how_it_ended,
+    next_frame,
+    read_frame,
+    start_child,
+    write_frame,
+)
 
 log = structlog.get_logger()
 
@@ -34,17 +42,18 @@ class ReferenceWorkerError(RuntimeError):
 
 
 @torch.inference_mode()
-def response_logprobs(model: torch.nn.Module, samples: Sequence[TrainingSample], pad_id: int,
-                      forward_samples: int = FORWARD_SAMPLES) -> list[list[float]]:
+def response_logprobs(
+    model: torch.nn.Module, samples: Sequence[TrainingSample], pad_id: int, forward_samples: int = FORWARD_SAMPLES
+) -> list[list[float]]:
     """Per sample, the log-probability of each response token under `model` at the sample's
     temperature: `token_logprobs` on the samples' micro-batch, at most `forward_samples` at a time."""
     scored: list[list[float]] = []
     for first in range(0, len(samples), forward_samples):
-        chunk = list(samples[first:first + forward_samples])
+        chunk = list(samples[first : first + forward_samples])
         logprobs = token_logprobs(model, build_micro_batch(chunk, pad_id))
         for row, sample in zip(logprobs, chunk):
             start = len(sample.prompt_ids) - 1
-            scored.append(row[start:start + len(sample.response_ids)].tolist())
+            scored.append(row[start : start + len(sample.response_ids)].tolist())
     return scored
 
 
@@ -65,8 +74,10 @@ def serve(model_dir: str, pad_id: int, threads: int, parent_pid: int, requests: 
     write_frame(replies, ("ready", os.getpid()))
     while (request := read_frame(requests)) is not None:
         try:
-            samples = [TrainingSample(prompt, response, [0.0] * len(response), 0.0, temperature)
-                       for prompt, response, temperature in request]
+            samples = [
+                TrainingSample(prompt, response, [0.0] * len(response), 0.0, temperature)
+                for prompt, response, temperature in request
+            ]
             reply: tuple[str, Any] = ("ok", response_logprobs(model, samples, pad_id))
         except Exception as exc:  # noqa: BLE001 - the trainer raises it, naming this worker
             reply = ("error", f"{type(exc).__name__}: {exc}")
@@ -87,17 +98,29 @@ class ReferenceWorker:
         self._reader = asyncio.create_task(self._read(), name="reference worker replies")
 
     @classmethod
-    async def start(cls, model_dir: str, pad_id: int, threads: int = 1, timeout_seconds: float = 120.0) -> ReferenceWorker:
+    async def start(
+        cls, model_dir: str, pad_id: int, threads: int = 1, timeout_seconds: float = 120.0
+    ) -> ReferenceWorker:
         """Starts the process and waits until it holds the model."""
-        process = await start_child("services.trainer.ranks.reference", "--model-dir", str(model_dir), "--pad-id", str(pad_id),
-                                    "--threads", str(threads), "--parent-pid", str(os.getpid()))
+        process = await start_child(
+            "services.trainer.ranks.reference",
+            "--model-dir",
+            str(model_dir),
+            "--pad-id",
+            str(pad_id),
+            "--threads",
+            str(threads),
+            "--parent-pid",
+            str(os.getpid()),
+        )
         worker = cls(process)
         try:
             await asyncio.wait_for(asyncio.shield(worker._ready), timeout_seconds)
         except TimeoutError:
             await worker.close()
-            raise ReferenceWorkerError(f"the reference worker (pid {process.pid}) did not load {model_dir} "
-                                       f"within {timeout_seconds:g} s") from None
+            raise ReferenceWorkerError(
+                f"the reference worker (pid {process.pid}) did not load {model_dir} within {timeout_seconds:g} s"
+            ) from None
         except BaseException:
             await worker.close()
             raise
@@ -155,8 +178,9 @@ class ReferenceWorker:
         if self._closing:
             self._failure = ReferenceWorkerError(f"the reference worker (pid {self.pid}) was closed")
         else:
-            self._failure = ReferenceWorkerError(f"the reference worker (pid {self.pid}) {ending}; "
-                                                 "its error, if any, is in the trainer's log")
+            self._failure = ReferenceWorkerError(
+                f"the reference worker (pid {self.pid}) {ending}; its error, if any, is in the trainer's log"
+            )
         for future in (self._ready, *self._waiting):
             if not future.done():
                 future.set_exception(self._failure)

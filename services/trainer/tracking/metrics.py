@@ -1,10 +1,18 @@
-"""Training metrics: one JSON line per record, TensorBoard scalars, and the reward-over-steps plot."""
+"""Training metrics: one JSON line per record, TensorBoard scalars, and the reward-over-steps plot;
+each record, the held-out samples and the plot also go to the experiment trackers the job enables."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import structlog
+
+from services.trainer.tracking.tracker import HeldOutSample, Tracker
+
+log = structlog.get_logger()
 
 
 class MetricsWriter:
@@ -20,6 +28,9 @@ class MetricsWriter:
         self.history: list[dict[str, float]] = []
         if self.jsonl_path.exists():
             self.history = [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+        self.trackers: list[Tracker] = []
+        """The experiment trackers the job enables (`tracker.py`), started with the run: each is handed
+        every record as it is filed."""
 
     def write(self, step: int, values: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **values}
@@ -29,6 +40,11 @@ class MetricsWriter:
         for name, value in values.items():
             self._tensorboard.add_scalar(name, value, step)
         self._tensorboard.flush()
+        self._to_trackers(lambda tracker: tracker.log_metrics(step, values, record["time"]))
+
+    def write_samples(self, step: int, samples: list[HeldOutSample]) -> None:
+        """A validation's held-out responses, for the trackers' samples tables."""
+        self._to_trackers(lambda tracker: tracker.log_samples(step, samples))
 
     def plot(self) -> Path:
         # matplotlib's import costs about a CPU-second: paid once, at the end of a run, by the
@@ -41,11 +57,25 @@ class MetricsWriter:
         figure = Figure(figsize=(7, 4))
         axis = figure.subplots()
         if train:
-            axis.plot([r["step"] for r in train], [r["reward"] for r in train], label="training reward (sampled)", alpha=0.7)
+            axis.plot(
+                [r["step"] for r in train], [r["reward"] for r in train], label="training reward (sampled)", alpha=0.7
+            )
         if held_out:
-            axis.plot([r["step"] for r in held_out], [r["eval/sampled_reward"] for r in held_out], "o-", label="held-out reward (sampled)")
-            axis.plot([r["step"] for r in held_out], [r["eval/exact_match"] for r in held_out], "s--", label="held-out exact match (greedy)")
-            tasks = sorted({key.split("/")[1] for r in held_out for key in r if key.startswith("eval/") and key.count("/") == 2})
+            axis.plot(
+                [r["step"] for r in held_out],
+                [r["eval/sampled_reward"] for r in held_out],
+                "o-",
+                label="held-out reward (sampled)",
+            )
+            axis.plot(
+                [r["step"] for r in held_out],
+                [r["eval/exact_match"] for r in held_out],
+                "s--",
+                label="held-out exact match (greedy)",
+            )
+            tasks = sorted(
+                {key.split("/")[1] for r in held_out for key in r if key.startswith("eval/") and key.count("/") == 2}
+            )
             if len(tasks) > 1:
                 for task in tasks:
                     key = f"eval/{task}/sampled_reward"
@@ -58,7 +88,23 @@ class MetricsWriter:
         axis.legend(loc="lower right")
         figure.tight_layout()
         figure.savefig(self.plot_path, dpi=110)
+        last_step = max((r["step"] for r in self.history), default=0)
+        self._to_trackers(lambda tracker: tracker.log_reward_curve(last_step, self.plot_path))
         return self.plot_path
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Closes TensorBoard's file and each tracker's run, marked failed or finished."""
         self._tensorboard.close()
+        self._to_trackers(lambda tracker: tracker.finish(failed))
+        self.trackers = []
+
+    def _to_trackers(self, call: Callable[[Tracker], None]) -> None:
+        for tracker in self.trackers:
+            try:
+                call(tracker)
+            except Exception as exc:  # noqa: BLE001 - metrics.jsonl holds every record: a tracker's outage ends no run
+                log.warning(
+                    "an experiment tracker failed; training goes on",
+                    tracker=tracker.name,
+                    error=f"{type(exc).__name__}: {exc}",
+                )

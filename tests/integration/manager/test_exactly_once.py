@@ -67,8 +67,10 @@ class CuttingProxy:
             for w in writers:
                 w.transport.abort()
 
-        tasks = [asyncio.create_task(pipe(client_reader, upstream_writer, None)),
-                 asyncio.create_task(pipe(upstream_reader, client_writer, budget))]
+        tasks = [
+            asyncio.create_task(pipe(client_reader, upstream_writer, None)),
+            asyncio.create_task(pipe(upstream_reader, client_writer, budget)),
+        ]
         self._tasks.update(tasks)
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.difference_update(tasks)
@@ -84,11 +86,18 @@ class CuttingProxy:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def manager():
     manager = await start_manager(ManagerConfig(server=loopback()))
-    synthetic = SyntheticConfig(length="uniform", mean_tokens=20, throughput_tokens_per_second=20000, min_step_seconds=0.001)
-    rollout = await start_rollout(RolloutConfig(
-        server=loopback(), instance_id="fast", manager_address=manager.server.address,
-        engine=EngineConfig(kind="synthetic", max_batch_size=64, synthetic=synthetic), register_timeout_seconds=10,
-    ))
+    synthetic = SyntheticConfig(
+        length="uniform", mean_tokens=20, throughput_tokens_per_second=20000, min_step_seconds=0.001
+    )
+    rollout = await start_rollout(
+        RolloutConfig(
+            server=loopback(),
+            instance_id="fast",
+            manager_address=manager.server.address,
+            engine=EngineConfig(kind="synthetic", max_batch_size=64, synthetic=synthetic),
+            register_timeout_seconds=10,
+        )
+    )
     await wait_for(lambda: "fast" in manager.state.instances)
     try:
         yield manager
@@ -99,16 +108,26 @@ async def manager():
 
 @pytest.mark.asyncio(loop_scope="module")
 @settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cuts=st.lists(st.integers(min_value=0, max_value=2500), max_size=4), micro_batch_groups=st.integers(1, 4),
-       wait_for_all=st.booleans())
-async def test_every_group_arrives_exactly_once_however_the_stream_is_cut(manager, cuts, micro_batch_groups, wait_for_all):
+@given(
+    cuts=st.lists(st.integers(min_value=0, max_value=2500), max_size=4),
+    micro_batch_groups=st.integers(1, 4),
+    wait_for_all=st.booleans(),
+)
+async def test_every_group_arrives_exactly_once_however_the_stream_is_cut(
+    manager, cuts, micro_batch_groups, wait_for_all
+):
     batch_id = f"b{next(batch_numbers)}"
     direct = MeshClient(manager.server.address, manager.server.address, rpc_timeout=5)
     proxy = CuttingProxy(manager.server.port, cuts)
     proxied = MeshClient(await proxy.start(), manager.server.address, rpc_timeout=5, manager_outage_seconds=30)
     try:
-        await direct.submit(batch_id, 0, [(f"p{i}", [1, 2, 3]) for i in range(PROMPTS)], GROUP_SIZE,
-                            common_pb2.SamplingParams(temperature=1.0, max_tokens=40))
+        await direct.submit(
+            batch_id,
+            0,
+            [(f"p{i}", [1, 2, 3]) for i in range(PROMPTS)],
+            GROUP_SIZE,
+            common_pb2.SamplingParams(temperature=1.0, max_tokens=40),
+        )
         if wait_for_all:
             # Everything ready at once: large replies, cut in the middle of a micro-batch's bytes.
             await wait_for(lambda: len(manager.state.batches[batch_id].ready) == PROMPTS)

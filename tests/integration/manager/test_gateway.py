@@ -20,14 +20,14 @@ import httpx
 import openai
 import pytest
 
-from rlmesh.common.v1 import common_pb2
 from rlmesh.chat.gateway_client import session_base_url, trust_environment
+from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.rpc.channels import open_channel, use_tls
 from rlmesh.rpc.tls import create_certificates
-from services.manager.gateway.sessions import GatewaySessions
 from services.manager.gateway.openai_format import GatewayError
+from services.manager.gateway.sessions import GatewaySessions
 from services.trainer.trajectories import parts_of
 from tests.integration.rlmesh.test_authorization import roleless_certificate
 from tests.support import build_mesh, stop_mesh, wait_for
@@ -46,25 +46,38 @@ async def gateway_mesh(chat_model_dir):
         await stop_mesh(mesh)
 
 
-async def open_sessions(manager, chat_model_dir, count: int, batch_id: str = "agents",
-                        max_total_tokens: int = 0) -> list[manager_pb2.SessionHandle]:
+async def open_sessions(
+    manager, chat_model_dir, count: int, batch_id: str = "agents", max_total_tokens: int = 0
+) -> list[manager_pb2.SessionHandle]:
     stop = load_hf_tokenizer(chat_model_dir).convert_tokens_to_ids(IM_END_TOKEN)
-    reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
-        batch_id=batch_id, policy_version=0, task="harness",
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=[stop], seed=3),
-        prompts=[manager_pb2.Prompt(prompt_id="p", n=count)],
-        limits=manager_pb2.SessionLimits(max_turns=8, max_total_tokens=max_total_tokens)), timeout=10)
+    reply = await manager.OpenSessions(
+        manager_pb2.OpenSessionsRequest(
+            batch_id=batch_id,
+            policy_version=0,
+            task="harness",
+            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=10, stop_token_ids=[stop], seed=3),
+            prompts=[manager_pb2.Prompt(prompt_id="p", n=count)],
+            limits=manager_pb2.SessionLimits(max_turns=8, max_total_tokens=max_total_tokens),
+        ),
+        timeout=10,
+    )
     return list(reply.sessions)
 
 
 def client_for(mesh, handle) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://{mesh.manager.gateway_address}/sessions/{handle.session_id}/v1", api_key=handle.key,
-                              max_retries=0, timeout=60)
+    return openai.AsyncOpenAI(
+        base_url=f"http://{mesh.manager.gateway_address}/sessions/{handle.session_id}/v1",
+        api_key=handle.key,
+        max_retries=0,
+        timeout=60,
+    )
 
 
 async def trajectories(manager, batch_id: str) -> list[manager_pb2.SessionTrajectory]:
     groups = []
-    async for reply in manager.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1), timeout=30):
+    async for reply in manager.StreamRollouts(
+        manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1), timeout=30
+    ):
         groups += reply.groups
     return [s.session for g in groups for s in g.samples]
 
@@ -72,7 +85,9 @@ async def trajectories(manager, batch_id: str) -> list[manager_pb2.SessionTrajec
 async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_tokens(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1)
-    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}
+    ]
     tokenizer = load_hf_tokenizer(chat_model_dir)
     async with client_for(mesh, handle) as client:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
@@ -80,8 +95,9 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
         turns = [first.model_extra["rlmesh"]]
         messages.append(first.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "user", "content": "Again?"})
-        stream = await client.chat.completions.create(model="tiny", messages=messages, stream=True,
-                                                      stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
         content, finish, usage, pieces = "", None, None, 0
         async for chunk in stream:
             if chunk.choices:
@@ -97,35 +113,47 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
         assert content == printable and pieces >= min(2, len(printable))
     # The first reply's OpenAI logprobs are the extension's.
     assert [t.logprob for t in first.choices[0].logprobs.content] == pytest.approx(turns[0]["logprobs"])
-    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                               timeout=10)
+    await manager.CloseSession(
+        manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+        timeout=10,
+    )
     [trajectory] = await trajectories(manager, "agents")
     models = [s for s in trajectory.segments if s.source == MODEL]
     assert [list(m.token_ids) for m in models] == [t["token_ids"] for t in turns]
     assert [list(m.logprobs) for m in models] == [pytest.approx(t["logprobs"]) for t in turns]
     assert [list(m.weight_versions) for m in models] == [t["weight_versions"] for t in turns]
-    environment = [tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT]
+    environment = [
+        tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
+    ]
     assert environment == ["Be brief.", "What is 2+3?", "Again?"]
     [part] = parts_of(trajectory)
     trained = [t for t, m in zip(part.response_ids, part.mask) if m]
     assert trained == [t for m in models for t in m.token_ids]
     # The whole stream is the template's rendering of the conversation with the model's own tokens.
     assert tokenizer.decode(part.prompt_ids + part.response_ids).startswith(
-        tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False))
+        tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
+    )
 
 
 async def test_tool_messages_render_through_the_chat_template(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1, "tools")
-    call = {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}
-    history = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'},
+    }
+    history = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
     async with client_for(mesh, handle) as client:
         reply = await client.chat.completions.create(model="tiny", messages=history)
     assert reply.choices[0].message.role == "assistant"
     session = mesh.manager.state.sessions.get(handle.session_id)
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    rendered = tokenizer.decode(session.part_tokens()[:-len(reply.model_extra["rlmesh"]["token_ids"])])
+    rendered = tokenizer.decode(session.part_tokens()[: -len(reply.model_extra["rlmesh"]["token_ids"])])
     assert rendered.endswith("<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -141,8 +169,10 @@ async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_
         edited = [messages[0], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}]
         third = await client.chat.completions.create(model="tiny", messages=edited)
     assert third.model_extra["rlmesh"]["turn"] == 2
-    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                               timeout=10)
+    await manager.CloseSession(
+        manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+        timeout=10,
+    )
     [trajectory] = await trajectories(manager, "edits")
     breaks = [s for s in trajectory.segments if s.starts_part]
     # Nothing before the edit is shared but the user's first message: the new part starts from scratch.
@@ -154,36 +184,61 @@ async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_
     assert [t for t, m in zip(parts[1].response_ids, parts[1].mask) if m] == third.model_extra["rlmesh"]["token_ids"]
 
 
-async def test_text_completions_extend_the_stream_token_for_token_and_an_overflow_ends_the_session(gateway_mesh, chat_model_dir):
+async def test_text_completions_extend_the_stream_token_for_token_and_an_overflow_ends_the_session(
+    gateway_mesh, chat_model_dir
+):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1, "text", max_total_tokens=80)
     tokenizer = load_hf_tokenizer(chat_model_dir)
     # The session named in a header instead of the base URL, the key as the bearer key.
-    client = openai.AsyncOpenAI(base_url=f"http://{mesh.manager.gateway_address}/v1", api_key=handle.key, max_retries=0, timeout=60,
-                                default_headers={"x-rlmesh-session": handle.session_id})
+    client = openai.AsyncOpenAI(
+        base_url=f"http://{mesh.manager.gateway_address}/v1",
+        api_key=handle.key,
+        max_retries=0,
+        timeout=60,
+        default_headers={"x-rlmesh-session": handle.session_id},
+    )
     async with client:
         first = await client.completions.create(model="tiny", prompt="Count: 1 2")
         first_turn = first.model_extra["rlmesh"]
         assert first.choices[0].text == tokenizer.decode(first_turn["token_ids"], skip_special_tokens=True)
         # The next prompt as token ids: the stream so far, the model's tokens exactly as sampled, then new ones.
-        prompt_ids = tokenizer.encode("Count: 1 2", add_special_tokens=False) + first_turn["token_ids"] + tokenizer.encode(" 3",
-                                                                                                          add_special_tokens=False)
+        prompt_ids = (
+            tokenizer.encode("Count: 1 2", add_special_tokens=False)
+            + first_turn["token_ids"]
+            + tokenizer.encode(" 3", add_special_tokens=False)
+        )
         stream = await client.completions.create(model="tiny", prompt=prompt_ids, stream=True)
         chunks = [chunk async for chunk in stream]
         second_turn = chunks[-1].model_extra["rlmesh"]
-        assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(second_turn["token_ids"], skip_special_tokens=True)
+        assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(
+            second_turn["token_ids"], skip_special_tokens=True
+        )
         assert second_turn["stream_tokens"] == len(prompt_ids) + len(second_turn["token_ids"])
         # A prompt past max_total_tokens: a reply (not an HTTP 400) that ends the session.
-        overflow = await client.completions.create(model="tiny", prompt=prompt_ids + second_turn["token_ids"] + [5] * 80)
-    assert overflow.choices[0].finish_reason == "length" and overflow.model_extra["rlmesh"]["session_status"] == "truncated_context"
+        overflow = await client.completions.create(
+            model="tiny", prompt=prompt_ids + second_turn["token_ids"] + [5] * 80
+        )
+    assert (
+        overflow.choices[0].finish_reason == "length"
+        and overflow.model_extra["rlmesh"]["session_status"] == "truncated_context"
+    )
     # The episode's owner settles it (the manager closed it first: that status stays).
-    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                               timeout=10)
+    await manager.CloseSession(
+        manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+        timeout=10,
+    )
     [trajectory] = await trajectories(manager, "text")
-    assert trajectory.status == manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT and "max_total_tokens is 80" in trajectory.detail
+    assert (
+        trajectory.status == manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT
+        and "max_total_tokens is 80" in trajectory.detail
+    )
     models = [s for s in trajectory.segments if s.source == MODEL]
     assert [list(m.token_ids) for m in models] == [first_turn["token_ids"], second_turn["token_ids"]]
-    assert [list(m.logprobs) for m in models] == [pytest.approx(first_turn["logprobs"]), pytest.approx(second_turn["logprobs"])]
+    assert [list(m.logprobs) for m in models] == [
+        pytest.approx(first_turn["logprobs"]),
+        pytest.approx(second_turn["logprobs"]),
+    ]
     [part] = parts_of(trajectory)
     assert part.prompt_ids + part.response_ids == prompt_ids + second_turn["token_ids"]
     assert [t for t, m in zip(part.response_ids, part.mask) if m] == first_turn["token_ids"] + second_turn["token_ids"]
@@ -205,18 +260,28 @@ async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
         assert (await client.models.list()).data[0].object == "model"
     # The key in the base URL: one setting points a harness at its session, whatever bearer key it sends.
     address = mesh.manager.gateway_address
-    in_url = openai.AsyncOpenAI(base_url=f"http://{address}/sessions/{mine.session_id}/key/{mine.key}/v1", api_key="anything",
-                                max_retries=0, timeout=60)
+    in_url = openai.AsyncOpenAI(
+        base_url=f"http://{address}/sessions/{mine.session_id}/key/{mine.key}/v1",
+        api_key="anything",
+        max_retries=0,
+        timeout=60,
+    )
     async with in_url as client:
         assert (await client.models.list()).data[0].object == "model"
-    wrong_in_url = openai.AsyncOpenAI(base_url=f"http://{address}/sessions/{theirs.session_id}/key/{mine.key}/v1", api_key=theirs.key,
-                                      max_retries=0, timeout=60)
+    wrong_in_url = openai.AsyncOpenAI(
+        base_url=f"http://{address}/sessions/{theirs.session_id}/key/{mine.key}/v1",
+        api_key=theirs.key,
+        max_retries=0,
+        timeout=60,
+    )
     async with wrong_in_url as client:
         with pytest.raises(openai.AuthenticationError, match="no session"):
             await client.models.list()
 
 
-async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on_token_for_token(gateway_mesh, chat_model_dir):
+async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on_token_for_token(
+    gateway_mesh, chat_model_dir
+):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1, "restart")
     messages = [{"role": "user", "content": "Count."}]
@@ -235,8 +300,10 @@ async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on
     async with client_for(mesh, handle) as client:
         second = await client.chat.completions.create(model="tiny", messages=messages)
     assert second.model_extra["rlmesh"]["turn"] == 1
-    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                               timeout=10)
+    await manager.CloseSession(
+        manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+        timeout=10,
+    )
     [trajectory] = await trajectories(manager, "restart")
     assert not any(s.starts_part for s in trajectory.segments)
     models = [list(s.token_ids) for s in trajectory.segments if s.source == MODEL]
@@ -260,7 +327,9 @@ class CountingStub:
         return getattr(self._stub, name)
 
 
-async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is_refused_not_replayed(gateway_mesh, chat_model_dir):
+async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is_refused_not_replayed(
+    gateway_mesh, chat_model_dir
+):
     mesh, manager = gateway_mesh
     tokenizer = load_hf_tokenizer(chat_model_dir)
     stub = CountingStub(manager)
@@ -273,13 +342,17 @@ async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is
         await wait_for(lambda: ran_elsewhere.session_id in sessions._announced, what="the sessions announced")
         view = await sessions.authorized(fresh.session_id, fresh.key)
         assert view.announced and view.next_turn == 0 and view.stream == [] and stub.loads == 0
-        user = [manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=tokenizer.encode("Count."))]
+        user = [
+            manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=tokenizer.encode("Count."))
+        ]
         result = await sessions.run(view, user, None, view.sampling, [])
         assert result.segment is not None and view.next_turn == 1 and not view.announced
         assert view.stream == mesh.manager.state.sessions.get(fresh.session_id).part_tokens()
 
         # Turn 0 of the other ran through the contract: the gateway's first request must not get it back as its own.
-        await manager.RunTurn(manager_pb2.RunTurnRequest(session_id=ran_elsewhere.session_id, turn=0, append=user), timeout=60)
+        await manager.RunTurn(
+            manager_pb2.RunTurnRequest(session_id=ran_elsewhere.session_id, turn=0, append=user), timeout=60
+        )
         stale = await sessions.authorized(ran_elsewhere.session_id, ran_elsewhere.key)
         with pytest.raises(GatewayError) as refused:
             await sessions.run(stale, user + user, None, stale.sampling, [])
@@ -293,10 +366,20 @@ async def test_sessions_are_known_as_they_open_and_a_first_turn_run_elsewhere_is
 async def test_a_stop_string_ends_the_turn_at_its_token_and_the_text_before_it(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    greedy = common_pb2.SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END_TOKEN)])
-    reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
-        batch_id="stops", policy_version=0, task="react", sampling=greedy, prompts=[manager_pb2.Prompt(prompt_id="p", n=2)],
-        limits=manager_pb2.SessionLimits(max_turns=4)), timeout=10)
+    greedy = common_pb2.SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
+    )
+    reply = await manager.OpenSessions(
+        manager_pb2.OpenSessionsRequest(
+            batch_id="stops",
+            policy_version=0,
+            task="react",
+            sampling=greedy,
+            prompts=[manager_pb2.Prompt(prompt_id="p", n=2)],
+            limits=manager_pb2.SessionLimits(max_turns=4),
+        ),
+        timeout=10,
+    )
     free_handle, stopped_handle = reply.sessions
     async with client_for(mesh, free_handle) as client:
         free = await client.completions.create(model="tiny", prompt="Count: 1 2")
@@ -307,27 +390,39 @@ async def test_a_stop_string_ends_the_turn_at_its_token_and_the_text_before_it(g
         stopped = await client.completions.create(model="tiny", prompt="Count: 1 2", stop=[stop])
     # The engine ended the turn at the token with which the text first held the stop string; the
     # turn keeps that token (what was sampled is what is trained), the text ends before the string.
-    end = next(i for i in range(len(free_tokens)) if stop in tokenizer.decode(free_tokens[:i + 1], skip_special_tokens=True))
-    assert stopped.model_extra["rlmesh"]["token_ids"] == free_tokens[:end + 1]
-    assert stopped.choices[0].text == text[:text.index(stop)] and stopped.choices[0].finish_reason == "stop"
+    end = next(
+        i for i in range(len(free_tokens)) if stop in tokenizer.decode(free_tokens[: i + 1], skip_special_tokens=True)
+    )
+    assert stopped.model_extra["rlmesh"]["token_ids"] == free_tokens[: end + 1]
+    assert stopped.choices[0].text == text[: text.index(stop)] and stopped.choices[0].finish_reason == "stop"
     session = mesh.manager.state.sessions.get(stopped_handle.session_id)
-    assert [list(s.token_ids) for s in session.segments if s.source == MODEL] == [free_tokens[:end + 1]]
+    assert [list(s.token_ids) for s in session.segments if s.source == MODEL] == [free_tokens[: end + 1]]
 
 
 async def test_a_task_that_scores_itself_refuses_its_agents_rewards(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     [allowed] = await open_sessions(manager, chat_model_dir, 1, "agent-scored")
-    refused = manager_pb2.OpenSessionsRequest(batch_id="task-scored", policy_version=0, task="harness",
-                                              sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
-                                              prompts=[manager_pb2.Prompt(prompt_id="p", n=1)],
-                                              limits=manager_pb2.SessionLimits(max_turns=2, refuse_agent_rewards=True))
+    refused = manager_pb2.OpenSessionsRequest(
+        batch_id="task-scored",
+        policy_version=0,
+        task="harness",
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=4),
+        prompts=[manager_pb2.Prompt(prompt_id="p", n=1)],
+        limits=manager_pb2.SessionLimits(max_turns=2, refuse_agent_rewards=True),
+    )
     [scored] = (await manager.OpenSessions(refused, timeout=10)).sessions
     async with httpx.AsyncClient(base_url=f"http://{mesh.manager.gateway_address}", timeout=30) as client:
-        answer = await client.post(f"/sessions/{scored.session_id}/v1/rlmesh/reward", json={"reward": 1.0},
-                                   headers={"authorization": f"Bearer {scored.key}"})
+        answer = await client.post(
+            f"/sessions/{scored.session_id}/v1/rlmesh/reward",
+            json={"reward": 1.0},
+            headers={"authorization": f"Bearer {scored.key}"},
+        )
         assert answer.status_code == 403 and "agent_rewards" in answer.json()["error"]["message"]
-        answer = await client.post(f"/sessions/{allowed.session_id}/v1/rlmesh/reward", json={"reward": 0.25},
-                                   headers={"authorization": f"Bearer {allowed.key}"})
+        answer = await client.post(
+            f"/sessions/{allowed.session_id}/v1/rlmesh/reward",
+            json={"reward": 0.25},
+            headers={"authorization": f"Bearer {allowed.key}"},
+        )
         assert answer.status_code == 200
     assert mesh.manager.state.sessions.get(allowed.session_id).reward == 0.25
     assert mesh.manager.state.sessions.get(scored.session_id).reward is None
@@ -351,11 +446,21 @@ async def test_with_mesh_tls_the_gateway_serves_https_to_an_agent_given_the_mesh
             [handle] = await open_sessions(manager_pb2_grpc.ManagerServiceStub(channel), chat_model_dir, 1, "tls")
             address = mesh.manager.gateway_address
             # What an agent command is given, and nothing else: its base URL, its key, the CA bundle to trust.
-            environment = {**os.environ, **trust_environment(), "OPENAI_BASE_URL": session_base_url(address, handle.session_id),
-                           "OPENAI_API_KEY": handle.key}
+            environment = {
+                **os.environ,
+                **trust_environment(),
+                "OPENAI_BASE_URL": session_base_url(address, handle.session_id),
+                "OPENAI_API_KEY": handle.key,
+            }
             assert environment["OPENAI_BASE_URL"].startswith("https://")
-            agent = await asyncio.create_subprocess_exec(sys.executable, "-c", AGENT, env=environment, stdout=asyncio.subprocess.PIPE,
-                                                         stderr=asyncio.subprocess.PIPE)
+            agent = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                AGENT,
+                env=environment,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             out, err = await agent.communicate()
             assert agent.returncode == 0 and out.decode().strip() == handle.session_id, err.decode()[-2000:]
             async with httpx.AsyncClient(timeout=10) as client:
@@ -384,8 +489,10 @@ async def test_the_gateway_keeps_nothing_of_the_sessions_of_a_delivered_batch(ga
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
     assert await cached() == 2
     for handle in handles:
-        await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                                   timeout=10)
+        await manager.CloseSession(
+            manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+            timeout=10,
+        )
     assert len(await trajectories(manager, "forgotten")) == 3
     await manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id="forgotten"), timeout=10)
     deadline = time.monotonic() + 20

@@ -12,11 +12,11 @@ import json
 import openai
 import pytest
 
+from rlmesh.chat.tool_calls import tool_call_text
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.rpc.channels import open_channel
-from rlmesh.chat.tool_calls import tool_call_text
 from services.rollout.engine import Chunk, Finish
 from services.trainer.trajectories import parts_of
 from tests.integration.manager.test_gateway import client_for, trajectories
@@ -37,7 +37,9 @@ class ScriptedModel:
     async def generate(self, request):
         await self.released.wait()
         turn = int(request.request_id.rsplit("#", 1)[1].split("@")[0])
-        ids = self.tokenizer.encode(self.replies[turn], add_special_tokens=False) + [self.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
+        ids = self.tokenizer.encode(self.replies[turn], add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+        ]
         yield Chunk(request.request_id, ids, [-1.0] * len(ids), [self.engine.weight_version] * len(ids), Finish.STOP)
 
 
@@ -56,18 +58,29 @@ async def scripted(chat_model_dir, monkeypatch, request):
         await stop_mesh(mesh)
 
 
-async def open_session(manager, chat_model_dir, batch_id: str, refuse_breaks: bool = False) -> manager_pb2.SessionHandle:
+async def open_session(
+    manager, chat_model_dir, batch_id: str, refuse_breaks: bool = False
+) -> manager_pb2.SessionHandle:
     stop = load_hf_tokenizer(chat_model_dir).convert_tokens_to_ids(IM_END_TOKEN)
-    reply = await manager.OpenSessions(manager_pb2.OpenSessionsRequest(
-        batch_id=batch_id, policy_version=0, task="harness", prompts=[manager_pb2.Prompt(prompt_id="p", n=1)],
-        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=200, stop_token_ids=[stop], seed=3),
-        limits=manager_pb2.SessionLimits(max_turns=8, refuse_breaks=refuse_breaks)), timeout=10)
+    reply = await manager.OpenSessions(
+        manager_pb2.OpenSessionsRequest(
+            batch_id=batch_id,
+            policy_version=0,
+            task="harness",
+            prompts=[manager_pb2.Prompt(prompt_id="p", n=1)],
+            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=200, stop_token_ids=[stop], seed=3),
+            limits=manager_pb2.SessionLimits(max_turns=8, refuse_breaks=refuse_breaks),
+        ),
+        timeout=10,
+    )
     return reply.sessions[0]
 
 
 async def closed_trajectory(manager, handle, batch_id: str) -> manager_pb2.SessionTrajectory:
-    await manager.CloseSession(manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
-                               timeout=10)
+    await manager.CloseSession(
+        manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
+        timeout=10,
+    )
     [trajectory] = await trajectories(manager, batch_id)
     return trajectory
 
@@ -81,20 +94,30 @@ def go_style(arguments: str) -> str:
 
 async def test_a_go_style_harness_runs_three_turns_without_a_break(scripted, chat_model_dir):
     mesh, manager, model = scripted
-    model.replies = [tool_call_text("calculator", {"expression": "2+3", "note": "a < b", "digits": 2.0}),
-                     "Checking. " + tool_call_text("calculator", {"expression": "5*5"}), "It is 25."]
+    model.replies = [
+        tool_call_text("calculator", {"expression": "2+3", "note": "a < b", "digits": 2.0}),
+        "Checking. " + tool_call_text("calculator", {"expression": "5*5"}),
+        "It is 25.",
+    ]
     handle = await open_session(manager, chat_model_dir, "go")
     messages = [{"role": "user", "content": "What is (2+3)^2?"}]
     async with client_for(mesh, handle) as client:
         for turn in range(3):
-            reply = (await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)).choices[0].message
+            reply = (
+                (await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)).choices[0].message
+            )
             echoed = {"role": "assistant"}
             if reply.content:
                 echoed["content"] = reply.content
             if reply.tool_calls:
-                echoed["tool_calls"] = [{"id": c.id, "type": "function",
-                                         "function": {"name": c.function.name, "arguments": go_style(c.function.arguments)}}
-                                        for c in reply.tool_calls]
+                echoed["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": go_style(c.function.arguments)},
+                    }
+                    for c in reply.tool_calls
+                ]
                 assert echoed["tool_calls"][0]["function"]["arguments"] != reply.tool_calls[0].function.arguments
             messages.append(echoed)
             messages += [{"role": "tool", "tool_call_id": c.id, "content": "5"} for c in reply.tool_calls or []]
@@ -105,7 +128,9 @@ async def test_a_go_style_harness_runs_three_turns_without_a_break(scripted, cha
     assert not mesh.manager.state.sessions.breaks_by_cause
 
 
-async def test_a_harness_stripping_whitespace_and_think_blocks_runs_three_turns_without_a_break(scripted, chat_model_dir):
+async def test_a_harness_stripping_whitespace_and_think_blocks_runs_three_turns_without_a_break(
+    scripted, chat_model_dir
+):
     mesh, manager, model = scripted
     model.replies = ["<think>2 and 3 make 5.</think>\n  It is 5.\n\n", "\n<think>\nTimes 5.\n</think>25  ", "  Done.\n"]
     handle = await open_session(manager, chat_model_dir, "strip")
@@ -135,14 +160,30 @@ async def test_a_harness_sending_text_parts_runs_three_turns_without_a_break(scr
     async with client_for(mesh, handle) as client:
         for follow_up in ("Times 5?", "Thanks."):
             reply = (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message
-            messages += [{"role": "assistant", "content": parts(reply.content)}, {"role": "user", "content": parts(follow_up)}]
+            messages += [
+                {"role": "assistant", "content": parts(reply.content)},
+                {"role": "user", "content": parts(follow_up)},
+            ]
         await client.chat.completions.create(model="tiny", messages=messages)
         with pytest.raises(openai.BadRequestError, match="image_url"):
-            await client.chat.completions.create(model="tiny", messages=[*messages[:-1], {"role": "user", "content": [
-                {"type": "text", "text": "And this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}])
+            await client.chat.completions.create(
+                model="tiny",
+                messages=[
+                    *messages[:-1],
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "And this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                        ],
+                    },
+                ],
+            )
     trajectory = await closed_trajectory(manager, handle, "parts")
     assert trajectory.turns == 3 and not any(s.starts_part for s in trajectory.segments)
-    environment = [tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT]
+    environment = [
+        tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
+    ]
     assert environment == ["Be brief.", "What is 2+3?", "Times 5?", "Thanks."]
 
 
@@ -155,8 +196,11 @@ async def stream_turn(client, messages, **options) -> dict:
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for call in delta.tool_calls or []:
-            calls[call.index] = {"id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                                                  "arguments": call.function.arguments}}
+            calls[call.index] = {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
@@ -204,7 +248,10 @@ async def test_a_chat_request_after_a_completions_turn_breaks_where_the_chat_lef
     last = parts_of(trajectory)[-1]
     assert tokenizer.decode(last.response_ids) == f"It is 25.{IM_END_TOKEN}"
     assert tokenizer.decode(last.prompt_ids) == tokenizer.apply_chat_template(
-        [*messages[:1], {"role": "assistant", "content": "It is 5."}, messages[2]], add_generation_prompt=True, tokenize=False)
+        [*messages[:1], {"role": "assistant", "content": "It is 5."}, messages[2]],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert mesh.manager.state.sessions.breaks_by_cause == {"mixed_endpoints": 1}
 
 
@@ -216,7 +263,9 @@ async def test_a_session_that_refuses_breaks_answers_409_naming_the_message(scri
     async with client_for(mesh, refusing) as client:
         first = (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message
         rewritten = [*messages, {"role": "assistant", "content": "Five."}, {"role": "user", "content": "Times 5?"}]
-        with pytest.raises(openai.ConflictError, match=r"messages\[1\] \(assistant\) differs .*content_mismatch.*on_break"):
+        with pytest.raises(
+            openai.ConflictError, match=r"messages\[1\] \(assistant\) differs .*content_mismatch.*on_break"
+        ):
             await client.chat.completions.create(model="tiny", messages=rewritten)
         # The session is as it was: the harness goes on with the history it was given.
         messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Times 5?"}]
@@ -243,6 +292,8 @@ async def test_a_retry_with_another_body_is_refused_not_given_the_first_reply(sc
     await wait_for(lambda: session.turn is None, what="turn 0 to end")
     trajectory = await closed_trajectory(manager, handle, "retry")
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    environment = [tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT]
+    environment = [
+        tokenizer.decode(s.token_ids) for s in trajectory.segments if s.source == manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
+    ]
     assert trajectory.turns == 1 and environment == ["What is 2+3?"]
     assert tokenizer.decode(trajectory.segments[-1].token_ids) == f"It is 5.{IM_END_TOKEN}"

@@ -16,7 +16,16 @@ from rlmesh.launch.processes import wait_started
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.trainer.mesh import MeshClient
-from tests.support import NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh, wait_for
+from tests.support import (
+    NO_STOP,
+    assert_exactly_once,
+    build_mesh,
+    gather_batch,
+    prompt_batch,
+    spawn_rollout,
+    stop_mesh,
+    wait_for,
+)
 
 PROMPTS = 32
 
@@ -39,19 +48,41 @@ async def test_a_takeover_of_a_live_id_is_refused_and_the_instance_keeps_its_wor
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     real = mesh.manager.state.instances["instance-0"]
     try:
-        elsewhere = manager_pb2.RegisterInstanceRequest(instance_id="instance-0", address="127.0.0.1:9", max_batch_size=4)
-        details = await expect_refusal(stub.RegisterInstance(elsewhere, timeout=5), grpc.StatusCode.ALREADY_EXISTS,
-                                       f"instance 'instance-0' is registered at {real.address} and its lease is live")
+        elsewhere = manager_pb2.RegisterInstanceRequest(
+            instance_id="instance-0", address="127.0.0.1:9", max_batch_size=4
+        )
+        details = await expect_refusal(
+            stub.RegisterInstance(elsewhere, timeout=5),
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"instance 'instance-0' is registered at {real.address} and its lease is live",
+        )
         print(details)
-        same_address = manager_pb2.RegisterInstanceRequest(instance_id="instance-0", address=real.address, max_batch_size=4)
-        await expect_refusal(stub.RegisterInstance(same_address, timeout=5), grpc.StatusCode.ALREADY_EXISTS, "incarnation token")
+        same_address = manager_pb2.RegisterInstanceRequest(
+            instance_id="instance-0", address=real.address, max_batch_size=4
+        )
+        await expect_refusal(
+            stub.RegisterInstance(same_address, timeout=5), grpc.StatusCode.ALREADY_EXISTS, "incarnation token"
+        )
         guessed = "0" * 32
-        await expect_refusal(stub.Heartbeat(manager_pb2.HeartbeatRequest(instance_id="instance-0", draining=True), timeout=5),
-                             grpc.StatusCode.PERMISSION_DENIED, "'instance-0'", "no incarnation token")
-        await expect_refusal(stub.Heartbeat(manager_pb2.HeartbeatRequest(instance_id="instance-0", incarnation_token=guessed), timeout=5),
-                             grpc.StatusCode.PERMISSION_DENIED, "'instance-0'", "another incarnation")
-        await expect_refusal(stub.DeregisterInstance(manager_pb2.DeregisterInstanceRequest(instance_id="instance-0"), timeout=5),
-                             grpc.StatusCode.PERMISSION_DENIED, "'instance-0'")
+        await expect_refusal(
+            stub.Heartbeat(manager_pb2.HeartbeatRequest(instance_id="instance-0", draining=True), timeout=5),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "'instance-0'",
+            "no incarnation token",
+        )
+        await expect_refusal(
+            stub.Heartbeat(
+                manager_pb2.HeartbeatRequest(instance_id="instance-0", incarnation_token=guessed), timeout=5
+            ),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "'instance-0'",
+            "another incarnation",
+        )
+        await expect_refusal(
+            stub.DeregisterInstance(manager_pb2.DeregisterInstanceRequest(instance_id="instance-0"), timeout=5),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "'instance-0'",
+        )
         # Nothing of the real instance changed, and it goes on getting all the work.
         assert mesh.manager.state.instances["instance-0"] is real and not real.draining
         await client.submit("b", 0, prompt_batch(model_dir, 4), 2, NO_STOP)
@@ -78,19 +109,33 @@ async def test_a_restarted_process_registers_as_a_new_incarnation_and_every_samp
         await client.submit("b1", 0, prompt_batch(model_dir, BUSY), 4, NO_STOP)
         collecting = asyncio.create_task(gather_batch(client, "b1", micro=8))
         # Killed while it generates: requests of its own are running and have tokens.
-        await wait_for(lambda: "phoenix" in state.instances and state.instances["phoenix"].running
-                       and state.instances["phoenix"].generated_tokens > 0, interval=0.01)
+        await wait_for(
+            lambda: (
+                "phoenix" in state.instances
+                and state.instances["phoenix"].running
+                and state.instances["phoenix"].generated_tokens > 0
+            ),
+            interval=0.01,
+        )
         phoenix.process.send_signal(signal.SIGKILL)
         await asyncio.to_thread(phoenix.process.wait, 30)
         # The same id at the same address, as an orchestrator restarts a crashed process.
-        reborn = replace(spawn_rollout(tmp_path, mesh.manager_address, "phoenix", ENGINE__MODEL_DIR=str(model_dir), SERVER__PORT=port),
-                         address=phoenix.address)
+        reborn = replace(
+            spawn_rollout(
+                tmp_path, mesh.manager_address, "phoenix", ENGINE__MODEL_DIR=str(model_dir), SERVER__PORT=port
+            ),
+            address=phoenix.address,
+        )
         samples = assert_exactly_once(await collecting, BUSY, 4)
         assert all(len(s.token_ids) == 55 == len(s.logprobs) for s in samples)
         continued = [s for s in samples if s.instance_ids[:1] == ["phoenix"] and len(s.instance_ids) > 1]
-        assert continued, f"no sample was running on the killed process: {Counter(tuple(s.instance_ids) for s in samples)}"
+        assert continued, (
+            f"no sample was running on the killed process: {Counter(tuple(s.instance_ids) for s in samples)}"
+        )
         await wait_started([reborn])
-        await wait_for(lambda: "phoenix" in state.instances and state.instances["phoenix"].incarnation > first, timeout=30)
+        await wait_for(
+            lambda: "phoenix" in state.instances and state.instances["phoenix"].incarnation > first, timeout=30
+        )
         second = state.instances["phoenix"].incarnation
         # The new incarnation gets work of its own, and the next batch also arrives exactly once.
         await client.submit("b2", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
@@ -99,8 +144,10 @@ async def test_a_restarted_process_registers_as_a_new_incarnation_and_every_samp
         assert state.instances["phoenix"].incarnation == second
         status = await client.manager_status()
         assert status.discarded_tokens == 0
-        print(f"phoenix: incarnation {first} killed, restarted as incarnation {second}; "
-              f"{len(continued)} samples continued from its tokens, {status.continued_tokens} tokens reused")
+        print(
+            f"phoenix: incarnation {first} killed, restarted as incarnation {second}; "
+            f"{len(continued)} samples continued from its tokens, {status.continued_tokens} tokens reused"
+        )
     finally:
         await client.close()
         for child in (phoenix, reborn):
@@ -121,11 +168,18 @@ async def test_a_process_the_manager_did_not_register_refuses_its_work(model_dir
     state = mesh.manager.state
     params = common_pb2.SamplingParams(temperature=1.0, max_tokens=3)
     try:
-        stale = rollout_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=params, incarnation_token="0" * 32)
-        await expect_refusal(stub.Generate(stale, timeout=5).read(), grpc.StatusCode.PERMISSION_DENIED,
-                             "instance 'instance-0'", "another incarnation")
-        own = rollout_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling=params,
-                                          incarnation_token=rollout.membership.token)
+        stale = rollout_pb2.GenerateRequest(
+            request_id="r", prompt_token_ids=[1, 2], sampling=params, incarnation_token="0" * 32
+        )
+        await expect_refusal(
+            stub.Generate(stale, timeout=5).read(),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "instance 'instance-0'",
+            "another incarnation",
+        )
+        own = rollout_pb2.GenerateRequest(
+            request_id="r", prompt_token_ids=[1, 2], sampling=params, incarnation_token=rollout.membership.token
+        )
         chunks = [response.chunk async for response in stub.Generate(own, timeout=10)]
         assert sum(len(chunk.token_ids) for chunk in chunks) == 3
         believed = state.instances["instance-0"]

@@ -21,13 +21,20 @@ SYNTHETIC = SyntheticConfig(length="fixed", mean_tokens=60, min_step_seconds=0.0
 
 
 def spawn_manager(log_dir, address: str, journal) -> object:
-    return spawn_service("manager", "services.manager", address, {
-        "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
-        **suite_auth_env("RLMESH_MANAGER_", "manager"),
-        "RLMESH_MANAGER_SERVER__PORT": address.rsplit(":", 1)[1],
-        "RLMESH_MANAGER_JOURNAL_PATH": str(journal),
-        "RLMESH_MANAGER_LEASE_SECONDS": "10",
-    }, log_dir, mesh_id=str(log_dir))
+    return spawn_service(
+        "manager",
+        "services.manager",
+        address,
+        {
+            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
+            **suite_auth_env("RLMESH_MANAGER_", "manager"),
+            "RLMESH_MANAGER_SERVER__PORT": address.rsplit(":", 1)[1],
+            "RLMESH_MANAGER_JOURNAL_PATH": str(journal),
+            "RLMESH_MANAGER_LEASE_SECONDS": "10",
+        },
+        log_dir,
+        mesh_id=str(log_dir),
+    )
 
 
 async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothing(tmp_path):
@@ -40,10 +47,19 @@ async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothi
     try:
         await wait_started([manager])
         for i in range(2):
-            instances.append(await start_rollout(RolloutConfig(
-                server=loopback(), instance_id=f"r{i}", manager_address=address, register_timeout_seconds=30,
-                engine=EngineConfig(kind="synthetic", max_batch_size=4, saturation_batch_size=2, synthetic=SYNTHETIC),
-            )))
+            instances.append(
+                await start_rollout(
+                    RolloutConfig(
+                        server=loopback(),
+                        instance_id=f"r{i}",
+                        manager_address=address,
+                        register_timeout_seconds=30,
+                        engine=EngineConfig(
+                            kind="synthetic", max_batch_size=4, saturation_batch_size=2, synthetic=SYNTHETIC
+                        ),
+                    )
+                )
+            )
         await wait_for(lambda: _instance_ids(client), timeout=30)
         before = {i.instance_id: i.incarnation for i in (await client.manager_status()).instances}
         seeded = common_pb2.SamplingParams(temperature=1.0, max_tokens=100, seed=5)
@@ -73,8 +89,11 @@ async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothi
         assert after == before
         assert [i.saturation_batch_size for i in status.instances] == [2, 2]
         assert status.published_version == 0
-        (restored,) = [json.loads(line) for line in (tmp_path / "manager.log").read_text().splitlines()
-                       if "restored from the journal" in line]
+        (restored,) = [
+            json.loads(line)
+            for line in (tmp_path / "manager.log").read_text().splitlines()
+            if "restored from the journal" in line
+        ]
         assert restored["batches"] == 1 and restored["instances"] == 2
         assert restored["queued_samples"] > 0, "the kill came after every sample had finished"
     finally:

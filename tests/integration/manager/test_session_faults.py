@@ -29,7 +29,9 @@ MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
 async def episode(client: MeshClient, session_id: str, turns: int) -> None:
     for turn in range(turns):
         observation = manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=[1, 2, 3 + turn])
-        await client.run_turn(manager_pb2.RunTurnRequest(session_id=session_id, turn=turn, append=[observation]), wait_seconds=30)
+        await client.run_turn(
+            manager_pb2.RunTurnRequest(session_id=session_id, turn=turn, append=[observation]), wait_seconds=30
+        )
     await client.close_session(session_id, manager_pb2.SESSION_STATUS_DONE)
 
 
@@ -43,20 +45,35 @@ async def delivered(client: MeshClient, batch_id: str) -> list[manager_pb2.Sessi
 async def test_an_instance_killed_mid_turn_hands_the_turn_on_with_its_tokens(tmp_path):
     manager = await start_manager(ManagerConfig(server=loopback(), lease_seconds=10, heartbeat_interval_seconds=1))
     address = manager.server.address
-    children = [spawn_rollout(tmp_path, address, f"r{i}", ENGINE__KIND="synthetic", ENGINE__MAX_BATCH_SIZE="4",
-                              ENGINE__SYNTHETIC__LENGTH="fixed", ENGINE__SYNTHETIC__MEAN_TOKENS="60",
-                              ENGINE__SYNTHETIC__MIN_STEP_SECONDS="0.02", ENGINE__SYNTHETIC__STREAM_INTERVAL="4")
-                for i in range(2)]
+    children = [
+        spawn_rollout(
+            tmp_path,
+            address,
+            f"r{i}",
+            ENGINE__KIND="synthetic",
+            ENGINE__MAX_BATCH_SIZE="4",
+            ENGINE__SYNTHETIC__LENGTH="fixed",
+            ENGINE__SYNTHETIC__MEAN_TOKENS="60",
+            ENGINE__SYNTHETIC__MIN_STEP_SECONDS="0.02",
+            ENGINE__SYNTHETIC__STREAM_INTERVAL="4",
+        )
+        for i in range(2)
+    ]
     client = MeshClient(address, address, rpc_timeout=5)
     try:
         await wait_started(children)
         await wait_for(lambda: len(manager.state.instances) == 2, timeout=30)
-        [handle] = await client.open_sessions("killed", 0, [("p", [7, 8], SAMPLING)], 1, SAMPLING,
-                                              manager_pb2.SessionLimits(max_turns=4), "faults")
+        [handle] = await client.open_sessions(
+            "killed", 0, [("p", [7, 8], SAMPLING)], 1, SAMPLING, manager_pb2.SessionLimits(max_turns=4), "faults"
+        )
         running = asyncio.create_task(episode(client, handle.session_id, 2))
         session = manager.state.sessions.get(handle.session_id)
-        await wait_for(lambda: session.turn is not None and session.turn.instance_id is not None and len(session.turn.token_ids) >= 8,
-                       timeout=30)
+        await wait_for(
+            lambda: (
+                session.turn is not None and session.turn.instance_id is not None and len(session.turn.token_ids) >= 8
+            ),
+            timeout=30,
+        )
         victim = next(c for c in children if c.name == session.turn.instance_id)
         victim.process.kill()
         await asyncio.wait_for(running, 60)
@@ -80,16 +97,25 @@ async def test_a_manager_killed_mid_session_goes_on_from_its_journal(tmp_path):
     try:
         await wait_started(children)
         for i in range(2):
-            instances.append(await start_rollout(RolloutConfig(
-                server=loopback(), instance_id=f"r{i}", manager_address=address, register_timeout_seconds=30,
-                engine=EngineConfig(kind="synthetic", max_batch_size=4, synthetic=SYNTHETIC))))
+            instances.append(
+                await start_rollout(
+                    RolloutConfig(
+                        server=loopback(),
+                        instance_id=f"r{i}",
+                        manager_address=address,
+                        register_timeout_seconds=30,
+                        engine=EngineConfig(kind="synthetic", max_batch_size=4, synthetic=SYNTHETIC),
+                    )
+                )
+            )
 
         async def both_registered() -> bool:
             return len((await client.manager_status()).instances) == 2
 
         await wait_for(both_registered, timeout=30)
-        handles = await client.open_sessions("sessions", 0, [("p", [7, 8], SAMPLING)], 4, SAMPLING,
-                                              manager_pb2.SessionLimits(max_turns=4), "faults")
+        handles = await client.open_sessions(
+            "sessions", 0, [("p", [7, 8], SAMPLING)], 4, SAMPLING, manager_pb2.SessionLimits(max_turns=4), "faults"
+        )
         episodes = [asyncio.create_task(episode(client, h.session_id, 2)) for h in handles]
         await wait_for(lambda: sum(i.engine.generated_tokens for i in instances) >= TURN * 4 + 20, timeout=60)
         # Mid-session: every session has finished a turn, and their second turns are generating.

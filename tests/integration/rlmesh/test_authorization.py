@@ -19,10 +19,10 @@ from cryptography.x509.oid import NameOID
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from rlmesh.rpc.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rollout.v1 import rollout_pb2
+from rlmesh.rpc.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.rpc.channels import use_tls
 from rlmesh.rpc.servers import GrpcServer
 from rlmesh.rpc.tls import ROLE_OF_NAME, create_certificates
@@ -30,10 +30,17 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
-from services.trainer.server import TrainerServicer
 from services.trainer.loop import TrainingStatus
+from services.trainer.server import TrainerServicer
 from tests.support import (
-    Mesh, build_mesh, loopback, role_secret, scaled_weights, stop_mesh, upload_requests, wait_for,
+    Mesh,
+    build_mesh,
+    loopback,
+    role_secret,
+    scaled_weights,
+    stop_mesh,
+    upload_requests,
+    wait_for,
 )
 
 CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2)
@@ -60,9 +67,16 @@ def contract_rpcs() -> list[Rpc]:
     for module in CONTRACTS:
         for service in module.DESCRIPTOR.services_by_name.values():
             for method in service.methods:
-                rpcs.append(Rpc(service.full_name, f"/{service.full_name}/{method.name}",
-                                message_factory.GetMessageClass(method.input_type),
-                                message_factory.GetMessageClass(method.output_type), method.client_streaming, method.server_streaming))
+                rpcs.append(
+                    Rpc(
+                        service.full_name,
+                        f"/{service.full_name}/{method.name}",
+                        message_factory.GetMessageClass(method.input_type),
+                        message_factory.GetMessageClass(method.output_type),
+                        method.client_streaming,
+                        method.server_streaming,
+                    )
+                )
     return sorted(rpcs, key=lambda rpc: rpc.path == LAST)
 
 
@@ -71,8 +85,9 @@ def call(channel: grpc.Channel, rpc: Rpc, metadata: tuple = ()) -> tuple[grpc.St
     instead of the server's status when the server ends a client stream before the client finished
     writing it (grpc/grpc#36066), as a refusal does."""
     kind = ("stream" if rpc.client_streaming else "unary") + "_" + ("stream" if rpc.server_streaming else "unary")
-    invoke = getattr(channel, kind)(rpc.path, request_serializer=rpc.request.SerializeToString,
-                                    response_deserializer=rpc.response.FromString)
+    invoke = getattr(channel, kind)(
+        rpc.path, request_serializer=rpc.request.SerializeToString, response_deserializer=rpc.response.FromString
+    )
     argument = iter([rpc.request()]) if rpc.client_streaming else rpc.request()
     try:
         answer = invoke(argument, timeout=CALL_TIMEOUT, metadata=metadata)
@@ -90,10 +105,14 @@ def state_of(mesh: Mesh) -> dict:
     manager, weights, rollout = mesh.manager.state, mesh.weights.store, mesh.rollouts[0]
     return {
         "instances": {i.instance_id: (i.address, i.weight_version, i.draining) for i in manager.instances.values()},
-        "batches": sorted(manager.batches), "published": manager.published_version,
-        "generated_tokens": manager.ledger.generated_tokens, "requeued": manager.ledger.requeued_samples,
+        "batches": sorted(manager.batches),
+        "published": manager.published_version,
+        "generated_tokens": manager.ledger.generated_tokens,
+        "requeued": manager.ledger.requeued_samples,
         "stored": weights.latest.version if weights.latest else None,
-        "served": rollout.engine.weight_version, "paused": rollout.engine.paused, "draining": rollout.servicer.membership.draining,
+        "served": rollout.engine.weight_version,
+        "paused": rollout.engine.paused,
+        "draining": rollout.servicer.membership.draining,
     }
 
 
@@ -104,14 +123,21 @@ def roleless_certificate(tls_dir: Path) -> TlsFiles:
     ca_key = serialization.load_pem_private_key((tls_dir / "ca-key.pem").read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "no-role")]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "no-role")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     (tls_dir / "no-role.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tls_dir / "no-role-key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                                 serialization.NoEncryption()))
+    (tls_dir / "no-role-key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return TlsFiles.in_directory(tls_dir, "no-role")
 
 
@@ -125,12 +151,19 @@ class Servers:
 
 async def start_servers(model_dir, tls: dict[str, TlsFiles] | None) -> Servers:
     mesh = await build_mesh(model_dir, "grpc", tls=tls)
-    trainer = GrpcServer(loopback(tls and tls["trainer"]), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(TrainingStatus(total_steps=1, output_dir="runs/x")), trainer.server)
+    trainer = GrpcServer(
+        loopback(tls and tls["trainer"]), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name]
+    )
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(
+        TrainerServicer(TrainingStatus(total_steps=1, output_dir="runs/x")), trainer.server
+    )
     await trainer.start()
-    addresses = {"rlmesh.manager.v1.ManagerService": mesh.manager.server.address, "rlmesh.weights.v1.WeightsService": mesh.weights.server.address,
-                 "rlmesh.rollout.v1.RolloutService": mesh.rollouts[0].server.address,
-                 "rlmesh.trainer.v1.TrainerService": trainer.address}
+    addresses = {
+        "rlmesh.manager.v1.ManagerService": mesh.manager.server.address,
+        "rlmesh.weights.v1.WeightsService": mesh.weights.server.address,
+        "rlmesh.rollout.v1.RolloutService": mesh.rollouts[0].server.address,
+        "rlmesh.trainer.v1.TrainerService": trainer.address,
+    }
     return Servers(mesh, [trainer], addresses)
 
 
@@ -189,8 +222,11 @@ async def run_matrix(servers: Servers, callers: dict[str, Caller]) -> None:
 async def test_every_rpc_with_bearer_secrets(model_dir):
     servers = await start_servers(model_dir, None)
     plain = grpc.insecure_channel
-    callers = {"none": Caller(plain, bearer(None)), "stranger": Caller(plain, bearer(None, "rlmesh-trainer-guessed")),
-               **{role: Caller(plain, bearer(role)) for role in ROLES}}
+    callers = {
+        "none": Caller(plain, bearer(None)),
+        "stranger": Caller(plain, bearer(None, "rlmesh-trainer-guessed")),
+        **{role: Caller(plain, bearer(role)) for role in ROLES},
+    }
     try:
         await run_matrix(servers, callers)
     finally:
@@ -209,24 +245,30 @@ def certificates(tmp_path) -> Iterator[dict[str, TlsFiles]]:
 
 
 def tls_channel(files: TlsFiles):
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(files.ca_file).read_bytes(),
-                                               private_key=Path(files.key_file).read_bytes(),
-                                               certificate_chain=Path(files.cert_file).read_bytes())
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(files.ca_file).read_bytes(),
+        private_key=Path(files.key_file).read_bytes(),
+        certificate_chain=Path(files.cert_file).read_bytes(),
+    )
     return lambda address: grpc.secure_channel(address, credentials)
 
 
 async def test_every_rpc_with_mutual_tls(model_dir, certificates):
     servers = await start_servers(model_dir, certificates)
     name_of_role = {role: name for name, role in ROLE_OF_NAME.items()}
-    callers = {"none": Caller(tls_channel(certificates["no-role"]), ()),
-               "stranger": Caller(tls_channel(certificates["no-role"]), bearer(None, "rlmesh-trainer-guessed")),
-               **{role: Caller(tls_channel(certificates[name_of_role[role]]), ()) for role in ROLES}}
+    callers = {
+        "none": Caller(tls_channel(certificates["no-role"]), ()),
+        "stranger": Caller(tls_channel(certificates["no-role"]), bearer(None, "rlmesh-trainer-guessed")),
+        **{role: Caller(tls_channel(certificates[name_of_role[role]]), ()) for role in ROLES},
+    }
     try:
         await run_matrix(servers, callers)
         # Without a certificate of the mesh's CA there is not even a connection to answer on.
         ca_only = grpc.ssl_channel_credentials(root_certificates=Path(certificates["client"].ca_file).read_bytes())
         with grpc.secure_channel(servers.addresses["rlmesh.manager.v1.ManagerService"], ca_only) as channel:
-            code, _ = await asyncio.to_thread(call, channel, next(r for r in contract_rpcs() if r.path.endswith("/PublishVersion")))
+            code, _ = await asyncio.to_thread(
+                call, channel, next(r for r in contract_rpcs() if r.path.endswith("/PublishVersion"))
+            )
         assert code == grpc.StatusCode.UNAVAILABLE
     finally:
         await stop_servers(servers)
@@ -237,8 +279,9 @@ def upload_whole_version(address: str, version: int, tensors: dict, metadata: tu
     reason `call` gives."""
     with grpc.insecure_channel(address) as channel:
         try:
-            weights_pb2_grpc.WeightsServiceStub(channel).UploadWeights(iter(upload_requests(version, tensors)), timeout=60,
-                                                                       metadata=metadata)
+            weights_pb2_grpc.WeightsServiceStub(channel).UploadWeights(
+                iter(upload_requests(version, tensors)), timeout=60, metadata=metadata
+            )
         except grpc.RpcError as exc:
             return exc.code()
     return grpc.StatusCode.OK
@@ -252,22 +295,32 @@ async def test_a_strangers_whole_valid_version_never_becomes_a_served_one(model_
     tensors = scaled_weights(model_dir, 0.5)
     address = mesh.weights.server.address
     try:
-        for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (bearer("operator"), grpc.StatusCode.PERMISSION_DENIED),
-                               (bearer("instance"), grpc.StatusCode.PERMISSION_DENIED)):
+        for metadata, code in (
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+            (bearer("operator"), grpc.StatusCode.PERMISSION_DENIED),
+            (bearer("instance"), grpc.StatusCode.PERMISSION_DENIED),
+        ):
             assert await asyncio.to_thread(upload_whole_version, address, 7, tensors, metadata) == code
         assert mesh.weights.store.latest is None and mesh.rollouts[0].engine.weight_version == 0
-        assert await asyncio.to_thread(upload_whole_version, address, 7, tensors, bearer("trainer")) == grpc.StatusCode.OK
+        assert (
+            await asyncio.to_thread(upload_whole_version, address, 7, tensors, bearer("trainer")) == grpc.StatusCode.OK
+        )
         await wait_for(lambda: mesh.rollouts[0].engine.weight_version == 7, timeout=60)
     finally:
         await stop_mesh(mesh)
 
 
 async def test_insecure_serves_anyone_and_says_so_and_nothing_else_starts_without_a_way_to_authorize():
-    manager = await start_manager(ManagerConfig(server=ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5,
-                                                                    auth=AuthSettings(insecure=True))))
+    manager = await start_manager(
+        ManagerConfig(
+            server=ServerConfig(host="127.0.0.1", port=0, grace_seconds=0.5, auth=AuthSettings(insecure=True))
+        )
+    )
     try:
         async with grpc.aio.insecure_channel(manager.server.address) as channel:
-            status = await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(manager_pb2.GetStatusRequest(), timeout=5)
+            status = await manager_pb2_grpc.ManagerServiceStub(channel).GetStatus(
+                manager_pb2.GetStatusRequest(), timeout=5
+            )
         assert status.authorization == "off"
     finally:
         await manager.stop()

@@ -31,7 +31,9 @@ def test_lint_and_breaking_pass_on_the_repository():
 
 def test_a_renumbered_field_is_caught(contracts):
     proto = contracts / "protos/rlmesh/manager/v1/manager.proto"
-    proto.write_text(proto.read_text().replace("string batch_id = 1;\n  // Trainer", "string batch_id = 9;\n  // Trainer"))
+    proto.write_text(
+        proto.read_text().replace("string batch_id = 1;\n  // Trainer", "string batch_id = 9;\n  // Trainer")
+    )
     result = buf("breaking", "--against", "protos/released.binpb", cwd=contracts)
     assert result.returncode != 0
     assert "batch_id" in result.stdout + result.stderr
@@ -42,8 +44,9 @@ def test_the_change_is_accepted_as_a_v2_package(contracts):
     v2.mkdir()
     source = (contracts / "protos/rlmesh/manager/v1/manager.proto").read_text()
     (v2 / "manager.proto").write_text(
-        source.replace("package rlmesh.manager.v1;", "package rlmesh.manager.v2;")
-        .replace("string batch_id = 1;\n  // Trainer", "string batch_id = 9;\n  // Trainer")
+        source.replace("package rlmesh.manager.v1;", "package rlmesh.manager.v2;").replace(
+            "string batch_id = 1;\n  // Trainer", "string batch_id = 9;\n  // Trainer"
+        )
     )
     assert buf("lint", cwd=contracts).returncode == 0
     result = buf("breaking", "--against", "protos/released.binpb", cwd=contracts)

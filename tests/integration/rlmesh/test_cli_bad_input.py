@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlmesh.cli.main", *args], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "rlmesh.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def up(*args: str) -> subprocess.CompletedProcess:
@@ -62,8 +68,18 @@ def test_up_stops_a_bad_job_before_starting_anything(tmp_path, model_dir):
     # Checked by a process forked from the fork server, and, with the fork server off, in `up`'s own.
     for fork_server in ("true", "false"):
         refused = tmp_path / f"refused-{fork_server}"
-        result = up("--job", str(dataset_job(other)), "--model-dir", str(model_dir), "--output-dir", str(refused),
-                    "--set", "tasks.0.reward.function=my_reward:nope", "--set", f"mesh.fork_server={fork_server}")
+        result = up(
+            "--job",
+            str(dataset_job(other)),
+            "--model-dir",
+            str(model_dir),
+            "--output-dir",
+            str(refused),
+            "--set",
+            "tasks.0.reward.function=my_reward:nope",
+            "--set",
+            f"mesh.fork_server={fork_server}",
+        )
         assert result.returncode == 2 and "has no attribute 'nope'" in result.stderr
         # A job refused before any service started leaves no run folder behind.
         assert not refused.exists()
@@ -79,24 +95,35 @@ def test_up_refuses_a_model_folder_of_an_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     result = up("--model-dir", str(tmp_path))
     assert result.returncode == 2
-    assert "'GPT2LMHeadModel'" in result.stderr and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
+    assert (
+        "'GPT2LMHeadModel'" in result.stderr
+        and "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3" in result.stderr
+    )
 
 
 def test_up_refuses_vllm_on_cpu_for_a_head_size_its_attention_lacks(tmp_path, model_dir):
     run_dir = tmp_path / "run"
     result = up("--model-dir", str(model_dir), "--engine", "vllm", "--steps", "40", "--output-dir", str(run_dir))
     assert result.returncode == 2
-    assert f"rollout.engine.kind = vllm: the vllm engine cannot serve {model_dir} on CPU: its attention head size is 16" in result.stderr
+    assert (
+        f"rollout.engine.kind = vllm: the vllm engine cannot serve {model_dir} on CPU: its attention head size is 16"
+        in result.stderr
+    )
     assert not run_dir.exists()
 
 
 def test_init_model_takes_a_short_warm_up_for_a_chat_model_of_ones_own_only(tmp_path):
-    result = run("init-model", "--kind", "tiny-increment", "--warmup-iterations", "3", "--model-dir", str(tmp_path / "m"))
+    result = run(
+        "init-model", "--kind", "tiny-increment", "--warmup-iterations", "3", "--model-dir", str(tmp_path / "m")
+    )
     assert result.returncode == 2 and "--warmup-iterations applies to --kind tiny-chat" in result.stderr
     assert not (tmp_path / "m").exists()
     result = run("init-model", "--kind", "tiny-chat", "--warmup-iterations", "0", "--model-dir", str(tmp_path / "m"))
     assert result.returncode == 2 and "must be at least 1" in result.stderr
     result = run("init-model", "--kind", "tiny-chat", "--warmup-iterations", "2", "--model-dir", str(tmp_path / "chat"))
     assert result.returncode == 0, result.stderr
-    assert "chat_template" in (tmp_path / "chat" / "tokenizer_config.json").read_text() or (tmp_path / "chat" / "chat_template.jinja").exists()
+    assert (
+        "chat_template" in (tmp_path / "chat" / "tokenizer_config.json").read_text()
+        or (tmp_path / "chat" / "chat_template.jinja").exists()
+    )
     assert (tmp_path / "chat" / "config.json").exists()

@@ -49,8 +49,16 @@ async def serve():
 async def drain(*args: str, role: str = "operator") -> tuple[int, str, str]:
     """`rlmesh drain args...` presenting `role`'s secret ("": none)."""
     credential = ("--secret-file", str(secret_path(TEST_SECRETS, role))) if role else ()
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "rlmesh.cli.main", "drain", *args, *credential,
-                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rlmesh.cli.main",
+        "drain",
+        *args,
+        *credential,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, out.decode(), err.decode()
 
@@ -70,7 +78,10 @@ async def test_a_drain_without_the_operator_credential_is_refused(serve, tmp_pat
     code, _, err = await drain(address, "--run", str(tmp_path), role="")
     assert code == 1 and f"rlmesh drain: {address} did not drain: UNAUTHENTICATED: Drain needs a credential" in err
     code, _, err = await drain(address, role="observer")
-    assert code == 1 and "PERMISSION_DENIED: Drain is not open to the observer role (allowed: instance, manager, operator)" in err
+    assert (
+        code == 1
+        and "PERMISSION_DENIED: Drain is not open to the observer role (allowed: instance, manager, operator)" in err
+    )
     assert rollout.reasons == []
 
 

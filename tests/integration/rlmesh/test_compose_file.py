@@ -23,7 +23,13 @@ METRICS_PORT_OFFSET = 1000
 def render(profiles: str, *files: str) -> dict:
     env = {**os.environ, "COMPOSE_PROFILES": profiles}
     env.pop("BASE_IMAGE", None)
-    command = [str(COMPOSE), *(arg for f in ("docker-compose.yml", *files) for arg in ("-f", f)), "config", "--format", "json"]
+    command = [
+        str(COMPOSE),
+        *(arg for f in ("docker-compose.yml", *files) for arg in ("-f", f)),
+        "config",
+        "--format",
+        "json",
+    ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -47,8 +53,15 @@ def test_the_cpu_mesh_builds_every_service_from_one_dockerfile():
         assert services[name]["healthcheck"]["test"] == ["CMD", "rlmesh", "health", f"127.0.0.1:{port}"], name
 
 
-ROLE_OF_SERVICE = {"manager": "manager", "weights": "weights", "rollout": "instance", "trainer": "trainer",
-                   "rollout-gpu": "instance", "rollout-gpu-vllm": "instance", "trainer-gpu": "trainer"}
+ROLE_OF_SERVICE = {
+    "manager": "manager",
+    "weights": "weights",
+    "rollout": "instance",
+    "trainer": "trainer",
+    "rollout-gpu": "instance",
+    "rollout-gpu-vllm": "instance",
+    "trainer-gpu": "trainer",
+}
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu", "gpu-vllm"])
@@ -67,8 +80,10 @@ def test_every_service_is_authorized_by_role_unless_told_insecure(profile, monke
         assert environment[f"{prefix}VERIFIERS_FILE"] == "/secrets/verifiers.json", name
         assert environment[f"{prefix}SECRET_FILE"] == f"/secrets/{ROLE_OF_SERVICE[name]}.secret", name
         assert environment[f"{prefix}INSECURE"] == "false", name
-        assert any(v["type"] == "volume" and v["source"] == "secrets" and v["target"] == "/secrets" and v.get("read_only")
-                   for v in service["volumes"]), name
+        assert any(
+            v["type"] == "volume" and v["source"] == "secrets" and v["target"] == "/secrets" and v.get("read_only")
+            for v in service["volumes"]
+        ), name
     monkeypatch.setenv("RLMESH_INSECURE", "true")
     assert render(profile)["services"]["manager"]["environment"]["RLMESH_MANAGER_SERVER__AUTH__INSECURE"] == "true"
 
@@ -81,8 +96,10 @@ def test_rollout_scales_and_restarts():
     assert rollout["restart"] == "on-failure"
 
 
-@pytest.mark.parametrize(("profile", "rollout_name", "target"), [("gpu", "rollout-gpu", "rollout"),
-                                                                   ("gpu-vllm", "rollout-gpu-vllm", "rollout-vllm")])
+@pytest.mark.parametrize(
+    ("profile", "rollout_name", "target"),
+    [("gpu", "rollout-gpu", "rollout"), ("gpu-vllm", "rollout-gpu-vllm", "rollout-vllm")],
+)
 def test_the_gpu_profiles_reserve_gpus_for_the_rollout_engine_and_the_nccl_trainer(profile, rollout_name, target):
     services = render(profile)["services"]
     assert set(services) == {"secrets-init", "manager", "weights", rollout_name, "trainer-gpu"}
@@ -96,7 +113,10 @@ def test_the_gpu_profiles_reserve_gpus_for_the_rollout_engine_and_the_nccl_train
         [device] = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert rollout_name in trainer["depends_on"]
-    assert rollout["healthcheck"]["test"][-1] == "127.0.0.1:50161" and trainer["healthcheck"]["test"][-1] == "127.0.0.1:50153"
+    assert (
+        rollout["healthcheck"]["test"][-1] == "127.0.0.1:50161"
+        and trainer["healthcheck"]["test"][-1] == "127.0.0.1:50153"
+    )
 
 
 def test_observe_scrapes_every_service_and_provisions_the_dashboard():
@@ -139,7 +159,10 @@ def test_the_trainer_points_agents_at_the_managers_gateway(profile):
     port = manager["environment"]["RLMESH_MANAGER_GATEWAY_PORT"]
     assert any(str(p["target"]) == port and str(p["published"]) == port for p in manager["ports"])
     model_dir = manager["environment"]["RLMESH_MANAGER_MODEL_DIR"]
-    assert any(v["source"] == "models" and model_dir.startswith(v["target"] + "/") and v.get("read_only") for v in manager["volumes"])
+    assert any(
+        v["source"] == "models" and model_dir.startswith(v["target"] + "/") and v.get("read_only")
+        for v in manager["volumes"]
+    )
     trainers = [s for name, s in services.items() if name.startswith("trainer")]
     assert trainers
     for trainer in trainers:

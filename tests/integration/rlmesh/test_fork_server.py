@@ -16,7 +16,7 @@ from rlmesh.launch.netns import NETNS_DIR, netns_problem
 from rlmesh.launch.processes import process_name
 from tests.support import parent_pid, wait_until
 
-REPORTING_MODULE = '''
+REPORTING_MODULE = """
 import json, os, sys, time
 print("to stdout", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -29,7 +29,7 @@ if sys.argv[1:] == ["sleep"]:
 if sys.argv[1:] == ["crash"]:
     raise KeyError("crashed on purpose")
 sys.exit(int(sys.argv[1]) if sys.argv[1:] and sys.argv[1].isdigit() else 0)
-'''
+"""
 
 
 @pytest.fixture(params=["own", "warm"])
@@ -46,8 +46,11 @@ def server(request, tmp_path, warm_fork_server):
 
 def spawn(server: ForkServer, tmp_path: Path, *args: str, netns: str | None = None) -> tuple:
     report = tmp_path / f"report-{'-'.join(args) or 'none'}.json"
-    env = {k: v for k, v in os.environ.items() if k != "DROPPED"} | {"ASKED": "yes", "REPORT": str(report),
-                                                                    "PYTHONPATH": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k != "DROPPED"} | {
+        "ASKED": "yes",
+        "REPORT": str(report),
+        "PYTHONPATH": str(tmp_path),
+    }
     process = server.spawn("forkmod", list(args), env, tmp_path / "service.log", netns)
     return process, report
 
@@ -99,7 +102,9 @@ def test_signals_and_crashes_read_as_popen_codes(server, tmp_path):
 
 @pytest.mark.parametrize("warm", [False, True], ids=["own", "warm"])
 def test_imports_that_start_a_thread_make_it_refuse_to_fork(tmp_path, warm, warm_fork_server):
-    (tmp_path / "threaded.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{Path.cwd()}"}
     forks = ForkServer(["threaded"], env, tmp_path / "forkserver.log", warm_fork_server.socket if warm else None)
     try:

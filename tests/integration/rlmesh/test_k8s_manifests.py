@@ -19,8 +19,14 @@ SERVICE_PORTS = {"manager": 50151, "weights": 50152, "trainer": 50153, "rollout"
 PROBED = ("manager", "weights", "rollout")
 """Services with probes; the trainer has none, since only its global rank 0 serves."""
 METRICS_PORT_OFFSET = 1000
-TARGETS = [("cpu", ()), ("gpu", ()), ("cpu", ("tls",)), ("gpu", ("tls",)), ("cpu", ("monitoring",)),
-           ("gpu", ("tls", "monitoring"))]
+TARGETS = [
+    ("cpu", ()),
+    ("gpu", ()),
+    ("cpu", ("tls",)),
+    ("gpu", ("tls",)),
+    ("cpu", ("monitoring",)),
+    ("gpu", ("tls", "monitoring")),
+]
 """(overlay, the components added to it)."""
 OPERATOR_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 """Kinds of the Prometheus Operator's CRDs, which no Kubernetes schema has: checked for what they select."""
@@ -29,18 +35,25 @@ OPERATOR_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 @functools.cache
 def render(overlay: str, components: tuple[str, ...], scratch: Path) -> tuple[dict, ...]:
     kubectl = shutil.which("kubectl")
-    assert kubectl, ("kubectl is not on PATH: it renders deploy/k8s (`kubectl kustomize`, kubectl >= 1.27, offline); "
-                     "install it, e.g. apt-get install kubectl")
+    assert kubectl, (
+        "kubectl is not on PATH: it renders deploy/k8s (`kubectl kustomize`, kubectl >= 1.27, offline); "
+        "install it, e.g. apt-get install kubectl"
+    )
     target = K8S / "overlays" / overlay
     if components:
         # kustomize takes only relative paths to other kustomizations.
         target = scratch / "-".join((overlay, *components))
         target.mkdir(parents=True, exist_ok=True)
-        (target / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [os.path.relpath(K8S / "overlays" / overlay, target)],
-            "components": [os.path.relpath(K8S / "components" / component, target) for component in components],
-        }))
+        (target / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [os.path.relpath(K8S / "overlays" / overlay, target)],
+                    "components": [os.path.relpath(K8S / "components" / component, target) for component in components],
+                }
+            )
+        )
     result = subprocess.run([kubectl, "kustomize", str(target)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, f"kubectl kustomize {target}: {result.stderr}"
     return tuple(obj for obj in yaml.safe_load_all(result.stdout) if obj)
@@ -78,7 +91,9 @@ def env(container_spec: dict) -> dict[str, dict]:
 
 def volume_behind(pod_spec: dict, container_spec: dict, path: str) -> dict:
     """The volume whose mount holds `path` in this container."""
-    mount = next((m for m in container_spec.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    mount = next(
+        (m for m in container_spec.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")), None
+    )
     assert mount, f"{container_spec['name']}: nothing is mounted where {path} is"
     return next(v for v in pod_spec["volumes"] if v["name"] == mount["name"])
 
@@ -86,6 +101,7 @@ def volume_behind(pod_spec: dict, container_spec: dict, path: str) -> dict:
 @pytest.fixture
 def no_network(monkeypatch):
     """The schemas are bundled with kubernetes-validate: any connection attempt fails the test."""
+
     def refuse(sock, address):
         raise AssertionError(f"validation tried to connect to {address}")
 
@@ -97,7 +113,9 @@ def test_every_object_matches_the_kubernetes_schema(rendered, no_network):
     _, _, objects = rendered
     problems = []
     for obj in objects:
-        assert "namespace" not in obj["metadata"], f"{obj['kind']} {obj['metadata']['name']}: the namespace is the user's choice"
+        assert "namespace" not in obj["metadata"], (
+            f"{obj['kind']} {obj['metadata']['name']}: the namespace is the user's choice"
+        )
         if (obj["apiVersion"], obj["kind"]) in OPERATOR_KINDS:
             continue
         try:
@@ -113,7 +131,9 @@ def test_every_container_requests_resources(rendered):
     for workload, template in pod_templates(objects):
         for spec in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
             requests = spec.get("resources", {}).get("requests", {})
-            assert {"cpu", "memory"} <= requests.keys(), f"{workload['metadata']['name']}/{spec['name']} requests {requests}"
+            assert {"cpu", "memory"} <= requests.keys(), (
+                f"{workload['metadata']['name']}/{spec['name']} requests {requests}"
+            )
 
 
 def test_probes_call_the_health_service_on_the_service_port(rendered):
@@ -128,8 +148,15 @@ def test_probes_call_the_health_service_on_the_service_port(rendered):
             if tls:
                 # The kubelet's own gRPC probe cannot present a client certificate.
                 assert "grpc" not in probe, f"{service} {kind}"
-                assert probe["exec"]["command"] == ["rlmesh", "health", f"127.0.0.1:{port}", "--tls-dir", "/etc/rlmesh/tls",
-                                                    "--tls-name", service], f"{service} {kind}"
+                assert probe["exec"]["command"] == [
+                    "rlmesh",
+                    "health",
+                    f"127.0.0.1:{port}",
+                    "--tls-dir",
+                    "/etc/rlmesh/tls",
+                    "--tls-name",
+                    service,
+                ], f"{service} {kind}"
             else:
                 assert probe["grpc"] == {"port": port}, f"{service} {kind}"
     assert "livenessProbe" not in container(objects, "trainer")
@@ -190,13 +217,23 @@ def test_services_select_pods_that_serve_their_port(rendered):
     _, _, objects = rendered
     for service in (obj for obj in objects if obj["kind"] == "Service"):
         selector = service["spec"]["selector"]
-        pods = [template for _, template in pod_templates(objects)
-                if all(template["metadata"]["labels"].get(key) == value for key, value in selector.items()
-                       if not key.startswith("batch.kubernetes.io/"))]
+        pods = [
+            template
+            for _, template in pod_templates(objects)
+            if all(
+                template["metadata"]["labels"].get(key) == value
+                for key, value in selector.items()
+                if not key.startswith("batch.kubernetes.io/")
+            )
+        ]
         assert pods, f"Service {service['metadata']['name']} selects no pod"
-        port_names = {port.get("name") for pod in pods for c in pod["spec"]["containers"] for port in c.get("ports", [])}
+        port_names = {
+            port.get("name") for pod in pods for c in pod["spec"]["containers"] for port in c.get("ports", [])
+        }
         for port in service["spec"]["ports"]:
-            assert port["targetPort"] in port_names, f"Service {service['metadata']['name']}: no port {port['targetPort']}"
+            assert port["targetPort"] in port_names, (
+                f"Service {service['metadata']['name']}: no port {port['targetPort']}"
+            )
 
 
 def test_overlays_pick_engine_backend_and_gpus(rendered):
@@ -229,7 +266,7 @@ def test_tls_points_every_service_at_mounted_certificates(overlay, scratch):
                 # Issued per pod for its IP by an init container from the CA's Secret.
                 issuer = next(c for c in pod["initContainers"] if c["name"] == "issue-certificate")
                 assert "emptyDir" in volume and any(m["name"] == volume["name"] for m in issuer["volumeMounts"])
-                assert "rlmesh certs --dir /etc/rlmesh/tls --host \"$POD_IP\"" in issuer["command"][-1]
+                assert 'rlmesh certs --dir /etc/rlmesh/tls --host "$POD_IP"' in issuer["command"][-1]
                 ca_volume = volume_behind(pod, issuer, "/etc/rlmesh/ca/ca-key.pem")
                 assert ca_volume["secret"]["secretName"] == "rlmesh-tls-rollout-ca"
             else:
@@ -254,7 +291,10 @@ def test_every_service_is_authorized_by_role_with_only_its_own_secret(rendered):
             assert Path(path).name == file
             sources = volume_behind(pod, spec, path)["projected"]["sources"]
             assert [source["secret"]["name"] for source in sources] == ["rlmesh-verifiers", f"rlmesh-secret-{role}"]
-    assert find(objects, "Deployment", "manager") and env(container(objects, "manager"))["RLMESH_MANAGER_WEIGHTS_ADDRESS"]["value"] == "weights:50152"
+    assert (
+        find(objects, "Deployment", "manager")
+        and env(container(objects, "manager"))["RLMESH_MANAGER_WEIGHTS_ADDRESS"]["value"] == "weights:50152"
+    )
     drain = container(objects, "rollout")["lifecycle"]["preStop"]["exec"]["command"]
     assert drain[drain.index("--secret-file") + 1] == "/etc/rlmesh/auth/secret"
 
@@ -266,7 +306,9 @@ def test_every_service_exposes_its_metrics_port(rendered):
         metrics = port + METRICS_PORT_OFFSET
         assert {"containerPort": metrics, "name": "metrics"} in spec["ports"], service
         assert env(spec)[f"RLMESH_{service.upper()}_SERVER__METRICS_PORT"]["value"] == str(metrics)
-        assert {"name": "metrics", "port": metrics, "targetPort": "metrics"} in find(objects, "Service", service)["spec"]["ports"]
+        assert {"name": "metrics", "port": metrics, "targetPort": "metrics"} in find(objects, "Service", service)[
+            "spec"
+        ]["ports"]
 
 
 def test_the_service_monitor_scrapes_every_service(scratch):
@@ -276,12 +318,17 @@ def test_the_service_monitor_scrapes_every_service(scratch):
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
         selector = monitor["spec"]["selector"]["matchLabels"]
-        scraped = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "Service"
-                   and selector.items() <= obj["metadata"].get("labels", {}).items()
-                   and any(port["name"] == "metrics" for port in obj["spec"]["ports"])}
+        scraped = {
+            obj["metadata"]["name"]
+            for obj in objects
+            if obj["kind"] == "Service"
+            and selector.items() <= obj["metadata"].get("labels", {}).items()
+            and any(port["name"] == "metrics" for port in obj["spec"]["ports"])
+        }
         assert scraped == set(SERVICE_PORTS), overlay
-    assert not any(obj["kind"] == "ServiceMonitor" for obj in render("cpu", (), scratch)), \
+    assert not any(obj["kind"] == "ServiceMonitor" for obj in render("cpu", (), scratch)), (
         "the ServiceMonitor needs the operator's CRDs: only the monitoring component may add it"
+    )
 
 
 def test_the_trainer_points_agents_at_the_managers_gateway_through_its_service(rendered):

@@ -47,7 +47,9 @@ async def test_idle_connection_survives_keepalive_pings_without_a_goaway():
     assert process.returncode == 0, trace[-3000:]
     assert "after idle: SERVING" in out.decode()
     received = re.findall(r"SERVER\[(0x[0-9a-f]+)\]: received ping .* ping_strikes=(\d+)", trace)
-    print(f"server received {len(received)} pings in {IDLE_SECONDS:.0f} s idle; strikes {sorted({int(s) for _, s in received})}")
+    print(
+        f"server received {len(received)} pings in {IDLE_SECONDS:.0f} s idle; strikes {sorted({int(s) for _, s in received})}"
+    )
     # Keepalive was exercised: the client pinged throughout the idle time, ...
     assert len(received) >= 4, trace[-3000:]
     # ...the server took none of it for abuse, ...

@@ -32,4 +32,6 @@ def test_freed_blocks_stay_resident_until_returned() -> None:
     start, freed, returned = (int(x) for x in out.split())
     mib = 1 << 20
     assert freed > start - 50 * mib, f"glibc returned the freed blocks by itself: {start // mib} -> {freed // mib} MiB"
-    assert returned < freed - 300 * mib, f"{freed // mib} MiB resident after freeing, {returned // mib} MiB after returning"
+    assert returned < freed - 300 * mib, (
+        f"{freed // mib} MiB resident after freeing, {returned // mib} MiB after returning"
+    )

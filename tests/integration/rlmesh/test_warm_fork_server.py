@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from rlmesh.forking.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
-from rlmesh.launch.processes import MESH_ID_ENV, mesh_processes, process_name
 from rlmesh.forking.warm_forkserver import MARKER_ROOM
+from rlmesh.launch.processes import MESH_ID_ENV, mesh_processes, process_name
 from tests.support import parent_pid, wait_until
 
 SLEEPER = "import time\ntime.sleep(120)\n"
 
-LAUNCHER = '''
+LAUNCHER = """
 import json, sys, time
 from pathlib import Path
 from rlmesh.forking.forkserver import ForkServer
@@ -28,7 +28,7 @@ forks.wait_ready(60)
 forks.spawn("sleeper", [], env, run / "sleeper.log")
 print(forks.pid, flush=True)
 time.sleep(120)
-'''
+"""
 
 
 def run_env(tmp_path: Path, run: Path) -> dict[str, str]:
@@ -62,8 +62,11 @@ def test_each_run_gets_its_own_server_marked_with_its_run(tmp_path, warm_fork_se
 def test_a_launcher_killed_takes_its_run_with_it_and_leaves_the_warm_server(tmp_path, warm_fork_server):
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     run = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(warm_fork_server.socket), str(run),
-                                 json.dumps(run_env(tmp_path, run))], stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(warm_fork_server.socket), str(run), json.dumps(run_env(tmp_path, run))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         server_pid = int(launcher.stdout.readline())
         wait_until(lambda: len(mesh_processes(run)) == 2, 30, "the run's server and its service")
@@ -89,8 +92,12 @@ def test_a_marker_longer_than_its_room_is_refused(tmp_path, warm_fork_server):
 
 def test_bad_sockets_are_refused_with_the_reason(tmp_path, warm_fork_server):
     def fork_server(socket: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "fork-server", "--socket", socket],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "rlmesh.cli.main", "fork-server", "--socket", socket],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     taken = fork_server(str(warm_fork_server.socket))
     assert taken.returncode == 1 and f"a fork server already listens on {warm_fork_server.socket}" in taken.stderr

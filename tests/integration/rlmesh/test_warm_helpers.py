@@ -17,12 +17,12 @@ import pytest
 
 from rlmesh.forking.forkserver import FORK_SERVER_NAME, process_alive
 from rlmesh.forking.helpers import WARM_FORK_SERVER_ENV, WarmHelper, start_async_helper, start_helper
-from rlmesh.launch.processes import process_name
 from rlmesh.forking.warm_forkserver import KEEPER_NAME
+from rlmesh.launch.processes import process_name
 from services.trainer.ranks.child_process import start_child
 from tests.support import parent_pid, wait_until
 
-REPORTING_HELPER = '''
+REPORTING_HELPER = """
 import json, os, sys, time
 
 def is_open(fd):
@@ -39,20 +39,20 @@ print("to stdout", flush=True)
 if sys.argv[1:] == ["sleep"]:
     time.sleep(120)
 sys.exit(int(sys.argv[1]))
-'''
+"""
 
-ECHO_HELPER = '''
+ECHO_HELPER = """
 import os, sys
 sys.stdout.write(f"{os.getppid()} " + sys.stdin.read().upper())
-'''
+"""
 
-REQUESTER = '''
+REQUESTER = """
 import os, sys, time
 from rlmesh.forking.helpers import start_helper
 helper = start_helper("reporting", ["sleep"], dict(os.environ), {3: os.open(os.devnull, os.O_WRONLY)})
 print(helper.pid, flush=True)
 time.sleep(120)
-'''
+"""
 
 
 @pytest.fixture
@@ -71,8 +71,9 @@ def start_reporting(env: dict[str, str], *args: str, stdin: bytes = b"") -> tupl
     stdout_read, stdout_write = os.pipe()
     report, report_end = socket.socketpair()
     extra, extra_end = socket.socketpair()
-    helper = start_helper("reporting", list(args), env, {0: stdin_read, 1: stdout_write, 3: report_end.fileno(),
-                                                         5: extra_end.fileno()})
+    helper = start_helper(
+        "reporting", list(args), env, {0: stdin_read, 1: stdout_write, 3: report_end.fileno(), 5: extra_end.fileno()}
+    )
     for fd in (stdin_read, stdout_write):
         os.close(fd)
     report_end.close()
@@ -142,7 +143,9 @@ def test_a_requester_killed_takes_its_helper_and_keeper_with_it_not_the_warm_ser
         assert process_name(keeper) == KEEPER_NAME
         requester.send_signal(signal.SIGKILL)
         requester.wait(30)
-        wait_until(lambda: not process_alive(helper) and not process_alive(keeper), 30, "the helper and its keeper to end")
+        wait_until(
+            lambda: not process_alive(helper) and not process_alive(keeper), 30, "the helper and its keeper to end"
+        )
         assert process_name(warm_fork_server.pid) == FORK_SERVER_NAME
     finally:
         if requester.poll() is None:
@@ -163,17 +166,22 @@ async def test_a_requester_with_no_warm_server_to_ask_execs_its_helper(helper_en
     assert int(parent) == os.getpid() and await helper.wait() == 0
 
 
-NETNS_REQUESTER = textwrap.dedent('''
+NETNS_REQUESTER = textwrap.dedent("""
     import os
     from rlmesh.forking.helpers import start_helper
     print("forked" if start_helper("reporting", ["0"], dict(os.environ), {3: os.open(os.devnull, os.O_WRONLY)}) else "exec")
-''')
+""")
 
 
 def test_a_requester_in_another_network_namespace_is_refused(helper_env):
     if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
         pytest.skip("this machine does not let an unprivileged process make a network namespace")
-    answered = subprocess.run(["unshare", "-rn", sys.executable, "-c", NETNS_REQUESTER], env=helper_env,
-                              capture_output=True, text=True, timeout=60)
+    answered = subprocess.run(
+        ["unshare", "-rn", sys.executable, "-c", NETNS_REQUESTER],
+        env=helper_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert answered.stdout.splitlines()[-1] == "exec", answered.stderr
     assert "the requester is in another network namespace" in answered.stdout + answered.stderr

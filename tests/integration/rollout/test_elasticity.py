@@ -19,8 +19,17 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.support import (NO_STOP, assert_exactly_once, build_mesh, gather_batch, prompt_batch, spawn_rollout, stop_mesh,
-                           suite_warm_fork_server, wait_for)
+from tests.support import (
+    NO_STOP,
+    assert_exactly_once,
+    build_mesh,
+    gather_batch,
+    prompt_batch,
+    spawn_rollout,
+    stop_mesh,
+    suite_warm_fork_server,
+    wait_for,
+)
 
 PROMPTS = 32
 
@@ -29,9 +38,12 @@ PROMPTS = 32
 def forks(model_dir, tmp_path_factory):
     """The rollout processes' fork server, as `rlmesh up` has one: six instances start here, and
     each would otherwise import torch and transformers anew."""
-    server = ForkServer(["services.rollout.__main__", "transformers.initialization", check_model_dir(model_dir).modeling_module],
-                        {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path_factory.mktemp("forks") / "forkserver.log",
-                        suite_warm_fork_server())
+    server = ForkServer(
+        ["services.rollout.__main__", "transformers.initialization", check_model_dir(model_dir).modeling_module],
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        tmp_path_factory.mktemp("forks") / "forkserver.log",
+        suite_warm_fork_server(),
+    )
     server.wait_ready()
     yield server
     server.close()
@@ -46,7 +58,9 @@ async def leave_mid_generation(model_dir, tmp_path, forks, leave) -> tuple[list,
     try:
         await wait_started([leaving])
         await wait_for(lambda: "leaving" in mesh.manager.state.instances, timeout=30)
-        await hold_mid_generation(leaving, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP))
+        await hold_mid_generation(
+            leaving, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
+        )
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
         await leave(leaving)
         samples = assert_exactly_once(await collecting, PROMPTS, 4)
@@ -129,7 +143,9 @@ async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_d
     try:
         await wait_started([hung])
         await wait_for(lambda: "hung" in mesh.manager.state.instances, timeout=30)
-        await hold_mid_generation(hung, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP))
+        await hold_mid_generation(
+            hung, mesh.manager.state, lambda: client.submit("b", 0, prompt_batch(model_dir, PROMPTS), 4, NO_STOP)
+        )
         collecting = asyncio.create_task(gather_batch(client, "b", micro=8))
         hung.process.send_signal(signal.SIGSTOP)
         samples = assert_exactly_once(await collecting, PROMPTS, 4)
@@ -144,10 +160,17 @@ async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_d
 
 
 async def test_stragglers_move_from_a_slow_instance_to_a_fast_one(model_dir, tmp_path, forks):
-    synthetic = SyntheticConfig(length="fixed", mean_tokens=60, throughput_tokens_per_second=2000, min_step_seconds=0.01, stream_interval=4)
-    common = {"ENGINE__KIND": "synthetic", "ENGINE__MAX_BATCH_SIZE": "4", "ENGINE__SYNTHETIC__LENGTH": "fixed",
-              "ENGINE__SYNTHETIC__MEAN_TOKENS": "60", "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": "0.01",
-              "ENGINE__SYNTHETIC__STREAM_INTERVAL": "4"}
+    synthetic = SyntheticConfig(
+        length="fixed", mean_tokens=60, throughput_tokens_per_second=2000, min_step_seconds=0.01, stream_interval=4
+    )
+    common = {
+        "ENGINE__KIND": "synthetic",
+        "ENGINE__MAX_BATCH_SIZE": "4",
+        "ENGINE__SYNTHETIC__LENGTH": "fixed",
+        "ENGINE__SYNTHETIC__MEAN_TOKENS": "60",
+        "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": "0.01",
+        "ENGINE__SYNTHETIC__STREAM_INTERVAL": "4",
+    }
     mesh = await build_mesh(model_dir, "grpc", instances=0)
     fast = spawn_rollout(tmp_path, mesh.manager_address, "fast", forks, **common)
     slow = spawn_rollout(tmp_path, mesh.manager_address, "slow", forks, ENGINE__SYNTHETIC__SPEED="0.1", **common)
@@ -202,12 +225,16 @@ async def test_micro_batches_on_the_wire_take_what_is_ready(model_dir, channel_t
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     stub = manager_pb2_grpc.ManagerServiceStub(channel_to(mesh.manager_address))
     try:
-        await client.submit("b", 0, prompt_batch(model_dir, 6), 2, common_pb2.SamplingParams(temperature=1.0, max_tokens=40))
+        await client.submit(
+            "b", 0, prompt_batch(model_dir, 6), 2, common_pb2.SamplingParams(temperature=1.0, max_tokens=40)
+        )
         await wait_for(lambda: mesh.manager.state.batches["b"].ready, timeout=20, interval=0.005)
         await engine.pause()
         ready = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b"), timeout=5)
         assert 1 <= len(ready.groups) < 6 and ready.remaining_groups == 6 - len(ready.groups)
-        after = await stub.TakeReadyGroups(manager_pb2.TakeReadyGroupsRequest(batch_id="b", resume_from=len(ready.groups)), timeout=5)
+        after = await stub.TakeReadyGroups(
+            manager_pb2.TakeReadyGroupsRequest(batch_id="b", resume_from=len(ready.groups)), timeout=5
+        )
         assert list(after.groups) == [] and after.remaining_groups == ready.remaining_groups
         assert after.first_group_index == len(ready.groups)
         # Groups sent but (say) never read come again from the position the reader asks for.
@@ -221,11 +248,13 @@ async def test_micro_batches_on_the_wire_take_what_is_ready(model_dir, channel_t
             assert 1 <= len(micro_batch) <= 2
             streamed += micro_batch
         # The stream starts at the beginning: the groups taken above come first, once.
-        assert streamed[:len(ready.groups)] == list(ready.groups)
+        assert streamed[: len(ready.groups)] == list(ready.groups)
         assert sorted(g.prompt_id for g in streamed) == [f"p{i}" for i in range(6)]
         assert "b" not in mesh.manager.state.batches, "the read batch was not acknowledged"
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.StreamRollouts(manager_pb2.StreamRolloutsRequest(batch_id="b", micro_batch_groups=2, min_groups=3), timeout=5).read()
+            await stub.StreamRollouts(
+                manager_pb2.StreamRolloutsRequest(batch_id="b", micro_batch_groups=2, min_groups=3), timeout=5
+            ).read()
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_groups" in caught.value.details()
     finally:
         await client.close()

@@ -14,7 +14,9 @@ from services.trainer.mesh import MeshClient
 from tests.support import build_mesh, gather_batch, prompt_batch, sampling, stop_mesh
 
 
-async def read_until_ended(call, endings: dict[str, int]) -> tuple[dict[str, list[common_pb2.TokenChunk]], dict[str, rollout_pb2.GenerateRefusal]]:
+async def read_until_ended(
+    call, endings: dict[str, int]
+) -> tuple[dict[str, list[common_pb2.TokenChunk]], dict[str, rollout_pb2.GenerateRefusal]]:
     """Reads until each request id ended as many times as `endings` says (by a finishing chunk or a
     refusal); no chunk may follow its request's finishing chunk."""
     chunks: dict[str, list[common_pb2.TokenChunk]] = {}
@@ -39,19 +41,34 @@ async def read_until_ended(call, endings: dict[str, int]) -> tuple[dict[str, lis
 async def test_one_stream_runs_many_requests_and_refuses_only_the_bad_ones(grpc_mesh, model_dir, channel_to):
     stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(grpc_mesh.rollouts[0].server.address))
     prompts = prompt_batch(model_dir, 6)
-    good = [rollout_pb2.GenerateRequest(request_id=f"good-{i}", prompt_token_ids=ids, sampling=sampling(model_dir, 6))
-            for i, (_, ids) in enumerate(prompts[:4])]
-    bad_sampling = rollout_pb2.GenerateRequest(request_id="bad-sampling", prompt_token_ids=prompts[4][1],
-                                               sampling=common_pb2.SamplingParams(temperature=-1.0, max_tokens=4))
-    other_version = rollout_pb2.GenerateRequest(request_id="other-version", prompt_token_ids=prompts[5][1],
-                                                sampling=sampling(model_dir, 4), pinned_version=7)
+    good = [
+        rollout_pb2.GenerateRequest(request_id=f"good-{i}", prompt_token_ids=ids, sampling=sampling(model_dir, 6))
+        for i, (_, ids) in enumerate(prompts[:4])
+    ]
+    bad_sampling = rollout_pb2.GenerateRequest(
+        request_id="bad-sampling",
+        prompt_token_ids=prompts[4][1],
+        sampling=common_pb2.SamplingParams(temperature=-1.0, max_tokens=4),
+    )
+    other_version = rollout_pb2.GenerateRequest(
+        request_id="other-version", prompt_token_ids=prompts[5][1], sampling=sampling(model_dir, 4), pinned_version=7
+    )
     # Cancelled in the message that starts it: it ends with an ABORT before it reaches the engine.
-    cancelled = rollout_pb2.GenerateRequest(request_id="cancelled", prompt_token_ids=prompts[0][1],
-                                            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=40))
+    cancelled = rollout_pb2.GenerateRequest(
+        request_id="cancelled",
+        prompt_token_ids=prompts[0][1],
+        sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=40),
+    )
     call = stub.GenerateMany(timeout=60)
-    await call.write(rollout_pb2.GenerateManyRequest(requests=[*good[:2], bad_sampling, cancelled, cancelled], cancel_request_ids=["cancelled"]))
+    await call.write(
+        rollout_pb2.GenerateManyRequest(
+            requests=[*good[:2], bad_sampling, cancelled, cancelled], cancel_request_ids=["cancelled"]
+        )
+    )
     await call.write(rollout_pb2.GenerateManyRequest(requests=[*good[2:], other_version]))
-    chunks, refusals = await read_until_ended(call, {**{r.request_id: 1 for r in good}, "bad-sampling": 1, "other-version": 1, "cancelled": 2})
+    chunks, refusals = await read_until_ended(
+        call, {**{r.request_id: 1 for r in good}, "bad-sampling": 1, "other-version": 1, "cancelled": 2}
+    )
 
     for request in good:
         received = chunks[request.request_id]
@@ -85,7 +102,9 @@ def rollouts_of_the_released_contract(monkeypatch):
             self.server.add_generic_rpc_handlers(tuple(Released(h) for h in handlers))
 
         def add_registered_method_handlers(self, service, handlers):
-            self.server.add_registered_method_handlers(service, {k: v for k, v in handlers.items() if k != "GenerateMany"})
+            self.server.add_registered_method_handlers(
+                service, {k: v for k, v in handlers.items() if k != "GenerateMany"}
+            )
 
     class Released(grpc.GenericRpcHandler):
         def __init__(self, handler):
@@ -94,12 +113,16 @@ def rollouts_of_the_released_contract(monkeypatch):
         def service(self, details):
             return None if details.method.endswith("/GenerateMany") else self.handler.service(details)
 
-    monkeypatch.setattr(rollout_pb2_grpc, "add_RolloutServiceServicer_to_server",
-                        lambda servicer, server: register(servicer, WithoutGenerateMany(server)))
+    monkeypatch.setattr(
+        rollout_pb2_grpc,
+        "add_RolloutServiceServicer_to_server",
+        lambda servicer, server: register(servicer, WithoutGenerateMany(server)),
+    )
 
 
 async def test_the_manager_runs_requests_one_stream_each_on_an_instance_without_generate_many(
-        rollouts_of_the_released_contract, model_dir, channel_to):
+    rollouts_of_the_released_contract, model_dir, channel_to
+):
     mesh = await build_mesh(model_dir, "grpc")
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
@@ -130,7 +153,9 @@ async def test_a_background_batch_reaches_the_engine_as_background_work(grpc_mes
     engine.generate = recording
     client = MeshClient(grpc_mesh.manager_address, grpc_mesh.weights_address, rpc_timeout=10)
     try:
-        await client.submit("validation", 0, prompt_batch(model_dir, 2), 2, sampling(model_dir), exact_version=True, background=True)
+        await client.submit(
+            "validation", 0, prompt_batch(model_dir, 2), 2, sampling(model_dir), exact_version=True, background=True
+        )
         await client.submit("training", 0, prompt_batch(model_dir, 2), 2, sampling(model_dir))
         for batch_id in ("validation", "training"):
             await asyncio.wait_for(gather_batch(client, batch_id, micro=2), 60)

@@ -14,13 +14,21 @@ import pytest
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
-from rlmesh.transfer.payload import pack
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
+from rlmesh.transfer.payload import pack
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
 from tests.support import (
-    build_mesh, gather_batch, prompt_batch, rollout_config, sampling, scaled_weights, stop_mesh, suite_auth_env, upload_full_tensors,
+    build_mesh,
+    gather_batch,
+    prompt_batch,
+    rollout_config,
+    sampling,
+    scaled_weights,
+    stop_mesh,
+    suite_auth_env,
+    upload_full_tensors,
     wait_for,
 )
 
@@ -64,6 +72,7 @@ async def test_a_published_version_reaches_instances_and_late_joiners(model_dir,
         late = await start_rollout(rollout_config(model_dir, mesh.manager_address, "late", backend == "mooncake"))
         assert late.engine.weight_version == 0
         await wait_for(lambda: late.engine.weight_version == 1)
+
         async def manager_sees_both_at_version_1() -> bool:
             status = await client.manager_status()
             return {i.instance_id: i.weight_version for i in status.instances} == {"instance-0": 1, "late": 1}
@@ -85,7 +94,9 @@ async def test_a_corrupted_push_leaves_the_instance_on_its_version(grpc_mesh, mo
     rollout = grpc_mesh.rollouts[0]
     stub = rollout_pb2_grpc.RolloutServiceStub(channel_to(rollout.server.address))
     manifest, payload = pack(scaled_weights(model_dir, 0.5), version=7)
-    await stub.BeginWeightUpdate(rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=5)
+    await stub.BeginWeightUpdate(
+        rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=5
+    )
     payload[10] ^= 0xFF
 
     async def chunks():
@@ -114,7 +125,11 @@ async def test_a_draining_instance_hands_its_requests_to_another(model_dir):
         assert all(len(g.samples) == 4 for g in groups)
         samples = [s for g in groups for s in g.samples]
         assert all(len(s.token_ids) == 55 for s in samples)
-        assert {tuple(s.instance_ids) for s in samples} <= {("instance-0",), ("instance-1",), ("instance-0", "instance-1")}
+        assert {tuple(s.instance_ids) for s in samples} <= {
+            ("instance-0",),
+            ("instance-1",),
+            ("instance-0", "instance-1"),
+        }
         continued = [s for s in samples if len(s.instance_ids) == 2]
         assert continued, "no request was running on the drained instance"
         status = await client.manager_status()
@@ -129,17 +144,30 @@ async def test_a_killed_instance_is_dropped_and_its_requests_continue(model_dir,
     from the tokens already generated, long before its 30 s lease would have expired."""
     mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=30)
     port = free_port()
-    env = {**os.environ, "RLMESH_ROLLOUT_SERVER__PORT": str(port), "RLMESH_ROLLOUT_INSTANCE_ID": "doomed",
-           "RLMESH_ROLLOUT_MANAGER_ADDRESS": mesh.manager_address, "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
-           "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false", **suite_auth_env("RLMESH_ROLLOUT_", "instance")}
-    doomed = subprocess.Popen([sys.executable, "-m", "services.rollout"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "RLMESH_ROLLOUT_SERVER__PORT": str(port),
+        "RLMESH_ROLLOUT_INSTANCE_ID": "doomed",
+        "RLMESH_ROLLOUT_MANAGER_ADDRESS": mesh.manager_address,
+        "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(model_dir),
+        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false",
+        **suite_auth_env("RLMESH_ROLLOUT_", "instance"),
+    }
+    doomed = subprocess.Popen(
+        [sys.executable, "-m", "services.rollout"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
         await wait_for(lambda: "doomed" in mesh.manager.state.instances, timeout=60)
         no_stop = common_pb2.SamplingParams(temperature=1.0, max_tokens=55)
         await client.submit("kill", 0, prompt_batch(model_dir, 8), 4, no_stop)
         collecting = asyncio.create_task(gather_batch(client, "kill", micro=8))
-        await wait_for(lambda: mesh.manager.state.instances.get("doomed") and mesh.manager.state.instances["doomed"].generated_tokens > 0)
+        await wait_for(
+            lambda: (
+                mesh.manager.state.instances.get("doomed")
+                and mesh.manager.state.instances["doomed"].generated_tokens > 0
+            )
+        )
         started = time.monotonic()
         doomed.send_signal(signal.SIGKILL)
         groups = await collecting

@@ -30,17 +30,24 @@ async def greedy_batch(engine, prompts, tag, max_tokens=20):
     async def late(prompt):
         while engine.generated_tokens == start:
             await asyncio.sleep(0.001)
-        return await engine_output(engine, EngineRequest(f"{tag}-late", prompt, Sampling(temperature=0, max_tokens=max_tokens)))
+        return await engine_output(
+            engine, EngineRequest(f"{tag}-late", prompt, Sampling(temperature=0, max_tokens=max_tokens))
+        )
 
     start = engine.generated_tokens
     return await asyncio.gather(
-        *[engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=max_tokens))) for i, p in enumerate(prompts[:-1])],
+        *[
+            engine_output(engine, EngineRequest(f"{tag}-{i}", p, Sampling(temperature=0, max_tokens=max_tokens)))
+            for i, p in enumerate(prompts[:-1])
+        ],
         late(prompts[-1]),
     )
 
 
 def assert_same(results, expected):
-    for (tokens, logprobs, versions, _), (want_tokens, want_logprobs, want_versions, _) in zip(results, expected, strict=True):
+    for (tokens, logprobs, versions, _), (want_tokens, want_logprobs, want_versions, _) in zip(
+        results, expected, strict=True
+    ):
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
         assert versions == want_versions
@@ -67,7 +74,10 @@ async def test_two_ranks_decode_the_same_greedy_tokens_as_one(engines, model_dir
     single, split = engines
     assert (single.tensor_parallel_size, split.tensor_parallel_size) == (1, 2)
     prompts = prompt_ids(model_dir)
-    expected = [await engine_output(single, EngineRequest(f"alone-{i}", p, Sampling(temperature=0, max_tokens=20))) for i, p in enumerate(prompts)]
+    expected = [
+        await engine_output(single, EngineRequest(f"alone-{i}", p, Sampling(temperature=0, max_tokens=20)))
+        for i, p in enumerate(prompts)
+    ]
     assert_same(await greedy_batch(split, prompts, "split"), expected)
     # Each rank received only its own tensors: half the heads, half the MLP, half the padded vocabulary.
     shapes = {spec.name: spec.shape for spec in split.rank_parameter_specs()}
@@ -79,7 +89,10 @@ async def test_two_ranks_decode_the_same_greedy_tokens_as_one(engines, model_dir
 async def test_a_version_staged_from_full_tensors_reaches_every_rank(engines, model_dir):
     single, split = engines
     generator = torch.Generator().manual_seed(7)
-    weights = {name: t * (1 + 0.2 * torch.randn(t.shape, generator=generator)) for name, t in trainable_tensors(load_causal_lm(model_dir)).items()}
+    weights = {
+        name: t * (1 + 0.2 * torch.randn(t.shape, generator=generator))
+        for name, t in trainable_tensors(load_causal_lm(model_dir)).items()
+    }
     for engine in engines:
         await asyncio.to_thread(engine.stage_weights, 1, weights)
         await engine.commit_staged(1)
@@ -103,7 +116,10 @@ async def test_ranks_beyond_the_kv_heads_replicate_them(one_kv_head_model):
     await split.start()
     try:
         prompts = prompt_ids(one_kv_head_model)
-        expected = [await engine_output(single, EngineRequest(f"a{i}", p, Sampling(temperature=0, max_tokens=12))) for i, p in enumerate(prompts)]
+        expected = [
+            await engine_output(single, EngineRequest(f"a{i}", p, Sampling(temperature=0, max_tokens=12)))
+            for i, p in enumerate(prompts)
+        ]
         assert_same(await greedy_batch(split, prompts, "kv1", max_tokens=12), expected)
     finally:
         await split.stop()
@@ -120,7 +136,10 @@ def test_the_configuration_refuses_layouts_that_do_not_split(model_dir):
 
 @pytest.mark.parametrize(
     ("family", "settings"),
-    [("llama", {"tie_word_embeddings": True, "attention_bias": True}), ("qwen3", {"tie_word_embeddings": False, "attention_bias": True})],
+    [
+        ("llama", {"tie_word_embeddings": True, "attention_bias": True}),
+        ("qwen3", {"tie_word_embeddings": False, "attention_bias": True}),
+    ],
 )
 @module_loop
 async def test_other_families_decode_on_two_ranks_as_hf_does(family, settings, tmp_path):
@@ -138,8 +157,10 @@ async def test_other_families_decode_on_two_ranks_as_hf_does(family, settings, t
     finally:
         await split.stop()
     for prompt, (tokens, logprobs, _, _) in zip(prompts, results):
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
         assert tokens == want
         with torch.no_grad():
             reference = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
-        assert logprobs == pytest.approx(reference.gather(1, torch.tensor(tokens)[:, None]).flatten().tolist(), abs=1e-4)
+        assert logprobs == pytest.approx(
+            reference.gather(1, torch.tensor(tokens)[:, None]).flatten().tolist(), abs=1e-4
+        )

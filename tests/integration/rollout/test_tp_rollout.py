@@ -18,12 +18,12 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition
 from rlmesh.models.loading import copy_into, load_causal_lm
 from rlmesh.models.tokenizer import load_tokenizer
-from rlmesh.transfer.payload import bucket_ranges, pack
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.codecs import BucketCodec
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
+from rlmesh.transfer.payload import bucket_ranges, pack
 from rlmesh.transfer.tcp import TcpSender
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
@@ -31,8 +31,18 @@ from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
 from tests.support import (
-    TCP, TP, assert_serves_the_reference, begin_update, commit_version, engine_output, greedy_outputs, loopback, perturbed_weights,
-    rank_payloads, send_all, wait_for,
+    TCP,
+    TP,
+    assert_serves_the_reference,
+    begin_update,
+    commit_version,
+    engine_output,
+    greedy_outputs,
+    loopback,
+    perturbed_weights,
+    rank_payloads,
+    send_all,
+    wait_for,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -48,7 +58,13 @@ def delta_frames(manifest, payload, base_manifest, base_payload):
     codec = BucketCodec("delta", torch.float32)
     new, old = payload.numpy(), base_payload.numpy()
     for start, end in bucket_ranges(manifest.total_bytes, manifest.bucket_bytes):
-        yield start, end - start, common_pb2.COMPRESSION_DELTA, base_manifest.version, codec.encode(new[start:end], old[start:end]).data
+        yield (
+            start,
+            end - start,
+            common_pb2.COMPRESSION_DELTA,
+            base_manifest.version,
+            codec.encode(new[start:end], old[start:end]).data,
+        )
 
 
 async def test_the_instance_reports_its_layout_and_decodes_like_one_process(instance):
@@ -58,10 +74,14 @@ async def test_the_instance_reports_its_layout_and_decodes_like_one_process(inst
     assert not info.quantized_weights and info.transfer_session
     prompt = instance.prompts()[1]
     tokens = []
-    request = rollout_pb2.GenerateRequest(request_id="grpc", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=16))
+    request = rollout_pb2.GenerateRequest(
+        request_id="grpc", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(temperature=0, max_tokens=16)
+    )
     async for reply in instance.stub.Generate(request, timeout=30):
         tokens += reply.chunk.token_ids
-    expected, _, _, _ = await engine_output(instance.reference, EngineRequest("grpc-reference", prompt, Sampling(temperature=0, max_tokens=16)))
+    expected, _, _, _ = await engine_output(
+        instance.reference, EngineRequest("grpc-reference", prompt, Sampling(temperature=0, max_tokens=16))
+    )
     assert tokens == expected
 
 
@@ -91,8 +111,9 @@ async def test_a_push_over_tcp_then_a_delta_over_grpc_against_the_version_each_r
     reply = await begin_update(instance, payloads, rollout_pb2.TRANSFER_BACKEND_GRPC, link=common_pb2.COMPRESSION_DELTA)
     assert [r.held_version for r in reply.ranks] == [version - 1] * TP
     held = instance.held
-    await send_all(GrpcStreamSender(), instance, reply, payloads,
-                   lambda m, p: delta_frames(m, p, *held[m.tensor_parallel_rank]))
+    await send_all(
+        GrpcStreamSender(), instance, reply, payloads, lambda m, p: delta_frames(m, p, *held[m.tensor_parallel_rank])
+    )
     await commit_version(instance, version, weights, payloads)
     await assert_serves_the_reference(instance, "delta")
 
@@ -140,9 +161,20 @@ async def test_payloads_that_do_not_fit_the_ranks_are_refused(instance):
     full_manifest, _ = pack(instance.served, version)
     cases = [
         (rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[payloads[0][0]], backend=TCP), "1 rank manifests for 2"),
-        (rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[payloads[1][0], payloads[0][0]], backend=TCP), "payload of rank 1 of 2"),
-        (rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[full_manifest, full_manifest], backend=TCP), "tensors do not match"),
-        (rollout_pb2.BeginWeightUpdateRequest(manifest=full_manifest, rank_manifests=[m for m, _ in payloads], backend=TCP), "exactly one"),
+        (
+            rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[payloads[1][0], payloads[0][0]], backend=TCP),
+            "payload of rank 1 of 2",
+        ),
+        (
+            rollout_pb2.BeginWeightUpdateRequest(rank_manifests=[full_manifest, full_manifest], backend=TCP),
+            "tensors do not match",
+        ),
+        (
+            rollout_pb2.BeginWeightUpdateRequest(
+                manifest=full_manifest, rank_manifests=[m for m, _ in payloads], backend=TCP
+            ),
+            "exactly one",
+        ),
     ]
     for request, message in cases:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -157,9 +189,12 @@ async def test_full_tensors_from_an_older_sender_reach_every_rank(instance):
     weights = perturbed_weights(instance.served, version)
     manifest, payload = pack(weights, version)
     reply = await instance.stub.BeginWeightUpdate(
-        rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=10)
+        rollout_pb2.BeginWeightUpdateRequest(manifest=manifest, backend=rollout_pb2.TRANSFER_BACKEND_GRPC), timeout=10
+    )
     assert [r.tp_rank for r in reply.ranks] == [0]
-    await GrpcStreamSender().send_rank(instance.stub, reply.ranks[0], manifest, payload, raw_frames(manifest, payload), 30, lambda: False)
+    await GrpcStreamSender().send_rank(
+        instance.stub, reply.ranks[0], manifest, payload, raw_frames(manifest, payload), 30, lambda: False
+    )
     await commit_version(instance, version, weights, [])
     await assert_serves_the_reference(instance, "full")
 
@@ -194,7 +229,10 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
     async def keep_busy(index: int) -> None:
         prompt = instance.prompts()[index]
         while not stop.is_set():
-            _, _, versions, _ = await engine_output(engine, EngineRequest(f"busy-{index}-{len(background)}", prompt, Sampling(temperature=1.0, max_tokens=40)))
+            _, _, versions, _ = await engine_output(
+                engine,
+                EngineRequest(f"busy-{index}-{len(background)}", prompt, Sampling(temperature=1.0, max_tokens=40)),
+            )
             background.append(versions)
 
     busy = [asyncio.create_task(keep_busy(i)) for i in range(3)]
@@ -241,8 +279,12 @@ async def test_generation_goes_on_while_a_version_loads_and_every_rank_switches_
     assert 2 <= switch < len(versions) and versions == [old] * switch + [version] * (len(versions) - switch)
     for seen in background + [await spanning_versions]:
         assert seen == sorted(seen) and set(seen) <= {old, version}
-    assert set(await spanning_versions) == {old, version}, "the batch-mate spanning the probe did not decode across the switch"
-    want_tokens, want_logprobs = switched_greedy(instance.model_dir, {old: old_weights, version: weights}, prompt, versions)
+    assert set(await spanning_versions) == {old, version}, (
+        "the batch-mate spanning the probe did not decode across the switch"
+    )
+    want_tokens, want_logprobs = switched_greedy(
+        instance.model_dir, {old: old_weights, version: weights}, prompt, versions
+    )
     assert tokens == want_tokens
     assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
 
@@ -251,15 +293,22 @@ async def test_a_dead_rank_takes_the_instance_out_of_the_pool(model_dir):
     """A worker killed mid-generation: its requests end aborted with their tokens (the manager
     continues them elsewhere), the engine refuses new ones and the instance leaves the pool."""
     manager = await start_manager(ManagerConfig(server=loopback()))
-    rollout = await start_rollout(RolloutConfig(
-        server=loopback(), instance_id="doomed", manager_address=manager.server.address,
-        engine=EngineConfig(model_dir=str(model_dir), max_batch_size=8, tensor_parallel_size=TP),
-        transfer=TransferConfig(mooncake=False), register_timeout_seconds=10,
-    ))
+    rollout = await start_rollout(
+        RolloutConfig(
+            server=loopback(),
+            instance_id="doomed",
+            manager_address=manager.server.address,
+            engine=EngineConfig(model_dir=str(model_dir), max_batch_size=8, tensor_parallel_size=TP),
+            transfer=TransferConfig(mooncake=False),
+            register_timeout_seconds=10,
+        )
+    )
     try:
         engine = rollout.engine
         prompt = load_tokenizer(model_dir).encode("31415=").ids
-        running = asyncio.create_task(engine_output(engine, EngineRequest("victim", prompt, Sampling(temperature=1.0, max_tokens=55))))
+        running = asyncio.create_task(
+            engine_output(engine, EngineRequest("victim", prompt, Sampling(temperature=1.0, max_tokens=55)))
+        )
         await wait_for(lambda: engine.generated_tokens >= 3)
         os.kill(engine._group.workers[0].process.pid, signal.SIGKILL)
         tokens, _, _, _ = await asyncio.wait_for(running, 30)

@@ -24,9 +24,17 @@ from tests.support import full_parameters, rewarded_micro_batches
 
 def run(spec: dict) -> None:
     rank = init_distributed("gloo", 120.0)
-    config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2,
-                           learning_rate=1e-3, advantage_estimator="gae", critic_learning_rate=1e-3)
+    config = TrainerConfig(
+        model_dir=spec["model_dir"],
+        output_dir=spec["output_dir"],
+        prompts_per_step=2,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=2,
+        learning_rate=1e-3,
+        advantage_estimator="gae",
+        critic_learning_rate=1e-3,
+    )
     policy = ShardedPolicy(config, rank)
     batches = rewarded_micro_batches(Path(spec["model_dir"]), 4)
     batches[3] = batches[3][:1]

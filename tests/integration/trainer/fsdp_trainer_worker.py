@@ -21,26 +21,36 @@ from torch.distributed.tensor import DTensor
 
 from rlmesh.logging import configure_logging
 from rlmesh.tasks.increment import held_out_problems
-from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
+from services.trainer.main import _build
+from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
+from services.trainer.ranks.commands import Checkpoint, Evaluate, OptimizerStep, Publish, Resume, Stop, Train
 from services.trainer.ranks.distributed import TorchThread, init_distributed, shutdown_distributed
 from services.trainer.ranks.evaluation import EvalRequest
-from services.trainer.main import _build
-from services.trainer.ranks.commands import Checkpoint, Evaluate, OptimizerStep, Publish, Resume, Stop, Train
 from tests.support import play_every_role
 
 
 def config_for(spec: dict) -> TrainerConfig:
-    return TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], weights_address=spec["weights_address"],
-                         handoff=spec["handoff"], prompts_per_step=2, group_size=8, micro_batch_groups=1, seed=3)
+    return TrainerConfig(
+        model_dir=spec["model_dir"],
+        output_dir=spec["output_dir"],
+        weights_address=spec["weights_address"],
+        handoff=spec["handoff"],
+        prompts_per_step=2,
+        group_size=8,
+        micro_batch_groups=1,
+        seed=3,
+    )
 
 
 def full_state(policy) -> dict:
     """Every parameter and optimizer tensor gathered whole (test only; a collective)."""
     optimizer = get_optimizer_state_dict(policy.model, policy.optimizer, options=StateDictOptions(full_state_dict=True))
     params = policy.full_parameters()
-    optim = {name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()}
-             for name, state in optimizer["state"].items()}
+    optim = {
+        name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()}
+        for name, state in optimizer["state"].items()
+    }
     return {"params": params, "optimizer": optim}
 
 
@@ -59,10 +69,14 @@ async def run(spec: dict) -> None:
                 result["grad_norm"] = await group.lead(OptimizerStep())
                 result["publish"].append(await group.lead(Publish(spec["versions"][1])))
                 prompts = [group.policy.tokenizer.encode(p.prompt) for p in held_out_problems(4)]
-                result["eval"] = await group.lead(Evaluate(EvalRequest(prompts, max_tokens=12, samples=1, temperature=1.0,
-                                                                       top_p=1.0, seed=4)))
-                result["checkpoint"] = str(await group.lead(Checkpoint(TrainerState(1, spec["versions"][1], {"increment": 32}),
-                                                                       export_hf=True)))
+                result["eval"] = await group.lead(
+                    Evaluate(EvalRequest(prompts, max_tokens=12, samples=1, temperature=1.0, top_p=1.0, seed=4))
+                )
+                result["checkpoint"] = str(
+                    await group.lead(
+                        Checkpoint(TrainerState(1, spec["versions"][1], {"increment": 32}), export_hf=True)
+                    )
+                )
             else:
                 checkpoint = latest_checkpoint(Path(config.output_dir) / "checkpoints")
                 result["state"] = await group.lead(Resume(str(checkpoint)))

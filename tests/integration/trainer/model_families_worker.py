@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from rlmesh.logging import configure_logging
 from services.trainer.config import TrainerConfig
-from services.trainer.ranks.distributed import RankInfo, TorchThread, init_distributed, shutdown_distributed
 from services.trainer.main import _build
 from services.trainer.ranks.commands import Publish, Stop
+from services.trainer.ranks.distributed import RankInfo, TorchThread, init_distributed, shutdown_distributed
 from tests.support import play_every_role
 
 
@@ -37,7 +37,9 @@ def perturb(policy, seed: int) -> None:
 
 
 async def publish(model: dict, rank: RankInfo, thread: TorchThread) -> dict:
-    config = TrainerConfig(model_dir=model["model_dir"], output_dir=model["output_dir"], weights_address=model["weights_address"], seed=3)
+    config = TrainerConfig(
+        model_dir=model["model_dir"], output_dir=model["output_dir"], weights_address=model["weights_address"], seed=3
+    )
     group, channel = await _build(config, rank, thread)
     result: dict = {}
     try:

@@ -28,8 +28,16 @@ from tests.support import micro_batches
 
 def run(spec: dict) -> None:
     rank = init_distributed("gloo", 120.0)
-    config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2, learning_rate=1e-2, loss="tis")
+    config = TrainerConfig(
+        model_dir=spec["model_dir"],
+        output_dir=spec["output_dir"],
+        prompts_per_step=2,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=2,
+        learning_rate=1e-2,
+        loss="tis",
+    )
     policy = ShardedPolicy(config, rank)
     proximal_seen = []
     real_loss = policy_module.policy_loss
@@ -49,7 +57,9 @@ def run(spec: dict) -> None:
         result["stats"].append(policy.backward(batch))
         policy.optimizer_step()
     # A held-out evaluation between steps, as the service runs: forwards without backward.
-    policy.evaluate(EvalRequest([batches[0][0].prompt_ids], max_tokens=4, samples=1, temperature=1.0, top_p=1.0, seed=1))
+    policy.evaluate(
+        EvalRequest([batches[0][0].prompt_ids], max_tokens=4, samples=1, temperature=1.0, top_p=1.0, seed=1)
+    )
     policy.begin_step()
     result["step_start"] = policy.full_parameters()
     result["stats"].append(policy.backward(batches[2]))
@@ -67,8 +77,15 @@ def refuse(spec: dict) -> None:
     """Sample 1 (rank 1's share) has a NaN advantage: every rank refuses the step alike, naming it,
     its weights unchanged, and the ranks stay in step for the next micro-batch."""
     rank = init_distributed("gloo", 120.0)
-    config = TrainerConfig(model_dir=spec["model_dir"], output_dir=spec["output_dir"], prompts_per_step=1, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=1, learning_rate=1e-2)
+    config = TrainerConfig(
+        model_dir=spec["model_dir"],
+        output_dir=spec["output_dir"],
+        prompts_per_step=1,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=1,
+        learning_rate=1e-2,
+    )
     policy = ShardedPolicy(config, rank)
     poisoned, clean = micro_batches(Path(spec["model_dir"]), 2)
     for index, sample in enumerate(poisoned):

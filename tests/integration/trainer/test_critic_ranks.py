@@ -28,7 +28,9 @@ def test_two_ranks_train_the_critic_as_one_rank_does(rank_runner, model_dir, tmp
     # Float32 sums over the ranks' shares come in another order than one rank's: equal to rounding.
     for index, (alone, shared) in enumerate(zip(one["stats"], two[0]["stats"])):
         assert shared.critic.tokens == alone.critic.tokens
-        assert shared.critic.as_list() == pytest.approx(alone.critic.as_list(), rel=1e-4, abs=1e-6), f"micro-batch {index}"
+        assert shared.critic.as_list() == pytest.approx(alone.critic.as_list(), rel=1e-4, abs=1e-6), (
+            f"micro-batch {index}"
+        )
         assert shared.loss == pytest.approx(alone.loss, rel=1e-4, abs=1e-6), f"micro-batch {index}"
     for name, value in one["critic"].items():
         torch.testing.assert_close(two[0]["critic"][name], value, rtol=1e-4, atol=1e-5, msg=name)

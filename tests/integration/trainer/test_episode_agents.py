@@ -39,8 +39,15 @@ def agent(folder: Path, name: str, source: str) -> str:
     return f"{sys.executable} {folder / name}"
 
 
-async def run_episodes(mesh, chat_model_dir, folder: Path, config: EnvironmentConfig, count: int,
-                       prompt: TaskPrompt | None = None, batch_id: str = "agents") -> tuple[list[tuple[str, str]], EpisodeDriver]:
+async def run_episodes(
+    mesh,
+    chat_model_dir,
+    folder: Path,
+    config: EnvironmentConfig,
+    count: int,
+    prompt: TaskPrompt | None = None,
+    batch_id: str = "agents",
+) -> tuple[list[tuple[str, str]], EpisodeDriver]:
     """`count` episodes of one group as the trainer runs them: opened as the trainer opens them,
     each started by the driver; their (status, detail) at the manager, in order."""
     built, client = mesh
@@ -50,8 +57,12 @@ async def run_episodes(mesh, chat_model_dir, folder: Path, config: EnvironmentCo
     params = common_pb2.SamplingParams(temperature=1.0, max_tokens=8, stop_token_ids=[stop])
     handles = await open_sessions(client, spec, batch_id, 0, [("p", [], params)], count)
     failures = []
-    driver = EpisodeDriver(client, threads=2, on_failure=lambda exc: asyncio.sleep(0, failures.append(exc)),
-                           gateway_address=built.manager.gateway_address)
+    driver = EpisodeDriver(
+        client,
+        threads=2,
+        on_failure=lambda exc: asyncio.sleep(0, failures.append(exc)),
+        gateway_address=built.manager.gateway_address,
+    )
     try:
         driver.start(spec, handles, {"p": prompt or TaskPrompt("p", text="Count.")})
         await asyncio.gather(*list(driver.tasks))
@@ -62,32 +73,44 @@ async def run_episodes(mesh, chat_model_dir, folder: Path, config: EnvironmentCo
     return [(STATUS(sessions.get(h.session_id).status), sessions.get(h.session_id).detail) for h in handles], driver
 
 
-async def test_an_agent_reward_the_manager_cannot_store_ends_its_episode_and_the_job_goes_on(chat_mesh, chat_model_dir, tmp_path,
-                                                                                             monkeypatch):
+async def test_an_agent_reward_the_manager_cannot_store_ends_its_episode_and_the_job_goes_on(
+    chat_mesh, chat_model_dir, tmp_path, monkeypatch
+):
     command = agent(tmp_path, "report.py", "import os\nprint(os.environ['REPORT'])\n")
     outcomes = []
     for index, report in enumerate(('{"reward": NaN}', '{"reward": 1e39}', '{"reward": 0.5}')):
         monkeypatch.setenv("REPORT", report)
-        [outcome], driver = await run_episodes(chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command), 1,
-                                               batch_id=f"report-{index}")
+        [outcome], driver = await run_episodes(
+            chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command), 1, batch_id=f"report-{index}"
+        )
         outcomes.append(outcome)
         assert driver.failure is None
-    assert [status for status, _ in outcomes] == ["SESSION_STATUS_ENVIRONMENT_ERROR", "SESSION_STATUS_ENVIRONMENT_ERROR",
-                                                  "SESSION_STATUS_DONE"]
+    assert [status for status, _ in outcomes] == [
+        "SESSION_STATUS_ENVIRONMENT_ERROR",
+        "SESSION_STATUS_ENVIRONMENT_ERROR",
+        "SESSION_STATUS_DONE",
+    ]
     assert "the agent's report gave reward=nan" in outcomes[0][1] and "reward=1e+39" in outcomes[1][1]
 
 
-async def test_an_agent_that_exits_ends_its_episode_though_its_child_holds_its_output(chat_mesh, chat_model_dir, tmp_path):
+async def test_an_agent_that_exits_ends_its_episode_though_its_child_holds_its_output(
+    chat_mesh, chat_model_dir, tmp_path
+):
     pid_file = tmp_path / "child.pid"
-    command = agent(tmp_path, "leaves_a_child.py", f"""
+    command = agent(
+        tmp_path,
+        "leaves_a_child.py",
+        f"""
 import subprocess, sys
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open({str(pid_file)!r}, "w").write(str(child.pid))
 print('{{"reward": 1.0}}', flush=True)
-""")
+""",
+    )
     try:
-        [(status, detail)], _ = await run_episodes(chat_mesh, chat_model_dir, tmp_path,
-                                                   EnvironmentConfig(command=command, episode_deadline_seconds=60), 1)
+        [(status, detail)], _ = await run_episodes(
+            chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command, episode_deadline_seconds=60), 1
+        )
         assert status == "SESSION_STATUS_DONE", detail
         child = int(pid_file.read_text())
         wait_until(lambda: not running(child), 10, "the agent's child to die with its episode")
@@ -98,15 +121,20 @@ print('{{"reward": 1.0}}', flush=True)
 
 async def test_at_the_deadline_the_agents_whole_process_group_is_killed(chat_mesh, chat_model_dir, tmp_path):
     pid_file = tmp_path / "child.pid"
-    command = agent(tmp_path, "hangs.py", f"""
+    command = agent(
+        tmp_path,
+        "hangs.py",
+        f"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
 open({str(pid_file)!r}, "w").write(str(child.pid))
 time.sleep(600)
-""")
+""",
+    )
     try:
-        [(status, detail)], _ = await run_episodes(chat_mesh, chat_model_dir, tmp_path,
-                                                   EnvironmentConfig(command=command, episode_deadline_seconds=3), 1)
+        [(status, detail)], _ = await run_episodes(
+            chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command, episode_deadline_seconds=3), 1
+        )
         assert status == "SESSION_STATUS_DEADLINE" and "episode_deadline_seconds (3)" in detail
         child = int(pid_file.read_text())
         wait_until(lambda: not running(child), 10, "the agent's child to be killed with its group")
@@ -115,15 +143,21 @@ time.sleep(600)
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-async def test_a_row_too_big_for_an_environment_variable_reaches_the_agent_in_a_file(chat_mesh, chat_model_dir, tmp_path):
-    command = agent(tmp_path, "reads_row.py", """
+async def test_a_row_too_big_for_an_environment_variable_reaches_the_agent_in_a_file(
+    chat_mesh, chat_model_dir, tmp_path
+):
+    command = agent(
+        tmp_path,
+        "reads_row.py",
+        """
 import json, os, sys
 row = json.loads(open(os.environ["RLMESH_ROW_FILE"]).read())
 inline = os.environ.get("RLMESH_ROW")
 if inline is not None and json.loads(inline) != row:
     sys.exit("RLMESH_ROW differs from RLMESH_ROW_FILE")
 print(json.dumps({"reward": len(row["document"]) + (0.5 if inline is not None else 0.0)}))
-""")
+""",
+    )
     config = EnvironmentConfig(command=command)
     big = TaskPrompt("p", text="Summarize.", metadata={"document": "x" * 200_000})
     small = TaskPrompt("p", text="Summarize.", metadata={"document": "x" * 100})
@@ -135,17 +169,23 @@ print(json.dumps({"reward": len(row["document"]) + (0.5 if inline is not None el
     assert chat_mesh[0].manager.state.sessions.get("small/p/0").reward == 100.5
 
 
-async def test_episodes_beyond_max_concurrent_wait_and_their_deadlines_start_with_them(chat_mesh, chat_model_dir, tmp_path):
+async def test_episodes_beyond_max_concurrent_wait_and_their_deadlines_start_with_them(
+    chat_mesh, chat_model_dir, tmp_path
+):
     log = tmp_path / "runs.jsonl"
     # Each agent takes well under the manager's step deadline (2 x 3 s) to close its session, and
     # the last of them starts well past it after the opening: timed from the opening, it would be reaped.
-    command = agent(tmp_path, "slow.py", f"""
+    command = agent(
+        tmp_path,
+        "slow.py",
+        f"""
 import json, os, time
 started = time.time()
 time.sleep(1.5)
 with open({str(log)!r}, "a") as runs:
     runs.write(json.dumps([os.environ["RLMESH_SESSION_ID"], started, time.time()]) + "\\n")
-""")
+""",
+    )
     config = EnvironmentConfig(command=command, max_concurrent=1, step_deadline_seconds=3)
     outcomes, _ = await run_episodes(chat_mesh, chat_model_dir, tmp_path, config, 5)
     assert [status for status, _ in outcomes] == ["SESSION_STATUS_DONE"] * 5, outcomes
@@ -154,9 +194,13 @@ with open({str(log)!r}, "a") as runs:
     assert all(end <= next_start for (_, end), (next_start, _) in zip(runs, runs[1:])), "two agents ran at once"
 
 
-async def test_a_task_that_refuses_agent_rewards_ignores_its_agents_report_and_its_gateway_refuses_one(chat_mesh, chat_model_dir,
-                                                                                                      tmp_path):
-    command = agent(tmp_path, "self_scoring.py", """
+async def test_a_task_that_refuses_agent_rewards_ignores_its_agents_report_and_its_gateway_refuses_one(
+    chat_mesh, chat_model_dir, tmp_path
+):
+    command = agent(
+        tmp_path,
+        "self_scoring.py",
+        """
 import json, os, urllib.error, urllib.request
 request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/rlmesh/reward", data=json.dumps({"reward": 1.0}).encode(),
                                  headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
@@ -166,13 +210,21 @@ except urllib.error.HTTPError as refused:
     status = refused.code
 open(os.environ["RLMESH_SESSION_ID"].replace("/", "-") + ".posted", "w").write(str(status))
 print('{"reward": 1.0}')
-""")
+""",
+    )
     sessions = chat_mesh[0].manager.state.sessions
-    [(status, detail)], _ = await run_episodes(chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command, agent_rewards=False),
-                                               1, batch_id="refused")
+    [(status, detail)], _ = await run_episodes(
+        chat_mesh,
+        chat_model_dir,
+        tmp_path,
+        EnvironmentConfig(command=command, agent_rewards=False),
+        1,
+        batch_id="refused",
+    )
     assert status == "SESSION_STATUS_DONE", detail
     assert (tmp_path / "refused-p-0.posted").read_text() == "403" and sessions.get("refused/p/0").reward is None
-    [(status, detail)], _ = await run_episodes(chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command), 1,
-                                               batch_id="allowed")
+    [(status, detail)], _ = await run_episodes(
+        chat_mesh, chat_model_dir, tmp_path, EnvironmentConfig(command=command), 1, batch_id="allowed"
+    )
     assert status == "SESSION_STATUS_DONE", detail
     assert (tmp_path / "allowed-p-0.posted").read_text() == "200" and sessions.get("allowed/p/0").reward == 1.0

@@ -47,15 +47,25 @@ class Garbage(Healthy):
 def spec_for(chat_model_dir, environment) -> EpisodeSpec:
     tokenizer = load_hf_tokenizer(chat_model_dir)
     config = EnvironmentConfig(python="unused:Unused", step_deadline_seconds=0.5, max_turns=3)
-    return EpisodeSpec("faults", config, lambda episode_id: environment(), ChatTurns(tokenizer), tokenizer,
-                       [tokenizer.convert_tokens_to_ids(IM_END_TOKEN)], 512)
+    return EpisodeSpec(
+        "faults",
+        config,
+        lambda episode_id: environment(),
+        ChatTurns(tokenizer),
+        tokenizer,
+        [tokenizer.convert_tokens_to_ids(IM_END_TOKEN)],
+        512,
+    )
 
 
 async def open_group(client, chat_model_dir, batch_id: str, n: int, limits=None) -> list[manager_pb2.SessionHandle]:
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    params = common_pb2.SamplingParams(temperature=1.0, max_tokens=6, stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END_TOKEN)])
-    return await client.open_sessions(batch_id, 0, [("p", [], params)], n, params, limits or manager_pb2.SessionLimits(max_turns=3),
-                                      "faults")
+    params = common_pb2.SamplingParams(
+        temperature=1.0, max_tokens=6, stop_token_ids=[tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
+    )
+    return await client.open_sessions(
+        batch_id, 0, [("p", [], params)], n, params, limits or manager_pb2.SessionLimits(max_turns=3), "faults"
+    )
 
 
 async def delivered(client, batch_id: str) -> list[manager_pb2.SessionTrajectory]:
@@ -77,13 +87,21 @@ async def test_failing_environments_end_their_episodes_masked_and_delivered_once
     handles = await open_group(client, chat_model_dir, "faults", 4)
     prompt = TaskPrompt("row-0", text="Say hi.")
     try:
-        outcomes = await asyncio.gather(*(driver.run_episode(spec_for(chat_model_dir, environment), handle, prompt)
-                                          for environment, handle in zip((Healthy, Hangs, Raises, Garbage), handles)))
+        outcomes = await asyncio.gather(
+            *(
+                driver.run_episode(spec_for(chat_model_dir, environment), handle, prompt)
+                for environment, handle in zip((Healthy, Hangs, Raises, Garbage), handles)
+            )
+        )
     finally:
         await driver.close()
     statuses = [STATUS(status) for status, _ in outcomes]
-    assert statuses == ["SESSION_STATUS_DONE", "SESSION_STATUS_DEADLINE", "SESSION_STATUS_ENVIRONMENT_ERROR",
-                        "SESSION_STATUS_ENVIRONMENT_ERROR"]
+    assert statuses == [
+        "SESSION_STATUS_DONE",
+        "SESSION_STATUS_DEADLINE",
+        "SESSION_STATUS_ENVIRONMENT_ERROR",
+        "SESSION_STATUS_ENVIRONMENT_ERROR",
+    ]
     reasons = [reason for _, reason in outcomes]
     assert "step_deadline_seconds (0.5)" in reasons[1] and "ValueError: the simulator crashed" in reasons[2]
     assert "not a bool" in reasons[3]
@@ -96,12 +114,23 @@ async def test_failing_environments_end_their_episodes_masked_and_delivered_once
 
 async def test_a_session_nobody_closes_is_reaped_at_its_deadline(chat_mesh, chat_model_dir):
     built, client = chat_mesh
-    [handle] = await open_group(client, chat_model_dir, "forgotten", 1,
-                                manager_pb2.SessionLimits(max_turns=3, session_deadline_seconds=1.0))
+    [handle] = await open_group(
+        client, chat_model_dir, "forgotten", 1, manager_pb2.SessionLimits(max_turns=3, session_deadline_seconds=1.0)
+    )
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    await client.run_turn(manager_pb2.RunTurnRequest(session_id=handle.session_id, turn=0, append=[
-        manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, token_ids=tokenizer.encode("Hi", add_special_tokens=False))]),
-        wait_seconds=10)
+    await client.run_turn(
+        manager_pb2.RunTurnRequest(
+            session_id=handle.session_id,
+            turn=0,
+            append=[
+                manager_pb2.Segment(
+                    source=manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
+                    token_ids=tokenizer.encode("Hi", add_special_tokens=False),
+                )
+            ],
+        ),
+        wait_seconds=10,
+    )
     # The harness vanishes here: no more turns, no close.
     [trajectory] = await asyncio.wait_for(delivered(client, "forgotten"), 15)
     assert STATUS(trajectory.status) == "SESSION_STATUS_DEADLINE" and "session_deadline_seconds" in trajectory.detail
@@ -113,5 +142,7 @@ def test_past_the_error_rate_the_job_stops_saying_why():
     errors = EpisodeErrors("faults", max_rate=0.2, window=8)
     for failed in [False] * 6 + [True]:
         errors.record(failed, "the simulator crashed")
-    with pytest.raises(TooManyEpisodeErrors, match=r"task 'faults': 2 of the last 8 episodes failed .* the simulator crashed"):
+    with pytest.raises(
+        TooManyEpisodeErrors, match=r"task 'faults': 2 of the last 8 episodes failed .* the simulator crashed"
+    ):
         errors.record(True, "the simulator crashed")

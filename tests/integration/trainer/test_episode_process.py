@@ -11,20 +11,25 @@ from services.trainer.episodes.process import EpisodeProcess, EpisodeProcessErro
 from services.trainer.mesh import MeshClient
 from tests.support import loopback, wait_for
 
-ENVIRONMENT = '''
+ENVIRONMENT = """
 class Once:
     def reset(self, row):
         return row["prompt"]
 
     def step(self, action):
         return None, 1.0, True
-'''
+"""
 
 
 def config_for(tmp_path, chat_model_dir) -> TrainerConfig:
     (tmp_path / "once_env.py").write_text(ENVIRONMENT)
-    return TrainerConfig(model_dir=str(chat_model_dir), output_dir=str(tmp_path / "out"), server=loopback(), python_path=[str(tmp_path)],
-                         tasks=[{"name": "once", "kind": "increment", "environment": {"python": "once_env:Once"}}])
+    return TrainerConfig(
+        model_dir=str(chat_model_dir),
+        output_dir=str(tmp_path / "out"),
+        server=loopback(),
+        python_path=[str(tmp_path)],
+        tasks=[{"name": "once", "kind": "increment", "environment": {"python": "once_env:Once"}}],
+    )
 
 
 async def started(tmp_path, chat_model_dir) -> tuple[EpisodeProcess, list[BaseException]]:

@@ -49,7 +49,9 @@ def make_samples(model_dir: Path) -> list[list[TrainingSample]]:
         for i, sample in enumerate(samples):
             start = len(sample.prompt_ids) - 1
             exact = logprobs[i, start : start + len(sample.response_ids)]
-            sample.behaviour_logprobs = (exact + 0.15 * torch.randn(exact.shape, generator=torch.Generator().manual_seed(i))).tolist()
+            sample.behaviour_logprobs = (
+                exact + 0.15 * torch.randn(exact.shape, generator=torch.Generator().manual_seed(i))
+            ).tolist()
         micro_batches.append(samples)
     return micro_batches
 
@@ -59,16 +61,23 @@ async def run_ranks(rank_runner, ranks: int, spec: dict, directory: Path) -> dic
     spec_path = directory / f"spec-{spec['scenario']}-{ranks}.json"
     spec["result"] = str(directory / f"result-{spec['scenario']}-{ranks}.pt")
     spec_path.write_text(json.dumps(spec))
-    await asyncio.to_thread(rank_runner.run, WORKER, [str(spec_path)], ranks, directory, RUN_TIMEOUT, distributed=ranks > 1)
+    await asyncio.to_thread(
+        rank_runner.run, WORKER, [str(spec_path)], ranks, directory, RUN_TIMEOUT, distributed=ranks > 1
+    )
     return torch.load(spec["result"], weights_only=False)
 
 
 def stored_shards(store) -> dict:
     """What the weights service holds of its latest version: each rank's header and shard tensors."""
     snapshot = store.latest
-    return {"version": snapshot.version,
-            "headers": [type(h).FromString(h.SerializeToString()) for h in snapshot.headers],
-            "shards": [{name: view.clone() for name, view in shard_views(h, s).items()} for h, s in zip(snapshot.headers, snapshot.shards)]}
+    return {
+        "version": snapshot.version,
+        "headers": [type(h).FromString(h.SerializeToString()) for h in snapshot.headers],
+        "shards": [
+            {name: view.clone() for name, view in shard_views(h, s).items()}
+            for h, s in zip(snapshot.headers, snapshot.shards)
+        ],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +92,27 @@ def runs(rank_runner, model_dir, tmp_path_factory):
         try:
             base = {"model_dir": str(model_dir), "weights_address": mesh.weights_address, "samples": str(samples_path)}
             out = {}
-            one = {**base, "output_dir": str(directory / "one"), "handoff": "shm", "scenario": "train", "versions": [1, 2]}
+            one = {
+                **base,
+                "output_dir": str(directory / "one"),
+                "handoff": "shm",
+                "scenario": "train",
+                "versions": [1, 2],
+            }
             out["train1"] = await run_ranks(rank_runner, 1, one, directory)
             out["stored1"] = stored_shards(mesh.weights.store)
-            two = {**base, "output_dir": str(directory / "two"), "handoff": "shm", "scenario": "train", "versions": [3, 4]}
+            two = {
+                **base,
+                "output_dir": str(directory / "two"),
+                "handoff": "shm",
+                "scenario": "train",
+                "versions": [3, 4],
+            }
             out["train2"] = await run_ranks(rank_runner, 2, two, directory)
             out["stored2"] = stored_shards(mesh.weights.store)
-            out["resume2"] = await run_ranks(rank_runner, 2, {**two, "handoff": "stream", "scenario": "resume", "versions": [5]}, directory)
+            out["resume2"] = await run_ranks(
+                rank_runner, 2, {**two, "handoff": "stream", "scenario": "resume", "versions": [5]}, directory
+            )
             out["stored_stream"] = stored_shards(mesh.weights.store)
             out["resume1"] = await run_ranks(rank_runner, 1, {**two, "scenario": "resume", "versions": [6]}, directory)
             out["output_two"] = directory / "two"
@@ -116,9 +139,16 @@ def test_two_ranks_take_the_same_step_as_one(runs, model_dir):
     for name, param in one["params"].items():
         # After one Adam step exp_avg is 0.1 x the clipped gradient: the gradients agree tightly.
         gradient = one["optimizer"][name]["exp_avg"] / 0.1
-        torch.testing.assert_close(two["optimizer"][name]["exp_avg"] / 0.1, gradient, rtol=1e-4, atol=1e-8, msg=f"{name} gradient")
-        torch.testing.assert_close(two["optimizer"][name]["exp_avg_sq"], one["optimizer"][name]["exp_avg_sq"], rtol=1e-4, atol=1e-12,
-                                   msg=f"{name} exp_avg_sq")
+        torch.testing.assert_close(
+            two["optimizer"][name]["exp_avg"] / 0.1, gradient, rtol=1e-4, atol=1e-8, msg=f"{name} gradient"
+        )
+        torch.testing.assert_close(
+            two["optimizer"][name]["exp_avg_sq"],
+            one["optimizer"][name]["exp_avg_sq"],
+            rtol=1e-4,
+            atol=1e-12,
+            msg=f"{name} exp_avg_sq",
+        )
         # Adam's first step moves a weight by lr * g / (|g| + 1e-8): about lr wherever the gradient
         # is above float32 noise, and there the ranks agree to a few roundings. Where |g| is at the
         # noise level (~1e-10, against gradients of ~1e-2) that ratio amplifies rounding, so those
@@ -134,7 +164,11 @@ def test_two_ranks_take_the_same_step_as_one(runs, model_dir):
 
 
 def test_each_rank_hands_over_exactly_its_rows_and_never_a_full_tensor(runs):
-    for key, world, result in (("stored1", 1, runs["train1"]), ("stored2", 2, runs["train2"]), ("stored_stream", 2, runs["resume2"])):
+    for key, world, result in (
+        ("stored1", 1, runs["train1"]),
+        ("stored2", 2, runs["train2"]),
+        ("stored_stream", 2, runs["resume2"]),
+    ):
         stored = runs[key]
         assert stored["version"] == result["publish"][-1].version
         headers = stored["headers"]
@@ -145,19 +179,27 @@ def test_each_rank_hands_over_exactly_its_rows_and_never_a_full_tensor(runs):
             for spec in header.shards:
                 assert (spec.row_start, spec.row_end) == fsdp_rows(spec.full_shape[0], world, header.rank), spec.name
                 if world > 1:
-                    assert spec.row_end - spec.row_start < spec.full_shape[0], f"{spec.name}: a full tensor in rank {header.rank}'s payload"
+                    assert spec.row_end - spec.row_start < spec.full_shape[0], (
+                        f"{spec.name}: a full tensor in rank {header.rank}'s payload"
+                    )
                 # The bytes the service holds are this rank's rows of the trainer's parameters.
                 full = result["params"][spec.name]
                 assert torch.equal(shards[spec.name], full[spec.row_start : spec.row_end]), spec.name
             # About 1/N of the model each: its rows plus alignment padding, nothing more.
-            assert model_bytes / world - ALIGNMENT * len(header.shards) <= header.total_bytes <= model_bytes / world + ALIGNMENT * len(header.shards)
+            assert (
+                model_bytes / world - ALIGNMENT * len(header.shards)
+                <= header.total_bytes
+                <= model_bytes / world + ALIGNMENT * len(header.shards)
+            )
             assert bool(header.shm_path) == (key != "stored_stream")
         publishes = result["publish"]
         assert all(sum(p.rank_bytes) == sum(h.total_bytes for h in headers) for p in publishes[-1:])
     # Shared memory: two slots per rank named after the mesh and the process, removed at exit.
     slots = runs["train2"]["slots"]
     tag = mesh_tag(str(runs["output_two"]))
-    assert len(slots) == 2 and all(Path(s).name.startswith(f"{SLOT_PREFIX}-{tag}-{runs['train2']['pid']}-r0-") for s in slots)
+    assert len(slots) == 2 and all(
+        Path(s).name.startswith(f"{SLOT_PREFIX}-{tag}-{runs['train2']['pid']}-r0-") for s in slots
+    )
     assert not list(SHM_DIR.glob(f"{SLOT_PREFIX}-{tag}-*")), "a rank left its shared memory behind"
 
 
@@ -167,7 +209,11 @@ def test_a_sharded_checkpoint_resumes_to_the_state_saved(runs):
     assert {p.name for p in checkpoint.glob("shards_rank*.pt")} == {"shards_rank0.pt", "shards_rank1.pt"}
     assert "trainer_state.pt" in {p.name for p in checkpoint.iterdir()}
     for resumed in (runs["resume2"], runs["resume1"]):
-        assert (resumed["state"].step, resumed["state"].version, resumed["state"].task_cursors) == (1, 4, {"increment": 32})
+        assert (resumed["state"].step, resumed["state"].version, resumed["state"].task_cursors) == (
+            1,
+            4,
+            {"increment": 32},
+        )
         for name, param in saved["params"].items():
             assert torch.equal(resumed["params"][name], param), name
         for name, state in saved["optimizer"].items():

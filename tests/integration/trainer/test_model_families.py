@@ -24,8 +24,18 @@ from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from tests.support import (
-    DIGIT_PROMPTS, PUSHED_VERSION, TP, Pushed, assert_served_as_hf, build_mesh, greedy_responses, loopback, published_tensors,
-    stop_mesh, trainer_rank_results, wait_for,
+    DIGIT_PROMPTS,
+    PUSHED_VERSION,
+    TP,
+    Pushed,
+    assert_served_as_hf,
+    build_mesh,
+    greedy_responses,
+    loopback,
+    published_tensors,
+    stop_mesh,
+    trainer_rank_results,
+    wait_for,
 )
 
 FAMILIES = {"llama": {"tie_word_embeddings": False}, "qwen3": {"tie_word_embeddings": True}}
@@ -38,20 +48,36 @@ async def push_and_generate(rank_runner, models: dict[str, Path], directory: Pat
         for name, model_dir in models.items():
             started = time.monotonic()
             meshes[name] = await build_mesh(model_dir, "tcp", instances=0)
-            rollouts[name] = await start_rollout(RolloutConfig(
-                server=loopback(), instance_id=f"{name}-tp", manager_address=meshes[name].manager_address,
-                engine=EngineConfig(model_dir=str(model_dir), max_batch_size=8, tensor_parallel_size=TP),
-                transfer=TransferConfig(mooncake=False, tcp=True), register_timeout_seconds=timeout,
-            ))
+            rollouts[name] = await start_rollout(
+                RolloutConfig(
+                    server=loopback(),
+                    instance_id=f"{name}-tp",
+                    manager_address=meshes[name].manager_address,
+                    engine=EngineConfig(model_dir=str(model_dir), max_batch_size=8, tensor_parallel_size=TP),
+                    transfer=TransferConfig(mooncake=False, tcp=True),
+                    register_timeout_seconds=timeout,
+                )
+            )
             seconds[f"{name} instance start"] = time.monotonic() - started
-        specs = [{"name": name, "model_dir": str(model_dir), "output_dir": str(directory / f"trainer-{name}"),
-                  "weights_address": meshes[name].weights_address, "version": PUSHED_VERSION, "seed": 17} for name, model_dir in models.items()]
+        specs = [
+            {
+                "name": name,
+                "model_dir": str(model_dir),
+                "output_dir": str(directory / f"trainer-{name}"),
+                "weights_address": meshes[name].weights_address,
+                "version": PUSHED_VERSION,
+                "seed": 17,
+            }
+            for name, model_dir in models.items()
+        ]
         started = time.monotonic()
         published = await trainer_rank_results(rank_runner, specs, directory, timeout)
         seconds["trainer (start, publish)"] = time.monotonic() - started
         out = {}
         for name, model_dir in models.items():
-            await wait_for(lambda engine=rollouts[name].engine: engine.weight_version == PUSHED_VERSION, timeout=timeout)
+            await wait_for(
+                lambda engine=rollouts[name].engine: engine.weight_version == PUSHED_VERSION, timeout=timeout
+            )
             push = meshes[name].weights.pusher.instances[f"{name}-tp"]
             seconds[f"{name} push"] = push.last_push_ms / 1000
             seconds[f"{name} version stored to served"] = push.last_version_latency_ms / 1000
@@ -62,7 +88,9 @@ async def push_and_generate(rank_runner, models: dict[str, Path], directory: Pat
             responses = await greedy_responses(rollouts[name].server.address, prompts, eos, timeout)
             seconds[f"{name} generate"] = time.monotonic() - started
             ranks = [result[name] for result in published]
-            out[name] = Pushed(model_dir, published_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, seconds)
+            out[name] = Pushed(
+                model_dir, published_tensors(ranks), prompts, eos, responses, ranks[0]["publish"].rank_bytes, seconds
+            )
         return out
     finally:
         for rollout in rollouts.values():
@@ -74,7 +102,10 @@ async def push_and_generate(rank_runner, models: dict[str, Path], directory: Pat
 @pytest.fixture(scope="module")
 def pushed_small(rank_runner, tmp_path_factory) -> dict[str, Pushed]:
     directory = tmp_path_factory.mktemp("families")
-    models = {name: write_random_model(directory / name, scaled_config(name, **settings), seed=11) for name, settings in FAMILIES.items()}
+    models = {
+        name: write_random_model(directory / name, scaled_config(name, **settings), seed=11)
+        for name, settings in FAMILIES.items()
+    }
     return asyncio.run(push_and_generate(rank_runner, models, directory, timeout=120))
 
 
@@ -96,21 +127,35 @@ def test_qwen25_half_billion_at_its_real_shape(rank_runner, tmp_path):
     try:
         model_dir = write_random_model(tmp_path / "qwen2.5-0.5b", real_config("qwen2"), seed=5)
         written = time.monotonic() - started
-        pushed = asyncio.run(push_and_generate(rank_runner, {"qwen2.5-0.5b": model_dir}, tmp_path, timeout=600))["qwen2.5-0.5b"]
+        pushed = asyncio.run(push_and_generate(rank_runner, {"qwen2.5-0.5b": model_dir}, tmp_path, timeout=600))[
+            "qwen2.5-0.5b"
+        ]
         assert sum(p.numel() for p in pushed.params.values()) == 494_032_768
         assert_served_as_hf(pushed)
     finally:
         # 4 GB of model and trainer files; pytest keeps the last runs' temporary folders.
         shutil.rmtree(tmp_path, ignore_errors=True)
-    print(f"\nQwen2.5-0.5B shape: model folder written in {written:.1f} s; "
-          + "; ".join(f"{what} {value:.1f} s" for what, value in pushed.seconds.items()))
+    print(
+        f"\nQwen2.5-0.5B shape: model folder written in {written:.1f} s; "
+        + "; ".join(f"{what} {value:.1f} s" for what, value in pushed.seconds.items())
+    )
 
 
 def test_a_rollout_process_refuses_another_architecture_at_start(tmp_path):
-    GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path)
-    env = {**os.environ, "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(tmp_path), "RLMESH_ROLLOUT_SERVER__PORT": "0",
-           "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false"}
-    done = subprocess.run([sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(
+        tmp_path
+    )
+    env = {
+        **os.environ,
+        "RLMESH_ROLLOUT_ENGINE__MODEL_DIR": str(tmp_path),
+        "RLMESH_ROLLOUT_SERVER__PORT": "0",
+        "RLMESH_ROLLOUT_TRANSFER__MOONCAKE": "false",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "services.rollout"], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 2, done.stderr[-3000:]
-    assert (f"rlmesh rollout: model folder {tmp_path}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; "
-            "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM)") in done.stderr
+    assert (
+        f"rlmesh rollout: model folder {tmp_path}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; "
+        "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM)"
+    ) in done.stderr

@@ -45,7 +45,9 @@ def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(rank_runn
             with torch.no_grad():
                 expected = token_logprobs(step_start, tensors)
                 stale = token_logprobs(folder, tensors)
-            torch.testing.assert_close(scored[mask], expected[mask], rtol=0, atol=1e-5, msg=f"rank {rank}, micro-batch {index}")
+            torch.testing.assert_close(
+                scored[mask], expected[mask], rtol=0, atol=1e-5, msg=f"rank {rank}, micro-batch {index}"
+            )
             assert (stale[mask] - expected[mask]).abs().max() > 1e-3, "step 1 did not move the policy"
     # The figures are merged over the ranks: both report the same.
     assert results[0]["stats"] == results[1]["stats"]
@@ -60,7 +62,12 @@ def test_two_ranks_score_late_micro_batches_with_the_step_start_policy(rank_runn
 
 
 def test_a_nan_in_one_ranks_share_is_refused_alike_on_every_rank(rank_runner, model_dir, tmp_path):
-    spec = {"model_dir": str(model_dir), "output_dir": str(tmp_path), "result": str(tmp_path / "refused-{rank}.pt"), "refuse": True}
+    spec = {
+        "model_dir": str(model_dir),
+        "output_dir": str(tmp_path),
+        "result": str(tmp_path / "refused-{rank}.pt"),
+        "refuse": True,
+    }
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     rank_runner.run(WORKER, [str(spec_path)], 2, tmp_path, timeout=120)

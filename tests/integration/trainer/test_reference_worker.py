@@ -48,8 +48,10 @@ def expected_logprobs(model_dir: Path, samples: list[TrainingSample], pad_id: in
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         logprobs = token_logprobs(model, batch)
     config = model.config
-    terms = (config.num_hidden_layers * (6 * config.hidden_size + config.intermediate_size + config.max_position_embeddings)
-             + config.hidden_size)
+    terms = (
+        config.num_hidden_layers * (6 * config.hidden_size + config.intermediate_size + config.max_position_embeddings)
+        + config.hidden_size
+    )
     scaled = logits / batch.temperatures.view(-1, 1, 1)
     largest = scaled[batch.attention_mask.bool()].abs().max().item()
     tolerance = 2 * math.sqrt(terms) * FP32_UNIT_ROUNDOFF * largest
@@ -72,7 +74,9 @@ async def test_the_worker_computes_the_trainers_token_logprobs_of_the_frozen_mod
     worker = await ReferenceWorker.start(str(model_dir), pad_id)
     try:
         # Several requests in flight at once are answered each with its own samples.
-        first, second, empty = await asyncio.gather(worker.logprobs(samples[:7]), worker.logprobs(samples[7:]), worker.logprobs([]))
+        first, second, empty = await asyncio.gather(
+            worker.logprobs(samples[:7]), worker.logprobs(samples[7:]), worker.logprobs([])
+        )
         assert_close(first + second, expected, tolerance)
         assert empty == []
         # At another temperature the answer changes accordingly.

@@ -44,9 +44,20 @@ async def start_node_verifier():
 
     async def start(*args: str, port: int | None = None) -> str:
         port = port or free_port()
-        process = await asyncio.create_subprocess_exec(node, "server.js", "--host", "127.0.0.1", "--port", str(port),
-                                                       "--token-file", str(token_file), *args,
-                                                       cwd=NODE_VERIFIER, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        process = await asyncio.create_subprocess_exec(
+            node,
+            "server.js",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--token-file",
+            str(token_file),
+            *args,
+            cwd=NODE_VERIFIER,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         processes.append(process)
         line = await asyncio.wait_for(process.stdout.readline(), 10)
         assert line.decode().strip() == f"listening on {port}", line
@@ -97,7 +108,9 @@ async def test_node_verifier_refuses_malformed_requests(start_node_verifier):
     async with open_user_channel(address, TOKEN) as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
         for metadata_json, fragment in [("not json", "is not valid JSON"), ("[42]", "must be a JSON object")]:
-            request = reward_pb2.ScoreRequest(task="arithmetic", items=[reward_pb2.ScoreItem(sample_id="x", metadata_json=metadata_json)])
+            request = reward_pb2.ScoreRequest(
+                task="arithmetic", items=[reward_pb2.ScoreItem(sample_id="x", metadata_json=metadata_json)]
+            )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Score(request, timeout=5)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -106,26 +119,41 @@ async def test_node_verifier_refuses_malformed_requests(start_node_verifier):
 
 async def test_node_verifier_scores_for_holders_of_its_token_only(start_node_verifier):
     address = await start_node_verifier()
-    request = reward_pb2.ScoreRequest(task="arithmetic", items=[reward_pb2.ScoreItem(sample_id="a", completion="42",
-                                                                                    metadata_json='{"answer": "42"}')])
+    request = reward_pb2.ScoreRequest(
+        task="arithmetic",
+        items=[reward_pb2.ScoreItem(sample_id="a", completion="42", metadata_json='{"answer": "42"}')],
+    )
     async with grpc.aio.insecure_channel(address) as channel:
         stub = reward_pb2_grpc.RewardServiceStub(channel)
-        for metadata in [(), (("authorization", "Bearer guessed"),), (("authorization", f"Bearer {role_secret('trainer')}"),)]:
+        for metadata in [
+            (),
+            (("authorization", "Bearer guessed"),),
+            (("authorization", f"Bearer {role_secret('trainer')}"),),
+        ]:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Score(request, timeout=5, metadata=metadata)
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "Score needs a credential" in refused.value.details()
         reply = await stub.Score(request, timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
         assert reply.results[0].reward == 1.0
-    node = await asyncio.create_subprocess_exec(shutil.which("node"), "server.js", "--port", "0", cwd=NODE_VERIFIER,
-                                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    node = await asyncio.create_subprocess_exec(
+        shutil.which("node"),
+        "server.js",
+        "--port",
+        "0",
+        cwd=NODE_VERIFIER,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(node.communicate(), 10)
     assert node.returncode == 2 and "no --token-file FILE" in out.decode()
 
 
 async def test_a_verifier_down_at_first_is_reached_through_retries(start_node_verifier):
     port = free_port()
-    reward = RemoteReward(f"127.0.0.1:{port}", "arithmetic", timeout_seconds=2, attempts=8, backoff_seconds=0.1, bearer_token=TOKEN)
+    reward = RemoteReward(
+        f"127.0.0.1:{port}", "arithmetic", timeout_seconds=2, attempts=8, backoff_seconds=0.1, bearer_token=TOKEN
+    )
     scoring = asyncio.create_task(reward.score([item("a", "42", "42")]))
     await asyncio.sleep(0.5)
     assert not scoring.done()
@@ -137,7 +165,10 @@ async def test_a_verifier_down_at_first_is_reached_through_retries(start_node_ve
 class ScriptedVerifier(reward_pb2_grpc.RewardServiceServicer):
     """A Python RewardService whose answer to the n-th call (from 1) is `answer(n, request, context)`."""
 
-    def __init__(self, answer: Callable[[int, reward_pb2.ScoreRequest, grpc.aio.ServicerContext], Awaitable[reward_pb2.ScoreResponse]]):
+    def __init__(
+        self,
+        answer: Callable[[int, reward_pb2.ScoreRequest, grpc.aio.ServicerContext], Awaitable[reward_pb2.ScoreResponse]],
+    ):
         self.answer = answer
         self.batch_sizes: list[int] = []
 
@@ -148,11 +179,17 @@ class ScriptedVerifier(reward_pb2_grpc.RewardServiceServicer):
 
 def scored_by_index(request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
     """Rewards each item with the number in its sample id and one reward per token."""
-    return reward_pb2.ScoreResponse(results=[
-        reward_pb2.ScoreResult(sample_id=i.sample_id, reward=float(i.sample_id), components={"index": float(i.sample_id)},
-                               token_rewards=[0.5] * len(i.completion_token_ids))
-        for i in request.items
-    ])
+    return reward_pb2.ScoreResponse(
+        results=[
+            reward_pb2.ScoreResult(
+                sample_id=i.sample_id,
+                reward=float(i.sample_id),
+                components={"index": float(i.sample_id)},
+                token_rewards=[0.5] * len(i.completion_token_ids),
+            )
+            for i in request.items
+        ]
+    )
 
 
 @pytest.fixture

@@ -13,7 +13,9 @@ from services.trainer.ranks.handoff import mesh_tag, remove_stale_slots, slot_na
 
 def test_slots_of_dead_processes_of_the_same_mesh_are_removed(tmp_path):
     mesh = mesh_tag(str(tmp_path))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = SHM_DIR / slot_name(mesh, int(dead), 0, 0)
     mine = SHM_DIR / slot_name(mesh, os.getpid(), 0, 1)
     other_rank = SHM_DIR / slot_name(mesh, int(dead), 1, 0)
@@ -29,6 +31,10 @@ def test_slots_of_dead_processes_of_the_same_mesh_are_removed(tmp_path):
 
 
 def test_up_refuses_a_trainer_of_no_ranks():
-    result = subprocess.run([sys.executable, "-m", "rlmesh.cli.main", "up", "--trainer-ranks", "0"], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlmesh.cli.main", "up", "--trainer-ranks", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "--trainer-ranks: must be at least 1" in result.stderr

@@ -9,14 +9,14 @@ import json
 import grpc
 import pytest
 
-from rlmesh.rpc.authz import ROLES
-from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.common.v1 import common_pb2
 from rlmesh.environment.v1 import environment_pb2, environment_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.base import RewardItem
+from rlmesh.rpc.authz import ROLES
 from rlmesh.rpc.channels import use_secret
+from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import TaskError, TaskMixture, build_task
 from rlmesh.tasks.config import TaskConfig
@@ -60,7 +60,9 @@ class Verifier(reward_pb2_grpc.RewardServiceServicer):
 
     async def Score(self, request, context):
         self.recorded.record("Score", context)
-        return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(sample_id=i.sample_id, reward=1.0) for i in request.items])
+        return reward_pb2.ScoreResponse(
+            results=[reward_pb2.ScoreResult(sample_id=i.sample_id, reward=1.0) for i in request.items]
+        )
 
 
 @pytest.fixture
@@ -91,15 +93,20 @@ def as_the_trainer():
 def task_config(tmp_path, address: str) -> TaskConfig:
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"question": f"Say {i}."}) + "\n" for i in range(4)))
     (tmp_path / "environment.token").write_text(ENVIRONMENT_TOKEN + "\n")
-    return TaskConfig.model_validate({
-        "name": "users", "dataset": {"path": "rows.jsonl", "fields": {"prompt": "question"}}, "eval": {"holdout": 1},
-        "reward": {"remote": address, "remote_credential": "env:USERS_VERIFIER_TOKEN"},
-        "environment": {"remote": address, "remote_credential": "file:environment.token", "max_turns": 2},
-    }).resolve_paths(tmp_path)
+    return TaskConfig.model_validate(
+        {
+            "name": "users",
+            "dataset": {"path": "rows.jsonl", "fields": {"prompt": "question"}},
+            "eval": {"holdout": 1},
+            "reward": {"remote": address, "remote_credential": "env:USERS_VERIFIER_TOKEN"},
+            "environment": {"remote": address, "remote_credential": "file:environment.token", "max_turns": 2},
+        }
+    ).resolve_paths(tmp_path)
 
 
 async def test_a_remote_environment_and_verifier_get_their_own_credential_and_no_roles_secret(
-        chat_mesh, chat_model_dir, tmp_path, user_server, as_the_trainer, monkeypatch):
+    chat_mesh, chat_model_dir, tmp_path, user_server, as_the_trainer, monkeypatch
+):
     address, recorded = user_server
     built, client = chat_mesh
     monkeypatch.setenv("USERS_VERIFIER_TOKEN", VERIFIER_TOKEN)
@@ -129,11 +136,17 @@ async def test_a_remote_environment_and_verifier_get_their_own_credential_and_no
 def test_a_credential_that_cannot_be_read_stops_the_task_naming_it(tmp_path, chat_model_dir, monkeypatch):
     monkeypatch.delenv("USERS_VERIFIER_TOKEN", raising=False)
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    with pytest.raises(TaskError, match="reward.remote_credential = 'env:USERS_VERIFIER_TOKEN': the environment variable "
-                                        "USERS_VERIFIER_TOKEN is not set"):
+    with pytest.raises(
+        TaskError,
+        match="reward.remote_credential = 'env:USERS_VERIFIER_TOKEN': the environment variable "
+        "USERS_VERIFIER_TOKEN is not set",
+    ):
         build_task(task_config(tmp_path, "127.0.0.1:1"), tokenizer, 0, [str(tmp_path)])
     with pytest.raises(ValueError, match="must be env:NAME"):
-        TaskConfig.model_validate({"name": "t", "kind": "increment", "reward": {"remote": "h:1", "remote_credential": "trainer.secret"}})
+        TaskConfig.model_validate(
+            {"name": "t", "kind": "increment", "reward": {"remote": "h:1", "remote_credential": "trainer.secret"}}
+        )
     with pytest.raises(ValueError, match="give remote too"):
-        TaskConfig.model_validate({"name": "t", "kind": "increment", "environment": {"builtin": "calculator",
-                                                                                     "remote_credential": "env:X"}})
+        TaskConfig.model_validate(
+            {"name": "t", "kind": "increment", "environment": {"builtin": "calculator", "remote_credential": "env:X"}}
+        )

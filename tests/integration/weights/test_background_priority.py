@@ -41,8 +41,14 @@ def test_a_background_process_lowers_its_threads_and_its_autogroup():
         "later.start(); later.join()\n"
         "print(open('/proc/self/autogroup').read().split()[-1] if os.path.exists('/proc/self/autogroup') else 19)\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, start_new_session=True,
-                         cwd=Path(__file__).resolve().parents[3])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
     assert out.stdout.split() == ["19", "19"], out.stderr
 
 
@@ -116,8 +122,14 @@ def test_without_cap_sys_admin_a_lowered_session_comes_back_within_the_kernels_r
         if shutil.which("setpriv") is None:
             pytest.skip("running with CAP_SYS_ADMIN, and util-linux's setpriv is not here to drop it")
         command = ["setpriv", "--inh-caps=-all", "--bounding-set=-sys_admin", *command]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=60, start_new_session=True,
-                         cwd=Path(__file__).resolve().parents[3])
+    out = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parents[3],
+    )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen["low"] == 19

@@ -32,8 +32,15 @@ async def hand_off(stub, shape: ModelShape, tensors: dict[str, torch.Tensor], ve
         specs, total = shard_specs(shards)
         slot = SharedMemorySlot(f"rlmesh-test-{uuid.uuid4().hex[:8]}", total)
         try:
-            header = weights_pb2.ShardsHeader(version=version, rank=rank, world_size=WORLD, layout=layout_to_proto(shape),
-                                              shards=specs, total_bytes=total, shm_path=str(slot.path))
+            header = weights_pb2.ShardsHeader(
+                version=version,
+                rank=rank,
+                world_size=WORLD,
+                layout=layout_to_proto(shape),
+                shards=specs,
+                total_bytes=total,
+                shm_path=str(slot.path),
+            )
             header.payload_crc32 = write_payload(shards, specs, slot.tensor)
 
             async def parts():
@@ -69,7 +76,9 @@ async def delta_mesh(model_dir):
     await stop_mesh(mesh)
 
 
-async def test_versions_from_trainer_shards_go_as_sparse_deltas_encoded_before_they_are_stored(delta_mesh, model_dir, channel_to):
+async def test_versions_from_trainer_shards_go_as_sparse_deltas_encoded_before_they_are_stored(
+    delta_mesh, model_dir, channel_to
+):
     stub = weights_pb2_grpc.WeightsServiceStub(channel_to(delta_mesh.weights_address))
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
     engine = delta_mesh.rollouts[0].engine

@@ -78,12 +78,15 @@ def gate_pushes(mesh, sender: GatedSender) -> None:
 async def push_status(mesh, channel_to) -> weights_pb2.InstancePush:
     """The one instance's push state (empty until the service has listed the instance)."""
     status = await weights_pb2_grpc.WeightsServiceStub(channel_to(mesh.weights_address)).GetStatus(
-        weights_pb2.GetStatusRequest(), timeout=5)
+        weights_pb2.GetStatusRequest(), timeout=5
+    )
     assert len(status.instances) <= 1, status
     return status.instances[0] if status.instances else weights_pb2.InstancePush()
 
 
-async def test_uploads_return_while_pushes_hang_and_a_newer_version_supersedes_the_older(tcp_mesh, model_dir, channel_to):
+async def test_uploads_return_while_pushes_hang_and_a_newer_version_supersedes_the_older(
+    tcp_mesh, model_dir, channel_to
+):
     rollout = tcp_mesh.rollouts[0]
     sender = GatedSender(held=[0])
     gate_pushes(tcp_mesh, sender)

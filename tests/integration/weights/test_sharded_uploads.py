@@ -15,8 +15,17 @@ from rlmesh.transfer.shards import LocalShard, SharedMemorySlot, layout_to_proto
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from tests.support import build_mesh, stop_mesh, wait_for
 
-SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
-                   num_layers=2, tie_word_embeddings=True, attention_bias=True)
+SHAPE = ModelShape(
+    hidden_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    intermediate_size=32,
+    vocab_size=14,
+    num_layers=2,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 
 
 @pytest.fixture
@@ -34,8 +43,9 @@ def rank_shards(version: int, rank: int, world: int):
         start, end = fsdp_rows(dims[0], world, rank)
         shards[name] = LocalShard(full[start:end], dims, start, end)
     specs, total = shard_specs(shards)
-    return shards, weights_pb2.ShardsHeader(version=version, rank=rank, world_size=world, layout=layout_to_proto(SHAPE),
-                                            shards=specs, total_bytes=total)
+    return shards, weights_pb2.ShardsHeader(
+        version=version, rank=rank, world_size=world, layout=layout_to_proto(SHAPE), shards=specs, total_bytes=total
+    )
 
 
 async def latest_status(stub, version: int) -> weights_pb2.GetStatusResponse | None:
@@ -102,24 +112,43 @@ async def test_bad_uploads_are_refused_with_the_reason(weights, tmp_path):
     outside = weights_pb2.ShardsHeader()
     outside.CopyFrom(header)
     outside.shm_path = str(tmp_path / "payload")
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=outside)], grpc.StatusCode.INVALID_ARGUMENT, "not a file directly under /dev/shm")
+    await expect_refusal(
+        weights,
+        [weights_pb2.UploadShardsRequest(header=outside)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not a file directly under /dev/shm",
+    )
     missing = weights_pb2.ShardsHeader()
     missing.CopyFrom(header)
     missing.shm_path = "/dev/shm/rlmesh-no-such-file"
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=missing)], grpc.StatusCode.INVALID_ARGUMENT, "does not exist")
+    await expect_refusal(
+        weights, [weights_pb2.UploadShardsRequest(header=missing)], grpc.StatusCode.INVALID_ARGUMENT, "does not exist"
+    )
     shifted = weights_pb2.ShardsHeader()
     shifted.CopyFrom(header)
     shifted.shards[1].row_end -= 1
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=shifted)], grpc.StatusCode.INVALID_ARGUMENT, "FSDP rank 0 of 2 holds")
+    await expect_refusal(
+        weights,
+        [weights_pb2.UploadShardsRequest(header=shifted)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "FSDP rank 0 of 2 holds",
+    )
     short = [weights_pb2.UploadShardsRequest(header=header), chunk]
     await expect_refusal(weights, short, grpc.StatusCode.INVALID_ARGUMENT, "ended after 1 of")
     no_layout = weights_pb2.ShardsHeader()
     no_layout.CopyFrom(header)
     no_layout.layout.family = "gpt2"
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=no_layout)], grpc.StatusCode.INVALID_ARGUMENT, "no layout rules")
+    await expect_refusal(
+        weights,
+        [weights_pb2.UploadShardsRequest(header=no_layout)],
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "no layout rules",
+    )
     await upload_through_shm(weights, 6, 0, 1)
     await wait_for(lambda: latest_status(weights, 6))
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer")
+    await expect_refusal(
+        weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer"
+    )
 
 
 async def test_an_upload_sent_again_after_a_lost_reply_succeeds_and_stores_nothing_twice(weights):
@@ -135,4 +164,6 @@ async def test_an_upload_sent_again_after_a_lost_reply_succeeds_and_stores_nothi
     assert (await weights.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)).latest_version == 7
     _, header = rank_shards(7, 1, 2)
     header.payload_crc32 = 12345
-    await expect_refusal(weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer")
+    await expect_refusal(
+        weights, [weights_pb2.UploadShardsRequest(header=header)], grpc.StatusCode.FAILED_PRECONDITION, "not newer"
+    )

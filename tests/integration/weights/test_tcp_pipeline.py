@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rlmesh.launch.ports import free_port
-from rlmesh.transfer.payload import pack
 from rlmesh.transfer.auth import PushSession, new_secret
 from rlmesh.transfer.base import ReceiveBuffer, TransferError, raw_frames
+from rlmesh.transfer.payload import pack
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener, send_frames
 from services.weights.store import RankPayload
@@ -52,10 +52,19 @@ def test_each_bucket_is_checked_as_it_lands_while_the_rest_is_still_being_sent()
 
     version = rank.manifest.version
     landed: list[int] = []
-    sending = threading.Thread(target=lambda: landed.append(send_frames(listener.address, PushSession(SECRET, version, 0), first_bucket_then_the_rest(), WAIT_SECONDS)))
+    sending = threading.Thread(
+        target=lambda: landed.append(
+            send_frames(listener.address, PushSession(SECRET, version, 0), first_bucket_then_the_rest(), WAIT_SECONDS)
+        )
+    )
     sending.start()
     try:
-        wait_until(lambda: receiver.progress() == (1, BUCKETS), WAIT_SECONDS, "the first bucket checked while the others are held", interval=0.01)
+        wait_until(
+            lambda: receiver.progress() == (1, BUCKETS),
+            WAIT_SECONDS,
+            "the first bucket checked while the others are held",
+            interval=0.01,
+        )
     finally:
         release.set()
         sending.join()

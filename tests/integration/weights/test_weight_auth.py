@@ -11,15 +11,22 @@ import numpy as np
 import pytest
 import structlog
 
-from rlmesh.transfer.payload import crc32
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.transfer.auth import NONCE_BYTES, PushSession, new_secret
 from rlmesh.transfer.base import TransferError, raw_frames
 from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
+from rlmesh.transfer.payload import crc32
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import HEADER, MAGIC, TcpListener, TcpSender
 from tests.support import (
-    TCP, assert_serves_the_reference, begin_update, commit_version, greedy_outputs, perturbed_weights, rank_payloads, send_all,
+    TCP,
+    assert_serves_the_reference,
+    begin_update,
+    commit_version,
+    greedy_outputs,
+    perturbed_weights,
+    rank_payloads,
+    send_all,
 )
 
 on_the_instance_loop = pytest.mark.asyncio(loop_scope="module")
@@ -123,10 +130,16 @@ async def test_tcp_connections_without_the_session_answer_are_refused_and_the_pu
     def attack() -> list[bool]:
         refused = []
         for address, answer in (
-            (rank0.data_address, lambda nonce: new_secret() + frame),                                    # a wrong MAC
-            (rank0.data_address, lambda nonce: PushSession(rank0.session_secret, version + 1, 0).answer(nonce)),  # another version
-            (rank0.data_address, lambda nonce: PushSession(rank1.session_secret, version, 0).answer(nonce)),      # another rank's secret
-            (rank0.data_address, lambda nonce: frame),                                                    # no answer: frames at once
+            (rank0.data_address, lambda nonce: new_secret() + frame),  # a wrong MAC
+            (
+                rank0.data_address,
+                lambda nonce: PushSession(rank0.session_secret, version + 1, 0).answer(nonce),
+            ),  # another version
+            (
+                rank0.data_address,
+                lambda nonce: PushSession(rank1.session_secret, version, 0).answer(nonce),
+            ),  # another rank's secret
+            (rank0.data_address, lambda nonce: frame),  # no answer: frames at once
             (rank1.data_address, lambda nonce: new_secret() + frame),
         ):
             sock, nonce = challenged(address)
@@ -171,11 +184,15 @@ async def test_bytes_injected_through_the_transfer_engine_make_the_commit_refuse
     target = reply.ranks[1]
 
     def inject() -> None:
-        attacker.write(target.transfer_session, injected.data_ptr(), target.buffer_address, [(bucket_bytes, 2 * bucket_bytes)])
+        attacker.write(
+            target.transfer_session, injected.data_ptr(), target.buffer_address, [(bucket_bytes, 2 * bucket_bytes)]
+        )
 
     await asyncio.to_thread(inject)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await instance.stub.CommitWeightUpdate(rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30)
+        await instance.stub.CommitWeightUpdate(
+            rollout_pb2.CommitWeightUpdateRequest(version=version, rank_proofs=proofs), timeout=30
+        )
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "rank 1" in caught.value.details() and "not all the push session's" in caught.value.details()
     assert f"version {instance.version} is still served" in caught.value.details()

@@ -5,7 +5,12 @@ failing only on instances that fail everything goes on."""
 
 from rlmesh.common.v1 import common_pb2
 from services.manager.domain import breaker
-from services.manager.domain.breaker import MAX_QUARANTINE_SECONDS, QUARANTINE_AFTER, QUARANTINE_SECONDS, SAMPLE_FAILURES
+from services.manager.domain.breaker import (
+    MAX_QUARANTINE_SECONDS,
+    QUARANTINE_AFTER,
+    QUARANTINE_SECONDS,
+    SAMPLE_FAILURES,
+)
 from services.manager.domain.state import ManagerState
 from tests.support import ManualClock
 
@@ -92,8 +97,10 @@ def test_a_sample_that_fails_attempt_after_attempt_ends_its_batch_with_the_reaso
         (assignment,) = state.assign()
         state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: poisoned prompt")
     batch = state.batches["b"]
-    assert batch.error == (f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row on {SAMPLE_FAILURES} instances, the last on instance "
-                           f"{assignment.instance.instance_id}: INTERNAL: poisoned prompt")
+    assert batch.error == (
+        f"sample b/p/0 failed {SAMPLE_FAILURES} times in a row on {SAMPLE_FAILURES} instances, the last on instance "
+        f"{assignment.instance.instance_id}: INTERNAL: poisoned prompt"
+    )
     assert state.queue == type(state.queue)() and not any(i.running for i in state.instances.values())
 
 

@@ -32,7 +32,9 @@ def tokenizer(tmp_path_factory):
 
 
 def not_found(session_id: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), f"no session {session_id!r}")
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), f"no session {session_id!r}"
+    )
 
 
 class Manager:
@@ -52,20 +54,33 @@ class Manager:
         if request.session_id not in self.limits:
             raise not_found(request.session_id)
         return manager_pb2.GetSessionResponse(
-            session=manager_pb2.SessionTrajectory(session_id=request.session_id, status=manager_pb2.SESSION_STATUS_OPEN), key=KEY,
+            session=manager_pb2.SessionTrajectory(
+                session_id=request.session_id, status=manager_pb2.SESSION_STATUS_OPEN
+            ),
+            key=KEY,
             sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=32),
-            refuse_agent_rewards=self.limits[request.session_id].refuse_agent_rewards)
+            refuse_agent_rewards=self.limits[request.session_id].refuse_agent_rewards,
+        )
 
     async def RunTurn(self, request, **options):
         self.turns.append(request)
         stream = self.streams[request.session_id]
         if request.HasField("keep_tokens"):
-            del stream[request.keep_tokens:]
-        generated = self.tokenizer.encode(REPLY, add_special_tokens=False) + [self.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
+            del stream[request.keep_tokens :]
+        generated = self.tokenizer.encode(REPLY, add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+        ]
         stream += [t for segment in request.append for t in segment.token_ids] + generated
-        segment = manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_MODEL, token_ids=generated, logprobs=[-0.5] * len(generated),
-                                      weight_versions=[0] * len(generated), finish_reason=common_pb2.FINISH_REASON_STOP)
-        return manager_pb2.RunTurnResponse(generated=segment, status=manager_pb2.SESSION_STATUS_OPEN, stream_tokens=len(stream))
+        segment = manager_pb2.Segment(
+            source=manager_pb2.SEGMENT_SOURCE_MODEL,
+            token_ids=generated,
+            logprobs=[-0.5] * len(generated),
+            weight_versions=[0] * len(generated),
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+        )
+        return manager_pb2.RunTurnResponse(
+            generated=segment, status=manager_pb2.SESSION_STATUS_OPEN, stream_tokens=len(stream)
+        )
 
     def StreamTurn(self, request, **options):
         async def stream():
@@ -84,8 +99,14 @@ class Manager:
 
 @pytest.fixture
 def manager(tokenizer):
-    return Manager(tokenizer, {"b/p/0": manager_pb2.SessionLimits(), "b/p/1": manager_pb2.SessionLimits(),
-                               "scored/p/0": manager_pb2.SessionLimits(refuse_agent_rewards=True)})
+    return Manager(
+        tokenizer,
+        {
+            "b/p/0": manager_pb2.SessionLimits(),
+            "b/p/1": manager_pb2.SessionLimits(),
+            "scored/p/0": manager_pb2.SessionLimits(refuse_agent_rewards=True),
+        },
+    )
 
 
 @pytest.fixture
@@ -97,32 +118,62 @@ def sessions(manager, tokenizer):
 async def client(sessions, tokenizer):
     app = create_app(Gateway(sessions, tokenizer, "tiny"))
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway",
-                                 headers={"authorization": f"Bearer {KEY}"}) as client:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://gateway", headers={"authorization": f"Bearer {KEY}"}
+    ) as client:
         yield client
 
 
-CHAT, TEXT, REWARD = "/sessions/b/p/0/v1/chat/completions", "/sessions/b/p/0/v1/completions", "/sessions/b/p/0/v1/rlmesh/reward"
+CHAT, TEXT, REWARD = (
+    "/sessions/b/p/0/v1/chat/completions",
+    "/sessions/b/p/0/v1/completions",
+    "/sessions/b/p/0/v1/rlmesh/reward",
+)
 USER = {"role": "user", "content": "hi"}
 
 MALFORMED = {
-    "a text part null": (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, "messages[0].content[0]"),
+    "a text part null": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        "messages[0].content[0]",
+    ),
     "a content part null": (CHAT, {"messages": [{"role": "user", "content": [None]}]}, "messages[0].content[0]"),
     "content a number": (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    "a tool call not an object": (CHAT, {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [5]}, USER]},
-                                  "messages[1].tool_calls[0]"),
-    "a tool call's function null": (CHAT, {"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": None}]}, USER]},
-                                    "messages[1].tool_calls[0].function"),
-    "a tool call's name a number": (CHAT, {"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}, USER]},
-                                    "messages[1].tool_calls[0].function.name"),
-    "tool calls an object": (CHAT, {"messages": [USER, {"role": "assistant", "tool_calls": {"a": 1}}, USER]}, "messages[1].tool_calls"),
+    "a tool call not an object": (
+        CHAT,
+        {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [5]}, USER]},
+        "messages[1].tool_calls[0]",
+    ),
+    "a tool call's function null": (
+        CHAT,
+        {"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": None}]}, USER]},
+        "messages[1].tool_calls[0].function",
+    ),
+    "a tool call's name a number": (
+        CHAT,
+        {"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}, USER]},
+        "messages[1].tool_calls[0].function.name",
+    ),
+    "tool calls an object": (
+        CHAT,
+        {"messages": [USER, {"role": "assistant", "tool_calls": {"a": 1}}, USER]},
+        "messages[1].tool_calls",
+    ),
     "a role missing": (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
     "a message a string": (CHAT, {"messages": ["hi"]}, "messages[0]"),
     "messages an object": (CHAT, {"messages": {"role": "user"}}, "messages"),
     "a tool not an object": (CHAT, {"messages": [USER], "tools": [3]}, "tools[0]"),
-    "a tool without a name": (CHAT, {"messages": [USER], "tools": [{"type": "function", "function": {}}]}, "tools[0].function"),
+    "a tool without a name": (
+        CHAT,
+        {"messages": [USER], "tools": [{"type": "function", "function": {}}]},
+        "tools[0].function",
+    ),
     "tools a string": (CHAT, {"messages": [USER], "tools": "calculator"}, "tools"),
-    "stream options a string": (CHAT, {"messages": [USER], "stream": True, "stream_options": "usage"}, "stream_options"),
+    "stream options a string": (
+        CHAT,
+        {"messages": [USER], "stream": True, "stream_options": "usage"},
+        "stream_options",
+    ),
     "stream a string": (CHAT, {"messages": [USER], "stream": "yes"}, "stream"),
     "max_tokens past uint32": (CHAT, {"messages": [USER], "max_tokens": 2**40}, "max_tokens"),
     "stop a number": (CHAT, {"messages": [USER], "stop": 5}, "stop"),
@@ -142,12 +193,25 @@ MALFORMED = {
 UNSUPPORTED = {
     "n 2": (CHAT, {"messages": [USER], "n": 2}, "n"),
     "json output": (CHAT, {"messages": [USER], "response_format": {"type": "json_object"}}, "response_format"),
-    "a required tool": (CHAT, {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
-                        "tool_choice"),
-    "a named tool": (CHAT, {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}],
-                            "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    "no tool while offering some": (CHAT, {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}],
-                                           "tool_choice": "none"}, "tool_choice"),
+    "a required tool": (
+        CHAT,
+        {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        "tool_choice",
+    ),
+    "a named tool": (
+        CHAT,
+        {
+            "messages": [USER],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tool_choice",
+    ),
+    "no tool while offering some": (
+        CHAT,
+        {"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+        "tool_choice",
+    ),
     "a logit bias": (CHAT, {"messages": [USER], "logit_bias": {"5": 10}}, "logit_bias"),
     "top logprobs": (CHAT, {"messages": [USER], "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
     "a presence penalty": (CHAT, {"messages": [USER], "presence_penalty": 0.5}, "presence_penalty"),
@@ -172,11 +236,22 @@ async def test_a_malformed_or_unsupported_field_is_a_400_naming_it(client, manag
 
 
 async def test_what_the_gateway_supports_is_taken(client, manager):
-    body = {"messages": [USER], "n": 1, "tool_choice": "auto", "response_format": {"type": "text"}, "logit_bias": {},
-            "presence_penalty": 0, "top_logprobs": 0, "logprobs": False, "stream_options": None,
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    body = {
+        "messages": [USER],
+        "n": 1,
+        "tool_choice": "auto",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "presence_penalty": 0,
+        "top_logprobs": 0,
+        "logprobs": False,
+        "stream_options": None,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    }
     assert (await client.post(CHAT, json=body)).status_code == 200
-    assert (await client.post(TEXT, json={"prompt": "hi", "best_of": 1, "echo": False, "suffix": None, "logprobs": 0})).status_code == 200
+    assert (
+        await client.post(TEXT, json={"prompt": "hi", "best_of": 1, "echo": False, "suffix": None, "logprobs": 0})
+    ).status_code == 200
 
 
 async def test_stop_strings_reach_the_turn_and_the_text_ends_before_them(client, manager, tokenizer):
@@ -187,25 +262,35 @@ async def test_stop_strings_reach_the_turn_and_the_text_ends_before_them(client,
     assert tokenizer.decode(chat.json()["rlmesh"]["token_ids"], skip_special_tokens=True) == REPLY
     text = await client.post("/sessions/b/p/1/v1/completions", json={"prompt": "Thought:", "stop": "\nObs"})
     assert text.json()["choices"][0]["text"] == "Action: look" and list(manager.turns[-1].sampling.stop) == ["\nObs"]
-    streamed = await client.post("/sessions/b/p/1/v1/completions", json={"prompt": "Thought: again", "stop": "door", "stream": True})
+    streamed = await client.post(
+        "/sessions/b/p/1/v1/completions", json={"prompt": "Thought: again", "stop": "door", "stream": True}
+    )
     events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == "Action: look\nObservation: a "
     # A streamed chat turn never shows the start of a stop string it may yet complete.
     chat = await client.post(CHAT, json={"messages": [USER], "stop": ["Observation:"], "stream": True})
-    deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") for line in chat.text.splitlines() if line.startswith("data: {")]
+    deltas = [
+        json.loads(line[6:])["choices"][0]["delta"].get("content")
+        for line in chat.text.splitlines()
+        if line.startswith("data: {")
+    ]
     assert "".join(d for d in deltas if d) == "Action: look\n" and all("Obs" not in d for d in deltas if d)
 
 
 async def test_no_log_line_carries_a_session_key(client, manager):
     with capture_logs() as logs:
         for path in (f"/sessions/b/p/0/key/{KEY}/v1/chat/completions", f"/sessions/b/p/0/key/{KEY[:-1]}x/v1/models"):
-            reply = await client.post(path, json={"messages": [{"role": 7}]}) if "chat" in path else await client.get(path)
+            reply = (
+                await client.post(path, json={"messages": [{"role": 7}]}) if "chat" in path else await client.get(path)
+            )
             assert reply.status_code in (400, 401)
     assert logs and not any(KEY[:-1] in json.dumps(entry, default=str) for entry in logs), logs
 
 
 async def test_a_key_in_its_header_reaches_its_session(client):
-    reply = await client.get("/sessions/b/p/0/v1/models", headers={"authorization": "Bearer not-this-one", "x-rlmesh-session-key": KEY})
+    reply = await client.get(
+        "/sessions/b/p/0/v1/models", headers={"authorization": "Bearer not-this-one", "x-rlmesh-session-key": KEY}
+    )
     assert reply.status_code == 200
 
 
@@ -236,7 +321,9 @@ def test_an_unknown_id_is_forgotten_after_its_time_and_the_set_stays_bounded():
 async def test_requests_with_a_wrong_key_evict_no_good_view(client, manager, sessions):
     assert (await client.get("/sessions/b/p/0/v1/models")).status_code == 200
     for session_id in ("b/p/1", "scored/p/0", "b/p/1"):
-        assert (await client.get(f"/sessions/{session_id}/v1/models", headers={"authorization": "Bearer wrong"})).status_code == 401
+        assert (
+            await client.get(f"/sessions/{session_id}/v1/models", headers={"authorization": "Bearer wrong"})
+        ).status_code == 401
     assert (await client.get("/sessions/b/p/0/v1/models")).status_code == 200
     # b/p/0 was read once; the wrong key's sessions once each (kept apart), and no view of theirs is kept.
     assert manager.loads == ["b/p/0", "b/p/1", "scored/p/0"] and len(sessions) == 1
@@ -263,11 +350,15 @@ async def test_a_task_that_scores_itself_refuses_its_agents_rewards(client, mana
     refused = await client.post("/sessions/scored/p/0/v1/rlmesh/reward", json={"reward": 1.0})
     assert refused.status_code == 403 and "agent_rewards" in refused.json()["error"]["message"]
     taken = await client.post(REWARD, json={"reward": 0.5, "turn": 2})
-    assert taken.status_code == 200 and [(r.session_id, r.reward, r.turn) for r in manager.rewards] == [("b/p/0", 0.5, 2)]
+    assert taken.status_code == 200 and [(r.session_id, r.reward, r.turn) for r in manager.rewards] == [
+        ("b/p/0", 0.5, 2)
+    ]
 
 
 async def test_an_unknown_route_or_method_gets_an_openai_error_that_does_not_repeat_the_path(client):
     missing = await client.post(f"/sessions/b/p/0/key/{KEY}/v2/chat/completions", json={})
-    assert missing.status_code == 404 and "no such route" in missing.json()["error"]["message"] and KEY not in missing.text
+    assert (
+        missing.status_code == 404 and "no such route" in missing.json()["error"]["message"] and KEY not in missing.text
+    )
     wrong_method = await client.delete("/sessions/b/p/0/v1/chat/completions")
     assert wrong_method.status_code == 405 and "DELETE is not allowed" in wrong_method.json()["error"]["message"]

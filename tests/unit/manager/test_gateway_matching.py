@@ -11,13 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from rlmesh.chat.tool_calls import tool_call_text
 from rlmesh.chat.turns import ChatTurns, RenderError
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, build_text_tokenizer, save_chat_tokenizer
-from rlmesh.chat.tool_calls import tool_call_text
-from services.manager.domain.conversations import (BREAK_CAUSES, COMPLETIONS_KEY, ConversationError, LoggedMessage, canonical_arguments,
-                                             message_key, plan_turn)
+from services.manager.domain.conversations import (
+    BREAK_CAUSES,
+    COMPLETIONS_KEY,
+    ConversationError,
+    LoggedMessage,
+    canonical_arguments,
+    message_key,
+    plan_turn,
+)
 from services.manager.gateway.sessions import model_turn
 
 QUESTION = {"role": "user", "content": "What is 2+3?"}
@@ -39,7 +46,9 @@ def turns(tokenizer):
 def answered(tokenizer, text: str, **tools) -> tuple[dict, list[LoggedMessage]]:
     """The model wrote `text` after QUESTION: the assistant message the gateway returned and the log."""
     ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(IM_END_TOKEN)]
-    segment = manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_MODEL, token_ids=ids, finish_reason=common_pb2.FINISH_REASON_STOP)
+    segment = manager_pb2.Segment(
+        source=manager_pb2.SEGMENT_SOURCE_MODEL, token_ids=ids, finish_reason=common_pb2.FINISH_REASON_STOP
+    )
     message, _, logged = model_turn(tokenizer, "b/p/0", 0, segment, 20 + len(ids), **tools)
     return message, [LoggedMessage(message_key(QUESTION)), logged]
 
@@ -54,9 +63,18 @@ def go_style(arguments: str) -> str:
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
-SCALARS = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-                    max_leaves=12)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8)
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def shuffled(value, rng: random.Random):
@@ -69,8 +87,12 @@ def shuffled(value, rng: random.Random):
 
 
 @settings(max_examples=200, deadline=None)
-@given(arguments=st.dictionaries(st.text(max_size=5), JSON, max_size=5), seed=st.integers(0, 2**16),
-       separators=st.sampled_from([(",", ":"), (", ", ": "), (",", ": ")]), ascii_only=st.booleans())
+@given(
+    arguments=st.dictionaries(st.text(max_size=5), JSON, max_size=5),
+    seed=st.integers(0, 2**16),
+    separators=st.sampled_from([(",", ":"), (", ", ": "), (",", ": ")]),
+    ascii_only=st.booleans(),
+)
 def test_any_serialization_of_the_same_arguments_is_one_canonical_form(arguments, seed, separators, ascii_only):
     written = json.dumps(arguments)
     again = json.dumps(shuffled(arguments, random.Random(seed)), separators=separators, ensure_ascii=ascii_only)
@@ -81,8 +103,17 @@ def test_tool_arguments_re_serialized_by_another_language_match(tokenizer, turns
     call = tool_call_text("calculator", {"expression": "2+3 < 6", "precision": 2.0, "units": {"z": 1, "a": [1, 2]}})
     message, log = answered(tokenizer, call, tools=True)
     [sent] = message["tool_calls"]
-    echoed = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": sent["id"], "type": "function", "function": {"name": "calculator", "arguments": go_style(sent["function"]["arguments"])}}]}
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": sent["id"],
+                "type": "function",
+                "function": {"name": "calculator", "arguments": go_style(sent["function"]["arguments"])},
+            }
+        ],
+    }
     assert echoed["tool_calls"][0]["function"]["arguments"] != sent["function"]["arguments"]
     assert_extends(plan_turn(log, [QUESTION, echoed, RESULT], turns), log)
     # Arguments given as an object, not as JSON text, are the same arguments.
@@ -91,12 +122,15 @@ def test_tool_arguments_re_serialized_by_another_language_match(tokenizer, turns
     assert_extends(plan_turn(log, [QUESTION, as_object, RESULT], turns), log)
 
 
-@pytest.mark.parametrize("echo", [
-    "The answer is 5.",  # whitespace at the ends stripped
-    "<think>2 and 3 make 5.</think>\n  The answer is 5.\n",  # echoed as it was
-    "  The answer is 5.\n",  # the <think> block removed
-    "The answer is 5.",  # both
-])
+@pytest.mark.parametrize(
+    "echo",
+    [
+        "The answer is 5.",  # whitespace at the ends stripped
+        "<think>2 and 3 make 5.</think>\n  The answer is 5.\n",  # echoed as it was
+        "  The answer is 5.\n",  # the <think> block removed
+        "The answer is 5.",  # both
+    ],
+)
 def test_assistant_content_stripped_of_whitespace_or_its_think_block_matches(tokenizer, turns, echo):
     _, log = answered(tokenizer, "<think>2 and 3 make 5.</think>\n  The answer is 5.\n")
     assert_extends(plan_turn(log, [QUESTION, {"role": "assistant", "content": echo}, RESULT], turns), log)
@@ -117,7 +151,10 @@ def test_text_parts_match_the_same_text(tokenizer, turns):
 
 
 def test_parts_that_are_not_text_are_refused_naming_their_type(turns):
-    image = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}
+    image = {
+        "role": "user",
+        "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}],
+    }
     with pytest.raises((ConversationError, RenderError), match=r"messages\[0\].*image_url"):
         plan_turn([], [image], turns)
     with pytest.raises((ConversationError, RenderError), match=r"messages\[0\].*text part"):

@@ -24,21 +24,36 @@ USER = LoggedMessage(message_key({"role": "user", "content": "Count."}))
 def sessions(tmp_path_factory):
     folder = tmp_path_factory.mktemp("chat-tokenizer")
     save_chat_tokenizer(build_text_tokenizer(), folder, model_max_length=512)
-    return GatewaySessions(manager=None, tokenizer=AutoTokenizer.from_pretrained(str(folder)), turn_timeout=5, rpc_timeout=5)
+    return GatewaySessions(
+        manager=None, tokenizer=AutoTokenizer.from_pretrained(str(folder)), turn_timeout=5, rpc_timeout=5
+    )
 
 
-def record(segments, turns: int, status=manager_pb2.SESSION_STATUS_OPEN, conversation=(USER,)) -> manager_pb2.GetSessionResponse:
+def record(
+    segments, turns: int, status=manager_pb2.SESSION_STATUS_OPEN, conversation=(USER,)
+) -> manager_pb2.GetSessionResponse:
     return manager_pb2.GetSessionResponse(
         session=manager_pb2.SessionTrajectory(session_id="b/p/0", segments=segments, status=status, turns=turns),
-        key="k", sampling=common_pb2.SamplingParams(max_tokens=9), conversation=conversation_to_proto(conversation))
+        key="k",
+        sampling=common_pb2.SamplingParams(max_tokens=9),
+        conversation=conversation_to_proto(conversation),
+    )
 
 
 def test_a_finished_turn_joins_the_recorded_conversation_where_the_stream_ends(sessions):
     stop = sessions.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
     answer = sessions.tokenizer.encode("five", add_special_tokens=False) + [stop]
-    view = sessions._view_of(record([manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7]),
-                                     manager_pb2.Segment(source=MODEL, token_ids=answer, turn=0,
-                                                         finish_reason=common_pb2.FINISH_REASON_STOP)], turns=1))
+    view = sessions._view_of(
+        record(
+            [
+                manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7]),
+                manager_pb2.Segment(
+                    source=MODEL, token_ids=answer, turn=0, finish_reason=common_pb2.FINISH_REASON_STOP
+                ),
+            ],
+            turns=1,
+        )
+    )
     assert view.next_turn == 1 and view.stream == [5, 6, 7, *answer] and view.sampling.max_tokens == 9
     first, model = view.conversation
     assert first == USER
@@ -49,9 +64,18 @@ def test_a_finished_turn_joins_the_recorded_conversation_where_the_stream_ends(s
 def test_a_turn_run_through_completions_is_no_chat_turn_of_the_recorded_conversation(sessions):
     stop = sessions.tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
     mark = LoggedMessage(COMPLETIONS_KEY)
-    view = sessions._view_of(record([manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7]),
-                                     manager_pb2.Segment(source=MODEL, token_ids=[8, stop], turn=0,
-                                                         finish_reason=common_pb2.FINISH_REASON_STOP)], turns=1, conversation=(mark,)))
+    view = sessions._view_of(
+        record(
+            [
+                manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7]),
+                manager_pb2.Segment(
+                    source=MODEL, token_ids=[8, stop], turn=0, finish_reason=common_pb2.FINISH_REASON_STOP
+                ),
+            ],
+            turns=1,
+            conversation=(mark,),
+        )
+    )
     assert view.next_turn == 1 and view.conversation == [mark]
 
 
@@ -61,8 +85,13 @@ def test_a_turn_still_running_is_the_one_asked_for_again(sessions):
 
 
 def test_a_closed_session_asks_for_the_turn_after_its_last(sessions):
-    view = sessions._view_of(record([manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7], turn=0)], turns=1,
-                                    status=manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT))
+    view = sessions._view_of(
+        record(
+            [manager_pb2.Segment(source=ENVIRONMENT, token_ids=[5, 6, 7], turn=0)],
+            turns=1,
+            status=manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT,
+        )
+    )
     assert view.next_turn == 1 and view.conversation == [USER]
 
 

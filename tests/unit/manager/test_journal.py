@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from rlmesh.common.v1 import common_pb2
 from rlmesh.config import ConfigError
 from rlmesh.errors import DomainError, OutOfRange
-from services.manager.journal import FORMAT, Journal
 from services.manager.domain.state import ManagerState
+from services.manager.journal import FORMAT, Journal
 
 STOP = common_pb2.FINISH_REASON_STOP
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -29,13 +29,47 @@ def snapshot(state: ManagerState) -> dict:
     return {
         "published": state.published_version,
         "registrations": state.registrations,
-        "instances": {i.instance_id: (i.address, i.weight_version, i.max_batch_size, i.min_version, i.incarnation, i.token,
-                                      i.preemptible, i.draining, i.saturation_batch_size) for i in state.instances.values()},
-        "batches": {b.batch_id: (b.policy_version, list(b.groups), list(b.sent), b.error, b.exact_version, b.version_gone, b.background)
-                    for b in state.batches.values()},
-        "requests": {r.request_id: (r.prompt_token_ids, r.sampling.SerializeToString(deterministic=True), r.token_ids, r.logprobs,
-                                    r.weight_versions, r.instance_ids, r.finish_reason, r.attempt, r.exact_version, r.background)
-                     for r in state.requests.values()},
+        "instances": {
+            i.instance_id: (
+                i.address,
+                i.weight_version,
+                i.max_batch_size,
+                i.min_version,
+                i.incarnation,
+                i.token,
+                i.preemptible,
+                i.draining,
+                i.saturation_batch_size,
+            )
+            for i in state.instances.values()
+        },
+        "batches": {
+            b.batch_id: (
+                b.policy_version,
+                list(b.groups),
+                list(b.sent),
+                b.error,
+                b.exact_version,
+                b.version_gone,
+                b.background,
+            )
+            for b in state.batches.values()
+        },
+        "requests": {
+            r.request_id: (
+                r.prompt_token_ids,
+                r.sampling.SerializeToString(deterministic=True),
+                r.token_ids,
+                r.logprobs,
+                r.weight_versions,
+                r.instance_ids,
+                r.finish_reason,
+                r.attempt,
+                r.exact_version,
+                r.background,
+            )
+            for r in state.requests.values()
+        },
     }
 
 
@@ -60,7 +94,9 @@ def test_a_restarted_manager_goes_on_from_the_journal(tmp_path):
     first, second = assignments[0], assignments[1]
     state.record_chunk(first.request.request_id, first.attempt, [1, 2], [-0.5, -0.25], [3, 3], STOP)
     state.record_chunk(second.request.request_id, second.attempt, [4], [-1.0], [3], STOP)
-    state.record_chunk(assignments[2].request.request_id, assignments[2].attempt, [8, 9], [-0.125, -0.375], [3, 3], NONE)
+    state.record_chunk(
+        assignments[2].request.request_id, assignments[2].attempt, [8, 9], [-0.125, -0.375], [3, 3], NONE
+    )
     sent, remaining = state.take_micro_batch("b1", 1)
     assert remaining == 1
     journal.flush(state)
@@ -106,7 +142,11 @@ def test_forgotten_batches_and_dropped_instances_leave_the_journal(tmp_path):
 
 
 @settings(max_examples=40)
-@given(steps=st.lists(st.tuples(st.sampled_from(["chunk", "finish", "take", "flush", "expire"]), st.integers(0, 7)), max_size=30))
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from(["chunk", "finish", "take", "flush", "expire"]), st.integers(0, 7)), max_size=30
+    )
+)
 def test_any_flushed_state_restores_exactly(tmp_path_factory, steps):
     path = tmp_path_factory.mktemp("journal") / "journal.sqlite"
     journal = Journal(path)
@@ -120,7 +160,9 @@ def test_any_flushed_state_restores_exactly(tmp_path_factory, steps):
         running = [state.requests[r] for i in state.instances.values() for r in sorted(i.running)]
         if kind in ("chunk", "finish") and running:
             request = running[pick % len(running)]
-            state.record_chunk(request.request_id, request.attempt, [pick], [-0.5], [0], STOP if kind == "finish" else NONE)
+            state.record_chunk(
+                request.request_id, request.attempt, [pick], [-0.5], [0], STOP if kind == "finish" else NONE
+            )
         elif kind == "take" and "b1" in state.batches:
             state.take_micro_batch("b1", 1, min_groups=1)
         elif kind == "flush":
@@ -197,7 +239,12 @@ def test_a_journal_of_the_previous_format_is_migrated(tmp_path):
     db.close()
     state = restarted(path)
     batch = state.batches["b1"]
-    assert state.published_version == 4 and batch.policy_version == 4 and not batch.exact_version and not batch.version_gone
+    assert (
+        state.published_version == 4
+        and batch.policy_version == 4
+        and not batch.exact_version
+        and not batch.version_gone
+    )
     assert not batch.background
     instance = state.instances["a"]
     assert (instance.max_batch_size, instance.saturation_batch_size, instance.token) == (8, 0, "secret")
@@ -226,7 +273,19 @@ def test_a_batch_submitted_again_under_its_id_is_journaled_from_its_new_requests
     assert restarted(path).requests["b1/p/0"].token_ids == [7, 8, 9, 10]
 
 
-KINDS_OF_CHANGE = ["chunk", "finish", "take", "publish", "drain", "renew", "refuse", "reject", "migrate", "cancel", "expire"]
+KINDS_OF_CHANGE = [
+    "chunk",
+    "finish",
+    "take",
+    "publish",
+    "drain",
+    "renew",
+    "refuse",
+    "reject",
+    "migrate",
+    "cancel",
+    "expire",
+]
 
 
 @settings(max_examples=40, deadline=None)
@@ -250,8 +309,14 @@ def test_every_kind_of_change_reaches_the_journal(tmp_path_factory, steps):
         instance = state.instances[names[pick % len(names)]] if names else None
         try:
             if kind in ("chunk", "finish") and chosen:
-                state.record_chunk(chosen.request_id, chosen.attempt, [pick], [-0.5], [chosen.policy_version],
-                                   STOP if kind == "finish" else NONE)
+                state.record_chunk(
+                    chosen.request_id,
+                    chosen.attempt,
+                    [pick],
+                    [-0.5],
+                    [chosen.policy_version],
+                    STOP if kind == "finish" else NONE,
+                )
             elif kind == "take" and "train" in state.batches:
                 state.take_micro_batch("train", 1, min_groups=1)
             elif kind == "publish" and instance:
@@ -260,7 +325,14 @@ def test_every_kind_of_change_reaches_the_journal(tmp_path_factory, steps):
             elif kind == "drain" and instance:
                 state.heartbeat(instance.instance_id, instance.weight_version, now, draining=True, token=instance.token)
             elif kind == "renew" and instance:
-                state.register(instance.instance_id, instance.address, instance.weight_version, 1 + pick % 3, now, token=instance.token)
+                state.register(
+                    instance.instance_id,
+                    instance.address,
+                    instance.weight_version,
+                    1 + pick % 3,
+                    now,
+                    token=instance.token,
+                )
             elif kind == "refuse" and chosen and chosen.exact_version:
                 state.version_refused(chosen.request_id, chosen.attempt)
             elif kind == "reject" and chosen:
@@ -281,5 +353,7 @@ def test_every_kind_of_change_reaches_the_journal(tmp_path_factory, steps):
         journal.flush(state)
         after = restarted(path)
         assert snapshot(after) == snapshot(state)
-        assert {r.request_id: r.migrations for r in after.requests.values()} == {r.request_id: r.migrations for r in state.requests.values()}
+        assert {r.request_id: r.migrations for r in after.requests.values()} == {
+            r.request_id: r.migrations for r in state.requests.values()
+        }
     journal.close()

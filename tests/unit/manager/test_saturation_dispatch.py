@@ -20,7 +20,9 @@ def sampling() -> common_pb2.SamplingParams:
 def state_with(saturations: dict[str, int], max_batch_size: int = 8, max_staleness: int = 4) -> ManagerState:
     state = ManagerState(lease_seconds=10, max_staleness=max_staleness)
     for index, (instance_id, saturation) in enumerate(saturations.items()):
-        state.register(instance_id, f"127.0.0.1:{1000 + index}", 0, max_batch_size, now=0, saturation_batch_size=saturation)
+        state.register(
+            instance_id, f"127.0.0.1:{1000 + index}", 0, max_batch_size, now=0, saturation_batch_size=saturation
+        )
     return state
 
 
@@ -94,7 +96,9 @@ def test_a_saturation_batch_above_the_max_batch_is_refused():
         state.register("a", "127.0.0.1:1000", 0, 8, now=0, saturation_batch_size=9)
 
 
-STEPS = st.lists(st.tuples(st.sampled_from(["submit", "finish", "assign"]), st.integers(0, 30)), min_size=1, max_size=40)
+STEPS = st.lists(
+    st.tuples(st.sampled_from(["submit", "finish", "assign"]), st.integers(0, 30)), min_size=1, max_size=40
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -123,7 +127,9 @@ def test_no_start_passes_the_knee_for_a_later_step_and_no_instance_idles_below_i
         # Work conservation: what is still queued could start nowhere without passing a knee.
         for request in state.queue:
             for instance in state.instances.values():
-                below_knee = not instance.saturation_batch_size or len(instance.running) < instance.saturation_batch_size
+                below_knee = (
+                    not instance.saturation_batch_size or len(instance.running) < instance.saturation_batch_size
+                )
                 oldest = min(running_by_step(state, instance.instance_id), default=request.policy_version)
                 if instance.free_slots > 0 and state.admission.may_run(instance, request):
                     assert not below_knee and request.policy_version > oldest

@@ -5,8 +5,8 @@ again changes nothing, and a restarted manager still knows which sessions wait."
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.manager.journal import Journal
 from services.manager.domain.sessions import DEADLINE, OPEN, Limits
+from services.manager.journal import Journal
 from tests.support import ManualClock
 from tests.unit.manager.test_sessions import mesh, open_group
 

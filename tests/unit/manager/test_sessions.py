@@ -10,11 +10,22 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.domain.conversations import LoggedMessage
-from services.manager.journal import Journal
-from services.manager.domain.sessions import (DEADLINE, DONE, ENVIRONMENT, MODEL, OPEN, TEMPLATE, TRUNCATED_CONTEXT, TRUNCATED_TURNS,
-                                       Limits, Segment, stream_of)
+from services.manager.domain.sessions import (
+    DEADLINE,
+    DONE,
+    ENVIRONMENT,
+    MODEL,
+    OPEN,
+    TEMPLATE,
+    TRUNCATED_CONTEXT,
+    TRUNCATED_TURNS,
+    Limits,
+    Segment,
+    stream_of,
+)
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import trajectory
+from services.manager.journal import Journal
 from tests.support import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -45,7 +56,9 @@ def generate(state: ManagerState, tokens: list[int], finish=STOP, version: int =
     """Runs the one assignment the queue holds: the instance sends `tokens` and finishes."""
     [assignment] = state.assign()
     request = assignment.request
-    state.record_chunk(request.request_id, assignment.attempt, tokens, [-0.5] * len(tokens), [version] * len(tokens), finish)
+    state.record_chunk(
+        request.request_id, assignment.attempt, tokens, [-0.5] * len(tokens), [version] * len(tokens), finish
+    )
     return assignment
 
 
@@ -57,7 +70,11 @@ def test_a_turn_generates_from_the_whole_stream_and_appends_the_models_segment()
     generate(state, [20, 21])
     segments = first.segments
     assert [(s.source, s.token_ids) for s in segments] == [(ENVIRONMENT, [1, 2, 3]), (TEMPLATE, [9]), (MODEL, [20, 21])]
-    assert segments[-1].logprobs == [-0.5, -0.5] and segments[-1].weight_versions == [0, 0] and segments[-1].instance_ids == ["a"]
+    assert (
+        segments[-1].logprobs == [-0.5, -0.5]
+        and segments[-1].weight_versions == [0, 0]
+        and segments[-1].instance_ids == ["a"]
+    )
     second = state.run_turn(first.session_id, 1, [env(30)], None, None).running
     # The model's own tokens come back exactly as sampled: nothing is re-tokenized.
     assert second.prompt_token_ids == [1, 2, 3, 9, 20, 21, 30]
@@ -137,8 +154,9 @@ def test_the_next_turn_goes_to_the_instance_that_served_the_last():
 
 def test_limits_end_a_session_instead_of_generating():
     state = mesh()
-    turns_bound, context_bound = state.open_sessions("b", 0, [("p", [1, 2], 1), ("q", [1, 2], 1)], sampling(8),
-                                                     Limits(max_turns=1, max_total_tokens=6))
+    turns_bound, context_bound = state.open_sessions(
+        "b", 0, [("p", [1, 2], 1), ("q", [1, 2], 1)], sampling(8), Limits(max_turns=1, max_total_tokens=6)
+    )
     state.run_turn(turns_bound.session_id, 0, [], None, None)
     # The turn's max_tokens is cut to what the stream has room for.
     [assignment] = state.assign()
@@ -176,8 +194,13 @@ def test_an_edited_history_starts_a_part_that_reuses_the_kept_prefix():
 
 
 @settings(max_examples=80)
-@given(st.lists(st.tuples(st.lists(st.integers(0, 99), min_size=1, max_size=4), st.integers(0, 12) | st.none()),
-                min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 99), min_size=1, max_size=4), st.integers(0, 12) | st.none()),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_the_stream_is_the_kept_prefix_of_each_part_plus_what_followed(steps):
     segments, expected = [], []
     for tokens, keep in steps:
@@ -251,7 +274,11 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
     state.run_turn(session.session_id, 0, [env(4)], None, None)
     generate(state, [7])
     state.sessions.set_reward(session.session_id, 0.25, 0)
-    conversation = [LoggedMessage("user"), LoggedMessage("model", 5, "<|im_end|>", "content", "calls"), LoggedMessage("tool")]
+    conversation = [
+        LoggedMessage("user"),
+        LoggedMessage("model", 5, "<|im_end|>", "content", "calls"),
+        LoggedMessage("tool"),
+    ]
     state.run_turn(session.session_id, 1, [env(8)], None, None, conversation)
     [assignment] = state.assign()
     state.record_chunk(assignment.request.request_id, assignment.attempt, [9], [-1.0], [0], NONE)
@@ -295,7 +322,9 @@ def test_a_reward_sent_after_the_manager_truncated_a_session_counts_until_its_ow
 def test_a_truncated_session_its_owner_never_closes_is_settled_at_its_step_deadline():
     clock = ManualClock()
     state = mesh(clock=clock)
-    [session] = state.open_sessions("b", 0, [("p", [1, 2], 1)], sampling(), Limits(max_turns=1, step_deadline_seconds=5))
+    [session] = state.open_sessions(
+        "b", 0, [("p", [1, 2], 1)], sampling(), Limits(max_turns=1, step_deadline_seconds=5)
+    )
     state.run_turn(session.session_id, 0, [], None, None)
     generate(state, [7])
     state.run_turn(session.session_id, 1, [env(8)], None, None)

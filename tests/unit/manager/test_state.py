@@ -96,7 +96,9 @@ def test_accepted_plus_running_never_exceeds_the_capacity(staleness, batch_size,
 
     for event in events:
         if event == "submit":
-            state.submit(f"step{submitted_steps}", submitted_steps, [(f"p{i}", [1], 1) for i in range(batch_size)], sampling(1))
+            state.submit(
+                f"step{submitted_steps}", submitted_steps, [(f"p{i}", [1], 1) for i in range(batch_size)], sampling(1)
+            )
             submitted_steps += 1
         elif event == "push" and state.instances["a"].weight_version == state.published_version:
             # The weights service pushes a version before the trainer announces it to the manager.
@@ -108,7 +110,9 @@ def test_accepted_plus_running_never_exceeds_the_capacity(staleness, batch_size,
             if running:
                 request = running[0]
                 finished.add(request.request_id)
-                state.record_chunk(request.request_id, request.attempt, [1], [0.0], [state.instances["a"].weight_version], STOP)
+                state.record_chunk(
+                    request.request_id, request.attempt, [1], [0.0], [state.instances["a"].weight_version], STOP
+                )
                 if event == "drop":
                     # The trainer drops the group (all rewards equal) and refills it for the same step.
                     dropped += 1
@@ -388,13 +392,21 @@ def test_whatever_dies_when_every_sample_arrives_once_with_its_tokens(script):
 
     refresh()
     for event in script:
-        live = [a for a in running if state.requests.get(a.request.request_id) and state.requests[a.request.request_id].attempt == a.attempt and state.requests[a.request.request_id].instance_id is not None]
+        live = [
+            a
+            for a in running
+            if state.requests.get(a.request.request_id)
+            and state.requests[a.request.request_id].attempt == a.attempt
+            and state.requests[a.request.request_id].instance_id is not None
+        ]
         if event[0] == "tokens" and live:
             assignment = live[event[1] % len(live)]
             count = min(event[2], assignment.request.remaining_tokens)
             tokens = [counter + i for i in range(count)]
             counter += count
-            if state.record_chunk(assignment.request.request_id, assignment.attempt, tokens, [0.0] * count, [0] * count, NONE):
+            if state.record_chunk(
+                assignment.request.request_id, assignment.attempt, tokens, [0.0] * count, [0] * count, NONE
+            ):
                 emitted[assignment.request.request_id] += tokens
         elif event[0] == "finish" and live:
             assignment = live[event[1] % len(live)]
@@ -553,7 +565,14 @@ def test_stragglers_move_from_a_slow_instance_to_an_idle_fast_one():
     # Not while work is still queued, and not before the fast one has a free slot.
     assert state.plan_migrations() == []
     for a in on_slow:
-        state.record_chunk(a.request.request_id, a.attempt, [1] * (on_slow.index(a) + 1), [0.0] * (on_slow.index(a) + 1), [0] * (on_slow.index(a) + 1), NONE)
+        state.record_chunk(
+            a.request.request_id,
+            a.attempt,
+            [1] * (on_slow.index(a) + 1),
+            [0.0] * (on_slow.index(a) + 1),
+            [0] * (on_slow.index(a) + 1),
+            NONE,
+        )
     for a in on_fast:
         state.record_chunk(a.request.request_id, a.attempt, [2], [0.0], [0], STOP)
     moved = state.plan_migrations()
@@ -678,7 +697,9 @@ operations = st.lists(
         st.tuples(st.just("lost"), st.integers(0, 30)),
         st.tuples(st.just("drop"), st.sampled_from(["a", "b"])),
         st.tuples(st.just("join"), st.sampled_from(["a", "b"])),
-        st.tuples(st.just("migrate"),),
+        st.tuples(
+            st.just("migrate"),
+        ),
         st.tuples(st.just("measure"), st.floats(1, 500), st.floats(1, 50)),
     ),
     max_size=80,
@@ -849,7 +870,10 @@ def test_an_exact_version_batch_fails_out_of_range_once_no_instance_serves_its_v
     # The sample still running is let go: it no longer holds the instance's switch back.
     assert state.instances["a"].running == set()
     assert not state.record_chunk(second.request.request_id, second.attempt, [8], [0.0], [1], NONE)
-    with pytest.raises(OutOfRange, match=r"version 1 is no longer served by any instance: evaluation of it is skipped \(2 of its samples unfinished; published version 2\)"):
+    with pytest.raises(
+        OutOfRange,
+        match=r"version 1 is no longer served by any instance: evaluation of it is skipped \(2 of its samples unfinished; published version 2\)",
+    ):
         state.take_micro_batch("eval", 1)
     assert state.batches == {} and state.requests == {}
 
@@ -878,7 +902,9 @@ def test_an_exact_version_sample_keeps_only_its_versions_tokens_from_an_instance
     state.instances["b"].max_batch_size = 0
     state.submit("eval", 1, [("p", [1], 1)], sampling(), exact_version=True)
     (first,) = state.assign()
-    assert not state.record_chunk(first.request.request_id, first.attempt, [4, 5, 6], [-0.1, -0.2, -0.3], [1, 2, 2], NONE)
+    assert not state.record_chunk(
+        first.request.request_id, first.attempt, [4, 5, 6], [-0.1, -0.2, -0.3], [1, 2, 2], NONE
+    )
     request = first.request
     assert (request.token_ids, request.logprobs, request.weight_versions) == ([4], [pytest.approx(-0.1)], [1])
     assert state.ledger.discarded_tokens == 2 and state.instances["old"].weight_version == 2
@@ -891,7 +917,9 @@ def test_exact_version_samples_waiting_do_not_hold_back_straggler_migration():
     state, assignments = straggler_setup()
     for index, a in enumerate(assignments):
         finish = STOP if a.instance.instance_id == "fast" else NONE
-        state.record_chunk(a.request.request_id, a.attempt, [1] * (index + 1), [0.0] * (index + 1), [0] * (index + 1), finish)
+        state.record_chunk(
+            a.request.request_id, a.attempt, [1] * (index + 1), [0.0] * (index + 1), [0] * (index + 1), finish
+        )
     state.submit("eval", 5, [("e", [1], 1)], sampling(), exact_version=True)
     assert state.assign() == [] and len(state.queue) == 1
     assert len(state.plan_migrations()) == 2

@@ -11,7 +11,7 @@ PROTOS = Path(__file__).resolve().parents[3] / "protos"
 
 
 def declared_rpcs() -> set[str]:
-    """"/package.Service/Method" of every rpc in every .proto file, read from the text."""
+    """ "/package.Service/Method" of every rpc in every .proto file, read from the text."""
     paths = set()
     for proto in PROTOS.rglob("*.proto"):
         text = re.sub(r"//[^\n]*", "", proto.read_text())
@@ -37,10 +37,20 @@ def test_every_entry_names_known_roles_and_no_contract_is_open():
 
 def test_what_only_the_trainer_may_do():
     trainer_only = {method.rsplit("/", 1)[1] for method, roles in AUTHORIZED.items() if roles == {"trainer"}}
-    assert {"PublishVersion", "UploadWeights", "UploadShards", "SubmitPrompts", "StreamRollouts", "StartSession"} <= trainer_only
+    assert {
+        "PublishVersion",
+        "UploadWeights",
+        "UploadShards",
+        "SubmitPrompts",
+        "StreamRollouts",
+        "StartSession",
+    } <= trainer_only
     assert allowed_roles("/rlmesh.manager.v1.ManagerService/RegisterInstance") == {"instance"}
-    assert all("observer" not in roles for method, roles in AUTHORIZED.items()
-               if not method.endswith(("/GetStatus", "/ListInstances", "/GetInfo", "/GetTrainingStatus")))
+    assert all(
+        "observer" not in roles
+        for method, roles in AUTHORIZED.items()
+        if not method.endswith(("/GetStatus", "/ListInstances", "/GetInfo", "/GetTrainingStatus"))
+    )
 
 
 def test_the_contracts_users_serve_are_in_no_roles_table():
@@ -52,7 +62,9 @@ def test_the_contracts_users_serve_are_in_no_roles_table():
 
 def test_the_security_page_shows_the_table_as_it_is():
     page = (PROTOS.parent / "docs" / "security.md").read_text()
-    shown = {(service, rpc): {role.strip() for role in roles.split(",")}
-             for service, rpc, roles in re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([\w, ]+) \|$", page, re.MULTILINE)}
+    shown = {
+        (service, rpc): {role.strip() for role in roles.split(",")}
+        for service, rpc, roles in re.findall(r"^\| `(\w+)` \| `(\w+)` \| ([\w, ]+) \|$", page, re.MULTILINE)
+    }
     actual = {(method.split(".")[1], method.rsplit("/", 1)[1]): set(roles) for method, roles in AUTHORIZED.items()}
     assert shown == actual

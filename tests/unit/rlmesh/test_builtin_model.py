@@ -19,6 +19,7 @@ def slow_creator(calls: list[Path], seconds: float = 0.3):
         for name in MODEL_FILES:
             (folder / name).write_text(name)
             time.sleep(seconds / len(MODEL_FILES))
+
     return create
 
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlmesh.transfer.payload import bucket_checksums, bucket_ranges, corrupted_buckets, pack
 from rlmesh.transfer.codecs import HEADER, BucketCodec, CompressionReport, DeltaSchedule
+from rlmesh.transfer.payload import bucket_checksums, bucket_ranges, corrupted_buckets, pack
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LOSSLESS_MODES = ["none", "zstd", "delta"]
@@ -110,7 +110,11 @@ def test_sparse_and_dense_deltas_reproduce_the_new_bucket(dtype, count, changed_
     new = with_changed_fraction(old, changed_fraction, seed)
     codec = BucketCodec("delta", dtype)
     blob = codec.encode(as_bytes(new), as_bytes(old)).data
-    changed = int((as_bytes(new).view(np.uint8) != as_bytes(old)).reshape(-1, dtype.itemsize).any(axis=1).sum()) if count else 0
+    changed = (
+        int((as_bytes(new).view(np.uint8) != as_bytes(old)).reshape(-1, dtype.itemsize).any(axis=1).sum())
+        if count
+        else 0
+    )
     if count and changed <= 0.05 * count:
         assert blob[0] == 5, "few changed elements go as a sparse delta"
     out = as_bytes(old).copy() if in_place else np.full(as_bytes(old).size, 0xAB, dtype=np.uint8)
@@ -324,7 +328,9 @@ def test_bad_buckets_and_blobs_are_named():
         codec.encode(raw, raw[:4].copy())
     with pytest.raises(ValueError, match="raw must be a 1-D uint8 numpy array"):
         codec.encode(np.zeros(4, dtype=np.float32))
-    delta_blob = codec.encode(with_changed_fraction(weights(256, torch.bfloat16), 0.5).view(torch.uint8).numpy(), raw).data
+    delta_blob = codec.encode(
+        with_changed_fraction(weights(256, torch.bfloat16), 0.5).view(torch.uint8).numpy(), raw
+    ).data
     assert delta_blob[0] == 2
     with pytest.raises(ValueError, match="decoding needs `previous`"):
         codec.decode(delta_blob, np.zeros(512, dtype=np.uint8))

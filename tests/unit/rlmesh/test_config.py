@@ -11,7 +11,9 @@ from services.trainer.config import TrainerConfig
 def test_toml_then_environment_override(tmp_path):
     path = tmp_path / "manager.toml"
     path.write_text("max_staleness = 2\n[server]\nport = 6000\n")
-    config = load_config(ManagerConfig, path, env_prefix="RLMESH_MANAGER_", environ={"RLMESH_MANAGER_SERVER__PORT": "7000"})
+    config = load_config(
+        ManagerConfig, path, env_prefix="RLMESH_MANAGER_", environ={"RLMESH_MANAGER_SERVER__PORT": "7000"}
+    )
     assert config.max_staleness == 2
     assert config.server.port == 7000
 
@@ -39,7 +41,9 @@ def test_cross_field_rule_is_explained():
     with pytest.raises(ConfigError, match="half of lease_seconds"):
         load_config(ManagerConfig, overrides={"lease_seconds": 2, "heartbeat_interval_seconds": 1.5})
     with pytest.raises(ConfigError, match=r"saturation_batch_size \(9\) must not exceed engine.max_batch_size \(8\)"):
-        load_config(RolloutConfig, overrides={"engine": {"kind": "synthetic", "max_batch_size": 8, "saturation_batch_size": 9}})
+        load_config(
+            RolloutConfig, overrides={"engine": {"kind": "synthetic", "max_batch_size": 8, "saturation_batch_size": 9}}
+        )
 
 
 def test_missing_file_and_bad_toml(tmp_path):

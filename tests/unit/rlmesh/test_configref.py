@@ -10,7 +10,9 @@ PAGE = Path(__file__).resolve().parents[3] / "docs" / "reference" / "configurati
 
 
 def test_the_committed_reference_is_what_the_models_generate():
-    assert PAGE.read_text() == reference(), "regenerate it: python -m rlmesh.cli.configref > docs/reference/configuration.md"
+    assert PAGE.read_text() == reference(), (
+        "regenerate it: python -m rlmesh.cli.configref > docs/reference/configuration.md"
+    )
 
 
 def test_the_reference_documents_every_section_and_a_field_by_its_docstring():

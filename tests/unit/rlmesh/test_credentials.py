@@ -7,10 +7,10 @@ import stat
 
 import pytest
 
-from rlmesh.rpc import credentials
-from rlmesh.rpc.authz import ROLES
 from rlmesh.cli.main import main
 from rlmesh.config import ConfigError
+from rlmesh.rpc import credentials
+from rlmesh.rpc.authz import ROLES
 from rlmesh.rpc.credentials import VERIFIERS_FILE, Verifiers, create_secrets, read_secret, rotate_secret, secret_path
 
 

@@ -24,7 +24,9 @@ def jsonl(tmp_path):
 
 def source(path, **kwargs) -> DatasetSource:
     evaluation = kwargs.pop("evaluation", EvalConfig(holdout=5))
-    return DatasetSource(DatasetConfig(path=str(path), fields={"prompt": "q", "answer": "a"}, **kwargs), evaluation, seed=1)
+    return DatasetSource(
+        DatasetConfig(path=str(path), fields={"prompt": "q", "answer": "a"}, **kwargs), evaluation, seed=1
+    )
 
 
 def test_jsonl_parquet_and_hf_folders_give_the_same_rows(tmp_path, jsonl):
@@ -33,12 +35,17 @@ def test_jsonl_parquet_and_hf_folders_give_the_same_rows(tmp_path, jsonl):
     from datasets import Dataset, DatasetDict
 
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
-    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:3])}).save_to_disk(str(tmp_path / "hf"))
+    DatasetDict({"train": Dataset.from_list(ROWS), "test": Dataset.from_list(ROWS[:3])}).save_to_disk(
+        str(tmp_path / "hf")
+    )
     assert read_rows(jsonl) == read_rows(tmp_path / "rows.parquet") == read_rows(tmp_path / "hf", split="train") == ROWS
     with pytest.raises(DatasetError, match="no split 'dev'"):
         read_rows(tmp_path / "hf", split="dev")
-    held = DatasetSource(DatasetConfig(path=str(tmp_path / "hf"), fields={"prompt": "q", "answer": "a"}),
-                         EvalConfig(split="test"), seed=0).held_out(10)
+    held = DatasetSource(
+        DatasetConfig(path=str(tmp_path / "hf"), fields={"prompt": "q", "answer": "a"}),
+        EvalConfig(split="test"),
+        seed=0,
+    ).held_out(10)
     assert [p.text for p in held] == ["0+0=", "1+1=", "2+2="]
 
 

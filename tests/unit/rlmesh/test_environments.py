@@ -12,16 +12,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rlmesh.environments.base import Action, EnvironmentFailure, StepResult, Text, Tokens, as_observation, as_step_result
+from rlmesh.chat.tool_calls import parse_tool_calls, tool_call_text
+from rlmesh.environments.base import (
+    Action,
+    EnvironmentFailure,
+    StepResult,
+    Text,
+    Tokens,
+    as_observation,
+    as_step_result,
+)
 from rlmesh.environments.calculator import CalculatorEnvironment, evaluate
 from rlmesh.environments.feedback import FeedbackEnvironment, hidden_code, marks
 from rlmesh.environments.verifiers_adapter import VerifiersError, VerifiersSource, load_verifiers
-from rlmesh.tasks.config import TaskConfig
-from rlmesh.models.qwen2_tiny import TinyModelSpec, feedback_warmup_example, create_default_model
+from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model, feedback_warmup_example
 from rlmesh.models.tokenizer import EOS_TOKEN, build_char_tokenizer
+from rlmesh.tasks.config import TaskConfig
 from rlmesh.tasks.increment import held_out_problems, make_problem
 from rlmesh.tasks.word_problems import WordProblemSource, expression_of, messages_for
-from rlmesh.chat.tool_calls import parse_tool_calls, tool_call_text
 
 
 def action(text: str) -> Action:
@@ -85,14 +93,16 @@ def test_the_feedback_model_warms_up_on_the_episodes_the_environment_plays(tmp_p
         answer_starts = mask.index(1)
         assert set(mask[answer_starts:]) == {1} and len(mask) == len(tokens)
         context, target = tokens[:answer_starts], tokens[answer_starts:]
-        first_ids = context[len(tokenizer.encode(problem.prompt).ids):context.index(eos)]
+        first_ids = context[len(tokenizer.encode(problem.prompt).ids) : context.index(eos)]
         first = tokenizer.decode(first_ids).replace(" ", "")
         environment = FeedbackEnvironment()
         environment.reset({"prompt": problem.prompt})
         observation = environment.step(action(first)).messages
-        assert context[context.index(eos) + 1:] == tokenizer.encode(observation.text).ids
+        assert context[context.index(eos) + 1 :] == tokenizer.encode(observation.text).ids
         assert target == tokenizer.encode(hidden_code(problem.prompt[:-1])).ids + [eos]
-    folder = create_default_model(tmp_path / "model", TinyModelSpec(warmup_iterations=2, warmup_batch=8, feedback_share=0.5))
+    folder = create_default_model(
+        tmp_path / "model", TinyModelSpec(warmup_iterations=2, warmup_batch=8, feedback_share=0.5)
+    )
     assert (folder / "model.safetensors").is_file()
 
 
@@ -103,44 +113,69 @@ def test_a_hidden_code_keeps_or_increments_each_digit(digits):
     assert all(int(c) - int(d) in (0, 1, -9) for c, d in zip(code, digits))
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("hi", [{"role": "user", "content": "hi"}]),
-    ({"role": "tool", "content": "5"}, [{"role": "tool", "content": "5"}]),
-    ({"token_ids": [1, 2]}, Tokens([1, 2])),
-    ({"text": "12="}, Text("12=")),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("hi", [{"role": "user", "content": "hi"}]),
+        ({"role": "tool", "content": "5"}, [{"role": "tool", "content": "5"}]),
+        ({"token_ids": [1, 2]}, Tokens([1, 2])),
+        ({"text": "12="}, Text("12=")),
+    ],
+)
 def test_observations_come_as_text_messages_tokens_or_raw_text(value, expected):
     assert as_observation(value, "step") == expected
 
 
-@pytest.mark.parametrize("value, message", [
-    (42, "not messages or text"), ([{"role": "robot", "content": "x"}], "a role in"), ({"token_ids": [-1]}, "token ids"),
-    ({"text": ""}, "non-empty string"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (42, "not messages or text"),
+        ([{"role": "robot", "content": "x"}], "a role in"),
+        ({"token_ids": [-1]}, "token ids"),
+        ({"text": ""}, "non-empty string"),
+    ],
+)
 def test_garbage_observations_are_environment_failures(value, message):
     with pytest.raises(EnvironmentFailure, match=message):
         as_observation(value, "step")
 
 
-@pytest.mark.parametrize("value, message", [
-    (("ok", float("nan"), False), "finite number"), (("ok", 1.0, "yes"), "not a bool"), ((None, 0.0, False), "no observation"),
-    (("ok", 1e39, False), "within float32's range"), (("ok", -float("inf"), False), "within float32's range"),
-    (("ok", 10 ** 400, False), "within float32's range"),
-    ({"reward": 1, "bogus": 2}, "keys"), ("text", r"give \(observation, reward, done\)"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (("ok", float("nan"), False), "finite number"),
+        (("ok", 1.0, "yes"), "not a bool"),
+        ((None, 0.0, False), "no observation"),
+        (("ok", 1e39, False), "within float32's range"),
+        (("ok", -float("inf"), False), "within float32's range"),
+        (("ok", 10**400, False), "within float32's range"),
+        ({"reward": 1, "bogus": 2}, "keys"),
+        ("text", r"give \(observation, reward, done\)"),
+    ],
+)
 def test_garbage_steps_are_environment_failures(value, message):
     with pytest.raises(EnvironmentFailure, match=message):
         as_step_result(value)
 
 
-@pytest.mark.parametrize(("task", "message"), [
-    ({"name": "t", "kind": "verifiers"}, "kind 'verifiers' and environment.verifiers go together"),
-    ({"name": "t", "kind": "increment", "environment": {"verifiers": "sums"}}, "kind 'verifiers' and environment.verifiers go together"),
-    ({"name": "t", "kind": "increment", "environment": {"builtin": "feedback", "verifiers_args": {"rows": 2}}},
-     "verifiers_args are a verifiers taskset's fields"),
-    ({"name": "t", "kind": "verifiers", "environment": {"verifiers": "sums", "python": "env.py:Env"}},
-     "give one of python, builtin, remote, verifiers or command, not python and verifiers"),
-])
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ({"name": "t", "kind": "verifiers"}, "kind 'verifiers' and environment.verifiers go together"),
+        (
+            {"name": "t", "kind": "increment", "environment": {"verifiers": "sums"}},
+            "kind 'verifiers' and environment.verifiers go together",
+        ),
+        (
+            {"name": "t", "kind": "increment", "environment": {"builtin": "feedback", "verifiers_args": {"rows": 2}}},
+            "verifiers_args are a verifiers taskset's fields",
+        ),
+        (
+            {"name": "t", "kind": "verifiers", "environment": {"verifiers": "sums", "python": "env.py:Env"}},
+            "give one of python, builtin, remote, verifiers or command, not python and verifiers",
+        ),
+    ],
+)
 def test_a_verifiers_task_is_refused_naming_what_does_not_fit(task, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
         TaskConfig.model_validate(task)
@@ -165,5 +200,9 @@ def test_a_verifiers_taskset_gives_every_training_row_once_a_pass_and_never_a_he
     for epoch in range(2):
         seen = [source.prompt_at(epoch * training + i).uid for i in range(training)]
         assert len(set(seen)) == training and not set(seen) & held
-    assert len(held) == holdout and all(p.metadata["verifiers_index"] == int(p.uid.split("-")[1]) for p in source.held_out(rows))
-    assert [p.uid for p in VerifiersSource(environment, holdout, seed).take(training)] == [source.prompt_at(i).uid for i in range(training)]
+    assert len(held) == holdout and all(
+        p.metadata["verifiers_index"] == int(p.uid.split("-")[1]) for p in source.held_out(rows)
+    )
+    assert [p.uid for p in VerifiersSource(environment, holdout, seed).take(training)] == [
+        source.prompt_at(i).uid for i in range(training)
+    ]

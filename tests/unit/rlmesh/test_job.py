@@ -24,8 +24,9 @@ def test_the_default_job_trains_the_increment_task():
 
 
 def test_paths_resolve_against_the_job_folder_and_overrides_apply(tmp_path):
-    job, base = load_job(dataset_job(tmp_path), {"algorithm.steps": 7, "tasks.0.weight": 2.5,
-                                                 "rollout.engine.tensor_parallel_size": 2})
+    job, base = load_job(
+        dataset_job(tmp_path), {"algorithm.steps": 7, "tasks.0.weight": 2.5, "rollout.engine.tensor_parallel_size": 2}
+    )
     assert base == tmp_path.resolve()
     assert job.tasks[0].dataset.path == str(tmp_path.resolve() / "data.jsonl")
     assert (job.algorithm.steps, job.tasks[0].weight, job.rollout.engine.tensor_parallel_size) == (7, 2.5, 2)
@@ -45,23 +46,41 @@ def test_set_on_the_default_job_addresses_its_task():
     assert job.tasks[0].eval.prompts == 16 and job.tasks[0].kind == "increment"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("[algorithm]\nstepz = 3\n", "algorithm.stepz: Extra inputs are not permitted"),
-    ("[[tasks]]\nname = 'x'\nkind = 'dataset'\n", "kind 'dataset' needs a [dataset] section"),
-    ("[[tasks]]\nname = 'a'\nkind = 'increment'\n[[tasks]]\nname = 'a'\nkind = 'increment'\n", "repeated: ['a']"),
-    ("[[tasks]]\nname = 'x'\nkind = 'increment'\nreward.function = 'nocolon'\n", "module:function"),
-    ("[weights]\nbackend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
-    ("[rollout.engine]\nkind = 'vllm'\ntensor_parallel_size = 2\n", "only the torch engine runs tensor-parallel, not vllm"),
-    ("[weights]\ncompression = 'int8'\n", "weights compression int8 is lossy"),
-    ("[mesh]\nrollout_tp = 2\n", "mesh.rollout_tp moved to rollout.engine.tensor_parallel_size"),
-    ("[mesh]\ntrainer_device = 'cuda'\n", "mesh.trainer_device moved to trainer.distributed_backend (cpu: gloo, cuda: nccl)"),
-    ("[mesh]\nengine = 'vllm'\ncompression = 'zstd'\n", "mesh.engine moved to rollout.engine.kind; mesh.compression moved to weights.compression"),
-    ("[mesh]\nrollout_instances = 2\nrollout_netns = 3\n", "rollout_netns (3) is more than the rollout instances at start (2)"),
-    ("[mesh]\nrollout_instances = 63\nrollout_netns = 63\n", "at most 62 instances run in network namespaces"),
-    ("[algorithm\n", "not valid TOML"),
-    ("[algorithm]\nloss = 'tis'\nimportance_cap_mode = 'drop'\n", "tis truncates by definition"),
-    ("[algorithm]\nmin_micro_batch_groups = 8\n", "min_micro_batch_groups (8) must not exceed micro_batch_groups (4)"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[algorithm]\nstepz = 3\n", "algorithm.stepz: Extra inputs are not permitted"),
+        ("[[tasks]]\nname = 'x'\nkind = 'dataset'\n", "kind 'dataset' needs a [dataset] section"),
+        ("[[tasks]]\nname = 'a'\nkind = 'increment'\n[[tasks]]\nname = 'a'\nkind = 'increment'\n", "repeated: ['a']"),
+        ("[[tasks]]\nname = 'x'\nkind = 'increment'\nreward.function = 'nocolon'\n", "module:function"),
+        ("[weights]\nbackend = 'mooncake'\ncompression = 'delta'\n", "mooncake backend writes raw bytes"),
+        (
+            "[rollout.engine]\nkind = 'vllm'\ntensor_parallel_size = 2\n",
+            "only the torch engine runs tensor-parallel, not vllm",
+        ),
+        ("[weights]\ncompression = 'int8'\n", "weights compression int8 is lossy"),
+        ("[mesh]\nrollout_tp = 2\n", "mesh.rollout_tp moved to rollout.engine.tensor_parallel_size"),
+        (
+            "[mesh]\ntrainer_device = 'cuda'\n",
+            "mesh.trainer_device moved to trainer.distributed_backend (cpu: gloo, cuda: nccl)",
+        ),
+        (
+            "[mesh]\nengine = 'vllm'\ncompression = 'zstd'\n",
+            "mesh.engine moved to rollout.engine.kind; mesh.compression moved to weights.compression",
+        ),
+        (
+            "[mesh]\nrollout_instances = 2\nrollout_netns = 3\n",
+            "rollout_netns (3) is more than the rollout instances at start (2)",
+        ),
+        ("[mesh]\nrollout_instances = 63\nrollout_netns = 63\n", "at most 62 instances run in network namespaces"),
+        ("[algorithm\n", "not valid TOML"),
+        ("[algorithm]\nloss = 'tis'\nimportance_cap_mode = 'drop'\n", "tis truncates by definition"),
+        (
+            "[algorithm]\nmin_micro_batch_groups = 8\n",
+            "min_micro_batch_groups (8) must not exceed micro_batch_groups (4)",
+        ),
+    ],
+)
 def test_a_bad_job_names_the_problem(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=None) as caught:
         load_job(write(tmp_path / "job.toml", text))
@@ -74,10 +93,22 @@ def test_values_given_on_the_command_line_read_as_toml():
 
 
 def test_the_job_model_carries_every_documented_section():
-    assert set(Job.model_fields) == {"model", "tasks", "algorithm", "trainer", "manager", "rollout", "weights", "mesh", "output"}
+    assert set(Job.model_fields) == {
+        "model",
+        "tasks",
+        "algorithm",
+        "trainer",
+        "manager",
+        "rollout",
+        "weights",
+        "mesh",
+        "output",
+    }
 
 
-def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_every_rollout_instance(tmp_path, model_dir, monkeypatch):
+def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_every_rollout_instance(
+    tmp_path, model_dir, monkeypatch
+):
     """`rlmesh up --update-mode` sets rollout.engine.update_mode, which each rollout instance reads
     at start from the settings the launcher hands it; rollout.engine.stream_interval and .device
     likewise, model.dtype as the engine's dtype, and the trainer gets trainer.distributed_backend,
@@ -98,24 +129,56 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
     monkeypatch.setenv("GRPC_ENABLE_FORK_SUPPORT", "false")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    assert cli.main(["up", "--update-mode", "pause", "--set", "rollout.engine.stream_interval=8", "--set", "rollout.engine.device=cuda",
-                     "--set", "trainer.distributed_backend=gloo", "--set", "model.dtype=bfloat16", "--set", "trainer.precision=bf16",
-                     "--model-dir", str(model_dir),
-                     "--output-dir", str(tmp_path)]) == 0
+    assert (
+        cli.main(
+            [
+                "up",
+                "--update-mode",
+                "pause",
+                "--set",
+                "rollout.engine.stream_interval=8",
+                "--set",
+                "rollout.engine.device=cuda",
+                "--set",
+                "trainer.distributed_backend=gloo",
+                "--set",
+                "model.dtype=bfloat16",
+                "--set",
+                "trainer.precision=bf16",
+                "--model-dir",
+                str(model_dir),
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "job.json").read_text())["rollout"]["engine"]["update_mode"] == "pause"
-    config = load_config(RolloutConfig, tmp_path / "rollout.json", env_prefix="RLMESH_ROLLOUT_",
-                         environ=rollout_spec(plans[0], 0).settings)
+    config = load_config(
+        RolloutConfig,
+        tmp_path / "rollout.json",
+        env_prefix="RLMESH_ROLLOUT_",
+        environ=rollout_spec(plans[0], 0).settings,
+    )
     assert config.engine.update_mode == "pause" and config.engine.stream_interval == 8
     assert config.engine.device == "cuda" and config.engine.dtype == "bfloat16"
     trainer = json.loads((tmp_path / "trainer.json").read_text())
-    assert trainer["distributed_backend"] == "gloo" and trainer["weights_dtype"] == "bfloat16" and trainer["precision"] == "bf16"
-    assert load_job(None, {"rollout.engine.update_mode": "abort-continue"})[0].rollout.engine.update_mode == "abort-continue"
+    assert (
+        trainer["distributed_backend"] == "gloo"
+        and trainer["weights_dtype"] == "bfloat16"
+        and trainer["precision"] == "bf16"
+    )
+    assert (
+        load_job(None, {"rollout.engine.update_mode": "abort-continue"})[0].rollout.engine.update_mode
+        == "abort-continue"
+    )
     with pytest.raises(ConfigError, match="update_mode"):
         load_job(None, {"rollout.engine.update_mode": "drop"})
 
 
 def test_the_up_flags_set_the_service_settings_they_name():
     from rlmesh.cli import main as cli
+
     def job_of(*flags: str):
         return load_job(None, cli._overrides(cli.build_parser().parse_args(["up", *flags])))[0]
 

@@ -37,11 +37,17 @@ def follow(events: list, statuses: list, steps: int = 10, stop: bool = False) ->
 
 
 def test_notices_are_written_in_order_and_the_trainers_end_is_the_runs_exit_code(capsys):
-    events = [Notice("rollout-1 exited (killed by signal 9); restarting in 1 s"), Notice("rollout-1 restarted (pid 7)"),
-              ServiceEnded("trainer", 3), Notice("never shown")]
+    events = [
+        Notice("rollout-1 exited (killed by signal 9); restarting in 1 s"),
+        Notice("rollout-1 restarted (pid 7)"),
+        ServiceEnded("trainer", 3),
+        Notice("never shown"),
+    ]
     assert follow(events, []) == 3
-    assert capsys.readouterr().err.splitlines() == ["rollout-1 exited (killed by signal 9); restarting in 1 s",
-                                                    "rollout-1 restarted (pid 7)"]
+    assert capsys.readouterr().err.splitlines() == [
+        "rollout-1 exited (killed by signal 9); restarting in 1 s",
+        "rollout-1 restarted (pid 7)",
+    ]
 
 
 def test_without_a_terminal_progress_is_a_line_per_tenth_of_the_run(capsys):

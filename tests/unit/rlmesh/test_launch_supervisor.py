@@ -64,7 +64,9 @@ class FakeMesh:
 
     def spawn(self, spec: ServiceSpec) -> Child:
         self.spawned.append(spec.name)
-        return Child(spec.name, spec.address, FakeProcess(next(self.pids), self.stopped, spec.name), Path(f"{spec.name}.log"))
+        return Child(
+            spec.name, spec.address, FakeProcess(next(self.pids), self.stopped, spec.name), Path(f"{spec.name}.log")
+        )
 
     async def serving(self, children: list[Child]) -> None:
         pass
@@ -97,8 +99,11 @@ def test_scaling_down_then_up_before_the_drained_instances_left_starts_them_once
     draining = [mesh.rollout(1), mesh.rollout(2)]
     assert all(p.signals == [signal.SIGTERM] for p in draining)
     supervisor.scale_to(3, "rlmesh scale")
-    assert mesh.events() == ["rollout instances: 1 -> 3 (rlmesh scale)", "rollout instances: 3 -> 1 (rlmesh scale)",
-                              "rollout instances: 1 -> 3 (rlmesh scale)"]
+    assert mesh.events() == [
+        "rollout instances: 1 -> 3 (rlmesh scale)",
+        "rollout instances: 3 -> 1 (rlmesh scale)",
+        "rollout instances: 1 -> 3 (rlmesh scale)",
+    ]
     state = mesh.state()["rollout_instances"]
     assert state["target"] == 3 and [r["name"] for r in state["running"]] == ["rollout-0"]
     assert state["leaving"] == ["rollout-1", "rollout-2"]
@@ -139,8 +144,14 @@ def test_every_service_restarts_after_a_backoff_that_grows_in_a_row_and_resets_o
     assert mesh.tick_at(12.0) == ["manager exited (exit code 1); restarting in 2 s; see manager.log"]
     assert mesh.tick_at(13.0) == []
     assert mesh.tick_at(14.0)[0].endswith("restart 2 in a row)")
-    assert mesh.state()["services"][0] | {"pid": 0} == {"name": "manager", "pid": 0, "address": "127.0.0.1:50151",
-                                                      "metrics": "127.0.0.1:51151", "restarts": 2, "restarts_total": 2}
+    assert mesh.state()["services"][0] | {"pid": 0} == {
+        "name": "manager",
+        "pid": 0,
+        "address": "127.0.0.1:50151",
+        "metrics": "127.0.0.1:51151",
+        "restarts": 2,
+        "restarts_total": 2,
+    }
     # Sixty seconds up: healthy again, so the next restart waits the shortest time.
     manager.child.process.exit(-9)
     assert mesh.tick_at(74.0) == ["manager exited (killed by signal 9); restarting in 1 s; see manager.log"]
@@ -153,13 +164,17 @@ def test_the_trainer_killed_by_a_signal_resumes_with_a_growing_backoff_and_an_ex
     trainer = mesh.supervisor.trainer
     trainer.child.process.exit(-9)
     first = mesh.tick_at(1.0)
-    assert first == ["trainer exited (killed by signal 9); starting it again in 0 s (restart 1): "
-                     "it resumes from its latest checkpoint; see trainer.log",
-                     f"trainer restarted (pid {trainer.child.process.pid}, restart 1 in a row)"]
+    assert first == [
+        "trainer exited (killed by signal 9); starting it again in 0 s (restart 1): "
+        "it resumes from its latest checkpoint; see trainer.log",
+        f"trainer restarted (pid {trainer.child.process.pid}, restart 1 in a row)",
+    ]
     assert mesh.state()["trainer"]["pid"] == trainer.child.process.pid
     trainer.child.process.exit(-9)
-    assert mesh.tick_at(2.0) == ["trainer exited (killed by signal 9); starting it again in 1 s (restart 2): "
-                                 "it resumes from its latest checkpoint; see trainer.log"]
+    assert mesh.tick_at(2.0) == [
+        "trainer exited (killed by signal 9); starting it again in 1 s (restart 2): "
+        "it resumes from its latest checkpoint; see trainer.log"
+    ]
     assert mesh.tick_at(3.0)[0].endswith("restart 2 in a row)")
     trainer.child.process.exit(-9)
     assert "starting it again in 2 s (restart 3)" in mesh.tick_at(4.0)[0]
@@ -189,8 +204,10 @@ def test_a_killed_instance_restarts_but_a_drained_one_leaves(tmp_path):
     mesh.rollout(0).exit(-9)
     mesh.supervisor.scale_to(1, "rlmesh scale")
     mesh.rollout(1).exit(0)
-    assert mesh.tick_at(1.0)[-2:] == ["rollout-0 exited (killed by signal 9); restarting in 1 s; see rollout-0.log",
-                                      "rollout-1 left (drained)"]
+    assert mesh.tick_at(1.0)[-2:] == [
+        "rollout-0 exited (killed by signal 9); restarting in 1 s; see rollout-0.log",
+        "rollout-1 left (drained)",
+    ]
     mesh.tick_at(2.0)
     assert sorted(mesh.supervisor.rollouts) == [0] and mesh.rollout(0).poll() is None
     assert mesh.spawned.count("rollout-0") == 2 and mesh.spawned.count("rollout-1") == 1
@@ -208,7 +225,9 @@ def test_a_scale_plan_drains_the_highest_and_starts_on_free_indices_only(serving
     leaving -= serving
     cap = 8
     steps = plan_scale(serving, leaving, target, cap)
-    assert set(steps.drain) <= serving and all(index > kept for index in steps.drain for kept in serving - set(steps.drain))
+    assert set(steps.drain) <= serving and all(
+        index > kept for index in steps.drain for kept in serving - set(steps.drain)
+    )
     assert not set(steps.start) & (serving | leaving) and all(0 <= index < cap for index in steps.start)
     after = len(serving) - len(steps.drain) + len(steps.start)
     assert after == min(target, cap - len(leaving)) if len(serving) < target else after == target
@@ -229,15 +248,18 @@ def test_the_autoscaler_task_asks_the_supervisor_for_the_count_the_rule_gives(tm
 
     async def follow() -> None:
         clock = iter(range(100))
-        task = asyncio.create_task(follow_recommendations(Autoscaler(1, 3, 1, 1), mesh.supervisor, recommendation,
-                                                          lambda: next(clock)))
+        task = asyncio.create_task(
+            follow_recommendations(Autoscaler(1, 3, 1, 1), mesh.supervisor, recommendation, lambda: next(clock))
+        )
         await asyncio.wait_for(asked.wait(), 30)
         task.cancel()
 
     asyncio.run(follow())
     assert mesh.supervisor.target_instances == 3
-    assert mesh.events() == ["rollout instances: 1 -> 2 (autoscale: the manager recommends 3)",
-                              "rollout instances: 2 -> 3 (autoscale: the manager recommends 3)"]
+    assert mesh.events() == [
+        "rollout instances: 1 -> 2 (autoscale: the manager recommends 3)",
+        "rollout instances: 2 -> 3 (autoscale: the manager recommends 3)",
+    ]
 
 
 @pytest.mark.parametrize("count", [0, 4])

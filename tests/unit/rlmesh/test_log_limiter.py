@@ -17,12 +17,17 @@ def written(limiter: RepeatLimiter, event: dict) -> dict | None:
 def test_an_event_repeated_request_after_request_is_written_a_few_times_per_window_then_counted():
     clock = ManualClock()
     limiter = RepeatLimiter(window=10, limit=5, clock=clock)
-    lines = [written(limiter, {"event": "request failed", "instance_id": "r0", "request": f"b/p{i}/0"}) for i in range(1000)]
+    lines = [
+        written(limiter, {"event": "request failed", "instance_id": "r0", "request": f"b/p{i}/0"}) for i in range(1000)
+    ]
     assert sum(line is not None for line in lines) == 5
     clock.now = 10
     line = written(limiter, {"event": "request failed", "instance_id": "r0", "request": "b/q/0"})
     assert line is not None and line["repeats_dropped"] == 995
-    assert written(limiter, {"event": "request failed", "instance_id": "r0", "request": "b/q/1"}).get("repeats_dropped") is None
+    assert (
+        written(limiter, {"event": "request failed", "instance_id": "r0", "request": "b/q/1"}).get("repeats_dropped")
+        is None
+    )
 
 
 @pytest.mark.parametrize("other", [{"instance_id": "r1"}, {"step": 7}, {"code": "UNKNOWN"}])

@@ -17,8 +17,8 @@ from services.manager.domain.sessions import DONE, ENVIRONMENT, Limits, Segment
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import trajectory
 from services.trainer import pipeline
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.trajectories import parts_of
 
 STOP = common_pb2.FINISH_REASON_STOP
@@ -31,7 +31,7 @@ def test_groups_are_packed_whole_in_order_and_one_over_budget_travels_alone():
     while sizes:
         taken = pack(sizes, 4, 10, lambda size: size)
         micro_batches.append(taken)
-        sizes = sizes[len(taken):]
+        sizes = sizes[len(taken) :]
     assert micro_batches == [[5, 5], [12], [3]]
     assert pack([5, 5, 12, 3], 3, 0, lambda size: size) == [5, 5, 12]  # no budget: the count alone
     assert group_tokens(2, [3, 4]) == 2 + 3 + 2 + 4
@@ -52,7 +52,9 @@ def manager_micro_batches(responses: list[list[int]], most: int, max_tokens: int
     for assignment in sorted(state.assign(), key=lambda a: (int(a.request.prompt_id[1:]), a.request.request_id)):
         index = int(assignment.request.request_id.rsplit("/", 1)[1])
         size = responses[int(assignment.request.prompt_id[1:])][index]
-        state.record_chunk(assignment.request.request_id, assignment.attempt, [1] * size, [0.0] * size, [0] * size, STOP)
+        state.record_chunk(
+            assignment.request.request_id, assignment.attempt, [1] * size, [0.0] * size, [0] * size, STOP
+        )
     packed = []
     while True:
         groups, remaining = state.take_micro_batch("b", most, min_groups=1, max_tokens=max_tokens)
@@ -68,7 +70,9 @@ def trainer_micro_batches(responses: list[list[int]], most: int, max_tokens: int
         record = PromptRecord(0, f"p{index}", index, "task", TaskPrompt(uid=f"u{index}", text="x"), "x", PROMPT)
         plan.add(record)
         samples = [TrainingSample(PROMPT, [2] * length, [0.0] * length, 0.0) for length in lengths]
-        plan.accept(ScoredGroup(record, "b", samples, [RewardResult(0.0)] * len(lengths), [[0] * length for length in lengths]))
+        plan.accept(
+            ScoredGroup(record, "b", samples, [RewardResult(0.0)] * len(lengths), [[0] * length for length in lengths])
+        )
     packed = []
     while plan.trained < plan.expected:
         packed.append([g.record.index for g in plan.take_micro_batch(True, most, 1, max_tokens)])
@@ -76,8 +80,11 @@ def trainer_micro_batches(responses: list[list[int]], most: int, max_tokens: int
 
 
 @settings(max_examples=60, deadline=None)
-@given(responses=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=3), min_size=1, max_size=8),
-       most=st.integers(1, 4), max_tokens=st.integers(0, 40))
+@given(
+    responses=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=3), min_size=1, max_size=8),
+    most=st.integers(1, 4),
+    max_tokens=st.integers(0, 40),
+)
 def test_the_manager_and_the_trainer_pack_the_same_groups_into_the_same_micro_batches(responses, most, max_tokens):
     sizes = [group_tokens(len(PROMPT), lengths) for lengths in responses]
     expected, start = [], 0
@@ -95,7 +102,9 @@ SESSION_PROMPT = [1, 2, 3]
 
 # A turn: (environment tokens appended before it, tokens kept of the stream when the harness edited
 # its history (None: not edited), model tokens it generated).
-turns = st.lists(st.tuples(st.integers(1, 6), st.none() | st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=4)
+turns = st.lists(
+    st.tuples(st.integers(1, 6), st.none() | st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=4
+)
 
 
 def run_session(state: ManagerState, session, session_turns) -> None:
@@ -104,8 +113,14 @@ def run_session(state: ManagerState, session, session_turns) -> None:
         keep = None if keep is None or keep > stream else keep
         state.run_turn(session.session_id, turn, [Segment(ENVIRONMENT, [7] * appended)], keep, None)
         [assignment] = state.assign()
-        state.record_chunk(assignment.request.request_id, assignment.attempt, [5] * generated, [-0.5] * generated,
-                           [0] * generated, STOP)
+        state.record_chunk(
+            assignment.request.request_id,
+            assignment.attempt,
+            [5] * generated,
+            [-0.5] * generated,
+            [0] * generated,
+            STOP,
+        )
     state.close_session(session.session_id, DONE, "")
 
 
@@ -119,7 +134,9 @@ def session_groups(groups) -> tuple[ManagerState, list]:
     state = ManagerState(lease_seconds=10, max_staleness=0, clock=lambda: 0.0)
     state.register("a", "127.0.0.1:1", 0, 10_000, now=0)
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=100)
-    return state, state.open_sessions("b", 0, [(f"p{i}", SESSION_PROMPT, len(g)) for i, g in enumerate(groups)], sampling, Limits())
+    return state, state.open_sessions(
+        "b", 0, [(f"p{i}", SESSION_PROMPT, len(g)) for i, g in enumerate(groups)], sampling, Limits()
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -132,13 +149,19 @@ def test_a_trajectory_weighs_what_the_trainer_trains_of_every_part(groups):
             session = next(by_prompt)
             run_session(state, session, session_turns)
             # The manager's segments and the trainer's copy of them weigh alike, exactly what is trained.
-            assert trajectory_tokens(session.segments) == trajectory_tokens(trajectory(session).segments) \
+            assert (
+                trajectory_tokens(session.segments)
+                == trajectory_tokens(trajectory(session).segments)
                 == trained_tokens([trajectory(session)])
+            )
 
 
 @settings(max_examples=100, deadline=None)
-@given(groups=st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=6), most=st.integers(1, 4),
-       max_tokens=st.integers(1, 200))
+@given(
+    groups=st.lists(st.lists(turns, min_size=1, max_size=3), min_size=1, max_size=6),
+    most=st.integers(1, 4),
+    max_tokens=st.integers(1, 200),
+)
 def test_no_micro_batch_of_broken_trajectories_exceeds_its_budget_on_either_side(groups, most, max_tokens):
     state, sessions = session_groups(groups)
     by_prompt = iter(sessions)
@@ -163,7 +186,9 @@ def test_no_micro_batch_of_broken_trajectories_exceeds_its_budget_on_either_side
         samples, owners = [], []
         for owner, trajectory_message in enumerate(group):
             for part in parts_of(trajectory_message):
-                samples.append(TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, response_mask=part.mask))
+                samples.append(
+                    TrainingSample(part.prompt_ids, part.response_ids, part.logprobs, 0.0, response_mask=part.mask)
+                )
                 owners.append(owner)
         plan.accept(ScoredGroup(record, "b", samples, [RewardResult(0.0)] * len(group), [[0]] * len(samples), owners))
     while plan.trained < plan.expected:

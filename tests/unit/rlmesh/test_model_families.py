@@ -46,8 +46,16 @@ def test_the_layout_names_every_parameter_of_the_real_configuration(family):
 
 def test_the_real_shapes():
     qwen25 = ModelShape.from_hf_config(hf_config(real_config("qwen2")))
-    assert (qwen25.hidden_size, qwen25.num_layers, qwen25.num_heads, qwen25.num_kv_heads, qwen25.intermediate_size,
-            qwen25.vocab_size, qwen25.tie_word_embeddings, qwen25.attention_bias) == (896, 24, 14, 2, 4864, 151936, True, True)
+    assert (
+        qwen25.hidden_size,
+        qwen25.num_layers,
+        qwen25.num_heads,
+        qwen25.num_kv_heads,
+        qwen25.intermediate_size,
+        qwen25.vocab_size,
+        qwen25.tie_word_embeddings,
+        qwen25.attention_bias,
+    ) == (896, 24, 14, 2, 4864, 151936, True, True)
     assert sum(torch.Size(d).numel() for d in hf_parameter_shapes(qwen25).values()) == 494_032_768
     qwen3 = ModelShape.from_hf_config(hf_config(real_config("qwen3")))
     assert qwen3.head_dim == 128 != qwen3.hidden_size // qwen3.num_heads
@@ -80,16 +88,28 @@ def test_a_random_model_folder_loads_with_its_tokenizer(tmp_path):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (GPT2Config(architectures=["GPT2LMHeadModel"]).to_dict(),
-         f"model: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; {SUPPORTED}"),
-        (MistralConfig(architectures=["MistralForCausalLM"], sliding_window=4096).to_dict(),
-         f"architecture 'MistralForCausalLM' (model_type 'mistral') is not supported; {SUPPORTED}"),
-        ({**scaled_config("llama"), "architectures": ["LlamaForSequenceClassification"]},
-         "architecture 'LlamaForSequenceClassification' (model_type 'llama') is not supported"),
+        (
+            GPT2Config(architectures=["GPT2LMHeadModel"]).to_dict(),
+            f"model: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; {SUPPORTED}",
+        ),
+        (
+            MistralConfig(architectures=["MistralForCausalLM"], sliding_window=4096).to_dict(),
+            f"architecture 'MistralForCausalLM' (model_type 'mistral') is not supported; {SUPPORTED}",
+        ),
+        (
+            {**scaled_config("llama"), "architectures": ["LlamaForSequenceClassification"]},
+            "architecture 'LlamaForSequenceClassification' (model_type 'llama') is not supported",
+        ),
         ({"model_type": "gpt_neox"}, "architecture (none named) (model_type 'gpt_neox') is not supported"),
         (scaled_config("llama", mlp_bias=True), "llama with mlp_bias = true is not supported"),
-        (scaled_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1), "qwen2 with sliding-window attention"),
-        (hf_config(scaled_config("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=0)), "qwen3 with sliding-window"),
+        (
+            scaled_config("qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1),
+            "qwen2 with sliding-window attention",
+        ),
+        (
+            hf_config(scaled_config("qwen3", use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+            "qwen3 with sliding-window",
+        ),
     ],
 )
 def test_other_architectures_and_options_are_refused(values, message):
@@ -101,12 +121,16 @@ def test_other_architectures_and_options_are_refused(values, message):
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpt2")
-    GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(directory)
+    GPT2Config(architectures=["GPT2LMHeadModel"], n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(
+        directory
+    )
     return directory
 
 
 def test_every_component_refuses_an_unsupported_folder_at_start(gpt2_dir):
-    expected = f"model folder {gpt2_dir}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; {SUPPORTED}"
+    expected = (
+        f"model folder {gpt2_dir}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; {SUPPORTED}"
+    )
     with pytest.raises(UnsupportedModel) as caught:
         TorchEngine(gpt2_dir)
     assert str(caught.value) == expected

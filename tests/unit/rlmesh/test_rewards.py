@@ -15,8 +15,10 @@ from rlmesh.rewards.python import PythonReward, RewardLoadError, load_callable
 
 
 def items(*pairs: tuple[str, str]) -> list[RewardItem]:
-    return [RewardItem(f"s{i}", "p=", completion, {"answer": answer}, [1] * (len(completion) + 1))
-            for i, (completion, answer) in enumerate(pairs)]
+    return [
+        RewardItem(f"s{i}", "p=", completion, {"answer": answer}, [1] * (len(completion) + 1))
+        for i, (completion, answer) in enumerate(pairs)
+    ]
 
 
 def test_a_function_gets_the_arguments_it_names():
@@ -31,7 +33,10 @@ def test_a_function_gets_the_arguments_it_names():
         return len(completion) / 10
 
     async def run():
-        assert [r.reward for r in await PythonReward(by_answer, False, "f").score(items(("12", "12"), ("1", "2")))] == [1.0, 0.0]
+        assert [r.reward for r in await PythonReward(by_answer, False, "f").score(items(("12", "12"), ("1", "2")))] == [
+            1.0,
+            0.0,
+        ]
         result = (await PythonReward(everything, False, "f").score(items(("1", "2"))))[0]
         assert result.components == {"n": 5.0}  # prompt, completion, metadata, completion_token_ids, answer
         assert (await PythonReward(later, False, "f").score(items(("123", "1"))))[0].reward == pytest.approx(0.3)
@@ -52,8 +57,12 @@ def test_a_batched_function_takes_lists():
 
 def test_return_values_are_checked():
     assert as_result(1).reward == 1.0 and as_result({"reward": 0.2, "components": {"a": 1}}).components == {"a": 1.0}
-    for bad, message in ((float("nan"), "reward is nan"), ({"score": 1}, "needs a 'reward' key"), ("1", "must be a number"),
-                         ({"reward": 1, "extra": 2}, "unknown keys")):
+    for bad, message in (
+        (float("nan"), "reward is nan"),
+        ({"score": 1}, "needs a 'reward' key"),
+        ("1", "must be a number"),
+        ({"reward": 1, "extra": 2}, "unknown keys"),
+    ):
         with pytest.raises((TypeError, ValueError), match=message):
             as_result(bad)
 
@@ -62,8 +71,12 @@ def test_functions_load_from_a_module_or_a_file(tmp_path):
     (tmp_path / "user_scores.py").write_text("def score(completion):\n    return 1.0\nvalue = 3\n")
     assert load_callable("user_scores:score", [str(tmp_path)])("x") == 1.0
     assert load_callable(f"{tmp_path / 'user_scores.py'}:score")("x") == 1.0
-    for spec, message in (("user_scores:absent", "has no attribute 'absent'"), ("user_scores:value", "not callable"),
-                          ("no_such_module_here:f", "cannot import module"), (f"{tmp_path}/missing.py:f", "does not exist")):
+    for spec, message in (
+        ("user_scores:absent", "has no attribute 'absent'"),
+        ("user_scores:value", "not callable"),
+        ("no_such_module_here:f", "cannot import module"),
+        (f"{tmp_path}/missing.py:f", "does not exist"),
+    ):
         with pytest.raises(RewardLoadError, match=message):
             load_callable(spec, [str(tmp_path)])
     with pytest.raises(RewardLoadError, match="no value for parameter 'solution'"):
@@ -99,7 +112,9 @@ def test_a_raise_a_hang_or_a_nan_gives_the_failure_reward_and_is_counted():
     assert [r.reward for r in results] == [-1.0, -1.0, -1.0, 1.0]
     assert "verifier crashed" in results[0].error and "timed out" in results[1].error and "nan" in results[2].error
     assert (reward.counters.scored, reward.counters.failed, reward.counters.timed_out) == (4, 3, 1)
-    assert [r.reward for r in asyncio.run(guarded(flaky_async, max_error_rate=1.0).score(items(("hang", ""), ("ok", ""))))] == [-1.0, 1.0]
+    assert [
+        r.reward for r in asyncio.run(guarded(flaky_async, max_error_rate=1.0).score(items(("hang", ""), ("ok", ""))))
+    ] == [-1.0, 1.0]
 
 
 def test_a_batched_call_that_fails_fails_its_samples_only():
@@ -123,7 +138,10 @@ def test_past_the_error_rate_the_job_stops_with_the_reason():
         raise KeyError("answer")
 
     reward = guarded(always, max_error_rate=0.25, window=8)
-    with pytest.raises(RewardErrorRateExceeded, match=r"task 't': 3 of the last 3 samples failed .*limit reward.max_error_rate = 25%.*KeyError"):
+    with pytest.raises(
+        RewardErrorRateExceeded,
+        match=r"task 't': 3 of the last 3 samples failed .*limit reward.max_error_rate = 25%.*KeyError",
+    ):
         asyncio.run(reward.score(items(("1", "1"), ("2", "2"), ("3", "3"))))
 
 

@@ -19,34 +19,77 @@ from services.trainer.config import TrainerConfig
 from services.weights.config import WeightsConfig
 
 SERVICES: dict[str, type[BaseModel]] = {
-    "trainer": TrainerConfig, "manager": ManagerConfig, "weights": WeightsConfig, "rollout": RolloutConfig,
+    "trainer": TrainerConfig,
+    "manager": ManagerConfig,
+    "weights": WeightsConfig,
+    "rollout": RolloutConfig,
 }
-JOB_SECTIONS = {"trainer": ("algorithm", "trainer"), "manager": ("manager", "algorithm"), "weights": ("weights",),
-                "rollout": ("rollout",)}
+JOB_SECTIONS = {
+    "trainer": ("algorithm", "trainer"),
+    "manager": ("manager", "algorithm"),
+    "weights": ("weights",),
+    "rollout": ("rollout",),
+}
 """Where a service's own settings sit in a job, under the same field path."""
 WIRED = {
     "trainer": {
-        "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
-        "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
-        "weights_address": "mesh.base_port", "gateway_address": "mesh.base_port", "model_dir": "model.path", "output_dir": "output.dir",
+        "server.host": "mesh.host",
+        "server.port": "mesh.base_port",
+        "server.advertise_host": "mesh.host",
+        "server.tls": "mesh.tls",
+        "server.metrics_port": "mesh.base_port",
+        "manager_address": "mesh.base_port",
+        "weights_address": "mesh.base_port",
+        "gateway_address": "mesh.base_port",
+        "model_dir": "model.path",
+        "output_dir": "output.dir",
         "tasks": "tasks",
-        "python_path": "tasks", "weights_dtype": "model.dtype", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
+        "tracking": "tracking",
+        "python_path": "tasks",
+        "weights_dtype": "model.dtype",
+        "server.auth.insecure": "mesh.insecure",
+        "server.auth.verifiers_file": "mesh.secrets_dir",
+        "server.auth.secret_file": "mesh.secrets_dir",
     },
     "manager": {
-        "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
-        "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "journal_path": "output.dir",
-        "weights_address": "mesh.base_port", "gateway_port": "mesh.base_port", "model_dir": "model.path", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
+        "server.host": "mesh.host",
+        "server.port": "mesh.base_port",
+        "server.advertise_host": "mesh.host",
+        "server.tls": "mesh.tls",
+        "server.metrics_port": "mesh.base_port",
+        "journal_path": "output.dir",
+        "weights_address": "mesh.base_port",
+        "gateway_port": "mesh.base_port",
+        "model_dir": "model.path",
+        "server.auth.insecure": "mesh.insecure",
+        "server.auth.verifiers_file": "mesh.secrets_dir",
+        "server.auth.secret_file": "mesh.secrets_dir",
     },
     "weights": {
-        "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
-        "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "manager_address": "mesh.base_port",
-        "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
+        "server.host": "mesh.host",
+        "server.port": "mesh.base_port",
+        "server.advertise_host": "mesh.host",
+        "server.tls": "mesh.tls",
+        "server.metrics_port": "mesh.base_port",
+        "manager_address": "mesh.base_port",
+        "server.auth.insecure": "mesh.insecure",
+        "server.auth.verifiers_file": "mesh.secrets_dir",
+        "server.auth.secret_file": "mesh.secrets_dir",
     },
     "rollout": {
-        "server.host": "mesh.host", "server.port": "mesh.base_port", "server.advertise_host": "mesh.host",
-        "server.tls": "mesh.tls", "server.metrics_port": "mesh.base_port", "instance_id": "mesh.rollout_instances",
-        "manager_address": "mesh.base_port", "server.auth.insecure": "mesh.insecure", "server.auth.verifiers_file": "mesh.secrets_dir", "server.auth.secret_file": "mesh.secrets_dir",
-        "engine.model_dir": "model.path", "engine.dtype": "model.dtype", "transfer.mooncake": "weights.backend",
+        "server.host": "mesh.host",
+        "server.port": "mesh.base_port",
+        "server.advertise_host": "mesh.host",
+        "server.tls": "mesh.tls",
+        "server.metrics_port": "mesh.base_port",
+        "instance_id": "mesh.rollout_instances",
+        "manager_address": "mesh.base_port",
+        "server.auth.insecure": "mesh.insecure",
+        "server.auth.verifiers_file": "mesh.secrets_dir",
+        "server.auth.secret_file": "mesh.secrets_dir",
+        "engine.model_dir": "model.path",
+        "engine.dtype": "model.dtype",
+        "transfer.mooncake": "weights.backend",
         # Benchmarks only: `rlmesh up` never runs the synthetic engine (rollout.engine.kind is torch or vllm).
         "engine.synthetic": "rollout.engine.kind",
     },
@@ -56,7 +99,9 @@ ports, instances and security, the model's folder and dtype (one for the trainer
 so that they agree), the run's folders, and whether a rollout instance offers the weights
 service's Mooncake data plane."""
 VALUES: dict[str, Any] = {
-    "prompts_per_step": 32, "micro_batch_groups": 2, "placement": REFERENCE_COLOCATED,
+    "prompts_per_step": 32,
+    "micro_batch_groups": 2,
+    "placement": REFERENCE_COLOCATED,
     "link_compression": {"rollout-0": "zstd"},
 }
 """A non-default value for fields whose other values depend on their neighbours."""
@@ -142,10 +187,14 @@ def test_every_setting_of_a_service_is_set_from_a_job(service, tmp_path):
             wired.append(path)
             continue
         sections = [section for section in JOB_SECTIONS[service] if job_field_exists(f"{section}.{path}")]
-        assert sections, f"{service}.{path} cannot be set from a job: no job section holds it and the launcher does not wire it"
+        assert sections, (
+            f"{service}.{path} cannot be set from a job: no job section holds it and the launcher does not wire it"
+        )
         value = other_value(path, field)
         job, _ = load_job(None, {f"{sections[0]}.{path}": value})
-        assert value_at(started_config(service, job, tmp_path), path) == value, f"{sections[0]}.{path} does not reach the {service}"
+        assert value_at(started_config(service, job, tmp_path), path) == value, (
+            f"{sections[0]}.{path} does not reach the {service}"
+        )
         reached.append(path)
     assert reached and len(reached) > len(wired) / 2
 
@@ -160,4 +209,5 @@ def test_a_field_the_launcher_does_not_wire_and_no_section_holds_fails_the_walk(
         unreachable_knob: int = 3
 
     assert ("unreachable_knob" in dict(leaf_fields(Extra))) and not any(
-        job_field_exists(f"{section}.unreachable_knob") for section in JOB_SECTIONS["trainer"])
+        job_field_exists(f"{section}.unreachable_knob") for section in JOB_SECTIONS["trainer"]
+    )

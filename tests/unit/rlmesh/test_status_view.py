@@ -2,8 +2,8 @@
 
 from rich.console import Console
 
-from rlmesh.manager.v1 import manager_pb2
 from rlmesh.cli.status import Snapshot, render
+from rlmesh.manager.v1 import manager_pb2
 
 
 def shown(*instances: manager_pb2.InstanceStatus) -> str:
@@ -13,8 +13,10 @@ def shown(*instances: manager_pb2.InstanceStatus) -> str:
 
 
 def test_an_instance_with_a_saturation_batch_shows_it_beside_what_it_runs():
-    text = shown(manager_pb2.InstanceStatus(instance_id="r0", running_requests=40, saturation_batch_size=36, schedulable=True),
-                 manager_pb2.InstanceStatus(instance_id="r1", running_requests=7, schedulable=True))
+    text = shown(
+        manager_pb2.InstanceStatus(instance_id="r0", running_requests=40, saturation_batch_size=36, schedulable=True),
+        manager_pb2.InstanceStatus(instance_id="r1", running_requests=7, schedulable=True),
+    )
     (r0,) = [line for line in text.splitlines() if "r0" in line]
     (r1,) = [line for line in text.splitlines() if "r1" in line]
     assert "40 (knee 36)" in r0 and "ready" in r0

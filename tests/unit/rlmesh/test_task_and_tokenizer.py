@@ -7,7 +7,15 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from rlmesh.models.tokenizer import DEFAULT_ALPHABET, EOS_TOKEN, build_char_tokenizer, load_tokenizer
-from rlmesh.tasks.increment import HELD_OUT_COUNT, IncrementSource, answer_for, exact_match, held_out_problems, make_problem, reward
+from rlmesh.tasks.increment import (
+    HELD_OUT_COUNT,
+    IncrementSource,
+    answer_for,
+    exact_match,
+    held_out_problems,
+    make_problem,
+    reward,
+)
 
 digits = st.text(alphabet="0123456789", min_size=0, max_size=12)
 

@@ -26,4 +26,3 @@ def test_a_task_that_cannot_run_fails_naming_it(tmp_path, model_dir, capsys):
     assert main(["--job", job, "--model-dir", str(model_dir), "--search-path", str(tmp_path)]) == CHECK_FAILED
     error = capsys.readouterr().err
     assert error.startswith("rlmesh up: ") and "task 'mine'" in error and "row 0 has no field 'solutoin'" in error
-

@@ -22,8 +22,15 @@ def tokenizer(model_dir):
 def dataset_task(tmp_path, name="digits", weight=1.0, template="{prompt}=") -> TaskConfig:
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps({"prompt": str(1000 + i), "answer": str(i)}) + "\n" for i in range(40)))
-    return TaskConfig(name=name, kind="dataset", weight=weight, dataset={"path": str(path)}, eval={"holdout": 4},
-                      prompt={"template": template}, reward={"builtin": "increment"})
+    return TaskConfig(
+        name=name,
+        kind="dataset",
+        weight=weight,
+        dataset={"path": str(path)},
+        eval={"holdout": 4},
+        prompt={"template": template},
+        reward={"builtin": "increment"},
+    )
 
 
 def test_a_plain_template_renders_prompt_and_metadata(tokenizer):
@@ -61,7 +68,10 @@ def test_chat_prompts_go_through_the_chat_template():
 
 
 def test_the_mixture_splits_steps_by_weight(tmp_path, tokenizer):
-    tasks = [build_task(dataset_task(tmp_path, "a", 3.0), tokenizer), build_task(dataset_task(tmp_path, "b", 1.0), tokenizer)]
+    tasks = [
+        build_task(dataset_task(tmp_path, "a", 3.0), tokenizer),
+        build_task(dataset_task(tmp_path, "b", 1.0), tokenizer),
+    ]
     mixture = TaskMixture(tasks, seed=0)
     drawn = [task.name for step in range(50) for task, _ in mixture.draw(step, 16)]
     assert 0.65 < drawn.count("a") / len(drawn) < 0.85

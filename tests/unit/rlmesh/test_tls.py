@@ -29,14 +29,20 @@ def test_every_certificate_chains_to_the_ca_names_its_hosts_and_serves_and_calls
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     for name, tls in files.items():
         cert = certificate(tmp_path / f"{name}.pem")
-        assert tls == TlsFiles(ca_file=str(tmp_path / "ca.pem"), cert_file=str(tmp_path / f"{name}.pem"),
-                               key_file=str(tmp_path / f"{name}-key.pem"))
+        assert tls == TlsFiles(
+            ca_file=str(tmp_path / "ca.pem"),
+            cert_file=str(tmp_path / f"{name}.pem"),
+            key_file=str(tmp_path / f"{name}-key.pem"),
+        )
         cert.verify_directly_issued_by(ca)
         assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("10.0.0.7")]
+        assert names.get_values_for_type(x509.IPAddress) == [
+            ipaddress.ip_address("127.0.0.1"),
+            ipaddress.ip_address("10.0.0.7"),
+        ]
         assert names.get_values_for_type(x509.DNSName) == ["localhost", name, "rollout-3.internal"]
         assert role_of_certificate((tmp_path / f"{name}.pem").read_bytes()) == ROLE_OF_NAME[name]
     assert ROLE_OF_NAME["rollout"] == "instance" and ROLE_OF_NAME["client"] == "operator"
@@ -73,8 +79,11 @@ def test_a_ca_mounted_without_its_key_is_used_but_cannot_issue(tmp_path):
 
 def test_tls_settings_from_the_environment_are_checked_at_start(tmp_path):
     files = create_certificates(tmp_path)["manager"]
-    environ = {"RLMESH_MANAGER_SERVER__TLS__CA_FILE": files.ca_file, "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": files.cert_file,
-               "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": files.key_file}
+    environ = {
+        "RLMESH_MANAGER_SERVER__TLS__CA_FILE": files.ca_file,
+        "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": files.cert_file,
+        "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": files.key_file,
+    }
     assert load_config(ManagerConfig, env_prefix="RLMESH_MANAGER_", environ=environ).server.tls == files
     missing = {**environ, "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": str(tmp_path / "nope.pem")}
     with pytest.raises(ConfigError, match=r"server\.tls\.key_file: .*nope\.pem is not a file"):
@@ -88,7 +97,9 @@ def test_certs_command_and_health_with_missing_certificates(tmp_path, capsys):
     assert main(["certs", "--dir", str(tmp_path / "tls"), "--host", "node-2"]) == 0
     out = capsys.readouterr().out
     assert f"grpcurl -cacert {tmp_path / 'tls' / 'ca.pem'}" in out
-    assert "node-2" in str(certificate(tmp_path / "tls" / "trainer.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName))
+    assert "node-2" in str(
+        certificate(tmp_path / "tls" / "trainer.pem").extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    )
     assert main(["health", "127.0.0.1:9", "--tls-dir", str(tmp_path / "empty")]) == 2
     assert "client.pem is not a file" in capsys.readouterr().err
 
@@ -98,14 +109,22 @@ def test_up_hands_each_service_its_files_and_its_role_secret(tmp_path):
     secrets = create_secrets(tmp_path / "secrets")
     plan = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path, tls_dir=tmp_path, secrets_dir=secrets)
     manager = plan.security_settings("manager")
-    assert manager == {"RLMESH_MANAGER_SERVER__TLS__CA_FILE": str(tmp_path / "ca.pem"),
-                       "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": str(tmp_path / "manager.pem"),
-                       "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": str(tmp_path / "manager-key.pem"),
-                       "RLMESH_MANAGER_SERVER__AUTH__VERIFIERS_FILE": str(secrets / "verifiers.json"),
-                       "RLMESH_MANAGER_SERVER__AUTH__SECRET_FILE": str(secrets / "manager.secret")}
-    assert load_config(ManagerConfig, env_prefix="RLMESH_MANAGER_", environ=manager).server.auth.secret_file == str(secrets / "manager.secret")
-    assert plan.security_settings("rollout")["RLMESH_ROLLOUT_SERVER__AUTH__SECRET_FILE"] == str(secrets / "instance.secret")
-    assert plan.security_settings("trainer")["RLMESH_TRAINER_SERVER__TLS__KEY_FILE"] == str(tmp_path / "trainer-key.pem")
+    assert manager == {
+        "RLMESH_MANAGER_SERVER__TLS__CA_FILE": str(tmp_path / "ca.pem"),
+        "RLMESH_MANAGER_SERVER__TLS__CERT_FILE": str(tmp_path / "manager.pem"),
+        "RLMESH_MANAGER_SERVER__TLS__KEY_FILE": str(tmp_path / "manager-key.pem"),
+        "RLMESH_MANAGER_SERVER__AUTH__VERIFIERS_FILE": str(secrets / "verifiers.json"),
+        "RLMESH_MANAGER_SERVER__AUTH__SECRET_FILE": str(secrets / "manager.secret"),
+    }
+    assert load_config(ManagerConfig, env_prefix="RLMESH_MANAGER_", environ=manager).server.auth.secret_file == str(
+        secrets / "manager.secret"
+    )
+    assert plan.security_settings("rollout")["RLMESH_ROLLOUT_SERVER__AUTH__SECRET_FILE"] == str(
+        secrets / "instance.secret"
+    )
+    assert plan.security_settings("trainer")["RLMESH_TRAINER_SERVER__TLS__KEY_FILE"] == str(
+        tmp_path / "trainer-key.pem"
+    )
     assert read_secret(plan.secret_file("operator")).startswith("rlmesh-operator-")
     plain = LaunchPlan(Job(), output_dir=tmp_path, model_dir=tmp_path)
     assert plain.security_settings("manager") == {"RLMESH_MANAGER_SERVER__AUTH__INSECURE": "true"}

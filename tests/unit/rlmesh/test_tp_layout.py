@@ -53,7 +53,9 @@ def random_full(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(dims, generator=generator) for name, dims in hf_parameter_shapes(shape).items()}
 
 
-def vllm_reference_shard(full: dict[str, torch.Tensor], shape: ModelShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def vllm_reference_shard(
+    full: dict[str, torch.Tensor], shape: ModelShape, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
     """vLLM's slicing written out directly from its conventions, independently of the plan."""
     d, inter = shape.head_dim, shape.intermediate_size // tp
     q_per_rank = shape.num_heads // tp
@@ -77,20 +79,24 @@ def vllm_reference_shard(full: dict[str, torch.Tensor], shape: ModelShape, tp: i
         p = f"model.layers.{i}."
         kinds = ["weight", "bias"] if shape.attention_bias else ["weight"]
         for kind in kinds:
-            out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([
-                heads(full[f"{p}self_attn.q_proj.{kind}"], q_heads),
-                heads(full[f"{p}self_attn.k_proj.{kind}"], kv_heads),
-                heads(full[f"{p}self_attn.v_proj.{kind}"], kv_heads),
-            ])
+            out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(
+                [
+                    heads(full[f"{p}self_attn.q_proj.{kind}"], q_heads),
+                    heads(full[f"{p}self_attn.k_proj.{kind}"], kv_heads),
+                    heads(full[f"{p}self_attn.v_proj.{kind}"], kv_heads),
+                ]
+            )
         out[f"{p}self_attn.o_proj.weight"] = full[f"{p}self_attn.o_proj.weight"].chunk(tp, dim=1)[rank]
         # Row-parallel bias: whole on every rank (rank 0 adds it); q/k norms act per head: whole too.
         for name in ("self_attn.o_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
             if p + name in full:
                 out[p + name] = full[p + name]
-        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([
-            full[f"{p}mlp.gate_proj.weight"][rank * inter : (rank + 1) * inter],
-            full[f"{p}mlp.up_proj.weight"][rank * inter : (rank + 1) * inter],
-        ])
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+            [
+                full[f"{p}mlp.gate_proj.weight"][rank * inter : (rank + 1) * inter],
+                full[f"{p}mlp.up_proj.weight"][rank * inter : (rank + 1) * inter],
+            ]
+        )
         out[f"{p}mlp.down_proj.weight"] = full[f"{p}mlp.down_proj.weight"].chunk(tp, dim=1)[rank]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{p}{norm}.weight"] = full[f"{p}{norm}.weight"]
@@ -120,7 +126,7 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], shape: ModelShape, tp: int
     kv_owner = sorted({shape.kv_head_start(tp, r): r for r in reversed(range(tp))}.items())
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        for kind in (["weight", "bias"] if shape.attention_bias else ["weight"]):
+        for kind in ["weight", "bias"] if shape.attention_bias else ["weight"]:
             fused = [r[f"{p}self_attn.qkv_proj.{kind}"] for r in ranks]
             full[f"{p}self_attn.q_proj.{kind}"] = torch.cat([f[:q_rows] for f in fused])
             full[f"{p}self_attn.k_proj.{kind}"] = torch.cat([fused[r][q_rows : q_rows + kv_rows] for _, r in kv_owner])
@@ -140,7 +146,9 @@ def merge_ranks(ranks: list[dict[str, torch.Tensor]], shape: ModelShape, tp: int
     return full
 
 
-def build_rank(full: dict[str, torch.Tensor], shape: ModelShape, fsdp_world: int, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def build_rank(
+    full: dict[str, torch.Tensor], shape: ModelShape, fsdp_world: int, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
     outputs = {name: torch.zeros(dims) for name, dims in tp_parameter_shapes(shape, tp).items()}
     rows = {name: t.shape[0] for name, t in full.items()}
     apply_copies(reshard_plan(tp_slices(shape, tp, rank), rows, fsdp_world), fsdp_shards(full, fsdp_world), outputs)
@@ -208,8 +216,17 @@ def test_fsdp_rows_partition_dim0_like_torch_chunk(rows, world):
 
 
 def test_padding_rows_are_zero_and_tied_embeddings_send_no_lm_head():
-    shape = ModelShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate_size=8, vocab_size=14,
-                       num_layers=1, tie_word_embeddings=True, attention_bias=True)
+    shape = ModelShape(
+        hidden_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        intermediate_size=8,
+        vocab_size=14,
+        num_layers=1,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
     full = random_full(shape, 0)
     last = shard_full_tensors(full, shape, 2, 1)
     assert "lm_head.weight" not in last
@@ -221,11 +238,23 @@ def test_padding_rows_are_zero_and_tied_embeddings_send_no_lm_head():
 
 
 def test_full_layout_is_the_identity():
-    shape = ModelShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate_size=8, vocab_size=14,
-                       num_layers=2, tie_word_embeddings=False, attention_bias=False, family="llama")
+    shape = ModelShape(
+        hidden_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        intermediate_size=8,
+        vocab_size=14,
+        num_layers=2,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        family="llama",
+    )
     full = random_full(shape, 1)
     outputs = {name: torch.zeros_like(t) for name, t in full.items()}
-    apply_copies(reshard_plan(full_slices(shape), {n: t.shape[0] for n, t in full.items()}, 3), fsdp_shards(full, 3), outputs)
+    apply_copies(
+        reshard_plan(full_slices(shape), {n: t.shape[0] for n, t in full.items()}, 3), fsdp_shards(full, 3), outputs
+    )
     assert all(torch.equal(outputs[n], full[n]) for n in full)
 
 
@@ -239,8 +268,17 @@ def test_full_layout_is_the_identity():
     ],
 )
 def test_layouts_that_do_not_split_are_refused_with_the_reason(kwargs, tp, message):
-    base = dict(hidden_size=8, num_heads=8, num_kv_heads=2, head_dim=2, intermediate_size=8, vocab_size=14,
-                num_layers=1, tie_word_embeddings=True, attention_bias=True)
+    base = dict(
+        hidden_size=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=2,
+        intermediate_size=8,
+        vocab_size=14,
+        num_layers=1,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
     shape = ModelShape(**{**base, **kwargs})
     with pytest.raises(ValueError, match=message):
         tp_parameter_shapes(shape, tp)
@@ -256,8 +294,18 @@ def test_unknown_family_is_refused_with_the_supported_ones():
 def test_family_tensors(family, attention_bias):
     """Qwen2's q/k/v biases come without an o_proj bias; Llama's and Qwen3's attention_bias puts one
     on all four; Qwen3 alone has q/k norms of head_dim, replicated on every rank."""
-    shape = ModelShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=6, intermediate_size=8, vocab_size=14,
-                       num_layers=1, tie_word_embeddings=False, attention_bias=attention_bias, family=family)
+    shape = ModelShape(
+        hidden_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=6,
+        intermediate_size=8,
+        vocab_size=14,
+        num_layers=1,
+        tie_word_embeddings=False,
+        attention_bias=attention_bias,
+        family=family,
+    )
     hf = hf_parameter_shapes(shape)
     tp = tp_parameter_shapes(shape, 2)
     p = "model.layers.0.self_attn."

@@ -47,10 +47,29 @@ def test_the_job_refuses_a_gpu_rollout_split_over_ranks_or_on_vllm():
 @cuda_absent
 def test_up_refuses_a_gpu_mesh_on_a_host_without_one(tmp_path, model_dir, capsys, monkeypatch):
     from rlmesh.cli import main as cli
+
     monkeypatch.setattr("rlmesh.logging.configure_logging", lambda *args, **kwargs: None)
-    assert cli.main(["up", "--set", "trainer.distributed_backend=nccl", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
+    assert (
+        cli.main(
+            [
+                "up",
+                "--set",
+                "trainer.distributed_backend=nccl",
+                "--model-dir",
+                str(model_dir),
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "trainer.distributed_backend = nccl, but torch" in capsys.readouterr().err
-    assert cli.main(["up", "--set", "rollout.engine.device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]) == 2
+    assert (
+        cli.main(
+            ["up", "--set", "rollout.engine.device=cuda", "--model-dir", str(model_dir), "--output-dir", str(tmp_path)]
+        )
+        == 2
+    )
     assert "rollout.engine.device = cuda, but torch" in capsys.readouterr().err
 
 
@@ -63,8 +82,11 @@ async def test_an_engine_serves_in_the_dtype_asked_for_whatever_the_folder_holds
             assert {spec.dtype for spec in engine.parameter_specs()} == {expected}
             assert {spec.dtype for spec in engine.rank_parameter_specs()} == {expected}
             assert {p.dtype for p in engine._group.runner.active.parameters()} == {expected}
-            tokens = [t async for chunk in engine.generate(EngineRequest("r", [5, 6, 7], Sampling(temperature=0, max_tokens=4)))
-                      for t in chunk.token_ids]
+            tokens = [
+                t
+                async for chunk in engine.generate(EngineRequest("r", [5, 6, 7], Sampling(temperature=0, max_tokens=4)))
+                for t in chunk.token_ids
+            ]
             assert len(tokens) == 4
         finally:
             await engine.stop()

@@ -54,24 +54,39 @@ def hold_decoding(engine, after_tokens: int, acted: threading.Event) -> None:
 
 async def test_greedy_batch_matches_hf_generate(engine, model_dir):
     ids, eos = prompts(model_dir, ["1234=", "98765432=", "50="])
-    results = await asyncio.gather(*[
-        engine_output(engine, EngineRequest(f"r{i}", p, Sampling(temperature=0, max_tokens=10, stop_token_ids=frozenset({eos}))))
-        for i, p in enumerate(ids)
-    ])
+    results = await asyncio.gather(
+        *[
+            engine_output(
+                engine,
+                EngineRequest(f"r{i}", p, Sampling(temperature=0, max_tokens=10, stop_token_ids=frozenset({eos}))),
+            )
+            for i, p in enumerate(ids)
+        ]
+    )
     model = load_causal_lm(model_dir)
     for prompt, (tokens, _, _, finish) in zip(ids, results):
-        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=eos,
-                                  pad_token_id=load_tokenizer(model_dir).token_to_id(PAD_TOKEN))[0, len(prompt):].tolist()
+        expected = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=eos,
+            pad_token_id=load_tokenizer(model_dir).token_to_id(PAD_TOKEN),
+        )[0, len(prompt) :].tolist()
         assert tokens == expected[: len(tokens)]
         assert finish is (Finish.STOP if tokens[-1] == eos else Finish.LENGTH)
 
 
 async def test_sampling_logprobs_match_the_trainer(engine, model_dir):
     ids, eos = prompts(model_dir, ["31415=", "2718="])
-    results = await asyncio.gather(*[
-        engine_output(engine, EngineRequest(f"s{i}", p, Sampling(temperature=0.7, max_tokens=8, stop_token_ids=frozenset({eos}))))
-        for i, p in enumerate(ids)
-    ])
+    results = await asyncio.gather(
+        *[
+            engine_output(
+                engine,
+                EngineRequest(f"s{i}", p, Sampling(temperature=0.7, max_tokens=8, stop_token_ids=frozenset({eos}))),
+            )
+            for i, p in enumerate(ids)
+        ]
+    )
     samples = [TrainingSample(p, r[0], r[1], 0.0) for p, r in zip(ids, results)]
     batch = build_micro_batch(samples, pad_id=0)
     with torch.no_grad():
@@ -82,7 +97,9 @@ async def test_sampling_logprobs_match_the_trainer(engine, model_dir):
 
 async def test_length_limit_and_abort(engine, model_dir):
     ids, _ = prompts(model_dir, ["1111="])
-    tokens, logprobs, versions, finish = await engine_output(engine, EngineRequest("len", ids[0], Sampling(temperature=1.0, max_tokens=3)))
+    tokens, logprobs, versions, finish = await engine_output(
+        engine, EngineRequest("len", ids[0], Sampling(temperature=1.0, max_tokens=3))
+    )
     assert len(tokens) == len(logprobs) == len(versions) == 3 and finish is Finish.LENGTH
 
     async def abort_soon():
@@ -117,10 +134,14 @@ async def test_weights_switch_between_decode_steps(engine, model_dir):
     assert engine.weight_version == 0
     await engine.commit_staged(1)
     assert engine.weight_version == 1
-    tokens, logprobs, versions, _ = await engine_output(engine, EngineRequest("after", ids[0], Sampling(temperature=0, max_tokens=4)))
+    tokens, logprobs, versions, _ = await engine_output(
+        engine, EngineRequest("after", ids[0], Sampling(temperature=0, max_tokens=4))
+    )
     assert versions == [1, 1, 1, 1]
     # All-zero weights give uniform logits: every token has probability 1/vocab.
-    assert logprobs[0] == pytest.approx(-torch.log(torch.tensor(float(len(new_weights["model.embed_tokens.weight"])))).item(), abs=1e-5)
+    assert logprobs[0] == pytest.approx(
+        -torch.log(torch.tensor(float(len(new_weights["model.embed_tokens.weight"])))).item(), abs=1e-5
+    )
     with pytest.raises(FailedPrecondition, match="not newer"):
         engine.stage_weights(1, new_weights)
 
@@ -150,7 +171,9 @@ async def test_a_short_request_joining_late_finishes_before_the_long_one(engine,
     order: list[str] = []
 
     async def run(request_id, prompt, max_tokens):
-        tokens, _, _, finish = await engine_output(engine, EngineRequest(request_id, prompt, Sampling(temperature=1.0, max_tokens=max_tokens)))
+        tokens, _, _, finish = await engine_output(
+            engine, EngineRequest(request_id, prompt, Sampling(temperature=1.0, max_tokens=max_tokens))
+        )
         order.append(request_id)
         return tokens, finish
 
@@ -186,7 +209,9 @@ async def test_greedy_tokens_do_not_depend_on_batch_mates(engine, model_dir):
 
 async def test_continuation_picks_up_where_the_first_attempt_stopped(engine, model_dir):
     ids, _ = prompts(model_dir, ["86420="])
-    whole, whole_logprobs, _, finish = await engine_output(engine, EngineRequest("whole", ids[0], Sampling(temperature=0, max_tokens=10)))
+    whole, whole_logprobs, _, finish = await engine_output(
+        engine, EngineRequest("whole", ids[0], Sampling(temperature=0, max_tokens=10))
+    )
     assert finish is Finish.LENGTH
     rest, rest_logprobs, _, finish = await engine_output(
         engine, EngineRequest("rest", ids[0], Sampling(temperature=0, max_tokens=10), continued_token_ids=whole[:4])
@@ -195,15 +220,21 @@ async def test_continuation_picks_up_where_the_first_attempt_stopped(engine, mod
     assert rest == whole[4:]
     assert rest_logprobs == pytest.approx(whole_logprobs[4:], abs=1e-4)
     with pytest.raises(InvalidArgument, match="nothing to generate"):
-        await engine_output(engine, EngineRequest("none", ids[0], Sampling(max_tokens=4), continued_token_ids=whole[:4]))
+        await engine_output(
+            engine, EngineRequest("none", ids[0], Sampling(max_tokens=4), continued_token_ids=whole[:4])
+        )
 
 
 async def test_abort_one_leaves_the_others_running(engine, model_dir):
     ids, _ = prompts(model_dir, ["111=", "222="])
-    victim = asyncio.create_task(engine_output(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    victim = asyncio.create_task(
+        engine_output(engine, EngineRequest("victim", ids[0], Sampling(temperature=1.0, max_tokens=55)))
+    )
     aborted = threading.Event()
     hold_decoding(engine, 10, aborted)
-    survivor = asyncio.create_task(engine_output(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50))))
+    survivor = asyncio.create_task(
+        engine_output(engine, EngineRequest("survivor", ids[1], Sampling(temperature=1.0, max_tokens=50)))
+    )
     while engine.generated_tokens < 10:
         await asyncio.sleep(0.001)
     assert engine.abort(["victim", "unknown"]) == 1
@@ -227,7 +258,9 @@ async def test_a_stream_interval_sends_the_same_tokens_in_fewer_chunks_and_an_ab
         await engine.start()
         try:
             by_interval[interval] = await chunks(engine, EngineRequest(f"s{interval}", ids[0], seeded))
-            aborted = asyncio.create_task(chunks(engine, EngineRequest("cut", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+            aborted = asyncio.create_task(
+                chunks(engine, EngineRequest("cut", ids[0], Sampling(temperature=1.0, max_tokens=50)))
+            )
             while engine.generated_tokens < 11 + 6 and not aborted.done():
                 await asyncio.sleep(0.001)
             engine.abort(["cut"])
@@ -257,7 +290,9 @@ async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_
     await engine.pause()
     assert engine.paused
     frozen = engine.generated_tokens
-    late = asyncio.create_task(engine_output(engine, EngineRequest("late", ids[0], Sampling(temperature=1.0, max_tokens=5))))
+    late = asyncio.create_task(
+        engine_output(engine, EngineRequest("late", ids[0], Sampling(temperature=1.0, max_tokens=5)))
+    )
     await asyncio.sleep(0.3)
     assert engine.generated_tokens == frozen and not any(t.done() for t in tasks + [late])
     await engine.resume()
@@ -268,7 +303,9 @@ async def test_pause_holds_every_request_and_resume_finishes_them(engine, model_
 
 async def test_abort_all_while_paused_returns_partial_tokens(engine, model_dir):
     ids, _ = prompts(model_dir, ["9="])
-    task = asyncio.create_task(engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=55))))
+    task = asyncio.create_task(
+        engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=55)))
+    )
     while engine.generated_tokens < 5:
         await asyncio.sleep(0.001)
     await engine.pause()
@@ -340,7 +377,9 @@ async def test_continue_mode_decodes_through_the_push_and_keeps_the_kv_cache(mod
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555="])
-    task = asyncio.create_task(engine_output(engine, EngineRequest("spanning", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    task = asyncio.create_task(
+        engine_output(engine, EngineRequest("spanning", ids[0], Sampling(temperature=1.0, max_tokens=50)))
+    )
     await wait_for_tokens(engine, 3)
     await begin_push(updater, 1, new_weights)
     await wait_for_tokens(engine, engine.generated_tokens + 2)
@@ -357,12 +396,16 @@ async def test_pause_mode_holds_every_step_from_the_push_begin_to_its_commit(mod
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555=", "77="])
-    held = asyncio.create_task(engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    held = asyncio.create_task(
+        engine_output(engine, EngineRequest("held", ids[0], Sampling(temperature=1.0, max_tokens=50)))
+    )
     await wait_for_tokens(engine, 3)
     manifest, payload = pack(new_weights, 1)
     await updater.begin(manifest, [], "grpc")
     before = engine.generated_tokens
-    late = asyncio.create_task(engine_output(engine, EngineRequest("late", ids[1], Sampling(temperature=1.0, max_tokens=5))))
+    late = asyncio.create_task(
+        engine_output(engine, EngineRequest("late", ids[1], Sampling(temperature=1.0, max_tokens=5)))
+    )
     for offset, data in stream_chunks(payload, manifest.total_bytes):
         await updater.receive(0, 1, offset, data, common_pb2.COMPRESSION_NONE, 0, -1)
     await asyncio.sleep(0.2)
@@ -386,7 +429,9 @@ async def test_a_failed_or_abandoned_push_in_pause_mode_resumes_on_the_old_versi
     engine, updater = mode_engine
     record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["9="])
-    task = asyncio.create_task(engine_output(engine, EngineRequest("survivor", ids[0], Sampling(temperature=1.0, max_tokens=50))))
+    task = asyncio.create_task(
+        engine_output(engine, EngineRequest("survivor", ids[0], Sampling(temperature=1.0, max_tokens=50)))
+    )
     await wait_for_tokens(engine, 3)
     await begin_push(updater, 1, new_weights, corrupt=True)
     assert engine.held_for_update
@@ -440,19 +485,29 @@ async def test_abort_continue_recomputes_a_running_request_on_the_new_weights(mo
 
 
 @pytest.mark.parametrize("mode_engine", ["continue", "pause", "abort-continue"], indirect=True)
-async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_switch_follows_at_once(mode_engine, model_dir, new_weights):
+async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_switch_follows_at_once(
+    mode_engine, model_dir, new_weights
+):
     engine, updater = mode_engine
     steps = record_steps(engine, decode_seconds=0.01)
     ids, _ = prompts(model_dir, ["5555=", "77="])
-    pinned = asyncio.create_task(engine_output(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=40), pinned_version=0)))
+    pinned = asyncio.create_task(
+        engine_output(
+            engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=40), pinned_version=0)
+        )
+    )
     await wait_for_tokens(engine, 3)
-    mate = asyncio.create_task(engine_output(engine, EngineRequest("mate", ids[1], Sampling(temperature=1.0, max_tokens=60))))
+    mate = asyncio.create_task(
+        engine_output(engine, EngineRequest("mate", ids[1], Sampling(temperature=1.0, max_tokens=60)))
+    )
     await begin_push(updater, 1, new_weights)
     commit = asyncio.create_task(updater.commit(1))
     await wait_for(lambda: engine._swap is not None, 10, "the switch to be held back", interval=0.001)
     # While pinned requests hold the switch back, another of their version joins the hold: a
     # validation's requests all run on its version.
-    _, _, late_versions, _ = await engine_output(engine, EngineRequest("late", ids[1], Sampling(max_tokens=4), pinned_version=0))
+    _, _, late_versions, _ = await engine_output(
+        engine, EngineRequest("late", ids[1], Sampling(max_tokens=4), pinned_version=0)
+    )
     assert late_versions == [0] * 4
     before = engine.generated_tokens
     await wait_for_tokens(engine, before + 4)
@@ -469,7 +524,7 @@ async def test_a_pinned_request_spanning_a_commit_ends_on_its_version_and_the_sw
     assert mate_versions[0] == 0 and mate_versions[-1] == 1 and mate_versions == sorted(mate_versions)
     # abort-continue recomputed the mate only: no prefill ever held the pinned request's tokens.
     pinned_contexts = [ids[0] + tokens[:k] for k in range(1, len(tokens) + 1)]
-    assert not any(row[-len(c):] == c for row in recomputed_contexts(steps) for c in pinned_contexts)
+    assert not any(row[-len(c) :] == c for row in recomputed_contexts(steps) for c in pinned_contexts)
 
 
 async def test_a_pinned_request_for_a_version_not_served_is_refused(engine, model_dir, new_weights):
@@ -478,7 +533,9 @@ async def test_a_pinned_request_for_a_version_not_served_is_refused(engine, mode
         await engine_output(engine, EngineRequest("future", ids[0], Sampling(max_tokens=4), pinned_version=1))
     with pytest.raises(InvalidArgument, match="pinned_version must be >= 0"):
         await engine_output(engine, EngineRequest("negative", ids[0], Sampling(max_tokens=4), pinned_version=-1))
-    _, _, versions, _ = await engine_output(engine, EngineRequest("served", ids[0], Sampling(max_tokens=4), pinned_version=0))
+    _, _, versions, _ = await engine_output(
+        engine, EngineRequest("served", ids[0], Sampling(max_tokens=4), pinned_version=0)
+    )
     assert versions == [0] * 4
     await asyncio.to_thread(engine.stage_weights, 1, new_weights)
     # A newer version is staged: admitting the request would hold its switch back.
@@ -494,7 +551,11 @@ async def test_a_commit_given_up_while_a_pinned_request_holds_it_back_is_withdra
     """Its caller's deadline ran out: the version stays staged, and nothing switches behind the next push."""
     ids, _ = prompts(model_dir, ["9="])
     record_steps(engine, decode_seconds=0.01)
-    pinned = asyncio.create_task(engine_output(engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=30), pinned_version=0)))
+    pinned = asyncio.create_task(
+        engine_output(
+            engine, EngineRequest("pinned", ids[0], Sampling(temperature=1.0, max_tokens=30), pinned_version=0)
+        )
+    )
     await wait_for_tokens(engine, 3)
     await asyncio.to_thread(engine.stage_weights, 1, new_weights)
     commit = asyncio.create_task(engine.commit_staged(1))
@@ -516,7 +577,9 @@ async def test_background_requests_decode_at_the_lowest_priority_only_while_alon
     if not SessionPriority().usable or not os.access(SessionPriority.AUTOGROUP, os.W_OK):
         pytest.skip("this kernel shows no autogroup priority, or does not let it be written")
     if not effective_capabilities() >> CAP_SYS_ADMIN & 1:
-        pytest.skip("without CAP_SYS_ADMIN the kernel defers a change for up to 100 ms (test_background_priority covers that)")
+        pytest.skip(
+            "without CAP_SYS_ADMIN the kernel defers a change for up to 100 ms (test_background_priority covers that)"
+        )
     before = SessionPriority.read()
     priority_at_decode: list[tuple[frozenset[str], int]] = []
     run = engine._group.run
@@ -530,8 +593,11 @@ async def test_background_requests_decode_at_the_lowest_priority_only_while_alon
 
     engine._group.run = recording
     ids, _ = prompts(model_dir, ["111=", "222="])
-    background = asyncio.create_task(engine_output(engine, EngineRequest("validation", ids[0], Sampling(temperature=1.0, max_tokens=50),
-                                                                   background=True)))
+    background = asyncio.create_task(
+        engine_output(
+            engine, EngineRequest("validation", ids[0], Sampling(temperature=1.0, max_tokens=50), background=True)
+        )
+    )
     while engine.generated_tokens < 5:
         await asyncio.sleep(0.001)
     training = await engine_output(engine, EngineRequest("training", ids[1], Sampling(temperature=1.0, max_tokens=10)))
@@ -548,7 +614,10 @@ async def test_a_sessions_next_turn_prefills_only_its_new_tokens_and_samples_the
     """The prefix cache: turn 2 of a session reuses turn 1's KV cache and gives what a full prefill gives."""
     ids, eos = prompts(model_dir, ["1234=", "5="])
     sampling = Sampling(temperature=0, max_tokens=6, stop_token_ids=frozenset({eos}))
-    cached, plain = TorchEngine(model_dir, max_batch_size=8, seed=1), TorchEngine(model_dir, max_batch_size=8, seed=1, prefix_cache_bytes=0)
+    cached, plain = (
+        TorchEngine(model_dir, max_batch_size=8, seed=1),
+        TorchEngine(model_dir, max_batch_size=8, seed=1, prefix_cache_bytes=0),
+    )
     await cached.start()
     await plain.start()
     try:
@@ -569,7 +638,9 @@ async def test_a_sessions_next_turn_prefills_only_its_new_tokens_and_samples_the
 
 
 @pytest.mark.parametrize("mode_engine", ["continue"], indirect=True)
-async def test_a_turn_decoded_across_a_switch_keeps_no_prefix_cache_of_mixed_versions(mode_engine, model_dir, new_weights):
+async def test_a_turn_decoded_across_a_switch_keeps_no_prefix_cache_of_mixed_versions(
+    mode_engine, model_dir, new_weights
+):
     """update_mode continue: a turn that went on decoding through a switch holds KV of both versions;
     none of it is kept for the session's next turn, which is prefilled whole on the new weights and
     matches an engine that never cached; a turn run wholly on the new version is kept and reused."""
@@ -609,5 +680,7 @@ async def test_a_turn_decoded_across_a_switch_keeps_no_prefix_cache_of_mixed_ver
     assert second[0] == full[0] and second[1] == pytest.approx(full[1], abs=1e-3)
     # The second turn ran wholly on version 1: kept, and the third turn reuses it.
     assert list(engine.prefix_cache) == ["session"]
-    third = await engine_output(engine, EngineRequest("t2", second_prompt + second[0] + ids[1], sampling, cache_key="session"))
+    third = await engine_output(
+        engine, EngineRequest("t2", second_prompt + second[0] + ids[1], sampling, cache_key="session")
+    )
     assert engine.prefix_cache.hits == 1 and set(third[2]) == {1}

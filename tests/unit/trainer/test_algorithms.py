@@ -8,11 +8,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from rlmesh.settings.trainer import AdvantageEstimatorKind, GrpoConfig, LossKind
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPERS, Registry, UnknownName
 from services.trainer.algorithms.advantages import gae, reinforce_pp, rloo
 from services.trainer.algorithms.losses import clipped_value_loss
 from services.trainer.algorithms.shaping import ShapingInput, shape
-from rlmesh.settings.trainer import AdvantageEstimatorKind, GrpoConfig, LossKind
 from services.trainer.ranks.critic import CriticSums
 
 
@@ -27,7 +27,9 @@ def test_every_part_is_registered_by_name_and_settable_by_it():
 
 
 def test_an_unknown_name_is_refused_naming_it_and_the_known_ones():
-    with pytest.raises(UnknownName, match=r"unknown advantage estimator 'ppo': known are gae, grpo, reinforce_pp, rloo"):
+    with pytest.raises(
+        UnknownName, match=r"unknown advantage estimator 'ppo': known are gae, grpo, reinforce_pp, rloo"
+    ):
         ADVANTAGE_ESTIMATORS.get("ppo")
     with pytest.raises(UnknownName, match=r"unknown policy loss 'grpo': known are decoupled, ppo, tis"):
         POLICY_LOSSES.get("grpo")
@@ -54,7 +56,7 @@ def test_reinforce_pp_centres_each_group_then_scales_by_the_whole_batch():
     # Centred: [1, -1] and [0, 0] (the second group teaches nothing); batch mean 0, standard
     # deviation sqrt((1 + 1 + 0 + 0) / 4) = 1 / sqrt(2).
     first, second = reinforce_pp([torch.tensor([3.0, 1.0]), torch.tensor([2.0, 2.0])])
-    scale = 2 ** 0.5 / (1 + 2 ** 0.5 * 1e-6)
+    scale = 2**0.5 / (1 + 2**0.5 * 1e-6)
     torch.testing.assert_close(first, torch.tensor([scale, -scale]), rtol=0, atol=1e-7)
     assert torch.equal(second, torch.zeros(2))
     # A group of spread 2 beside one of spread 1: GRPO would scale both to unit spread; here they keep their ratio.
@@ -101,8 +103,15 @@ def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
 
     def sums(values: torch.Tensor) -> CriticSums:
         residuals = returns - values
-        return CriticSums(4.0, 0.0, float(values.sum()), float(returns.sum()), float((returns**2).sum()),
-                          float(residuals.sum()), float((residuals**2).sum()))
+        return CriticSums(
+            4.0,
+            0.0,
+            float(values.sum()),
+            float(returns.sum()),
+            float((returns**2).sum()),
+            float(residuals.sum()),
+            float((residuals**2).sum()),
+        )
 
     assert sums(returns).metrics()["critic/explained_variance"] == pytest.approx(1.0)
     assert sums(torch.full((4,), 0.5)).metrics()["critic/explained_variance"] == pytest.approx(0.0)

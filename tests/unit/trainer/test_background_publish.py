@@ -10,19 +10,18 @@ import asyncio
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.transfer.shards import shard_views
 from rlmesh.weights.v1 import weights_pb2
-from torch.distributed.tensor import DTensor
-
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
+from services.trainer.publishing import VersionPublisher
+from services.trainer.ranks.batching import TrainingSample
+from services.trainer.ranks.commands import CollectiveFailure, OptimizerStep, Publish, RankGroup, Train, retry_delays
 from services.trainer.ranks.distributed import TorchThread
 from services.trainer.ranks.handoff import ShardHandoff, mesh_tag
 from services.trainer.ranks.policy import ShardedPolicy
-from services.trainer.publishing import VersionPublisher
-from services.trainer.ranks.commands import CollectiveFailure, OptimizerStep, Publish, RankGroup, Train, retry_delays
 
 
 class HeldStub:
@@ -46,9 +45,13 @@ class HeldStub:
         header = parts[0].header
         if self.unavailable:
             self.unavailable -= 1
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "restarting")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "restarting"
+            )
         if self.refuse:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), "bad layout")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(), "bad layout"
+            )
         self.payloads.append((header, b"".join(p.chunk.data for p in parts[1:])))
         return weights_pb2.UploadShardsResponse(version=header.version, ranks_received=1, complete=True)
 
@@ -59,8 +62,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 def samples(count: int) -> list[TrainingSample]:
     generator = torch.Generator().manual_seed(0)
-    return [TrainingSample(torch.randint(3, 60, (6,), generator=generator).tolist(), torch.randint(3, 60, (5,), generator=generator).tolist(),
-                           [-4.0] * 5, 1.0 if i % 2 else -1.0) for i in range(count)]
+    return [
+        TrainingSample(
+            torch.randint(3, 60, (6,), generator=generator).tolist(),
+            torch.randint(3, 60, (5,), generator=generator).tolist(),
+            [-4.0] * 5,
+            1.0 if i % 2 else -1.0,
+        )
+        for i in range(count)
+    ]
 
 
 @pytest.fixture
@@ -134,8 +144,12 @@ class LosingWeightsManager:
         import grpc
 
         if not self.announced and len(self.stub.payloads) < 2:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       f"version {version} is not held by the weights service")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"version {version} is not held by the weights service",
+            )
         self.announced.append(version)
 
     async def stored_version(self) -> int:

@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tp_layout import fsdp_rows
-from services.trainer.ranks.checkpoint import TrainerState, gather_rows, latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.ranks.checkpoint import (
+    TrainerState,
+    gather_rows,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def test_save_and_resume(model_dir, tmp_path):
@@ -34,7 +40,9 @@ def test_save_and_resume(model_dir, tmp_path):
 
 
 @settings(max_examples=200)
-@given(rows=st.integers(0, 40), saved_world=st.integers(1, 6), loaded_world=st.integers(1, 6), columns=st.integers(1, 3))
+@given(
+    rows=st.integers(0, 40), saved_world=st.integers(1, 6), loaded_world=st.integers(1, 6), columns=st.integers(1, 3)
+)
 def test_rows_saved_by_n_ranks_reassemble_for_m(rows, saved_world, loaded_world, columns):
     full = torch.arange(rows * columns, dtype=torch.float32).reshape(rows, columns)
     pieces = []

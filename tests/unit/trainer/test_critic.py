@@ -10,17 +10,26 @@ import math
 import pytest
 import torch
 
-from services.trainer.ranks.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
 from services.trainer.config import TrainerConfig
+from services.trainer.ranks.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
 from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.step_totals import StepTotals
 from tests.support import full_parameters, rewarded_micro_batches
 
 
 def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
-    config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2,
-                           learning_rate=1e-2, advantage_estimator="gae", critic_learning_rate=1e-2, **algorithm)
+    config = TrainerConfig(
+        model_dir=str(model_dir),
+        output_dir=str(tmp_path),
+        prompts_per_step=2,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=2,
+        learning_rate=1e-2,
+        advantage_estimator="gae",
+        critic_learning_rate=1e-2,
+        **algorithm,
+    )
     return ShardedPolicy(config, rank)
 
 
@@ -51,7 +60,9 @@ def test_the_policy_waits_for_the_critics_warm_up(model_dir, tmp_path, rank):
     policy.begin_step(0)
     policy.backward(batch)
     policy.optimizer_step()
-    assert all(torch.equal(policy_before[n], p) for n, p in full_parameters(policy.model).items()), "the policy stepped in warm-up"
+    assert all(torch.equal(policy_before[n], p) for n, p in full_parameters(policy.model).items()), (
+        "the policy stepped in warm-up"
+    )
     assert any(not torch.equal(critic_before[n], p) for n, p in full_parameters(policy.critic.model).items())
     policy.begin_step(1)
     policy.backward(batch)
@@ -76,18 +87,26 @@ def test_a_checkpoint_restores_the_value_model_and_its_optimizer_bit_for_bit(mod
     else:
         trained.save(tmp_path / "checkpoints", state, export_hf=True)
     resumed = critic_policy(model_dir, tmp_path / "b", rank)
-    assert any(not torch.equal(resumed_p, trained_p) for resumed_p, trained_p
-               in zip(full_parameters(resumed.critic.model).values(), full_parameters(trained.critic.model).values())), "nothing to restore"
+    assert any(
+        not torch.equal(resumed_p, trained_p)
+        for resumed_p, trained_p in zip(
+            full_parameters(resumed.critic.model).values(), full_parameters(trained.critic.model).values()
+        )
+    ), "nothing to restore"
     state = resumed.load(latest_checkpoint(tmp_path / "checkpoints"))
     assert state.step == 1
-    for (name, saved), restored in zip(full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()):
+    for (name, saved), restored in zip(
+        full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()
+    ):
         assert torch.equal(saved, restored), name
     # The optimizer's moments came back too: the same next step lands on the same weights.
     for policy in (trained, resumed):
         policy.begin_step(1)
         policy.backward(batches[2])
         policy.optimizer_step()
-    for (name, one), other in zip(full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()):
+    for (name, one), other in zip(
+        full_parameters(trained.critic.model).items(), full_parameters(resumed.critic.model).values()
+    ):
         assert torch.equal(one, other), name
     for (name, one), other in zip(full_parameters(trained.model).items(), full_parameters(resumed.model).values()):
         assert torch.equal(one, other), name

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
-from services.trainer.episodes.environment_threads import EnvironmentThreads
 from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.environment_threads import EnvironmentThreads
 
 OPEN = manager_pb2.SESSION_STATUS_OPEN
 DONE = manager_pb2.SESSION_STATUS_DONE
@@ -58,8 +58,9 @@ class Manager:
 
     async def run_turn(self, request, wait_seconds):
         self._call("turn", request.session_id)
-        return manager_pb2.RunTurnResponse(status=OPEN, generated=manager_pb2.Segment(
-            source=manager_pb2.SEGMENT_SOURCE_MODEL, token_ids=[5, STOP]))
+        return manager_pb2.RunTurnResponse(
+            status=OPEN, generated=manager_pb2.Segment(source=manager_pb2.SEGMENT_SOURCE_MODEL, token_ids=[5, STOP])
+        )
 
     async def set_session_reward(self, session_id, reward, turn=None):
         self._call("reward", session_id)
@@ -86,7 +87,9 @@ class OneStep:
 
 def spec_for(environment, **config) -> EpisodeSpec:
     settings = {"python": "unused:Unused", "step_deadline_seconds": 5.0, **config}
-    return EpisodeSpec("t", EnvironmentConfig(**settings), lambda episode_id: environment(), None, Tokenizer(), [STOP], 64)
+    return EpisodeSpec(
+        "t", EnvironmentConfig(**settings), lambda episode_id: environment(), None, Tokenizer(), [STOP], 64
+    )
 
 
 def handles(count: int) -> list[manager_pb2.SessionHandle]:
@@ -99,10 +102,14 @@ async def run_all(driver: EpisodeDriver, spec: EpisodeSpec, count: int) -> None:
     await asyncio.gather(*list(driver.tasks))
 
 
-@pytest.mark.parametrize("call, code, status", [
-    ("reward", grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE), ("turn", grpc.StatusCode.UNAVAILABLE, ENVIRONMENT_ERROR),
-    ("start", grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE),
-])
+@pytest.mark.parametrize(
+    "call, code, status",
+    [
+        ("reward", grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE),
+        ("turn", grpc.StatusCode.UNAVAILABLE, ENVIRONMENT_ERROR),
+        ("start", grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE),
+    ],
+)
 async def test_a_failed_call_of_one_session_ends_its_episode_not_the_job(call, code, status):
     manager = Manager({call: rpc_error(code, "the manager is busy")})
     failures = []

@@ -17,14 +17,18 @@ from services.trainer.trajectories import transcript_ids
 from services.trainer.validation import HeldOut, PinnedBatch, score_held_out
 
 ENV, MODEL = manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, manager_pb2.SEGMENT_SOURCE_MODEL
-DONE, DEADLINE, ENVIRONMENT_ERROR = (manager_pb2.SESSION_STATUS_DONE, manager_pb2.SESSION_STATUS_DEADLINE,
-                                     manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR)
+DONE, DEADLINE, ENVIRONMENT_ERROR = (
+    manager_pb2.SESSION_STATUS_DONE,
+    manager_pb2.SESSION_STATUS_DEADLINE,
+    manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR,
+)
 STOP = 99
 
 
 def model(tokens, turn):
-    return manager_pb2.Segment(source=MODEL, token_ids=tokens, logprobs=[-0.5] * len(tokens), weight_versions=[0] * len(tokens),
-                               turn=turn)
+    return manager_pb2.Segment(
+        source=MODEL, token_ids=tokens, logprobs=[-0.5] * len(tokens), weight_versions=[0] * len(tokens), turn=turn
+    )
 
 
 def context(tokens, **fields):
@@ -34,9 +38,19 @@ def context(tokens, **fields):
 def broken(status=DONE, session_id="s0") -> manager_pb2.SessionTrajectory:
     """Prompt 1 2; turns 10 11 and 12 answered by 3; then the harness edits its history (keeps
     1 2 10, re-renders 7 8) and the model answers 13 and ends with its stop token."""
-    return manager_pb2.SessionTrajectory(session_id=session_id, status=status, segments=[
-        context([1, 2]), model([10, 11], 0), context([3]), model([12], 1),
-        context([7, 8], starts_part=True, reused_prefix_tokens=3), model([13, STOP], 2), context([5])])
+    return manager_pb2.SessionTrajectory(
+        session_id=session_id,
+        status=status,
+        segments=[
+            context([1, 2]),
+            model([10, 11], 0),
+            context([3]),
+            model([12], 1),
+            context([7, 8], starts_part=True, reused_prefix_tokens=3),
+            model([13, STOP], 2),
+            context([5]),
+        ],
+    )
 
 
 class Tokens:
@@ -56,8 +70,13 @@ class RecordingReward:
 
 
 def task(reward) -> SimpleNamespace:
-    return SimpleNamespace(name="agent", reward=reward, config=SimpleNamespace(
-        sampling=SimpleNamespace(temperature=1.0), environment=SimpleNamespace(credit="trajectory")))
+    return SimpleNamespace(
+        name="agent",
+        reward=reward,
+        config=SimpleNamespace(
+            sampling=SimpleNamespace(temperature=1.0), environment=SimpleNamespace(credit="trajectory")
+        ),
+    )
 
 
 def test_the_transcript_is_every_parts_model_output_in_order():
@@ -69,8 +88,11 @@ def test_the_reward_of_a_broken_trajectory_sees_every_part():
     reward = RecordingReward()
     scorer = GroupScorer(SimpleNamespace(), SimpleNamespace(by_name={"agent": task(reward)}), Tokens(), [STOP])
     record = PromptRecord(0, "p", 0, "agent", TaskPrompt(uid="u", text="x"), "x", [1, 2])
-    group = manager_pb2.Group(prompt_id="p", prompt_token_ids=[1, 2],
-                              samples=[manager_pb2.Sample(session=broken()), manager_pb2.Sample(session=broken(DEADLINE, "s1"))])
+    group = manager_pb2.Group(
+        prompt_id="p",
+        prompt_token_ids=[1, 2],
+        samples=[manager_pb2.Sample(session=broken()), manager_pb2.Sample(session=broken(DEADLINE, "s1"))],
+    )
     scored = asyncio.run(scorer._score_episodes("b", record, group))
     [item] = reward.items
     assert item.completion == "10 11 3 12 13" and item.completion_token_ids == [10, 11, 3, 12, 13, STOP]
@@ -79,7 +101,9 @@ def test_the_reward_of_a_broken_trajectory_sees_every_part():
 
 
 def held_out(reward) -> HeldOut:
-    return HeldOut(task(reward), [TaskPrompt(uid="u0", text="x"), TaskPrompt(uid="u1", text="y")], ["x", "y"], [[1, 2], [1, 2]])
+    return HeldOut(
+        task(reward), [TaskPrompt(uid="u0", text="x"), TaskPrompt(uid="u1", text="y")], ["x", "y"], [[1, 2], [1, 2]]
+    )
 
 
 def episode_groups(statuses) -> dict[str, manager_pb2.Group]:
@@ -118,7 +142,10 @@ def test_a_failed_held_out_episode_counts_zero_with_or_without_a_task_reward():
             assert len(reward.items) == 1, "a failed episode is not scored"
         assert [e.status for e in batch.episodes] == ["deadline", "done"]
     batch = PinnedBatch("eval", held_out(RecordingReward()), ["t0s0", "t0s1"], 1, False)
-    assert asyncio.run(score_held_out(batch, episode_groups([ENVIRONMENT_ERROR, ENVIRONMENT_ERROR]), completion)) == [0.0, 0.0]
+    assert asyncio.run(score_held_out(batch, episode_groups([ENVIRONMENT_ERROR, ENVIRONMENT_ERROR]), completion)) == [
+        0.0,
+        0.0,
+    ]
 
 
 def test_every_trained_sample_is_named_for_the_errors_that_must_name_it():
@@ -126,13 +153,20 @@ def test_every_trained_sample_is_named_for_the_errors_that_must_name_it():
     reward = RecordingReward()
     single = task(reward)
     single.config.max_tokens = 8
-    scorer = GroupScorer(SimpleNamespace(overlong_buffer_tokens=0), SimpleNamespace(by_name={"agent": single}), Tokens(), [STOP])
+    scorer = GroupScorer(
+        SimpleNamespace(overlong_buffer_tokens=0), SimpleNamespace(by_name={"agent": single}), Tokens(), [STOP]
+    )
     record = PromptRecord(0, "p", 0, "agent", TaskPrompt(uid="u", text="x"), "x", [1, 2])
     plan = StepPlan(0, 1)
     plan.add(record)
-    group = manager_pb2.Group(prompt_id="p", prompt_token_ids=[1, 2], samples=[
-        manager_pb2.Sample(token_ids=[4, STOP], logprobs=[-0.1, -0.2], weight_versions=[0, 0]),
-        manager_pb2.Sample(token_ids=[5], logprobs=[-0.3], weight_versions=[0])])
+    group = manager_pb2.Group(
+        prompt_id="p",
+        prompt_token_ids=[1, 2],
+        samples=[
+            manager_pb2.Sample(token_ids=[4, STOP], logprobs=[-0.1, -0.2], weight_versions=[0, 0]),
+            manager_pb2.Sample(token_ids=[5], logprobs=[-0.3], weight_versions=[0]),
+        ],
+    )
     [scored] = asyncio.run(scorer.score("b", plan, [group]))
     assert [s.sample_id for s in scored.samples] == ["b/p/0", "b/p/1"]
     assert [item.completion for item in reward.items] == ["4", "5"]

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from rlmesh.rewards.base import RewardResult
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from services.trainer.algorithms.losses import policy_loss
-from services.trainer.ranks.batching import TrainingSample
-from services.trainer.config import TrainerConfig
-from services.trainer.ranks.distributed import TorchThread
 from services.trainer.algorithms.group_advantages import with_advantages
-from services.trainer.ranks.optimizing import NonFiniteUpdate
+from services.trainer.algorithms.losses import policy_loss
+from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup
-from services.trainer.ranks.policy import ShardedPolicy
+from services.trainer.ranks.batching import TrainingSample
 from services.trainer.ranks.commands import CollectiveFailure, OptimizerStep, RankGroup, Train
+from services.trainer.ranks.distributed import TorchThread
+from services.trainer.ranks.optimizing import NonFiniteUpdate
+from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.trajectories import turn_credit
 from tests.support import micro_batches
 
@@ -62,22 +62,34 @@ def test_every_outcome_estimator_is_finite_for_any_groups(groups, name):
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), name=st.sampled_from(OUTCOME_ESTIMATORS), sizes=st.lists(st.integers(1, 16), min_size=1, max_size=4))
+@given(
+    data=st.data(), name=st.sampled_from(OUTCOME_ESTIMATORS), sizes=st.lists(st.integers(1, 16), min_size=1, max_size=4)
+)
 def test_per_turn_credit_is_finite_for_any_groups(data, name, sizes):
-    groups = [[data.draw(st.dictionaries(st.integers(0, 3), rewards, max_size=4)) for _ in range(size)] for size in sizes]
+    groups = [
+        [data.draw(st.dictionaries(st.integers(0, 3), rewards, max_size=4)) for _ in range(size)] for size in sizes
+    ]
     credit = turn_credit(groups, ADVANTAGE_ESTIMATORS.get(name).compute)
     assert all(math.isfinite(value) for group in credit for trajectory in group for value in trajectory.values())
 
 
 @settings(max_examples=80, deadline=None)
-@given(data=st.data(), name=st.sampled_from(CRITIC_ESTIMATORS), sequences=st.integers(1, 6), width=st.integers(1, 10),
-       gamma=st.floats(0.0, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    data=st.data(),
+    name=st.sampled_from(CRITIC_ESTIMATORS),
+    sequences=st.integers(1, 6),
+    width=st.integers(1, 10),
+    gamma=st.floats(0.0, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_every_critic_estimator_is_finite_for_any_values_and_masks(data, name, sequences, width, gamma, lam):
     values = st.floats(-1e3, 1e3, allow_nan=False, width=32)
-    token_rewards = torch.tensor(data.draw(st.lists(st.lists(values, min_size=width, max_size=width), min_size=sequences,
-                                                    max_size=sequences)))
-    critic_values = torch.tensor(data.draw(st.lists(st.lists(values, min_size=width, max_size=width), min_size=sequences,
-                                                    max_size=sequences)))
+    token_rewards = torch.tensor(
+        data.draw(st.lists(st.lists(values, min_size=width, max_size=width), min_size=sequences, max_size=sequences))
+    )
+    critic_values = torch.tensor(
+        data.draw(st.lists(st.lists(values, min_size=width, max_size=width), min_size=sequences, max_size=sequences))
+    )
     mask = masks(data, sequences, width)
     advantages, returns = ADVANTAGE_ESTIMATORS.get(name).compute(token_rewards, critic_values, mask, gamma, lam)
     assert all_finite([advantages, returns])
@@ -86,36 +98,81 @@ def test_every_critic_estimator_is_finite_for_any_values_and_masks(data, name, s
 
 def masks(data, sequences: int, width: int) -> torch.Tensor:
     """Random response masks, rows with no trained token (all masked) among them."""
-    rows = data.draw(st.lists(st.one_of(st.just([0.0] * width), st.lists(st.sampled_from([0.0, 1.0]), min_size=width, max_size=width)),
-                              min_size=sequences, max_size=sequences))
+    rows = data.draw(
+        st.lists(
+            st.one_of(st.just([0.0] * width), st.lists(st.sampled_from([0.0, 1.0]), min_size=width, max_size=width)),
+            min_size=sequences,
+            max_size=sequences,
+        )
+    )
     return torch.tensor(rows)
 
 
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), loss=st.sampled_from(POLICY_LOSSES.names()), sequences=st.integers(1, 6), width=st.integers(1, 10),
-       aggregation=st.sampled_from(["sequence-mean", "token-mean"]), cap_mode=st.sampled_from(["truncate", "drop"]),
-       per_token=st.booleans(), with_reference=st.booleans(), with_proximal=st.booleans())
-def test_every_policy_loss_is_finite_with_a_finite_gradient_for_any_masks(data, loss, sequences, width, aggregation, cap_mode,
-                                                                          per_token, with_reference, with_proximal):
+@given(
+    data=st.data(),
+    loss=st.sampled_from(POLICY_LOSSES.names()),
+    sequences=st.integers(1, 6),
+    width=st.integers(1, 10),
+    aggregation=st.sampled_from(["sequence-mean", "token-mean"]),
+    cap_mode=st.sampled_from(["truncate", "drop"]),
+    per_token=st.booleans(),
+    with_reference=st.booleans(),
+    with_proximal=st.booleans(),
+)
+def test_every_policy_loss_is_finite_with_a_finite_gradient_for_any_masks(
+    data, loss, sequences, width, aggregation, cap_mode, per_token, with_reference, with_proximal
+):
     def logprobs() -> torch.Tensor:
-        return torch.tensor(data.draw(st.lists(st.lists(st.floats(-30.0, 0.0, width=32), min_size=width, max_size=width),
-                                               min_size=sequences, max_size=sequences)))
+        return torch.tensor(
+            data.draw(
+                st.lists(
+                    st.lists(st.floats(-30.0, 0.0, width=32), min_size=width, max_size=width),
+                    min_size=sequences,
+                    max_size=sequences,
+                )
+            )
+        )
 
     mask = masks(data, sequences, width)
     # Advantages as the estimators give them: one per sequence or per token, ties and zeros common.
     shape = (sequences, width) if per_token else (sequences,)
-    advantage_values = data.draw(st.lists(st.one_of(st.just(0.0), st.floats(-10.0, 10.0, width=32)),
-                                          min_size=math.prod(shape), max_size=math.prod(shape)))
+    advantage_values = data.draw(
+        st.lists(
+            st.one_of(st.just(0.0), st.floats(-10.0, 10.0, width=32)),
+            min_size=math.prod(shape),
+            max_size=math.prod(shape),
+        )
+    )
     advantages = torch.tensor(advantage_values).reshape(shape)
     current = logprobs().requires_grad_(True)
-    total, totals = policy_loss(current, logprobs(), advantages, mask, loss=loss,
-                                proximal_logprobs=logprobs() if with_proximal else None, cap_mode=cap_mode,
-                                aggregation=aggregation, reference_logprobs=logprobs() if with_reference else None,
-                                kl_coef=0.1 if with_reference else 0.0)
+    total, totals = policy_loss(
+        current,
+        logprobs(),
+        advantages,
+        mask,
+        loss=loss,
+        proximal_logprobs=logprobs() if with_proximal else None,
+        cap_mode=cap_mode,
+        aggregation=aggregation,
+        reference_logprobs=logprobs() if with_reference else None,
+        kl_coef=0.1 if with_reference else 0.0,
+    )
     assert math.isfinite(float(total.detach()))
-    assert all(math.isfinite(value) for value in (totals.loss, totals.count, totals.tokens, totals.clipped_tokens, totals.kl,
-                                                  totals.importance_weight, totals.importance_weight_max, totals.capped_tokens,
-                                                  totals.behaviour_kl))
+    assert all(
+        math.isfinite(value)
+        for value in (
+            totals.loss,
+            totals.count,
+            totals.tokens,
+            totals.clipped_tokens,
+            totals.kl,
+            totals.importance_weight,
+            totals.importance_weight_max,
+            totals.capped_tokens,
+            totals.behaviour_kl,
+        )
+    )
     total.backward()
     assert bool(torch.isfinite(current.grad).all())
     # Tokens off the mask (and rows without any) contribute no gradient.
@@ -139,8 +196,15 @@ def test_a_micro_batchs_advantages_are_finite_for_every_estimator(groups, name):
 
 
 def make_policy(model_dir, tmp_path, rank) -> ShardedPolicy:
-    config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=1, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=1, learning_rate=1e-2)
+    config = TrainerConfig(
+        model_dir=str(model_dir),
+        output_dir=str(tmp_path),
+        prompts_per_step=1,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=1,
+        learning_rate=1e-2,
+    )
     return ShardedPolicy(config, rank)
 
 
@@ -151,8 +215,10 @@ def named(samples: list[TrainingSample], prefix: str) -> list[TrainingSample]:
 
 
 def weights_and_optimizer(policy: ShardedPolicy) -> tuple[dict[str, torch.Tensor], dict]:
-    state = {key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-             for key, value in policy.optimizer.state_dict()["state"].items()}
+    state = {
+        key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+        for key, value in policy.optimizer.state_dict()["state"].items()
+    }
     return policy.full_parameters(), state
 
 
@@ -166,7 +232,9 @@ def assert_unchanged(policy: ShardedPolicy, before) -> None:
             assert torch.equal(torch.as_tensor(state[key][name]), torch.as_tensor(tensor)), (key, name)
 
 
-def test_a_nan_advantage_is_refused_at_its_micro_batch_naming_the_step_and_samples(model_dir, tmp_path, rank, monkeypatch):
+def test_a_nan_advantage_is_refused_at_its_micro_batch_naming_the_step_and_samples(
+    model_dir, tmp_path, rank, monkeypatch
+):
     policy = make_policy(model_dir, tmp_path, rank)
     first, second = micro_batches(model_dir, 2)
     policy.begin_step(3)

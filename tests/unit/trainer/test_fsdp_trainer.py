@@ -16,8 +16,8 @@ import torch
 
 from rlmesh.config import ConfigError, load_config
 from rlmesh.launch.processes import torchrun_args
-from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.models.random_init import scaled_config, write_random_model
+from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.transfer.payload import DTYPE_CODES, STREAM_CHUNK_BYTES, aligned
 from rlmesh.transfer.shards import SHM_DIR, LocalShard, read_shared_memory, shard_views, validate_header
 from rlmesh.weights.v1 import weights_pb2
@@ -26,8 +26,17 @@ from services.trainer.ranks.distributed import TorchThread
 from services.trainer.ranks.handoff import SLOT_PREFIX, PublishError, ShardHandoff, mesh_tag, slot_name
 from services.trainer.ranks.policy import compute_dtype, publish_dtype
 
-SHAPE = ModelShape(hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=32, vocab_size=14,
-                   num_layers=2, tie_word_embeddings=True, attention_bias=True)
+SHAPE = ModelShape(
+    hidden_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    intermediate_size=32,
+    vocab_size=14,
+    num_layers=2,
+    tie_word_embeddings=True,
+    attention_bias=True,
+)
 
 
 def full_tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -97,8 +106,17 @@ async def test_a_rank_packs_its_rows_into_two_reused_shared_memory_slots(mesh):
 async def test_a_rank_on_another_host_streams_its_shards_after_the_header(mesh):
     stub = RecordingStub()
     # Big enough for several chunks.
-    big = ModelShape(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=1024, vocab_size=14,
-                     num_layers=2, tie_word_embeddings=True, attention_bias=True)
+    big = ModelShape(
+        hidden_size=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        vocab_size=14,
+        num_layers=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
     handoff = ShardHandoff(stub, big, rank=0, world_size=1, mode="stream", mesh=mesh, timeout=5.0)
     generator = torch.Generator().manual_seed(0)
     full = {name: torch.randn(dims, generator=generator) for name, dims in hf_parameter_shapes(big).items()}
@@ -138,7 +156,9 @@ def test_on_cpu_a_float32_version_is_packed_at_once_byte_for_byte(mesh, dtype):
 
 async def test_a_bfloat16_version_carries_the_master_shards_cast_to_bfloat16(mesh):
     stub = RecordingStub()
-    handoff = ShardHandoff(stub, SHAPE, rank=1, world_size=2, mode="stream", mesh=mesh, timeout=5.0, dtype=torch.bfloat16)
+    handoff = ShardHandoff(
+        stub, SHAPE, rank=1, world_size=2, mode="stream", mesh=mesh, timeout=5.0, dtype=torch.bfloat16
+    )
     full = full_tensors(4)
     shards = rank_shards(full, 2, 1)
     packed = handoff.pack(4, shards)
@@ -174,8 +194,11 @@ async def test_the_torch_thread_runs_calls_in_order_with_the_callers_log_context
 
 
 def test_settings_are_checked_and_come_from_the_environment():
-    config = load_config(TrainerConfig, env_prefix="RLMESH_TRAINER_",
-                         environ={"RLMESH_TRAINER_MODEL_DIR": "m", "RLMESH_TRAINER_HANDOFF": "stream"})
+    config = load_config(
+        TrainerConfig,
+        env_prefix="RLMESH_TRAINER_",
+        environ={"RLMESH_TRAINER_MODEL_DIR": "m", "RLMESH_TRAINER_HANDOFF": "stream"},
+    )
     assert config.handoff == "stream" and config.distributed_backend == "auto"
     with pytest.raises(ConfigError, match="handoff"):
         load_config(TrainerConfig, overrides={"model_dir": "m", "handoff": "socket"})
@@ -186,8 +209,15 @@ def test_settings_are_checked_and_come_from_the_environment():
 def test_precision_and_the_published_dtype_are_checked_and_resolved(tmp_path):
     config = TrainerConfig(model_dir="m")
     assert (config.precision, config.weights_dtype) == ("auto", "auto")
-    config = load_config(TrainerConfig, env_prefix="RLMESH_TRAINER_", environ={
-        "RLMESH_TRAINER_MODEL_DIR": "m", "RLMESH_TRAINER_PRECISION": "bf16", "RLMESH_TRAINER_WEIGHTS_DTYPE": "bfloat16"})
+    config = load_config(
+        TrainerConfig,
+        env_prefix="RLMESH_TRAINER_",
+        environ={
+            "RLMESH_TRAINER_MODEL_DIR": "m",
+            "RLMESH_TRAINER_PRECISION": "bf16",
+            "RLMESH_TRAINER_WEIGHTS_DTYPE": "bfloat16",
+        },
+    )
     assert (config.precision, config.weights_dtype) == ("bf16", "bfloat16")
     with pytest.raises(ConfigError, match="precision"):
         load_config(TrainerConfig, overrides={"model_dir": "m", "precision": "fp16"})
@@ -206,8 +236,18 @@ def test_precision_and_the_published_dtype_are_checked_and_resolved(tmp_path):
 
 
 def test_torchrun_runs_the_module_on_several_local_ranks():
-    assert torchrun_args(2, 29500) == ["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                                       "--master-addr", "127.0.0.1", "--master-port", "29500"]
+    assert torchrun_args(2, 29500) == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29500",
+    ]
 
 
 class NoSharedMemoryStub(RecordingStub):
@@ -221,8 +261,12 @@ class NoSharedMemoryStub(RecordingStub):
         self.calls += 1
         requests = [r async for r in requests]
         if requests[0].header.shm_path:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                       details=f"shm_path {requests[0].header.shm_path} does not exist")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details=f"shm_path {requests[0].header.shm_path} does not exist",
+            )
 
         async def again():
             for r in requests:
@@ -259,5 +303,9 @@ async def test_a_rank_whose_shared_memory_the_weights_service_cannot_read_stream
 
 
 async def _always_invalid(requests, timeout=None, metadata=None):
-    raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                               details="rank 1 of version 3 disagrees with the other ranks")
+    raise grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="rank 1 of version 3 disagrees with the other ranks",
+    )

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from services.trainer.algorithms.advantages import group_advantages
 from services.trainer.algorithms.losses import k3_kl, policy_loss
 from services.trainer.algorithms.shaping import overlong_penalty
-from services.trainer.ranks.batching import TrainingSample, build_micro_batch
 from services.trainer.config import GrpoConfig
+from services.trainer.ranks.batching import TrainingSample, build_micro_batch
 
 rewards = st.lists(st.floats(0, 1), min_size=2, max_size=16)
 
@@ -52,8 +52,9 @@ def test_ratios_beyond_the_clip_give_no_gradient():
 def test_kl_penalty_pulls_towards_the_reference():
     logprobs = torch.tensor([[-0.5]], requires_grad=True)
     reference = torch.tensor([[-2.0]])
-    loss, totals = policy_loss(logprobs, logprobs.detach(), torch.tensor([0.0]), torch.ones(1, 1),
-                               reference_logprobs=reference, kl_coef=1.0)
+    loss, totals = policy_loss(
+        logprobs, logprobs.detach(), torch.tensor([0.0]), torch.ones(1, 1), reference_logprobs=reference, kl_coef=1.0
+    )
     loss.backward()
     assert totals.kl > 0 and logprobs.grad.item() > 0
     assert float(k3_kl(reference, reference)) == 0
@@ -79,14 +80,24 @@ def loss_and_gradient(logprobs, *args, **kwargs):
 
 
 @settings(max_examples=40)
-@given(st.data(), st.integers(1, 6), st.integers(1, 8), st.floats(0.05, 0.5), st.floats(0.05, 0.5),
-       st.sampled_from(["sequence-mean", "token-mean"]))
-def test_decoupled_and_tis_are_ppo_when_the_proximal_policy_is_the_behaviour_policy(data, sequences, width, low, high, aggregation):
+@given(
+    st.data(),
+    st.integers(1, 6),
+    st.integers(1, 8),
+    st.floats(0.05, 0.5),
+    st.floats(0.05, 0.5),
+    st.sampled_from(["sequence-mean", "token-mean"]),
+)
+def test_decoupled_and_tis_are_ppo_when_the_proximal_policy_is_the_behaviour_policy(
+    data, sequences, width, low, high, aggregation
+):
     logprobs, behaviour, _, advantages, mask = loss_inputs(data, sequences, width)
     options = dict(clip_low=low, clip_high=high, aggregation=aggregation, importance_cap=2.0)
     ppo = loss_and_gradient(logprobs, behaviour, advantages, mask, loss="ppo", **options)
     for kind in ("decoupled", "tis"):
-        other = loss_and_gradient(logprobs, behaviour, advantages, mask, loss=kind, proximal_logprobs=behaviour.clone(), **options)
+        other = loss_and_gradient(
+            logprobs, behaviour, advantages, mask, loss=kind, proximal_logprobs=behaviour.clone(), **options
+        )
         assert torch.equal(other[0], ppo[0]) and torch.equal(other[1], ppo[1]), kind
         assert other[2].capped_tokens == 0 and other[2].behaviour_kl == 0
         assert other[2].importance_weight == pytest.approx(other[2].tokens)
@@ -116,8 +127,9 @@ def test_decoupled_truncates_or_drops_the_tokens_beyond_the_cap_and_tis_truncate
     # The gradient against the proximal policy alone: w = 1 everywhere.
     _, unweighted, _ = loss_and_gradient(logprobs, proximal, advantage, mask, loss="ppo", aggregation="token-mean")
     _, truncated, totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="decoupled", **options)
-    _, dropped, dropped_totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="decoupled", cap_mode="drop",
-                                                   **options)
+    _, dropped, dropped_totals = loss_and_gradient(
+        logprobs, behaviour, advantage, mask, loss="decoupled", cap_mode="drop", **options
+    )
     _, tis, tis_totals = loss_and_gradient(logprobs, behaviour, advantage, mask, loss="tis", **options)
     torch.testing.assert_close(truncated, unweighted * torch.tensor([[0.5, 1.5, 2.0, 2.0]]), rtol=1e-6, atol=0)
     torch.testing.assert_close(dropped, unweighted * torch.tensor([[0.5, 1.5, 0.0, 0.0]]), rtol=1e-6, atol=0)
@@ -128,7 +140,9 @@ def test_decoupled_truncates_or_drops_the_tokens_beyond_the_cap_and_tis_truncate
         expected_kl = sum(w - math.log(w) - 1 for w in (0.5, 1.5, 2.5, 3.0))
         assert figures.behaviour_kl == pytest.approx(expected_kl, rel=1e-5)
     # Masked tokens count nowhere, not even in the maximum.
-    _, _, masked = loss_and_gradient(logprobs, behaviour, advantage, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), loss="tis", **options)
+    _, _, masked = loss_and_gradient(
+        logprobs, behaviour, advantage, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), loss="tis", **options
+    )
     assert masked.capped_tokens == 0 and masked.importance_weight_max == pytest.approx(1.5)
 
 
@@ -150,7 +164,9 @@ def test_without_proximal_log_probabilities_the_current_policy_is_the_proximal_o
     advantages, mask = torch.tensor([0.7]), torch.ones(1, 3)
     for kind in ("decoupled", "tis"):
         implicit = loss_and_gradient(logprobs, behaviour, advantages, mask, loss=kind)
-        explicit = loss_and_gradient(logprobs, behaviour, advantages, mask, loss=kind, proximal_logprobs=logprobs.detach().clone())
+        explicit = loss_and_gradient(
+            logprobs, behaviour, advantages, mask, loss=kind, proximal_logprobs=logprobs.detach().clone()
+        )
         assert torch.equal(implicit[0], explicit[0]) and torch.equal(implicit[1], explicit[1])
         assert implicit[2].clipped_tokens == 0, "the ratio to the current policy is 1"
     # Under ppo the figures describe pi / pi_behav and the loss ignores them.
@@ -161,7 +177,9 @@ def test_without_proximal_log_probabilities_the_current_policy_is_the_proximal_o
 def test_clip_higher_bounds_the_ratio_asymmetrically():
     def gradient(ratio: float, advantage: float) -> float:
         logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
-        loss, _ = policy_loss(logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28)
+        loss, _ = policy_loss(
+            logprobs, torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1), clip_low=0.2, clip_high=0.28
+        )
         loss.backward()
         return logprobs.grad.item()
 
@@ -210,7 +228,9 @@ def test_streamed_micro_batches_give_the_gradient_of_the_whole_mini_batch(data, 
 
     whole = list(range(len(lengths)))
     expected = torch.autograd.grad(one_shot_loss(*batch(whole), aggregation), head)[0]
-    cuts = sorted(data.draw(st.sets(st.integers(1, len(lengths) - 1), max_size=len(lengths) - 1)) if len(lengths) > 1 else set())
+    cuts = sorted(
+        data.draw(st.sets(st.integers(1, len(lengths) - 1), max_size=len(lengths) - 1)) if len(lengths) > 1 else set()
+    )
     count = 0.0
     head.grad = None
     for start, end in zip([0, *cuts], [*cuts, len(lengths)]):
@@ -234,7 +254,9 @@ def test_token_mean_weighs_sequences_by_length_and_sequence_mean_does_not():
 
 
 def test_micro_batch_masks_exactly_the_response_tokens():
-    batch = build_micro_batch([TrainingSample([5, 6, 7], [1, 2], [-0.1, -0.2], 1.0), TrainingSample([5], [3], [-0.3], -1.0)], pad_id=9)
+    batch = build_micro_batch(
+        [TrainingSample([5, 6, 7], [1, 2], [-0.1, -0.2], 1.0), TrainingSample([5], [3], [-0.3], -1.0)], pad_id=9
+    )
     assert batch.input_ids.tolist() == [[5, 6, 7, 1, 2], [5, 3, 9, 9, 9]]
     assert batch.response_mask.tolist() == [[0, 0, 1, 1], [1, 0, 0, 0]]
     assert torch.allclose(batch.behaviour_logprobs[0, 2:], torch.tensor([-0.1, -0.2]))
@@ -242,8 +264,10 @@ def test_micro_batch_masks_exactly_the_response_tokens():
 
 
 def test_token_rewards_add_to_each_tokens_advantage_and_each_sample_keeps_its_temperature():
-    samples = [TrainingSample([5, 6], [1, 2, 3], [-0.1, -0.2, -0.3], 0.5, temperature=0.7, token_rewards=[0.0, 1.0, -1.0]),
-               TrainingSample([5], [4], [-0.4], -1.0)]
+    samples = [
+        TrainingSample([5, 6], [1, 2, 3], [-0.1, -0.2, -0.3], 0.5, temperature=0.7, token_rewards=[0.0, 1.0, -1.0]),
+        TrainingSample([5], [4], [-0.4], -1.0),
+    ]
     batch = build_micro_batch(samples, pad_id=0)
     assert batch.advantages[0].tolist() == [0.0, 0.5, 1.5, -0.5]
     assert batch.advantages[1].tolist() == [-1.0, 0.0, 0.0, 0.0]
@@ -277,8 +301,13 @@ def test_the_loss_settings_default_to_ppo_with_a_symmetric_clip_and_check_their_
     higher = GrpoConfig(clip_epsilon_high=0.28)
     assert (higher.clip_low, higher.clip_high) == (0.2, 0.28)
     assert GrpoConfig(clip_epsilon=0.3, clip_epsilon_low=0.1).clip_low == 0.1
-    for values, field in (({"clip_epsilon_low": 1.0}, "clip_epsilon_low"), ({"clip_epsilon_high": 0.0}, "clip_epsilon_high"),
-                          ({"importance_cap": 0.5}, "importance_cap"), ({"loss": "grpo"}, "loss"),
-                          ({"loss_aggregation": "sum"}, "loss_aggregation"), ({"overlong_buffer_tokens": -1}, "overlong_buffer_tokens")):
+    for values, field in (
+        ({"clip_epsilon_low": 1.0}, "clip_epsilon_low"),
+        ({"clip_epsilon_high": 0.0}, "clip_epsilon_high"),
+        ({"importance_cap": 0.5}, "importance_cap"),
+        ({"loss": "grpo"}, "loss"),
+        ({"loss_aggregation": "sum"}, "loss_aggregation"),
+        ({"overlong_buffer_tokens": -1}, "overlong_buffer_tokens"),
+    ):
         with pytest.raises(ValidationError, match=field):
             GrpoConfig(**values)

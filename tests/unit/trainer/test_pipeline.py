@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from rlmesh.rewards.base import RewardResult
 from rlmesh.tasks.base import TaskPrompt
-from services.trainer.ranks.batching import TrainingSample
 from services.trainer.config import TrainerConfig
 from services.trainer.pipeline import PromptRecord, ScoredGroup, StepPlan, prompt_seed, untrained_plans
+from services.trainer.ranks.batching import TrainingSample
 
 
 def record(step: int, index: int, prefix: str = "p") -> PromptRecord:
@@ -22,7 +22,9 @@ def scored(rec: PromptRecord, response_tokens: int = 2) -> ScoredGroup:
     return ScoredGroup(rec, "b", samples, [RewardResult(0.0), RewardResult(1.0)], [[0] * response_tokens] * 2)
 
 
-def drain(plan: StepPlan, ordered: bool, arrivals: list[int], most: int, fewest: int, drops: set[int]) -> list[list[int]]:
+def drain(
+    plan: StepPlan, ordered: bool, arrivals: list[int], most: int, fewest: int, drops: set[int]
+) -> list[list[int]]:
     """Groups arrive in `arrivals` order (indexes in `drops` are dropped and refilled at the end);
     after each arrival every micro-batch that can be taken is taken."""
     taken: list[list[int]] = []

@@ -12,25 +12,37 @@ from torch.distributed.tensor import DTensor
 
 import services.trainer.ranks.policy as policy_module
 from rlmesh.models.loading import load_causal_lm
-from services.trainer.ranks.batching import build_micro_batch, token_logprobs
 from services.trainer.config import TrainerConfig
+from services.trainer.ranks.batching import build_micro_batch, token_logprobs
 from services.trainer.ranks.policy import ShardedPolicy
 from tests.support import micro_batches
 
 
 def make_policy(model_dir, tmp_path, rank, **loss) -> ShardedPolicy:
-    config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), prompts_per_step=2, group_size=4,
-                           micro_batch_groups=1, mini_batches_per_step=2, learning_rate=1e-2, **loss)
+    config = TrainerConfig(
+        model_dir=str(model_dir),
+        output_dir=str(tmp_path),
+        prompts_per_step=2,
+        group_size=4,
+        micro_batch_groups=1,
+        mini_batches_per_step=2,
+        learning_rate=1e-2,
+        **loss,
+    )
     return ShardedPolicy(config, rank)
 
 
 def full_gradients(policy: ShardedPolicy) -> dict[str, torch.Tensor]:
-    return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for name, p in policy.model.named_parameters()}
+    return {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for name, p in policy.model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("loss", ["decoupled", "tis"])
-def test_micro_batches_after_an_optimizer_step_are_scored_with_the_step_start_policy(model_dir, tmp_path, rank, monkeypatch, loss):
+def test_micro_batches_after_an_optimizer_step_are_scored_with_the_step_start_policy(
+    model_dir, tmp_path, rank, monkeypatch, loss
+):
     policy = make_policy(model_dir, tmp_path, rank, loss=loss)
     batches = micro_batches(model_dir, 4)
     with pytest.raises(RuntimeError, match="must send BeginStep"):
@@ -59,8 +71,9 @@ def test_micro_batches_after_an_optimizer_step_are_scored_with_the_step_start_po
     policy.backward(batches[2])
     policy.optimizer_step()
     stats = policy.backward(batches[3])
-    assert [proximal is None for _, proximal in seen] == [True, False, True, False], \
+    assert [proximal is None for _, proximal in seen] == [True, False, True, False], (
         "the current policy is pi_prox until the step's first optimizer step, then the snapshot"
+    )
     tensors = build_micro_batch(batches[3], policy.pad_id)
     with torch.no_grad():
         expected = token_logprobs(step_start, tensors)
@@ -79,8 +92,12 @@ def test_micro_batches_after_an_optimizer_step_are_scored_with_the_step_start_po
 
 
 @pytest.mark.parametrize("aggregation", ["sequence-mean", "token-mean"])
-def test_the_optimizer_step_divides_the_accumulated_gradients_by_the_mini_batch_size(model_dir, tmp_path, rank, aggregation):
-    policy = make_policy(model_dir, tmp_path, rank, loss_aggregation=aggregation, clip_epsilon_high=0.28, max_grad_norm=1e6)
+def test_the_optimizer_step_divides_the_accumulated_gradients_by_the_mini_batch_size(
+    model_dir, tmp_path, rank, aggregation
+):
+    policy = make_policy(
+        model_dir, tmp_path, rank, loss_aggregation=aggregation, clip_epsilon_high=0.28, max_grad_norm=1e6
+    )
     batches = micro_batches(model_dir, 2)
     streamed = [policy.backward(batch) for batch in batches]
     count = policy.pending_count
@@ -100,9 +117,16 @@ def test_the_optimizer_step_divides_the_accumulated_gradients_by_the_mini_batch_
     assert policy.pending_count == 0
 
 
-def test_bf16_precision_computes_in_bf16_on_float32_master_weights_and_a_float32_loss(model_dir, tmp_path, rank, monkeypatch):
-    config = TrainerConfig(model_dir=str(model_dir), output_dir=str(tmp_path), precision="bf16", weights_dtype="bfloat16",
-                           learning_rate=1e-2)
+def test_bf16_precision_computes_in_bf16_on_float32_master_weights_and_a_float32_loss(
+    model_dir, tmp_path, rank, monkeypatch
+):
+    config = TrainerConfig(
+        model_dir=str(model_dir),
+        output_dir=str(tmp_path),
+        precision="bf16",
+        weights_dtype="bfloat16",
+        learning_rate=1e-2,
+    )
     policy = ShardedPolicy(config, rank)
     assert (policy.compute_dtype, policy.weights_dtype) == (torch.bfloat16, torch.bfloat16)
     computed_in = set()
@@ -125,5 +149,6 @@ def test_bf16_precision_computes_in_bf16_on_float32_master_weights_and_a_float32
     after = policy.full_parameters()
     assert all(t.dtype == torch.float32 for t in after.values()), "the master weights stay float32"
     assert any(not torch.equal(before[name], after[name]) for name in after)
-    assert {shard.tensor.dtype for shard in policy.local_shards().values()} == {torch.float32}, \
+    assert {shard.tensor.dtype for shard in policy.local_shards().values()} == {torch.float32}, (
         "the hand-off casts the shards, not the policy"
+    )

@@ -18,8 +18,11 @@ def test_a_step_with_zero_groups_is_reported_without_dividing_by_zero():
 
 
 def test_breaks_are_counted_by_cause_per_step():
-    episodes = [EpisodeFigures("done", 3, 1.0, parts=3, breaks={"content_mismatch": 1, "mixed_endpoints": 1}),
-                EpisodeFigures("done", 3, 1.0, parts=2, breaks={"content_mismatch": 1}), EpisodeFigures("done", 3, 1.0)]
+    episodes = [
+        EpisodeFigures("done", 3, 1.0, parts=3, breaks={"content_mismatch": 1, "mixed_endpoints": 1}),
+        EpisodeFigures("done", 3, 1.0, parts=2, breaks={"content_mismatch": 1}),
+        EpisodeFigures("done", 3, 1.0),
+    ]
     values = episode_metrics(episodes)
     assert values["gateway/breaks/content_mismatch"] == 2 and values["gateway/breaks/mixed_endpoints"] == 1
     assert values["episodes/broken_histories"] == 2

@@ -12,12 +12,21 @@ from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch
 from services.trainer.trajectories import figures_of, parts_of, trajectory_reward, turn_credit
 
-ENV, TEMPLATE, MODEL = (manager_pb2.SEGMENT_SOURCE_ENVIRONMENT, manager_pb2.SEGMENT_SOURCE_TEMPLATE, manager_pb2.SEGMENT_SOURCE_MODEL)
+ENV, TEMPLATE, MODEL = (
+    manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
+    manager_pb2.SEGMENT_SOURCE_TEMPLATE,
+    manager_pb2.SEGMENT_SOURCE_MODEL,
+)
 
 
 def model(tokens, turn, version=3):
-    return manager_pb2.Segment(source=MODEL, token_ids=tokens, logprobs=[-0.5] * len(tokens), weight_versions=[version] * len(tokens),
-                               turn=turn)
+    return manager_pb2.Segment(
+        source=MODEL,
+        token_ids=tokens,
+        logprobs=[-0.5] * len(tokens),
+        weight_versions=[version] * len(tokens),
+        turn=turn,
+    )
 
 
 def context(tokens, source=ENV, **fields):
@@ -25,8 +34,16 @@ def context(tokens, source=ENV, **fields):
 
 
 def test_one_part_trains_the_model_tokens_and_masks_the_rest():
-    trajectory = manager_pb2.SessionTrajectory(segments=[
-        context([1, 2]), context([9], TEMPLATE), model([10, 11], 0), context([3]), model([12], 1, version=4), context([5])])
+    trajectory = manager_pb2.SessionTrajectory(
+        segments=[
+            context([1, 2]),
+            context([9], TEMPLATE),
+            model([10, 11], 0),
+            context([3]),
+            model([12], 1, version=4),
+            context([5]),
+        ]
+    )
     [part] = parts_of(trajectory)
     assert part.prompt_ids == [1, 2, 9]
     assert part.response_ids == [10, 11, 3, 12] and part.mask == [1, 1, 0, 1] and part.turns == [0, 0, -1, 1]
@@ -36,9 +53,16 @@ def test_one_part_trains_the_model_tokens_and_masks_the_rest():
 
 
 def test_an_edited_history_trains_each_part_once():
-    trajectory = manager_pb2.SessionTrajectory(segments=[
-        context([1, 2]), model([10, 11], 0), context([3]), model([12], 1),
-        context([7, 8], starts_part=True, reused_prefix_tokens=3, break_cause="content_mismatch"), model([13], 2)])
+    trajectory = manager_pb2.SessionTrajectory(
+        segments=[
+            context([1, 2]),
+            model([10, 11], 0),
+            context([3]),
+            model([12], 1),
+            context([7, 8], starts_part=True, reused_prefix_tokens=3, break_cause="content_mismatch"),
+            model([13], 2),
+        ]
+    )
     assert figures_of(trajectory).parts == 2 and figures_of(trajectory).breaks == {"content_mismatch": 1}
     first, second = parts_of(trajectory)
     assert first.response_ids == [10, 11, 3, 12] and first.mask == [1, 1, 0, 1]
@@ -57,9 +81,15 @@ def test_every_model_token_is_trained_exactly_once(shape):
             expected += tokens
             turn += 1
         else:
-            segments.append(context(tokens, starts_part=breaks and index > 0, reused_prefix_tokens=1 if breaks and index > 0 else 0))
-    trained = [t for part in parts_of(manager_pb2.SessionTrajectory(segments=segments))
-               for t, m in zip(part.response_ids, part.mask) if m]
+            segments.append(
+                context(tokens, starts_part=breaks and index > 0, reused_prefix_tokens=1 if breaks and index > 0 else 0)
+            )
+    trained = [
+        t
+        for part in parts_of(manager_pb2.SessionTrajectory(segments=segments))
+        for t, m in zip(part.response_ids, part.mask)
+        if m
+    ]
     assert trained == expected
 
 
@@ -78,8 +108,16 @@ def test_per_turn_credit_normalizes_each_turn_within_its_group():
 
 
 def test_the_micro_batch_trains_the_masked_tokens_with_their_own_advantages():
-    sample = TrainingSample([1, 2], [10, 3, 12], [-0.5, 0.0, -0.5], 0.7, response_mask=[1.0, 0.0, 1.0], token_turns=[0, -1, 1],
-                            token_advantages=[0.2, 0.0, -0.4], reward=1.0)
+    sample = TrainingSample(
+        [1, 2],
+        [10, 3, 12],
+        [-0.5, 0.0, -0.5],
+        0.7,
+        response_mask=[1.0, 0.0, 1.0],
+        token_turns=[0, -1, 1],
+        token_advantages=[0.2, 0.0, -0.4],
+        reward=1.0,
+    )
     batch = build_micro_batch([sample, TrainingSample([1], [4, 5], [-1.0, -1.0], 0.3)], pad_id=0)
     assert batch.response_mask[0].tolist() == [0, 1, 0, 1] and batch.response_mask[1].tolist() == [1, 1, 0, 0]
     assert batch.advantages[0].tolist() == pytest.approx([0, 0.2, 0, -0.4])

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.transfer.payload import bucket_checksums, corrupted_buckets, pack
-from rlmesh.transfer.codecs import BucketCodec
 from rlmesh.transfer.base import raw_frames
+from rlmesh.transfer.codecs import BucketCodec
+from rlmesh.transfer.payload import bucket_checksums, corrupted_buckets, pack
 from services.weights.encoding import EncodedPayload
 from services.weights.store import RankPayload
 
@@ -24,7 +24,11 @@ def receive(encoded_frames, out: np.ndarray, mode: str, dtype: torch.dtype) -> N
         if code == common_pb2.COMPRESSION_NONE:
             target[:] = np.frombuffer(data, dtype=np.uint8)
             continue
-        name = {common_pb2.COMPRESSION_ZSTD: "zstd", common_pb2.COMPRESSION_DELTA: "delta", common_pb2.COMPRESSION_INT8: "int8"}[code]
+        name = {
+            common_pb2.COMPRESSION_ZSTD: "zstd",
+            common_pb2.COMPRESSION_DELTA: "delta",
+            common_pb2.COMPRESSION_INT8: "int8",
+        }[code]
         codec = codecs.setdefault(name, BucketCodec(name, dtype))
         codec.decode(data, target, target if name == "delta" else None)
 

@@ -18,7 +18,7 @@ def upload(store: WeightStore, version: int, value: float = 1.0):
     pending = store.begin_upload(manifest)
     data = payload.numpy().tobytes()
     for offset in range(0, len(data), 100):
-        pending.write(offset, data[offset:offset + 100])
+        pending.write(offset, data[offset : offset + 100])
     return store.finish(pending)
 
 
@@ -75,8 +75,17 @@ def test_a_buffer_being_pushed_is_not_reused():
 
 
 def model_shape() -> ModelShape:
-    return ModelShape(hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate_size=8, vocab_size=14,
-                      num_layers=2, tie_word_embeddings=True, attention_bias=True)
+    return ModelShape(
+        hidden_size=8,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=2,
+        intermediate_size=8,
+        vocab_size=14,
+        num_layers=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
 
 
 def full_tensors(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
@@ -93,8 +102,15 @@ def rank_upload(shape: ModelShape, full: dict[str, torch.Tensor], version: int, 
     specs, total = shard_specs(shards)
     payload = torch.zeros(total, dtype=torch.uint8)
     crc = write_payload(shards, specs, payload)
-    header = weights_pb2.ShardsHeader(version=version, rank=rank, world_size=world, layout=layout_to_proto(shape),
-                                      shards=specs, total_bytes=total, payload_crc32=crc)
+    header = weights_pb2.ShardsHeader(
+        version=version,
+        rank=rank,
+        world_size=world,
+        layout=layout_to_proto(shape),
+        shards=specs,
+        total_bytes=total,
+        payload_crc32=crc,
+    )
     return header, payload
 
 
