@@ -33,6 +33,7 @@ class Action:
     content: str
     """The text outside the tool calls."""
     token_ids: list[int]
+    """The turn's token ids as sampled, its stop token included when it produced one."""
     truncated: bool
     """The turn was cut at max_tokens."""
 
@@ -55,10 +56,14 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
+    """What `step` returns (a tuple or a mapping of the same three is read alike)."""
+
     messages: list[Message] | Tokens | Text = field(default_factory=list)
     """What the environment says next (user or tool messages, Tokens or Text); empty once done."""
     reward: float | None = None
+    """This step's reward; the episode's reward is the sum of its steps' (None counts as 0)."""
     done: bool = False
+    """The episode ends here: no more turns."""
 
 
 class Environment(Protocol):

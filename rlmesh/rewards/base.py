@@ -14,6 +14,7 @@ class RewardItem:
     """One finished sample to score."""
 
     sample_id: str
+    """The trainer's id of the sample, unique within the run."""
     prompt: str
     """The rendered prompt text the policy saw."""
     completion: str
@@ -30,22 +31,31 @@ class RewardResult:
     """A sample's score: a scalar reward, named components and optionally one reward per token."""
 
     reward: float
+    """The scalar the trainer optimises; it must be finite."""
     components: Mapping[str, float] = field(default_factory=dict)
+    """Named parts of the reward (e.g. `exact`, `format`), logged as `task/<name>/<component>`; they need
+    not add up to `reward`."""
     token_rewards: Sequence[float] | None = None
+    """One reward per completion token id, for token-level credit; None gives only the scalar."""
     error: str = ""
     """Non-empty when the sample could not be scored; `reward` is then the task's failure reward."""
 
     @property
     def failed(self) -> bool:
+        """The sample could not be scored (`error` says why)."""
         return bool(self.error)
 
 
 class RewardFunction(Protocol):
     """Scores a batch of samples; one result per item, in order. May raise: the caller guards it."""
 
-    async def score(self, items: Sequence[RewardItem]) -> list[RewardResult]: ...
+    async def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
+        """One result per item, in the items' order."""
+        ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Releases what the function holds (a channel to a remote verifier); called once, at the end."""
+        ...
 
 
 def as_result(value: Any) -> RewardResult:

@@ -138,6 +138,7 @@ class Stats:
 
     def report(self) -> dict[str, Any]:
         return {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # the day docs/benchmarks.md shows
             "requests": self.total(),
             "seconds": round(time.monotonic() - self.started, 1),
             "crashes": self.total("crash"),

@@ -230,6 +230,7 @@ class Figures:
 
     def report(self, setup_calls: int, gateway_restarts: int) -> dict[str, Any]:
         return {
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # the day docs/benchmarks.md shows
             "requests": sum(self.statuses.values()),
             "seconds": round(time.monotonic() - self.started, 1),
             "seed": self.seed,
