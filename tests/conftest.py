@@ -16,6 +16,9 @@ from pathlib import Path
 # servers' gRPC threads run. gRPC's fork handlers would restart its pollers in the child before the
 # exec, where closing the inherited descriptors makes a poller abort the child.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# The node and kubectl `make test` put into the virtualenv where the host lacks them
+# (scripts/host_tools.py), for a pytest run by hand as much as one the Makefile starts.
+os.environ["PATH"] = f"{Path(sys.prefix) / 'tools' / 'bin'}{os.pathsep}{os.environ['PATH']}"
 
 import pytest
 import torch
@@ -23,14 +26,16 @@ import torch.distributed as dist
 from hypothesis import settings
 
 from rlmesh.cli.main import WARM_FORK_SERVER_ENV
+from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.launch import ports as launch_ports
 from rlmesh.lifecycle import die_with_parent
-from rlmesh.config import METRICS_PORT_OFFSET
 from rlmesh.models.builtin import ensure_model
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 from rlmesh.models.qwen2_tiny import TinyModelSpec, create_default_model
 from services.trainer.ranks.distributed import RankInfo
-from tests.support import RankRunner, play_every_role, wait_until
+from tests.support.credentials import play_every_role
+from tests.support.processes import RankRunner
+from tests.support.waiting import wait_until
 
 torch.set_num_threads(1)
 
@@ -40,15 +45,30 @@ settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
 SLOWEST_FILES = (
-    "e2e/test_gpu_check.py", "e2e/test_chaos.py", "vllm/test_vllm_rollout.py", "e2e/test_trainer_resume.py", "e2e/test_jobs.py",
-    "e2e/test_episodes.py", "e2e/test_mesh_resume.py", "e2e/test_mesh_up.py", "vllm/test_vllm_families.py",
-    "e2e/test_elastic_launcher.py", "integration/rollout/test_tp_engine.py", "e2e/test_sync_equivalence.py",
-    "integration/rlmesh/test_cli_bad_input.py", "integration/trainer/test_model_families.py", "e2e/test_mesh_tls.py",
-    "integration/manager/test_exactly_once.py", "integration/rollout/test_tp_rollout.py", "integration/trainer/test_fsdp_trainer.py",
-    "integration/trainer/test_reference_worker.py", "e2e/test_critic_resume.py", "e2e/test_dynamic_sampling.py",
+    "e2e/test_gpu_check.py",
+    "e2e/test_chaos.py",
+    "vllm/test_vllm_rollout.py",
+    "e2e/test_trainer_resume.py",
+    "e2e/test_jobs.py",
+    "e2e/test_episodes.py",
+    "e2e/test_mesh_resume.py",
+    "e2e/test_mesh_up.py",
+    "vllm/test_vllm_families.py",
+    "e2e/test_elastic_launcher.py",
+    "integration/rollout/test_tp_engine.py",
+    "e2e/test_sync_equivalence.py",
+    "integration/rlmesh/test_cli_bad_input.py",
+    "integration/trainer/test_model_families.py",
+    "e2e/test_mesh_tls.py",
+    "integration/manager/test_exactly_once.py",
+    "integration/rollout/test_tp_rollout.py",
+    "integration/trainer/test_fsdp_trainer.py",
+    "integration/trainer/test_reference_worker.py",
+    "e2e/test_critic_resume.py",
+    "e2e/test_dynamic_sampling.py",
 )
-"""The files that take longest (the suite of 2026-11-27), longest first: the workers take files
-in this order as they run out of work, so no long one is left to start last while the others idle."""
+"""The files that take longest, longest first: the workers take files in this order as they run
+out of work, so no long one is left to start last while the others idle."""
 FIRST_DIRECTORIES = ("e2e", "vllm", "integration", "fuzz")
 """After those, whole directories, the slowest first."""
 
@@ -92,7 +112,7 @@ def _plays_every_role():
 
 E2E_TIMEOUT_SECONDS = 600
 """The hang guard of an e2e test: it shares two cores with the other workers' tests, and runs up
-to three times as long as alone (the chaos test: 104 s alone, 242 s once beside two others)."""
+to three times as long as alone."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -120,8 +140,13 @@ def warm_fork_server():
     folder = Path(tempfile.mkdtemp(prefix="rlmesh-warm-"))
     socket = folder / "fork-server.sock"
     with (folder / "fork-server.log").open("ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rlmesh.cli.main", "fork-server", "--socket", str(socket)],
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=die_with_parent)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rlmesh.cli.main", "fork-server", "--socket", str(socket)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            preexec_fn=die_with_parent,
+        )
     # It listens before its imports, which a run connecting meanwhile waits for.
     wait_until(lambda: socket.exists() or process.poll() is not None, 60, "the warm fork server to listen")
     assert process.poll() is None, (folder / "fork-server.log").read_text()
@@ -140,8 +165,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     to need it makes it, the others wait for it (some 4 CPU-seconds each)."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return ensure_model(shared / "model", lambda folder: create_default_model(folder, TinyModelSpec(warmup_iterations=30)),
-                        "of the tests", announce=lambda line: None)
+    return ensure_model(
+        shared / "model",
+        lambda folder: create_default_model(folder, TinyModelSpec(warmup_iterations=30)),
+        "of the tests",
+        announce=lambda line: None,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -150,8 +179,12 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     passes through a chat template, shared by the xdist workers like `model_dir`."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return ensure_model(shared / "chat-model", lambda folder: create_chat_model(folder, ChatModelSpec(warmup_iterations=2, warmup_batch=2)),
-                        "of the tests", announce=lambda line: None)
+    return ensure_model(
+        shared / "chat-model",
+        lambda folder: create_chat_model(folder, ChatModelSpec(warmup_iterations=2, warmup_batch=2)),
+        "of the tests",
+        announce=lambda line: None,
+    )
 
 
 @pytest.fixture(scope="session")

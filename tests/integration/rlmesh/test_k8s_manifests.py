@@ -13,7 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
+from tests.support.paths import REPO_ROOT
+
+K8S = REPO_ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.37"
 SERVICE_PORTS = {"manager": 50151, "weights": 50152, "trainer": 50153, "rollout": 50161}
 PROBED = ("manager", "weights", "rollout")
@@ -37,7 +39,7 @@ def render(overlay: str, components: tuple[str, ...], scratch: Path) -> tuple[di
     kubectl = shutil.which("kubectl")
     assert kubectl, (
         "kubectl is not on PATH: it renders deploy/k8s (`kubectl kustomize`, kubectl >= 1.27, offline); "
-        "install it, e.g. apt-get install kubectl"
+        "`make test` installs it into .venv/tools/bin where the host has none (scripts/host_tools.py)"
     )
     target = K8S / "overlays" / overlay
     if components:
