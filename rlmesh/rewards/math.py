@@ -1,5 +1,6 @@
 """The `math` built-in reward: the completion's final answer checked against `answer` by math-verify
-(a maintained verifier that parses \\boxed{}, LaTeX and plain numbers and compares them symbolically)."""
+(a maintained verifier that parses \\boxed{}, LaTeX and plain numbers and compares them symbolically);
+a GSM8K answer, a worked solution ending in `#### N`, is checked against N."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from rlmesh.rewards.base import RewardItem, RewardResult
 
 BOXED = re.compile(r"\\boxed\s*\{\s*[^\s}]")
 """A \\boxed{...} with something in it."""
+GSM8K_MARK = "####"
+"""What precedes the final answer in a GSM8K answer (`...\\n#### 72`)."""
+
+
+def final_answer(answer: str) -> str:
+    """What follows the last `####` of a GSM8K-style answer; any other answer as it is."""
+    return answer.rsplit(GSM8K_MARK, 1)[1].strip() if GSM8K_MARK in answer else answer
 
 
 @lru_cache(maxsize=4096)
@@ -30,8 +38,9 @@ def _parse_gold(answer: str) -> tuple:
 
 
 def check(completion: str, answer: str) -> RewardResult:
-    """1 when math-verify finds the completion's answer equal to `answer`, else 0."""
-    gold = _parse_gold(answer)
+    """1 when math-verify finds the completion's answer equal to `answer` (its final answer, for a
+    GSM8K-style one), else 0."""
+    gold = _parse_gold(final_answer(answer))
     predicted = parse(completion, parsing_timeout=None)
     correct = bool(predicted) and verify(list(gold), predicted, timeout_seconds=None)
     return RewardResult(float(correct), {"correct": float(correct), "formatted": float(bool(BOXED.search(completion)))})

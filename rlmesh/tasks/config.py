@@ -25,7 +25,9 @@ driver waiting on the model's turns, its sync calls bounded by `threads`."""
 def check_credential(reference: str | None, where: str) -> None:
     """A credential reference names where its bearer token is: `env:NAME` or `file:PATH`."""
     if reference is not None and (not reference.startswith(CREDENTIAL_SOURCES) or not reference.split(":", 1)[1]):
-        raise ValueError(f"{where} {reference!r} must be env:NAME (an environment variable) or file:PATH (a file holding the token)")
+        raise ValueError(
+            f"{where} {reference!r} must be env:NAME (an environment variable) or file:PATH (a file holding the token)"
+        )
 
 
 def cpu_cores() -> int:
@@ -82,7 +84,8 @@ class PromptConfig(StrictModel):
 class RewardConfig(StrictModel):
     builtin: Literal["increment", "math"] | None = None
     """A reward shipped with rlmesh: `increment` (share of correct characters against `answer`) or
-    `math` (the answer checked by math-verify against `answer`)."""
+    `math` (the answer checked by math-verify against `answer`, or against what follows the last
+    `####` of a GSM8K-style `answer`)."""
     function: str | None = None
     """A Python callable: `module:function` (the job file's folder is on the import path) or
     `path/to/file.py:function`. Sync or async; it receives the arguments it names among `prompt`,
@@ -109,7 +112,7 @@ class RewardConfig(StrictModel):
     error_window: int = Field(default=256, ge=1)
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "RewardConfig":
+    def _one_kind(self) -> RewardConfig:
         chosen = [k for k in ("builtin", "function", "remote") if getattr(self, k)]
         if len(chosen) > 1:
             raise ValueError(f"give one of builtin, function or remote, not {' and '.join(chosen)}")
@@ -161,7 +164,8 @@ class EnvironmentConfig(StrictModel):
     importable from the job's folder (or installed) that exports one `vf.Taskset`. It runs
     unchanged: the task's prompts are the taskset's rows (task kind `verifiers`), each episode runs
     verifiers' tool-calling chat program against its session on the manager's gateway, and the
-    taskset's rewards score it. Needs `pip install 'verifiers==0.4.0'`."""
+    taskset's rewards score it. Needs verifiers 0.4.0, which `make setup` installs (requirements-dev.txt);
+    elsewhere, rlmesh's `verifiers` extra."""
     verifiers_args: dict[str, Any] = Field(default_factory=dict)
     """The verifiers taskset's config fields (its TasksetConfig), e.g. `{ num_tasks = 64 }`."""
     command: str | None = None
@@ -216,10 +220,12 @@ class EnvironmentConfig(StrictModel):
     a coroutine waiting on the model's turns, its sync calls bounded by `threads`)."""
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "EnvironmentConfig":
+    def _one_kind(self) -> EnvironmentConfig:
         chosen = [k for k in ("python", "builtin", "remote", "verifiers", "command") if getattr(self, k)]
         if len(chosen) != 1:
-            raise ValueError(f"give one of python, builtin, remote, verifiers or command{', not ' + ' and '.join(chosen) if chosen else ''}")
+            raise ValueError(
+                f"give one of python, builtin, remote, verifiers or command{', not ' + ' and '.join(chosen) if chosen else ''}"
+            )
         if self.verifiers_args and not self.verifiers:
             raise ValueError("verifiers_args are a verifiers taskset's fields: give verifiers too")
         if self.python and ":" not in self.python:
@@ -261,20 +267,24 @@ class TaskConfig(StrictModel):
     """Seeds the task's shuffle or generator (together with the job's seed)."""
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TaskConfig":
+    def _consistent(self) -> TaskConfig:
         if self.kind == "dataset":
             if self.dataset is None:
                 raise ValueError(f"task {self.name!r}: kind 'dataset' needs a [dataset] section with its path")
             if not self.reward.given and self.environment is None:
-                raise ValueError(f"task {self.name!r}: a dataset task needs a reward (builtin, function or remote) or an environment")
+                raise ValueError(
+                    f"task {self.name!r}: a dataset task needs a reward (builtin, function or remote) or an environment"
+                )
             if "prompt" not in self.dataset.fields and self.prompt.template is None:
                 raise ValueError(f"task {self.name!r}: dataset.fields needs a 'prompt' column, or give prompt.template")
         elif self.dataset is not None:
             raise ValueError(f"task {self.name!r}: kind {self.kind!r} generates its own prompts; remove [dataset]")
         uses_verifiers = self.environment is not None and self.environment.verifiers is not None
         if (self.kind == "verifiers") != uses_verifiers:
-            raise ValueError(f"task {self.name!r}: kind 'verifiers' and environment.verifiers go together: the prompts are "
-                             "the verifiers taskset's rows")
+            raise ValueError(
+                f"task {self.name!r}: kind 'verifiers' and environment.verifiers go together: the prompts are "
+                "the verifiers taskset's rows"
+            )
         if self.eval.path and self.eval.split:
             raise ValueError(f"task {self.name!r}: give eval.path or eval.split, not both")
         if self.environment is not None and self.environment.agent_rewards is None:
@@ -289,7 +299,7 @@ class TaskConfig(StrictModel):
             return self.sampling.max_tokens
         return 12 if self.kind == "increment" else 48
 
-    def resolve_paths(self, base: Path) -> "TaskConfig":
+    def resolve_paths(self, base: Path) -> TaskConfig:
         """Paths relative to `base` (the job file's folder) made absolute."""
 
         def absolute(path: str | None) -> str | None:

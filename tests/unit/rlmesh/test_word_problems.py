@@ -23,7 +23,7 @@ from rlmesh.models.families import is_model_dir
 from rlmesh.models.tokenizer import IM_END_TOKEN, TEXT_ALPHABET, UNK_TOKEN, build_text_tokenizer
 from rlmesh.rewards.base import RewardItem
 from rlmesh.rewards.guard import GuardedReward
-from rlmesh.rewards.math import MathReward, check
+from rlmesh.rewards.math import MathReward, check, final_answer
 from rlmesh.tasks.word_problems import (
     HELD_OUT_COUNT,
     INSTRUCTION,
@@ -55,7 +55,9 @@ def test_source_is_reproducible_by_position_and_disjoint_from_held_out():
     assert not {p.text for p in training} & held_out
     evaluation = source.held_out(300)
     assert len(evaluation) == HELD_OUT_COUNT and evaluation == WordProblemSource(9).held_out(300)
-    assert [p.messages[0]["content"] for p in evaluation] == [f"{p.text} {INSTRUCTION}" for p in held_out_problems(HELD_OUT_COUNT)]
+    assert [p.messages[0]["content"] for p in evaluation] == [
+        f"{p.text} {INSTRUCTION}" for p in held_out_problems(HELD_OUT_COUNT)
+    ]
     assert {p.kind for p in training} == set(KINDS)
 
 
@@ -92,15 +94,19 @@ def test_solution_text_is_short_and_ends_in_the_boxed_answer():
 
 def test_math_reward_scores_with_math_verify():
     reward = MathReward()
-    results = asyncio.run(reward.score([
-        item("4*3=12. \\boxed{12}"),
-        item("The answer is 12"),  # math-verify accepts a bare final number
-        item("4*3=13. \\boxed{13}"),
-        item("\\boxed{12} or \\boxed{13}"),  # two boxed answers parse as the set {12, 13}
-        item(""),
-        item("35. \\boxed{15}", "15"),  # the boxed answer wins over an earlier number
-        item("so \\boxed{1+x}", "x+1"),  # a symbolic answer is compared symbolically
-    ]))
+    results = asyncio.run(
+        reward.score(
+            [
+                item("4*3=12. \\boxed{12}"),
+                item("The answer is 12"),  # math-verify accepts a bare final number
+                item("4*3=13. \\boxed{13}"),
+                item("\\boxed{12} or \\boxed{13}"),  # two boxed answers parse as the set {12, 13}
+                item(""),
+                item("35. \\boxed{15}", "15"),  # the boxed answer wins over an earlier number
+                item("so \\boxed{1+x}", "x+1"),  # a symbolic answer is compared symbolically
+            ]
+        )
+    )
     assert [r.reward for r in results] == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     assert [r.components["correct"] for r in results] == [r.reward for r in results]
     assert [r.components["formatted"] for r in results] == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
@@ -108,6 +114,17 @@ def test_math_reward_scores_with_math_verify():
         asyncio.run(reward.score_one(RewardItem("s", "p", "\\boxed{1}", {})))
     with pytest.raises(ValueError, match="cannot parse"):
         check("\\boxed{1}", "")
+
+
+def test_math_reward_checks_a_gsm8k_answer_against_the_number_after_its_last_mark():
+    # The worked solution's \boxed{} is what math-verify would take from the whole answer.
+    gsm8k = "Half is \\boxed{5} apples.\nShe buys 5+8 = <<5+8=13>>13 apples.\n#### 13"
+    completions = [("So \\boxed{13}.", gsm8k), ("So \\boxed{5}.", gsm8k), ("13 apples", "#### 1,300\n")]
+    results = asyncio.run(MathReward().score([item(*pair) for pair in [*completions, ("\\boxed{1300}", "#### 1,300")]]))
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0, 1.0]
+    assert final_answer("x+1") == "x+1" and final_answer("a #### b\n#### 42 ") == "42"
+    with pytest.raises(ValueError, match="cannot parse"):
+        check("\\boxed{1}", "The answer follows.\n####")
 
 
 def test_math_reward_works_off_the_main_thread():
@@ -126,12 +143,16 @@ def test_math_reward_works_off_the_main_thread():
     assert failures and "thread" in str(failures[0])
 
     results: list = []
-    thread = threading.Thread(target=lambda: results.append(asyncio.run(MathReward().score([item("\\boxed{12}"), item("11")]))))
+    thread = threading.Thread(
+        target=lambda: results.append(asyncio.run(MathReward().score([item("\\boxed{12}"), item("11")])))
+    )
     thread.start()
     thread.join()
     assert [r.reward for r in results[0]] == [1.0, 0.0]
 
-    guarded = GuardedReward("math", MathReward(), timeout_seconds=30, failure_reward=0.0, max_error_rate=0.1, error_window=64)
+    guarded = GuardedReward(
+        "math", MathReward(), timeout_seconds=30, failure_reward=0.0, max_error_rate=0.1, error_window=64
+    )
     answers = [str(n) for n in range(40)]
     scored = asyncio.run(guarded.score([item(f"So \\boxed{{{n}}}", n) for n in answers] + [item("\\boxed{3}", "4")]))
     assert [r.reward for r in scored] == [1.0] * 40 + [0.0] and guarded.counters.failed == 0
@@ -151,7 +172,10 @@ def test_text_tokenizer_round_trips_one_token_per_character(text):
 
 def test_a_special_tokens_text_is_the_special_token():
     tokenizer = build_text_tokenizer()
-    for token, token_id in ((UNK_TOKEN, tokenizer.token_to_id(UNK_TOKEN)), (IM_END_TOKEN, tokenizer.token_to_id(IM_END_TOKEN))):
+    for token, token_id in (
+        (UNK_TOKEN, tokenizer.token_to_id(UNK_TOKEN)),
+        (IM_END_TOKEN, tokenizer.token_to_id(IM_END_TOKEN)),
+    ):
         assert tokenizer.encode(f"1{token}2").ids == [tokenizer.token_to_id("1"), token_id, tokenizer.token_to_id("2")]
 
 
@@ -167,8 +191,10 @@ def test_auto_tokenizer_agrees_and_renders_chatml(chat_model_dir):
     assert theirs.eos_token == IM_END_TOKEN and theirs.eos_token_id == ours.token_to_id(IM_END_TOKEN)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?\nSay it."}]
     rendered = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nWhat is 2+3?\nSay it.<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+3?\nSay it.<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = theirs.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert ids == ours.encode(rendered).ids == theirs.encode(rendered, add_special_tokens=False)
     assert ids.count(ours.token_to_id("<|im_start|>")) == 3 and theirs.unk_token_id not in ids
@@ -195,7 +221,7 @@ def test_the_warm_up_rate_ramps_up_then_decays_to_a_tenth():
     rates = [warmup_lr(spec, iteration) for iteration in range(spec.warmup_iterations)]
     peak = rates.index(max(rates))
     assert rates[0] < rates[peak] <= spec.warmup_lr and peak < 50
-    assert all(later <= earlier for earlier, later in zip(rates[peak:], rates[peak + 1:]))
+    assert all(later <= earlier for earlier, later in zip(rates[peak:], rates[peak + 1 :]))
     assert spec.warmup_lr * 0.1 <= rates[-1] < spec.warmup_lr * 0.11
 
 
@@ -208,8 +234,10 @@ def test_chat_model_loads_and_generates(chat_model_dir):
     assert config["max_position_embeddings"] == 512 and config["num_key_value_heads"] == 4
     model = AutoModelForCausalLM.from_pretrained(str(chat_model_dir))
     prompt = WordProblemSource(0).held_out(1)[0]
-    ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, return_tensors="pt")[
+        "input_ids"
+    ]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=config["pad_token_id"])
     assert out.shape[1] > ids.shape[1]
-    assert isinstance(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), str)
+    assert isinstance(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), str)
