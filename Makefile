@@ -191,7 +191,8 @@ test-vllm: setup setup-vllm ## the vLLM rollout tests alone
 	$(PY) -m pytest tests/vllm
 
 # Models at real sizes (pytest marker `large`, deselected from `make test` by pyproject.toml): the
-# Qwen2.5-0.5B shape through an FSDP-2 trainer, the weights service and a TP-2 torch-engine instance.
+# Qwen2.5-0.5B shape through an FSDP-2 trainer, the weights service and a TP-2 torch-engine instance,
+# and the real-model quickstart's job (examples/qwen2.5-gsm8k) at that shape for 2 steps.
 test-large: setup ## models at real sizes (pytest marker large)
 	$(PY) -m pytest tests -m large
 
@@ -240,7 +241,7 @@ fuzz: setup ## 10,000 requests generated from the contracts, and 10,000 to the g
 # The docs site (mkdocs.yml, pages in docs/) into site/; a broken link or anchor fails the build.
 # The pages generated from the code, the contracts and bench/results: `make test` fails while one is stale.
 docs-reference: $(GEN)/.stamp ## regenerate the reference pages, the code map and docs/benchmarks.md
-	$(PY) -m rlmesh.cli.configref > docs/reference/configuration.md
+	$(PY) -m rlmesh.reference.configuration > docs/reference/configuration.md
 	$(PY) -m rlmesh.reference.contracts > docs/reference/contracts.md
 	$(PY) -m rlmesh.reference.extensions > docs/reference/extension-points.md
 	$(PY) -m rlmesh.reference.codemap > docs/code-map.md

@@ -459,13 +459,16 @@ async def measure_drift(bench: AsyncBench, before: Calibration) -> dict[str, flo
 
 def print_calibration(knee: dict[str, float], calibration: Calibration) -> None:
     print(
-        f"calibration, p99/p50 {calibration.p99_over_p50:g} (sigma {calibration.sigma:.3f}): the trainer alone "
-        f"{calibration.trainer_seconds_per_step:.3f} s/step for {calibration.response_tokens_per_step:.0f} response tokens "
-        f"-> synthetic throughput {calibration.throughput_tokens_per_second:.0f} tok/s at a full batch; torch engine knee "
-        f"{knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} / {knee['lone_tokens_per_second']:.0f} tok/s) "
-        f"-> a lone sequence's step {1000 * calibration.min_step_seconds:.2f} ms; lengths generated: p50 {calibration.probe_p50:.0f}, "
+        f"calibration, p99/p50 {calibration.p99_over_p50:g} (sigma {calibration.sigma:.3f}): "
+        f"the trainer alone {calibration.trainer_seconds_per_step:.3f} s/step for "
+        f"{calibration.response_tokens_per_step:.0f} response tokens -> synthetic throughput "
+        f"{calibration.throughput_tokens_per_second:.0f} tok/s at a full batch; "
+        f"torch engine knee {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} / "
+        f"{knee['lone_tokens_per_second']:.0f} tok/s) -> a lone sequence's step "
+        f"{1000 * calibration.min_step_seconds:.2f} ms; lengths generated: p50 {calibration.probe_p50:.0f}, "
         f"p99 {calibration.probe_p99:.0f} (p99/p50 {calibration.probe_p99 / calibration.probe_p50:.2f}), "
-        f"longest {calibration.probe_max} of {PROBE_PROMPTS * PROBE_GROUP}; other processes {calibration.other_processes_cores:.2f} cores",
+        f"longest {calibration.probe_max} of {PROBE_PROMPTS * PROBE_GROUP}; "
+        f"other processes {calibration.other_processes_cores:.2f} cores",
         flush=True,
     )
 
@@ -511,8 +514,9 @@ async def main(window: Window) -> dict:
     drifted = [name for name, change in drift.items() if abs(change) > DRIFT_TOLERANCE]
 
     print(
-        f"\nsteps per hour by η, p99/p50 {main_tail:g} ({window.measured_steps} steps after {window.warmup_steps} warm-up steps, "
-        f"same run; the trainer alone: {3600 / calibrations[main_tail].trainer_seconds_per_step:.0f} steps/h):"
+        f"\nsteps per hour by η, p99/p50 {main_tail:g} ({window.measured_steps} steps after {window.warmup_steps} "
+        f"warm-up steps, same run; the trainer alone: {3600 / calibrations[main_tail].trainer_seconds_per_step:.0f} "
+        "steps/h):"
     )
     print(f"{'η':>3} {'steps/h':>8} {'vs η=0':>7} {'staleness':>10} {'wait s/step':>12} {'generation':>11}")
     for eta, figures in runs[main_tail].items():
@@ -522,17 +526,19 @@ async def main(window: Window) -> dict:
         )
     print(f"\nthe length tail: η = {best} (the best above) against η = 0")
     print(
-        f"{'p99/p50':>8} {'generated':>10} {'η=0 steps/h':>12} {f'η={best} steps/h':>12} {'ratio':>6} {'trainer alone':>14}"
+        f"{'p99/p50':>8} {'generated':>10} {'η=0 steps/h':>12} {f'η={best} steps/h':>12} {'ratio':>6} "
+        f"{'trainer alone':>14}"
     )
     for tail in sorted(TAILS):
         calibration = calibrations[tail]
         print(
-            f"{tail:>8g} {calibration.probe_p99 / calibration.probe_p50:>10.2f} {runs[tail][0].steps_per_hour:>12.0f} "
-            f"{runs[tail][best].steps_per_hour:>12.0f} {tail_ratios[tail]:>5.2f}x {3600 / calibration.trainer_seconds_per_step:>9.0f} /h"
+            f"{tail:>8g} {calibration.probe_p99 / calibration.probe_p50:>10.2f} "
+            f"{runs[tail][0].steps_per_hour:>12.0f} {runs[tail][best].steps_per_hour:>12.0f} "
+            f"{tail_ratios[tail]:>5.2f}x {3600 / calibration.trainer_seconds_per_step:>9.0f} /h"
         )
     print(
-        f"\ntarget: >= {TARGET_RATIO}x at some η <= 4: {'met' if met else 'not met'} (best {ratios[best]:.2f}x at η = {best}); "
-        f"{time.perf_counter() - started:.0f} s"
+        f"\ntarget: >= {TARGET_RATIO}x at some η <= 4: {'met' if met else 'not met'} "
+        f"(best {ratios[best]:.2f}x at η = {best}); {time.perf_counter() - started:.0f} s"
     )
     if contended:
         print(
@@ -540,8 +546,8 @@ async def main(window: Window) -> dict:
         )
     if drifted:
         print(
-            f"the machine's speed changed under the p99/p50 {main_tail:g} runs (more than {DRIFT_TOLERANCE:.0%}; their ratios "
-            f"are not comparable): {', '.join(f'{name} {drift[name]:+.0%}' for name in drifted)}"
+            f"the machine's speed changed under the p99/p50 {main_tail:g} runs (more than {DRIFT_TOLERANCE:.0%}; "
+            f"their ratios are not comparable): {', '.join(f'{name} {drift[name]:+.0%}' for name in drifted)}"
         )
 
     return write_result(
@@ -589,11 +595,11 @@ async def main(window: Window) -> dict:
             "lengths": f"lognormal, mean {MEAN_TOKENS} tokens, capped at {MAX_TOKENS}; sigma = ln(p99/p50) / {Z99}",
             "rollout": f"1 synthetic instance, max batch {MAX_BATCH}, saturation batch its knee (rounded up), "
             f"{STREAM_INTERVAL}-token chunks",
-            "trainer": "services.trainer, 1 rank, 1 thread, the built-in tiny-increment model, default schedule; loss ppo at "
-            "η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before and after "
-            "the measured window",
-            "calibration": "throughput = a step's response tokens / the trainer's step period with rollouts ready at once "
-            "(fast engine, η = 1); min_step_seconds = the torch engine's knee (median of "
+            "trainer": "services.trainer, 1 rank, 1 thread, the built-in tiny-increment model, default schedule; "
+            "loss ppo at η = 0, decoupled at η >= 1; evaluation (1 held-out prompt) and checkpoints only before "
+            "and after the measured window",
+            "calibration": "throughput = a step's response tokens / the trainer's step period with rollouts ready "
+            "at once (fast engine, η = 1); min_step_seconds = the torch engine's knee (median of "
             f"{KNEE_ROUNDS} rounds) / throughput; the main tail's calibration and the knee measured again "
             "after its runs (drift_after_main_runs)",
         },
@@ -620,8 +626,9 @@ if __name__ == "__main__":
             parser.error(f"--knee-only: {model_dir} is not a HF-format model folder (no config.json)")
         knee = asyncio.run(torch_engine_knee(model_dir))
         print(
-            f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences ({knee['full_batch_tokens_per_second']:.0f} "
-            f"tok/s at {MAX_BATCH} / {knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
+            f"torch engine knee on {model_dir}: {knee['knee_batch']:.1f} sequences "
+            f"({knee['full_batch_tokens_per_second']:.0f} tok/s at {MAX_BATCH} / "
+            f"{knee['lone_tokens_per_second']:.0f} tok/s alone, one thread): "
             f"--set rollout.engine.saturation_batch_size={math.ceil(knee['knee_batch'])}"
         )
     else:

@@ -35,7 +35,8 @@ connection = http.client.HTTPConnection(base.hostname, base.port, timeout=120)
 messages = [{"role": "system", "content": "Answer briefly."}]
 for turn in range(3):
     messages.append({"role": "user", "content": f"Observation {turn}: the counter reads {turn * 7 + 3}. What next?"})
-    connection.request("POST", base.path + "/chat/completions", json.dumps({"model": "policy", "messages": messages}), headers)
+    request = json.dumps({"model": "policy", "messages": messages})
+    connection.request("POST", base.path + "/chat/completions", request, headers)
     reply = connection.getresponse()
     body = json.loads(reply.read())
     if reply.status != 200:
@@ -154,8 +155,8 @@ async def soak(args: argparse.Namespace, scratch: Path) -> tuple[dict, dict, dic
             samples.append((done, resident_bytes(manager_pid), resident_bytes(gateway)))
             if done % 1000 < args.concurrency:
                 print(
-                    f"{done} sessions: manager {samples[-1][1] / 2**20:.1f} MiB, gateway {samples[-1][2] / 2**20:.1f} MiB, "
-                    f"{time.perf_counter() - started:.0f} s",
+                    f"{done} sessions: manager {samples[-1][1] / 2**20:.1f} MiB, "
+                    f"gateway {samples[-1][2] / 2**20:.1f} MiB, {time.perf_counter() - started:.0f} s",
                     flush=True,
                 )
     at_baseline = next(s for s in samples if s[0] >= args.baseline_sessions)

@@ -145,7 +145,8 @@ class MeshSection(StrictModel):
             )
         if self.rollout_netns > self.rollout_instances:
             raise ValueError(
-                f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start ({self.rollout_instances})"
+                f"rollout_netns ({self.rollout_netns}) is more than the rollout instances at start "
+                f"({self.rollout_instances})"
             )
         if self.rollout_netns > NETNS_MAX_INSTANCES:
             raise ValueError(f"rollout_netns: at most {NETNS_MAX_INSTANCES} instances run in network namespaces")

@@ -189,7 +189,8 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def rank_runner(tmp_path_factory: pytest.TempPathFactory):
-    """Runs worker modules on trainer ranks forked from one server per test worker (tests.support.RankRunner)."""
+    """Runs worker modules on trainer ranks forked from one server per test worker
+    (tests.support.processes.RankRunner)."""
     runner = RankRunner(tmp_path_factory.mktemp("ranks"))
     yield runner
     runner.close()

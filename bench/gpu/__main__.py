@@ -112,15 +112,17 @@ def failures(results: dict) -> list[str]:
 
 def table(results: dict) -> str:
     rows = [
-        f"GPU check on {results['machine'].get('gpu', 'CPU')} ({results['device']}), torch {results['machine']['torch']}"
+        f"GPU check on {results['machine'].get('gpu', 'CPU')} ({results['device']}), "
+        f"torch {results['machine']['torch']}"
     ]
     parity = results.get("parity", {})
     if "float32" in parity:
         rows.append(
-            f"parity ({parity['shape']}): greedy equal alone fp32 {parity['float32']['greedy_equal_alone']}/{parity['prompts']}, "
-            f"bf16 {parity['bfloat16']['greedy_equal_alone']}/{parity['prompts']}; max |dlogprob| fp32 "
-            f"{parity['float32']['max_logprob_difference']:.2e}, bf16 {parity['bfloat16']['max_logprob_difference']:.2e}; "
-            f"holds {parity['holds']}"
+            f"parity ({parity['shape']}): greedy equal alone fp32 "
+            f"{parity['float32']['greedy_equal_alone']}/{parity['prompts']}, "
+            f"bf16 {parity['bfloat16']['greedy_equal_alone']}/{parity['prompts']}; "
+            f"max |dlogprob| fp32 {parity['float32']['max_logprob_difference']:.2e}, "
+            f"bf16 {parity['bfloat16']['max_logprob_difference']:.2e}; holds {parity['holds']}"
         )
     steps = results.get("engine_steps", {})
     for batch in sizes_of(steps):
@@ -137,14 +139,16 @@ def table(results: dict) -> str:
     for name, figures in results.get("weight_path", {}).items():
         if isinstance(figures, dict) and "stored_to_served_seconds" in figures:
             rows.append(
-                f"weights {name}: {figures['payload_bytes'] / 1e9:.2f} GB stored->served {figures['stored_to_served_seconds']:.3f} s, "
-                f"baseline (D2H + socket) {figures['baseline']['seconds']:.3f} s, ratio {figures['ratio_to_baseline']:.2f}"
+                f"weights {name}: {figures['payload_bytes'] / 1e9:.2f} GB stored->served "
+                f"{figures['stored_to_served_seconds']:.3f} s, baseline (D2H + socket) "
+                f"{figures['baseline']['seconds']:.3f} s, ratio {figures['ratio_to_baseline']:.2f}"
             )
             if "decode_tokens_per_second" in figures:
                 rates = ", ".join(f"batch {b}: {r:.0f}" for b, r in figures["decode_tokens_per_second"].items())
                 during = figures["decode_during_push"]
                 rows.append(
-                    f"decode tok/s {name}: {rates}; batch {during['batch']} during push / without: {during['ratio']:.2f}"
+                    f"decode tok/s {name}: {rates}; batch {during['batch']} during push / without: "
+                    f"{during['ratio']:.2f}"
                 )
     job = results.get("short_job", {})
     if "reward_first" in job:

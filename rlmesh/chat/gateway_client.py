@@ -10,6 +10,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from rlmesh.atomic_file import write_atomically
 from rlmesh.rpc.channels import mesh_tls
 
 KEY_HEADER = "x-rlmesh-session-key"
@@ -47,8 +48,5 @@ def ca_bundle(mesh_ca: str, system: str = "") -> Path:
     path = Path(tempfile.gettempdir()) / f"rlmesh-ca-bundle-{hashlib.sha256(pem).hexdigest()[:16]}.pem"
     if not path.is_file():
         # Named by its content, so processes writing it at once write the same bytes.
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
-            partial.write(pem)
-        os.chmod(partial.name, 0o644)
-        os.replace(partial.name, path)
+        write_atomically(path, pem, 0o644)
     return path

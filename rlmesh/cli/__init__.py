@@ -1,7 +1,6 @@
 """The `rlmesh` command line.
 
-- `configref`: The job file's reference, generated from the models' field docstrings so that it cannot drift.
-- `main`: The `rlmesh` command.
-- `mesh_commands`: The commands that look after a running mesh and its credentials.
-- `status`: `rlmesh status`.
+- `main`: the `rlmesh` command and its subcommands: `up`, `scale`, a service by name, `init-model`, `fork-server`.
+- `mesh_commands`: the commands that look after a running mesh: `status`, `health`, `drain`, `certs`, `secrets`.
+- `status`: `rlmesh status`, a live terminal view of a running mesh from the services' status RPCs.
 """

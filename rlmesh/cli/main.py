@@ -1,6 +1,8 @@
-"""The `rlmesh` command: `up` runs a training job on the whole mesh locally, `<service>` runs one
-service, `init-model` creates a built-in model, `health` checks a service, `drain` takes a rollout instance out
-of the pool, `certs` makes mTLS certificates, `fork-server` keeps the services' imports warm for `up`."""
+"""The `rlmesh` command: `up` runs a training job on the whole mesh locally, `scale` changes its number
+of rollout instances, `status` shows a running mesh live, `<service>` runs one service, `init-model`
+creates a built-in model, `health` checks a service, `drain` takes a rollout instance out of the pool,
+`certs` makes mTLS certificates, `secrets` makes or rotates the role secrets, `fork-server` keeps the
+services' imports warm for `up`."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import time
 from pathlib import Path
 
 from rlmesh.cli import mesh_commands
-from rlmesh.rpc.authz import ROLES
 from rlmesh.forking.helpers import WARM_FORK_SERVER_ENV
+from rlmesh.rpc.authz import ROLES
 
 SERVICES = ("manager", "rollout", "weights", "trainer")
 FLAG_FIELDS = {
@@ -39,6 +41,9 @@ FLAG_FIELDS = {
     "output_dir": "output.dir",
 }
 """`rlmesh up` flags and the job fields they override."""
+PATH_FLAGS = ("model_dir", "output_dir", "tls_dir", "secrets_dir")
+"""Flags naming a folder: relative to the working directory, as a shell user means them (a job
+file's own relative paths are its folder's)."""
 
 
 def _builtin_builder(name: str):
@@ -64,8 +69,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
     from rlmesh.config import ConfigError
     from rlmesh.job import parse_value
 
-    overrides: dict[str, object] = {field: getattr(args, flag) for flag, field in FLAG_FIELDS.items()
-                                    if getattr(args, flag) is not None}
+    overrides: dict[str, object] = {
+        field: getattr(args, flag) for flag, field in FLAG_FIELDS.items() if getattr(args, flag) is not None
+    }
+    for flag in PATH_FLAGS:
+        if getattr(args, flag) is not None:
+            overrides[FLAG_FIELDS[flag]] = str(Path(getattr(args, flag)).resolve())
     if args.rollout_instances is not None:
         overrides["mesh.rollout_instances"], overrides["mesh.max_rollout_instances"] = args.rollout_instances
     if args.tls_dir is not None:
@@ -89,8 +98,10 @@ def prepare_job(args: argparse.Namespace):
 
     job, base = load_job(args.job, _overrides(args))
     if job.mesh.rollout_netns and (problem := netns_problem()):
-        raise ConfigError(f"mesh.rollout_netns = {job.mesh.rollout_netns} runs rollout instances in network namespaces, "
-                          f"which this process cannot create: {problem}")
+        raise ConfigError(
+            f"mesh.rollout_netns = {job.mesh.rollout_netns} runs rollout instances in network namespaces, "
+            f"which this process cannot create: {problem}"
+        )
     model_dir = Path(job.model.path) if job.model.path else _ensure_builtin_model(job.model.builtin)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model.path: {model_dir} is not a HF-format model folder (no config.json)")
@@ -126,7 +137,7 @@ def _up(args: argparse.Namespace) -> int:
             # vLLM runs on a GPU where one is visible; on CPU its attention takes some head sizes only.
             if not torch.cuda.is_available() and (refusal := vllm_cpu_refusal(model_dir)):
                 raise ConfigError(f"rollout.engine.kind = vllm: {refusal}")
-        if missing := job.missing_file() or job.missing_gpu():
+        if missing := job.missing_file() or job.missing_gpu() or job.tracking.missing_package():
             raise ConfigError(missing)
         netns = None
         output_dir = Path(job.output.dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -147,7 +158,9 @@ def _up(args: argparse.Namespace) -> int:
         if not mesh.insecure:
             from rlmesh.rpc.credentials import create_secrets
 
-            secrets_dir = create_secrets(Path(mesh.secrets_dir).resolve() if mesh.secrets_dir else output_dir / "secrets")
+            secrets_dir = create_secrets(
+                Path(mesh.secrets_dir).resolve() if mesh.secrets_dir else output_dir / "secrets"
+            )
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"rlmesh up: {exc}", file=sys.stderr)
         return 2
@@ -190,8 +203,11 @@ def _fork_server(args: argparse.Namespace) -> int:
     if len(str(socket_path).encode()) > 107:
         print(f"rlmesh fork-server: --socket {args.socket}: a Unix socket path is at most 107 bytes", file=sys.stderr)
         return 2
-    os.execve(sys.executable, [sys.executable, "-m", "rlmesh.forking.warm_forkserver", "--socket", str(socket_path)],
-              warm_environment(dict(os.environ)))
+    os.execve(
+        sys.executable,
+        [sys.executable, "-m", "rlmesh.forking.warm_forkserver", "--socket", str(socket_path)],
+        warm_environment(dict(os.environ)),
+    )
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -200,7 +216,10 @@ def _init_model(args: argparse.Namespace) -> int:
     configure_logging("info")
     if args.warmup_iterations is not None:
         if args.kind != "tiny-chat" or args.model_dir is None:
-            print("error: --warmup-iterations applies to --kind tiny-chat written to a --model-dir of your own", file=sys.stderr)
+            print(
+                "error: --warmup-iterations applies to --kind tiny-chat written to a --model-dir of your own",
+                file=sys.stderr,
+            )
             return 2
         from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
 
@@ -237,13 +256,19 @@ def _scale(args: argparse.Namespace) -> int:
     run = Path(args.run) if args.run else find_running_mesh(Path("runs"))
     if run is None or not (run / STATE_FILE).is_file():
         where = args.run or "runs/"
-        print(f"rlmesh scale: no running mesh found in {where} (rlmesh up writes {STATE_FILE} in its output folder)", file=sys.stderr)
+        print(
+            f"rlmesh scale: no running mesh found in {where} (rlmesh up writes {STATE_FILE} in its output folder)",
+            file=sys.stderr,
+        )
         return 2
     state = json.loads((run / STATE_FILE).read_text())
     bounds = state["rollout_instances"]
     if not bounds["min"] <= args.rollout_instances <= bounds["max"]:
-        print(f"rlmesh scale: this mesh runs {bounds['min']} to {bounds['max']} rollout instances "
-              f"(rlmesh up --rollout-instances MIN:MAX); {args.rollout_instances} is outside", file=sys.stderr)
+        print(
+            f"rlmesh scale: this mesh runs {bounds['min']} to {bounds['max']} rollout instances "
+            f"(rlmesh up --rollout-instances MIN:MAX); {args.rollout_instances} is outside",
+            file=sys.stderr,
+        )
         return 2
     request_scale(run, args.rollout_instances)
     deadline = time.monotonic() + args.timeout
@@ -254,11 +279,17 @@ def _scale(args: argparse.Namespace) -> int:
         except (FileNotFoundError, json.JSONDecodeError):
             continue
         # Done once the new instances run and the drained ones have handed their work back and left.
-        if current["target"] == args.rollout_instances and len(current["running"]) == args.rollout_instances \
-                and not current["leaving"]:
+        if (
+            current["target"] == args.rollout_instances
+            and len(current["running"]) == args.rollout_instances
+            and not current["leaving"]
+        ):
             print(f"rollout instances: {len(current['running'])} ({', '.join(r['name'] for r in current['running'])})")
             return 0
-    print(f"rlmesh scale: the mesh in {run} did not reach {args.rollout_instances} instances in {args.timeout:.0f} s", file=sys.stderr)
+    print(
+        f"rlmesh scale: the mesh in {run} did not reach {args.rollout_instances} instances in {args.timeout:.0f} s",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -267,86 +298,173 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="rlmesh", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    up = commands.add_parser("up", help="run a training job on the whole mesh locally (default: the built-in job)",
-                             description="Run a job (--job job.toml; without it the built-in default job) on local "
-                                         "processes. Each flag overrides the job field named in its help.")
+    up = commands.add_parser(
+        "up",
+        help="run a training job on the whole mesh locally (default: the built-in job)",
+        description="Run a job (--job job.toml; without it the built-in default job) on local "
+        "processes. Each flag overrides the job field named in its help.",
+    )
     up.add_argument("--job", help="the job file (model, tasks, algorithm, mesh, output); see examples/")
-    up.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                    help="override any job field, e.g. --set algorithm.learning_rate=1e-4 --set tasks.0.weight=2")
+    up.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="override any job field, e.g. --set algorithm.learning_rate=1e-4 --set tasks.0.weight=2",
+    )
     up.add_argument("--steps", type=_positive, help="algorithm.steps (default 600)")
-    up.add_argument("--rollout-instances", type=_instance_range, metavar="N|MIN:MAX",
-                    help="mesh.rollout_instances (and mesh.max_rollout_instances): rollout processes at start, and "
-                         "the range `rlmesh scale` and --autoscale move in (default 1)")
-    up.add_argument("--autoscale", action="store_true", default=None,
-                    help="mesh.autoscale: follow the manager's recommended instance count within MIN:MAX")
-    up.add_argument("--trainer-ranks", type=_positive, metavar="N",
-                    help="mesh.trainer_ranks: FSDP ranks of the trainer; more than 1 runs it under torchrun (default 1)")
+    up.add_argument(
+        "--rollout-instances",
+        type=_instance_range,
+        metavar="N|MIN:MAX",
+        help="mesh.rollout_instances (and mesh.max_rollout_instances): rollout processes at start, and "
+        "the range `rlmesh scale` and --autoscale move in (default 1)",
+    )
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        default=None,
+        help="mesh.autoscale: follow the manager's recommended instance count within MIN:MAX",
+    )
+    up.add_argument(
+        "--trainer-ranks",
+        type=_positive,
+        metavar="N",
+        help="mesh.trainer_ranks: FSDP ranks of the trainer; more than 1 runs it under torchrun (default 1)",
+    )
     up.add_argument("--host", help="mesh.host (default 127.0.0.1)")
-    up.add_argument("--base-port", type=int,
-                    help="mesh.base_port: manager port; weights +1, trainer +2, rollout instances +10..; "
-                         f"each service's /metrics on its port +{METRICS_PORT_OFFSET} (default 50151)")
-    up.add_argument("--max-staleness", type=int, choices=range(0, 9), metavar="K",
-                    help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)")
-    up.add_argument("--rollout-tp", type=_positive, metavar="T",
-                    help="rollout.engine.tensor_parallel_size: tensor-parallel processes per rollout instance (default 1)")
-    up.add_argument("--rollout-netns", type=int, metavar="N",
-                    help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
-                         "linked by a veth pair (needs root; default 0)")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        help="mesh.base_port: manager port; weights +1, trainer +2, the manager's OpenAI gateway +3, "
+        "rollout instances +10..; "
+        f"each service's /metrics on its port +{METRICS_PORT_OFFSET} (default 50151)",
+    )
+    up.add_argument(
+        "--max-staleness",
+        type=int,
+        choices=range(0, 9),
+        metavar="K",
+        help="algorithm.max_staleness: trainer versions a rollout may lag behind (0 = synchronous; default 1)",
+    )
+    up.add_argument(
+        "--rollout-tp",
+        type=_positive,
+        metavar="T",
+        help="rollout.engine.tensor_parallel_size: tensor-parallel processes per rollout instance (default 1)",
+    )
+    up.add_argument(
+        "--rollout-netns",
+        type=int,
+        metavar="N",
+        help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
+        "linked by a veth pair (needs root; default 0)",
+    )
     up.add_argument("--engine", choices=("torch", "vllm"), help="rollout.engine.kind: rollout engine (default torch)")
-    up.add_argument("--update-mode", choices=("continue", "pause", "abort-continue"),
-                    help="rollout.engine.update_mode: what requests in flight do when new weights arrive: continue on them, "
-                         "pause from the push's start to its commit, or recompute their KV cache at the switch "
-                         "(default continue)")
-    up.add_argument("--transfer-backend", choices=("tcp", "mooncake", "grpc"),
-                    help="weights.backend: data plane of weight pushes (default tcp)")
-    up.add_argument("--compression", choices=("none", "zstd", "delta"),
-                    help="weights.compression: link compression of weight pushes (default none; delta needs tcp or grpc)")
-    up.add_argument("--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)")
+    up.add_argument(
+        "--update-mode",
+        choices=("continue", "pause", "abort-continue"),
+        help="rollout.engine.update_mode: what requests in flight do when new weights arrive: continue on them, "
+        "pause from the push's start to its commit, or recompute their KV cache at the switch "
+        "(default continue)",
+    )
+    up.add_argument(
+        "--transfer-backend",
+        choices=("tcp", "mooncake", "grpc"),
+        help="weights.backend: data plane of weight pushes (default tcp)",
+    )
+    up.add_argument(
+        "--compression",
+        choices=("none", "zstd", "delta"),
+        help="weights.compression: link compression of weight pushes (default none; delta needs tcp or grpc)",
+    )
+    up.add_argument(
+        "--model-dir", help="model.path: a HF model folder (default: the built-in tiny model, created on first use)"
+    )
     up.add_argument("--output-dir", help="output.dir: metrics, plot, checkpoints and logs (default runs/<time>)")
-    up.add_argument("--tls", action="store_true", default=None,
-                    help="mesh.tls: mutual TLS between every service and client, with a local CA and certificates "
-                         "created in <output-dir>/tls (or --tls-dir)")
-    up.add_argument("--tls-dir", metavar="DIR",
-                    help="mesh.tls_dir: use (and complete) the certificates in DIR, as `rlmesh certs` writes them; implies --tls")
-    up.add_argument("--secrets-dir", metavar="DIR",
-                    help="mesh.secrets_dir: use (and complete) the role secrets in DIR, as `rlmesh secrets` writes them "
-                         "(default: new ones in <output-dir>/secrets)")
-    up.add_argument("--insecure", action="store_true", default=None,
-                    help="mesh.insecure: turn authorization off, so that anyone who reaches a port may call every RPC "
-                         "(a mesh on one trusted machine only)")
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        default=None,
+        help="mesh.tls: mutual TLS between every service and client, with a local CA and certificates "
+        "created in <output-dir>/tls (or --tls-dir)",
+    )
+    up.add_argument(
+        "--tls-dir",
+        metavar="DIR",
+        help="mesh.tls_dir: use (and complete) the certificates in DIR, as `rlmesh certs` writes them; implies --tls",
+    )
+    up.add_argument(
+        "--secrets-dir",
+        metavar="DIR",
+        help="mesh.secrets_dir: use (and complete) the role secrets in DIR, as `rlmesh secrets` writes them "
+        "(default: new ones in <output-dir>/secrets)",
+    )
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="mesh.insecure: turn authorization off, so that anyone who reaches a port may call every RPC "
+        "(a mesh on one trusted machine only)",
+    )
     up.set_defaults(handler=_up)
-    up.add_argument("--fork-server", metavar="SOCKET", default=os.environ.get(WARM_FORK_SERVER_ENV) or None,
-                    help=f"fork the services from the warm fork server listening at SOCKET (`rlmesh fork-server`), "
-                         f"which has imported what they import (default: ${WARM_FORK_SERVER_ENV}; none: the run "
-                         f"starts its own)")
-    warm = commands.add_parser("fork-server", help="keep the services' imports warm for the `rlmesh up` runs of this machine",
-                               description="Import what the services import once, then fork each `rlmesh up` that "
-                                           "connects to SOCKET its own fork server, already warm: a run's services "
-                                           "start without seconds of imports. Runs in the foreground until SIGTERM or "
-                                           "Ctrl-C; runs it started live on.")
-    warm.add_argument("--socket", required=True, help="the Unix socket to listen on (point `rlmesh up --fork-server` "
-                                                      f"or {WARM_FORK_SERVER_ENV} at it)")
+    up.add_argument(
+        "--fork-server",
+        metavar="SOCKET",
+        default=os.environ.get(WARM_FORK_SERVER_ENV) or None,
+        help=f"fork the services from the warm fork server listening at SOCKET (`rlmesh fork-server`), "
+        f"which has imported what they import (default: ${WARM_FORK_SERVER_ENV}; none: the run "
+        f"starts its own)",
+    )
+    warm = commands.add_parser(
+        "fork-server",
+        help="keep the services' imports warm for the `rlmesh up` runs of this machine",
+        description="Import what the services import once, then fork each `rlmesh up` that "
+        "connects to SOCKET its own fork server, already warm: a run's services "
+        "start without seconds of imports. Runs in the foreground until SIGTERM or "
+        "Ctrl-C; runs it started live on.",
+    )
+    warm.add_argument(
+        "--socket",
+        required=True,
+        help=f"the Unix socket to listen on (point `rlmesh up --fork-server` or {WARM_FORK_SERVER_ENV} at it)",
+    )
     warm.set_defaults(handler=_fork_server)
     init = commands.add_parser("init-model", help="create a built-in tiny model")
-    init.add_argument("--kind", choices=("tiny-increment", "tiny-chat", "tiny-feedback"), default="tiny-increment",
-                      help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat "
-                           "template; tiny-feedback: tiny-increment also warmed up on the feedback environment's format")
+    init.add_argument(
+        "--kind",
+        choices=("tiny-increment", "tiny-chat", "tiny-feedback"),
+        default="tiny-increment",
+        help="tiny-increment: digit tokenizer (default task); tiny-chat: ASCII tokenizer with a chat "
+        "template; tiny-feedback: tiny-increment also warmed up on the feedback environment's format",
+    )
     init.add_argument("--model-dir", help="where to write it (default: where jobs look for the built-in model)")
-    init.add_argument("--warmup-iterations", type=_positive, metavar="N",
-                      help="tiny-chat only: N supervised warm-up iterations instead of 1,200 (minutes of CPU): a model "
-                           "that only has to hold a conversation, for trying out agents and environments")
+    init.add_argument(
+        "--warmup-iterations",
+        type=_positive,
+        metavar="N",
+        help="tiny-chat only: N supervised warm-up iterations instead of 1,200 (minutes of CPU): a model "
+        "that only has to hold a conversation, for trying out agents and environments",
+    )
     init.set_defaults(handler=_init_model)
     scale = commands.add_parser("scale", help="change the number of rollout instances of a running `rlmesh up`")
-    scale.add_argument("--rollout-instances", type=_positive, required=True, metavar="N",
-                       help="within the MIN:MAX the mesh was started with")
+    scale.add_argument(
+        "--rollout-instances",
+        type=_positive,
+        required=True,
+        metavar="N",
+        help="within the MIN:MAX the mesh was started with",
+    )
     scale.add_argument("--run", help="the mesh's output folder (default: the newest running one under runs/)")
     scale.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the instances (default 120)")
     scale.set_defaults(handler=_scale)
-    status = commands.add_parser("status", help="a live view of a running mesh: instances, queue, staleness, pushes, the trainer",
-                                 description="Reads the manager's, the weights service's and the trainer's status RPCs "
-                                             "and refreshes the view in place; q or Ctrl-C quits. Addresses come from "
-                                             "--manager/--weights/--trainer, else from the mesh.json of a running "
-                                             "`rlmesh up` (--run, default the newest under runs/).")
+    status = commands.add_parser(
+        "status",
+        help="a live view of a running mesh: instances, queue, staleness, pushes, the trainer",
+        description="Reads the manager's, the weights service's and the trainer's status RPCs "
+        "and refreshes the view in place; q or Ctrl-C quits. Addresses come from "
+        "--manager/--weights/--trainer, else from the mesh.json of a running "
+        "`rlmesh up` (--run, default the newest under runs/).",
+    )
     status.add_argument("--run", help="a running `rlmesh up`'s output folder")
     status.add_argument("--manager", metavar="HOST:PORT", help="the manager (compose: localhost:50151)")
     status.add_argument("--weights", metavar="HOST:PORT", help="the weights service (compose: localhost:50152)")
@@ -357,34 +475,55 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(handler=mesh_commands.status)
     health = commands.add_parser("health", help="check a service's health (exit 0 when SERVING)")
     health.add_argument("address", help="host:port")
-    health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default 2)")
     mesh_commands.add_credential_arguments(health, secret=False)
     health.set_defaults(handler=mesh_commands.health)
-    drain = commands.add_parser("drain", help="take a rollout instance out of the pool: it hands its requests back "
-                                              "to the manager with their tokens, deregisters and exits",
-                                description="Call Drain on a rollout instance and wait until it has handed its "
-                                            "requests back (exit 0), or say why not (exit 1). A Kubernetes preStop "
-                                            "hook runs it before a preempted pod stops.")
+    drain = commands.add_parser(
+        "drain",
+        help="take a rollout instance out of the pool: it hands its requests back "
+        "to the manager with their tokens, deregisters and exits",
+        description="Call Drain on a rollout instance and wait until it has handed its "
+        "requests back (exit 0), or say why not (exit 1). A Kubernetes preStop "
+        "hook runs it before a preempted pod stops.",
+    )
     drain.add_argument("address", help="the instance's host:port")
     drain.add_argument("--reason", default="drain requested", help="logged by the instance (default: drain requested)")
-    drain.add_argument("--timeout", type=float, default=30.0,
-                       help="seconds to wait for the drain; longer than the instance's drain_timeout_seconds (default 30)")
-    drain.add_argument("--run", help="the `rlmesh up` output folder whose operator secret to present (default: the newest "
-                                     "running one under runs/)")
+    drain.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the drain; longer than the instance's drain_timeout_seconds (default 30)",
+    )
+    drain.add_argument(
+        "--run",
+        help="the `rlmesh up` output folder whose operator secret to present (default: the newest "
+        "running one under runs/)",
+    )
     mesh_commands.add_credential_arguments(drain)
     drain.set_defaults(handler=mesh_commands.drain)
-    certs = commands.add_parser("certs", help="create a local CA and a mutual-TLS certificate for each service",
-                                description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer and "
-                                            "client, NAME.pem and NAME-key.pem (keys mode 0600). Valid ones already "
-                                            "there are kept. Each names 127.0.0.1, localhost, NAME and every --host.")
+    certs = commands.add_parser(
+        "certs",
+        help="create a local CA and a mutual-TLS certificate for each service",
+        description="Write ca.pem, ca-key.pem and, for manager, weights, rollout, trainer, "
+        "client (the operator's) and observer (read-only), NAME.pem and "
+        "NAME-key.pem (keys mode 0600). Valid ones already there are kept. Each "
+        "names 127.0.0.1, localhost, NAME and every --host.",
+    )
     certs.add_argument("--dir", required=True, help="where to write them")
-    certs.add_argument("--host", action="append", metavar="H",
-                       help="another host name or IP address the services are reached at (repeatable)")
+    certs.add_argument(
+        "--host",
+        action="append",
+        metavar="H",
+        help="another host name or IP address the services are reached at (repeatable)",
+    )
     certs.set_defaults(handler=mesh_commands.certs)
-    secrets = commands.add_parser("secrets", help="create a bearer secret for each role, or rotate one",
-                                  description="Write ROLE.secret (mode 0600) for each role that has none yet, and "
-                                              "verifiers.json with their SHA-256 digests, which servers check callers "
-                                              "against. Roles: " + ", ".join(ROLES) + ".")
+    secrets = commands.add_parser(
+        "secrets",
+        help="create a bearer secret for each role, or rotate one",
+        description="Write ROLE.secret (mode 0600) for each role that has none yet, and "
+        "verifiers.json with their SHA-256 digests, which servers check callers "
+        "against. Roles: " + ", ".join(ROLES) + ".",
+    )
     secrets.add_argument("--dir", required=True, help="where to write them")
     secrets.add_argument("--rotate", choices=ROLES, metavar="ROLE", help="replace ROLE's secret (and its digest)")
     secrets.set_defaults(handler=mesh_commands.secrets)

@@ -168,8 +168,8 @@ def secrets(args: argparse.Namespace) -> int:
     try:
         if args.rotate:
             print(
-                f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; servers refuse the old one within "
-                "a second: restart the processes of that role with the new one"
+                f"{args.rotate}: new secret in {rotate_secret(directory, args.rotate)}; "
+                "servers refuse the old one within a second: restart the processes of that role with the new one"
             )
             return 0
         create_secrets(directory)
@@ -182,6 +182,7 @@ def secrets(args: argparse.Namespace) -> int:
     print(
         f"a service NAME takes them from RLMESH_NAME_SERVER__AUTH__VERIFIERS_FILE and __SECRET_FILE (its role's);\n"
         f"rlmesh status --secret-file {secret_path(directory, 'operator')}; grpcurl -plaintext "
-        f'-H "authorization: Bearer $(cat {secret_path(directory, "operator")})" HOST:PORT rlmesh.manager.v1.ManagerService/GetStatus'
+        f'-H "authorization: Bearer $(cat {secret_path(directory, "operator")})" HOST:PORT '
+        "rlmesh.manager.v1.ManagerService/GetStatus"
     )
     return 0

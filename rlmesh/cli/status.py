@@ -148,7 +148,8 @@ def render(snapshot: Snapshot) -> Group:
             Text.assemble(
                 ("manager ", "bold"),
                 f"published {manager.published_version}  η {manager.max_staleness}  ",
-                f"queued {manager.queued_samples}  running {manager.running_samples}  ready groups {manager.ready_groups}  ",
+                f"queued {manager.queued_samples}  running {manager.running_samples}  ready groups "
+                f"{manager.ready_groups}  ",
                 f"{manager.tokens_per_second:.0f} tok/s  migrated {manager.migrated_samples}  "
                 f"continued tokens {manager.continued_tokens}  requeued {manager.requeued_samples}  ",
                 authorization_text(manager.authorization),

@@ -42,15 +42,22 @@ def _load(taskset: str, args_json: str, search_path: tuple[str, ...]) -> Any:
     try:
         import verifiers.v1 as vf
     except ImportError as exc:
-        raise VerifiersError(f"environment.verifiers needs the verifiers package (pip install 'verifiers==0.4.0'): {exc}") from exc
+        raise VerifiersError(
+            f"environment.verifiers needs the verifiers package, 0.4.0 (rlmesh's `verifiers` "
+            f"extra; `make setup` installs it): {exc}"
+        ) from exc
     # The taskset's tool servers run as processes of their own, importing it from the job's folder.
     for folder in reversed(search_path):
         if folder not in sys.path:
             sys.path.insert(0, folder)
     os.environ["PYTHONPATH"] = os.pathsep.join([*search_path, *filter(None, [os.environ.get("PYTHONPATH")])])
     try:
-        config = vf.resolve_env_config({"taskset": {"id": taskset, **json.loads(args_json)},
-                                        "agent": {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}}})
+        config = vf.resolve_env_config(
+            {
+                "taskset": {"id": taskset, **json.loads(args_json)},
+                "agent": {"harness": {"id": HARNESS_ID}, "runtime": {"type": "subprocess"}},
+            }
+        )
         return vf.load_environment(config)
     except Exception as exc:  # noqa: BLE001 - whatever the user's taskset raises stops the job with its message
         raise VerifiersError(f"verifiers taskset {taskset!r}: {type(exc).__name__}: {exc}") from exc
@@ -67,8 +74,11 @@ def _prompt(index: int, data: Any) -> TaskPrompt:
     metadata = {INDEX_FIELD: index}
     if isinstance(prompt, str) or prompt is None:
         return TaskPrompt(f"task-{index}", text=prompt or "", metadata=metadata)
-    return TaskPrompt(f"task-{index}", messages=[m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt],
-                      metadata=metadata)
+    return TaskPrompt(
+        f"task-{index}",
+        messages=[m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt],
+        metadata=metadata,
+    )
 
 
 class VerifiersSource(PromptSource):
@@ -110,14 +120,18 @@ class VerifiersEpisodes:
         self._serving: Any = None
         self._starting = asyncio.Lock()
 
-    async def run(self, index: int, base_url: str, model: str, deadline_seconds: float, key: str = "") -> VerifiersOutcome:
+    async def run(
+        self, index: int, base_url: str, model: str, deadline_seconds: float, key: str = ""
+    ) -> VerifiersOutcome:
         """One episode of row `index`, its model calls sent to `base_url` with the session's `key`."""
         import verifiers.v1 as vf
 
         await self._start()
         # verifiers sets the bearer key of its upstream calls from an environment variable, one for
         # the process: each episode's own key goes in the gateway's key header instead.
-        client = vf.EvalClientConfig(base_url=base_url, api_key_var="RLMESH_VERIFIERS_NO_KEY", headers={KEY_HEADER: key} if key else {})
+        client = vf.EvalClientConfig(
+            base_url=base_url, api_key_var="RLMESH_VERIFIERS_NO_KEY", headers={KEY_HEADER: key} if key else {}
+        )
         context = vf.ModelContext(model=model, client=client)
         (slot,) = self.environment.slots(self.tasks[index], 1)
         try:
@@ -127,7 +141,9 @@ class VerifiersEpisodes:
         trace = episode.traces[-1] if episode.traces else None
         error = episode.last_error or (trace.last_error if trace is not None else None)
         if not episode.ok or trace is None or error is not None:
-            return VerifiersOutcome(0.0, f"{error.type}: {error.message}" if error is not None else "the episode left no trace")
+            return VerifiersOutcome(
+                0.0, f"{error.type}: {error.message}" if error is not None else "the episode left no trace"
+            )
         return VerifiersOutcome(trace.reward, timed_out=trace.is_timeout)
 
     async def _start(self) -> None:

@@ -130,7 +130,8 @@ def print_summary(plan: LaunchPlan, elapsed: float) -> None:
         f"tensorboard: {summary['tensorboard']}\n"
         f"plot:        {summary['plot']}\n"
         f"checkpoint:  {summary['checkpoint']}\n"
-        f"logs:        {plan.log_dir}"
+        + "".join(f"{name + ':':<13}{where}\n" for name, where in summary.get("tracking", {}).items())
+        + f"logs:        {plan.log_dir}"
     )
 
 

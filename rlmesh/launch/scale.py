@@ -8,6 +8,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlmesh.atomic_file import write_atomically
+
 SCALE_FILE = "scale.json"
 """Written by `rlmesh scale` in the output folder: the number of rollout instances wanted."""
 
@@ -15,10 +17,7 @@ SCALE_FILE = "scale.json"
 def request_scale(output_dir: Path, count: int) -> None:
     """Asks the mesh writing to `output_dir` for `count` rollout instances (written whole, then
     renamed into place, so the mesh never reads half a file)."""
-    request = output_dir / SCALE_FILE
-    partial = request.with_suffix(".partial")
-    partial.write_text(json.dumps({"rollout_instances": count}))
-    partial.replace(request)
+    write_atomically(output_dir / SCALE_FILE, json.dumps({"rollout_instances": count}))
 
 
 class ScaleRequests:

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from rlmesh.atomic_file import write_atomically
 from rlmesh.rpc.authz import Role
 from rlmesh.rpc.credentials import secret_path
 
@@ -17,10 +18,7 @@ STATE_FILE = "mesh.json"
 
 def write_state(output_dir: Path, state: dict) -> None:
     """Written whole, then renamed into place: a reader never sees half a file."""
-    path = output_dir / STATE_FILE
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(state, indent=2))
-    partial.replace(path)
+    write_atomically(output_dir / STATE_FILE, json.dumps(state, indent=2))
 
 
 def find_running_mesh(runs: Path) -> Path | None:

@@ -133,7 +133,8 @@ class Supervisor:
     def _supervise(
         self, make_spec: Callable[[], ServiceSpec], policy: RestartPolicy = SERVICE_RESTARTS, resumes: bool = False
     ) -> Supervised:
-        """Starts a service; `make_spec` is called again at each restart (the trainer's rendezvous port is new each time)."""
+        """Starts a service; `make_spec` is called again at each restart (the trainer's rendezvous port is
+        new each time)."""
 
         def start() -> Child:
             return self._spawn(make_spec())
@@ -263,7 +264,8 @@ class Supervisor:
             service.restarts_in_a_row += 1
             service.restarts_total += 1
             self._notice(
-                f"{service.name} restarted (pid {service.child.process.pid}, restart {service.restarts_in_a_row} in a row)"
+                f"{service.name} restarted (pid {service.child.process.pid}, "
+                f"restart {service.restarts_in_a_row} in a row)"
             )
             self.write_state()
 

@@ -100,17 +100,18 @@ def _registries() -> Iterator[str]:
 
     yield "## Algorithm parts\n"
     yield (
-        "Each part is one function registered by name in `services/trainer/algorithms/` (`registry.py`); the "
-        "job's `[trainer]` settings choose them by name (`policy_loss`, `advantage_estimator`, and the reward "
-        "shapers' own settings), and a name no registry holds is refused at load with the known names. A new part "
-        "is one function and one registration decorator in that package.\n"
+        "Each part is one function registered by name in `services/trainer/algorithms/` (`registry.py`); "
+        "the job's `[algorithm]` settings choose them by name (`loss`, `advantage_estimator`, and the "
+        "reward shapers' own settings such as `overlong_buffer_tokens`), and a name no registry holds is "
+        "refused at load with the known names. A new part is one function and one registration decorator "
+        "in that package.\n"
     )
-    yield "### Policy losses (`trainer.policy_loss`)\n"
+    yield "### Policy losses (`algorithm.loss`)\n"
     yield f"Signature: `{inspect.signature(POLICY_LOSSES.get(POLICY_LOSSES.names()[0]))}`.\n"
     yield "| name | what it computes |\n|---|---|"
     for name, loss in POLICY_LOSSES.items():
         yield f"| `{name}` | {_one_paragraph(inspect.getdoc(loss))} |"
-    yield "\n### Advantage estimators (`trainer.advantage_estimator`)\n"
+    yield "\n### Advantage estimators (`algorithm.advantage_estimator`)\n"
     yield "| name | needs a critic | what it computes |\n|---|---|---|"
     for name, estimator in ADVANTAGE_ESTIMATORS.items():
         critic = "yes" if estimator.needs_critic else "no"

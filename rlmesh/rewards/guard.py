@@ -123,7 +123,8 @@ class GuardedReward:
         if rate > self.max_error_rate:
             raise RewardErrorRateExceeded(
                 f"task {self.task!r}: {sum(self.window)} of the last {len(self.window)} samples failed to score "
-                f"({rate:.0%}, limit reward.max_error_rate = {self.max_error_rate:.0%}); last error: {self.counters.last_error}"
+                f"({rate:.0%}, limit reward.max_error_rate = {self.max_error_rate:.0%}); last error: "
+                f"{self.counters.last_error}"
             )
 
     async def close(self) -> None:

@@ -12,7 +12,8 @@ ROLE_DUTIES: Mapping[Role, str] = {
     "trainer": "the trainer's ranks: submit prompts, take rollouts, upload weights, publish versions",
     "instance": "a rollout instance: register, heartbeat, deregister; drain itself (a pod's preStop hook)",
     "weights": "the weight-transfer service: list instances, push weights into them",
-    "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions; its OpenAI gateway runs sessions' turns",
+    "manager": "the rollout manager: run, abort and drain generation on instances; check stored versions; "
+    "its OpenAI gateway runs sessions' turns",
     "operator": "a person or tool running the mesh: status, scale, drain, pause",
     "observer": "read-only: status and metrics",
 }

@@ -47,7 +47,7 @@ def reference_apart(placement: Placement) -> bool:
     return ["ref_logp"] in placement
 
 
-class GrpoConfig(StrictModel):
+class LossConfig(StrictModel):
     """The policy loss and its regularisers."""
 
     learning_rate: float = Field(default=3e-4, gt=0)
@@ -108,7 +108,7 @@ class GrpoConfig(StrictModel):
     within value_clip of the value at the step's start (PPO's value clipping)."""
 
     @model_validator(mode="after")
-    def _cap_mode_applies(self) -> GrpoConfig:
+    def _cap_mode_applies(self) -> LossConfig:
         if self.loss == "tis" and self.importance_cap_mode == "drop":
             raise ValueError(
                 "importance_cap_mode drop applies to the decoupled loss; tis truncates by definition "
@@ -125,8 +125,8 @@ class GrpoConfig(StrictModel):
         return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
 
 
-class AlgorithmConfig(GrpoConfig):
-    """What the trainer learns and in what steps: the loss (GrpoConfig) and the step's shape."""
+class AlgorithmConfig(LossConfig):
+    """What the trainer learns and in what steps: the loss (LossConfig) and the step's shape."""
 
     steps: int = Field(default=600, ge=1)
     """Training steps; each publishes a weight version."""

@@ -50,6 +50,7 @@ class WeightsSettings(StrictModel):
         modes = {self.compression, *self.link_compression.values()}
         if self.backend == "mooncake" and modes != {"none"}:
             raise ValueError(
-                "the mooncake backend writes raw bytes into registered memory: link compression needs backend tcp or grpc"
+                "the mooncake backend writes raw bytes into registered memory: "
+                "link compression needs backend tcp or grpc"
             )
         return self

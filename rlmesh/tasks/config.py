@@ -173,9 +173,10 @@ class EnvironmentConfig(StrictModel):
     once per episode with OPENAI_BASE_URL set to its session on the manager's gateway and
     OPENAI_API_KEY to the session's key (plus RLMESH_SESSION_ID, RLMESH_ROW_FILE: a file holding the
     dataset row as JSON, and RLMESH_ROW: the same JSON, when it is under 64 KiB). Its process group
-    is killed when it exits or at the episode's deadline. It reports its reward by POSTing {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as
-    the JSON line {"reward": x} last on its stdout; or the task's reward scores the final
-    transcript. Exit 0 ends the episode `done`, any other exit `environment_error`."""
+    is killed when it exits or at the episode's deadline. It reports its reward by POSTing
+    {"reward": x} to $OPENAI_BASE_URL/rlmesh/reward, or as the JSON line {"reward": x} last on its
+    stdout; or the task's reward scores the final transcript. Exit 0 ends the episode `done`, any
+    other exit `environment_error`."""
     agent_rewards: bool | None = None
     """Whether the episode's agent may report rewards: a POST to $OPENAI_BASE_URL/rlmesh/reward
     (any code holding the session's key can make it, the agent's tools included) or an agent
@@ -223,9 +224,8 @@ class EnvironmentConfig(StrictModel):
     def _one_kind(self) -> EnvironmentConfig:
         chosen = [k for k in ("python", "builtin", "remote", "verifiers", "command") if getattr(self, k)]
         if len(chosen) != 1:
-            raise ValueError(
-                f"give one of python, builtin, remote, verifiers or command{', not ' + ' and '.join(chosen) if chosen else ''}"
-            )
+            given = f", not {' and '.join(chosen)}" if chosen else ""
+            raise ValueError(f"give one of python, builtin, remote, verifiers or command{given}")
         if self.verifiers_args and not self.verifiers:
             raise ValueError("verifiers_args are a verifiers taskset's fields: give verifiers too")
         if self.python and ":" not in self.python:

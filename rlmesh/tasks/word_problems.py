@@ -79,7 +79,10 @@ def _sharing(rng: random.Random) -> WordProblem:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     friends, each = rng.randint(2, 9), rng.randint(2, 12)
     total = friends * each
-    text = f"{name} has {total} {item} and shares them equally among {friends} friends. How many {item} does each friend get?"
+    text = (
+        f"{name} has {total} {item} and shares them equally among {friends} friends. "
+        f"How many {item} does each friend get?"
+    )
     return WordProblem("sharing", text, ((total, "/", friends),), each)
 
 
@@ -110,14 +113,20 @@ def _two_steps(rng: random.Random) -> WordProblem:
         count, price, change = rng.randint(2, 6), rng.randint(2, 9), rng.randint(1, 20)
         cost = count * price
         paid = cost + change
-        text = f"{name} buys {count} {item} at {price} dollars each and pays with {paid} dollars. How much change does {name} get?"
+        text = (
+            f"{name} buys {count} {item} at {price} dollars each and pays with {paid} dollars. "
+            f"How much change does {name} get?"
+        )
         return WordProblem("two_steps", text, ((count, "*", price), (paid, "-", cost)), change)
     if variant == 1:
         one, many = rng.choice(CONTAINERS)
         boxes, per_box = rng.randint(2, 6), rng.randint(2, 9)
         total = boxes * per_box
         given = rng.randint(1, total - 1)
-        text = f"{name} has {boxes} {many} with {per_box} {item} in each {one} and gives away {given} {item}. How many {item} are left?"
+        text = (
+            f"{name} has {boxes} {many} with {per_box} {item} in each {one} and gives away {given} {item}. "
+            f"How many {item} are left?"
+        )
         return WordProblem("two_steps", text, ((boxes, "*", per_box), (total, "-", given)), total - given)
     if variant == 2:
         friends, each = rng.randint(2, 6), rng.randint(2, 9)
@@ -131,7 +140,10 @@ def _two_steps(rng: random.Random) -> WordProblem:
         return WordProblem("two_steps", text, ((had, "+", bought), (total, "/", friends)), each)
     other = rng.choice([n for n in NAMES if n != name])
     age, gap, years = rng.randint(5, 30), rng.randint(2, 9), rng.randint(2, 9)
-    text = f"{name} is {age} years old. {other} is {gap} years older than {name}. How old will {other} be in {years} years?"
+    text = (
+        f"{name} is {age} years old. {other} is {gap} years older than {name}. "
+        f"How old will {other} be in {years} years?"
+    )
     return WordProblem("two_steps", text, ((age, "+", gap), (age + gap, "+", years)), age + gap + years)
 
 

@@ -86,7 +86,7 @@ class WeightSender(abc.ABC):
         TransferError if the rank did not get every byte; stops early (TransferError) once
         `cancelled()` is true, leaving the rank on its old version."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: backends that hold nothing (gRPC, Mooncake) keep this no-op
         """Releases transport resources."""
 
 

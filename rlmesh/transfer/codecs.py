@@ -115,7 +115,8 @@ class BucketCodec:
         if self.mode == "delta":
             if previous is None:
                 raise ValueError(
-                    "delta encoding needs `previous`, the same bucket of the receiver's version (send a full version with the zstd codec)"
+                    "delta encoding needs `previous`, the same bucket of the receiver's version "
+                    "(send a full version with the zstd codec)"
                 )
             previous = _bucket_bytes(previous, "previous")
             if previous.size != raw.size:
@@ -150,7 +151,8 @@ class BucketCodec:
             raise ValueError(f"blob is for a {raw_bytes}-byte bucket but out has {out.size} bytes")
         if tag != _RAW and element_size != self.dtype.itemsize:
             raise ValueError(
-                f"blob was encoded for {element_size}-byte elements, this codec's dtype {self.dtype} has {self.dtype.itemsize}"
+                f"blob was encoded for {element_size}-byte elements, "
+                f"this codec's dtype {self.dtype} has {self.dtype.itemsize}"
             )
         body = blob[HEADER.size :]
         if tag == _RAW:
@@ -255,7 +257,8 @@ class BucketCodec:
         block_count = math.ceil(count / self.block)
         if len(body) != 4 * block_count + count:
             raise ValueError(
-                f"corrupt blob: quantized body has {len(body)} bytes, expected {4 * block_count + count} for {count} elements"
+                f"corrupt blob: quantized body has {len(body)} bytes, "
+                f"expected {4 * block_count + count} for {count} elements"
             )
         # One copy makes the body writable and aligned, as torch needs.
         body_bytes = torch.from_numpy(np.frombuffer(body, dtype=np.uint8).copy())
@@ -364,7 +367,8 @@ class CompressionReport:
 def _bucket_bytes(array: np.ndarray, name: str) -> np.ndarray:
     if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
         raise ValueError(
-            f"{name} must be a 1-D uint8 numpy array, got {getattr(array, 'dtype', type(array).__name__)} with shape {getattr(array, 'shape', None)}"
+            f"{name} must be a 1-D uint8 numpy array, "
+            f"got {getattr(array, 'dtype', type(array).__name__)} with shape {getattr(array, 'shape', None)}"
         )
     if not array.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous")

@@ -1,6 +1,7 @@
 """The manager's journal: a SQLite file in WAL mode with what a restarted manager needs to go on
 (accepted batches, every request's tokens so far, the order groups were sent in, the published
-version, the instance registry and multi-turn sessions with their running turns). Written in one transaction per flush, from what changed."""
+version, the instance registry and multi-turn sessions with their running turns). Written in one
+transaction per flush, from what changed."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
     sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL, exact_version INTEGER NOT NULL DEFAULT 0,
-    version_gone INTEGER NOT NULL DEFAULT 0, background INTEGER NOT NULL DEFAULT 0, sessions INTEGER NOT NULL DEFAULT 0);
+    version_gone INTEGER NOT NULL DEFAULT 0, background INTEGER NOT NULL DEFAULT 0,
+    sessions INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, prompt_token_ids BLOB NOT NULL,
     sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB NOT NULL,
@@ -54,12 +56,13 @@ CREATE TABLE IF NOT EXISTS requests (
     attempt INTEGER NOT NULL, migrations INTEGER NOT NULL, session_id TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS requests_of_batch ON requests (batch_id);
 CREATE TABLE IF NOT EXISTS instances (
-    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
-    min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
-    draining INTEGER NOT NULL, saturation_batch_size INTEGER NOT NULL DEFAULT 0);
+    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL,
+    max_batch_size INTEGER NOT NULL, min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL,
+    preemptible INTEGER NOT NULL, draining INTEGER NOT NULL, saturation_batch_size INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS sessions (
-    session_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, key TEXT NOT NULL, sampling BLOB NOT NULL,
-    policy_version INTEGER NOT NULL, limits TEXT NOT NULL, trajectory BLOB NOT NULL, conversation TEXT NOT NULL);
+    session_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, key TEXT NOT NULL,
+    sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, limits TEXT NOT NULL, trajectory BLOB NOT NULL,
+    conversation TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS sessions_of_batch ON sessions (batch_id);
 """
 
@@ -188,13 +191,14 @@ class Journal:
             background,
             sessions,
         ) in self._db.execute(
-            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, sessions FROM batches "
-            "ORDER BY submitted"
+            "SELECT batch_id, policy_version, prompt_ids, sent, error, exact_version, version_gone, background, "
+            "sessions FROM batches ORDER BY submitted"
         ).fetchall():
             groups: dict[str, list[SampleRequest]] = {prompt_id: [] for prompt_id in json.loads(prompt_ids)}
             for row in self._db.execute(
-                "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, weight_versions, "
-                "instance_ids, finish_reason, attempt, migrations, session_id FROM requests WHERE batch_id = ? ORDER BY rowid",
+                "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, "
+                "weight_versions, instance_ids, finish_reason, attempt, migrations, session_id FROM requests "
+                "WHERE batch_id = ? ORDER BY rowid",
                 (batch_id,),
             ):
                 sampling = common_pb2.SamplingParams()
@@ -258,8 +262,8 @@ class Journal:
             progress,
             conversation,
         ) in self._db.execute(
-            "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory, conversation FROM sessions "
-            "ORDER BY rowid"
+            "SELECT session_id, batch_id, prompt_id, key, sampling, policy_version, limits, trajectory, conversation "
+            "FROM sessions ORDER BY rowid"
         ):
             sampling = common_pb2.SamplingParams()
             sampling.ParseFromString(sampling_blob)
@@ -289,8 +293,9 @@ class Journal:
             for batch_id in changed.written[BATCH] & state.batches.keys():
                 batch = state.batches[batch_id]
                 db.execute(
-                    "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, version_gone, "
-                    "background, sessions) VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?, ?) "
+                    "INSERT INTO batches (batch_id, policy_version, prompt_ids, sent, error, submitted, exact_version, "
+                    "version_gone, background, sessions) "
+                    "VALUES (?, ?, ?, ?, ?, (SELECT COALESCE(MAX(submitted), 0) + 1 FROM batches), ?, ?, ?, ?) "
                     "ON CONFLICT (batch_id) DO UPDATE "
                     "SET sent = excluded.sent, error = excluded.error, version_gone = excluded.version_gone",
                     (
@@ -333,8 +338,8 @@ class Journal:
             )
             # Requests written before change only in how far they got.
             db.executemany(
-                "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, finish_reason = ?, "
-                "attempt = ?, migrations = ? WHERE request_id = ?",
+                "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, "
+                "finish_reason = ?, attempt = ?, migrations = ? WHERE request_id = ?",
                 [
                     (
                         (p := progress[r.request_id]).token_ids,
@@ -350,7 +355,7 @@ class Journal:
                     if r.request_id not in new_requests
                 ],
             )
-            # A turn that finished (or was dropped) leaves the ledger but not the batch.
+            # A turn that finished (or was dropped) leaves the request table but not the batch.
             for request_id in changed.removed[REQUEST] - state.requests.keys():
                 if "#" in request_id:
                     db.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))

@@ -13,7 +13,7 @@ from rlmesh.rpc.servers import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.domain.state import ManagerState
-from services.manager.gateway.process import GatewayProcess
+from services.manager.gateway.process import GatewayProcess, bind
 from services.manager.journal import Journal, NoJournal, open_journal
 from services.manager.server import ManagerServicer, watch_leases
 from services.manager.session_feed import SessionFeed
@@ -82,12 +82,13 @@ async def start(config: ManagerConfig) -> RunningManager:
     stored_versions = StoredVersions(config.weights_address, config.rpc_timeout_seconds, config.store_wait_seconds)
     servicer = ManagerServicer(state, dispatcher, changes, config, journal, stored_versions, server.authorization)
     manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server.server)
+    gateway_socket = await bind(config.server.host, config.gateway_port) if config.gateway_port is not None else None
     await server.start()
     await server.serve_metrics("manager", servicer.collect_metrics)
     leases = asyncio.create_task(watch_leases(state, dispatcher, changes))
     journaling = asyncio.create_task(keep_journal(state, journal, config.journal_flush_seconds))
     dispatcher.dispatch()
-    gateway = await GatewayProcess.start(config, server.address) if config.gateway_port is not None else None
+    gateway = await GatewayProcess.start(config, server.address, gateway_socket) if gateway_socket is not None else None
     await server.set_serving(True)
     return RunningManager(
         server, state, dispatcher, leases, journal, journaling, stored_versions, servicer.session_feed, gateway

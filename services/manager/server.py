@@ -426,21 +426,21 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
     async def GetStatus(self, request, context):
         now = time.monotonic()
-        state, ledger = self.state, self.state.ledger
+        state, request_table = self.state, self.state.request_table
         return manager_pb2.GetStatusResponse(
             instances=[instance_status(i, now) for i in state.instances.values()],
             published_version=state.published_version,
             max_staleness=state.max_staleness,
-            queued_samples=len(ledger.queue),
+            queued_samples=len(request_table.queue),
             running_samples=state.registry.running_samples,
             ready_groups=state.delivery.ready_groups,
             delivered_groups=state.delivery.delivered_groups,
-            generated_tokens=ledger.generated_tokens,
-            tokens_per_second=ledger.tokens_per_second,
-            requeued_samples=ledger.requeued_samples,
-            discarded_tokens=ledger.discarded_tokens,
-            migrated_samples=ledger.migrated_samples,
-            continued_tokens=ledger.continued_tokens,
+            generated_tokens=request_table.generated_tokens,
+            tokens_per_second=request_table.tokens_per_second,
+            requeued_samples=request_table.requeued_samples,
+            discarded_tokens=request_table.discarded_tokens,
+            migrated_samples=request_table.migrated_samples,
+            continued_tokens=request_table.continued_tokens,
             stage_balance=balance_to_proto(state.balancer.balance),
             authorization=self.authorization,
         )

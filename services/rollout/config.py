@@ -51,7 +51,8 @@ class EngineConfig(EngineSettings):
 
 class TransferConfig(TransferSettings):
     mooncake: bool = True
-    """Offer a Mooncake transfer-engine endpoint per tensor-parallel rank for weight pushes (the gRPC stream is always offered)."""
+    """Offer a Mooncake transfer-engine endpoint per tensor-parallel rank for weight pushes (the gRPC
+    stream is always offered)."""
 
 
 class RolloutConfig(RolloutSettings):

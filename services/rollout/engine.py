@@ -52,7 +52,8 @@ class Sampling:
     seed: int = 0
     """0 lets the engine choose."""
     stop: tuple[str, ...] = ()
-    """Stop strings: the response ends at the token with which its text first contains one (rlmesh/chat/stop_strings.py)."""
+    """Stop strings: the response ends at the token with which its text first contains one
+    (rlmesh/chat/stop_strings.py)."""
 
 
 @dataclass(slots=True)
@@ -242,7 +243,8 @@ def validate_request(request: EngineRequest, vocab_size: int, max_positions: int
         )
     if len(prompt) + sampling.max_tokens > max_positions:
         raise InvalidArgument(
-            f"{name}: prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds the model's {max_positions} positions"
+            f"{name}: prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) "
+            f"exceeds the model's {max_positions} positions"
         )
     if sampling.temperature < 0:
         raise InvalidArgument(f"{name}: temperature must be >= 0")
@@ -267,7 +269,8 @@ def check_pin(request: EngineRequest, served: int, moving_on: bool) -> None:
         )
     if moving_on:
         raise Aborted(
-            f"request {request.request_id} is pinned to weight version {pinned}; this instance is switching to a newer version"
+            f"request {request.request_id} is pinned to weight version {pinned}; "
+            "this instance is switching to a newer version"
         )
 
 

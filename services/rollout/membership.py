@@ -151,7 +151,8 @@ class Membership:
                     log.warning("heartbeat failed", code=exc.code().name, error=exc.details())
 
     async def _register_again(self) -> None:
-        """With this incarnation's token: a manager that still holds the lease keeps the incarnation and its requests."""
+        """With this incarnation's token: a manager that still holds the lease keeps the incarnation and
+        its requests."""
         try:
             await self.register(timeout=self.rpc_timeout)
         except TimeoutError as err:

@@ -263,8 +263,8 @@ class WeightUpdater:
                 rank,
             ):
                 raise InvalidArgument(
-                    f"{label} is the payload of rank {manifest.tensor_parallel_rank} of {manifest.tensor_parallel_size}, "
-                    f"not of rank {rank} of {tp}"
+                    f"{label} is the payload of rank {manifest.tensor_parallel_rank} of "
+                    f"{manifest.tensor_parallel_size}, not of rank {rank} of {tp}"
                 )
             _match(manifest, expected, label)
         versions = sorted({m.version for m in manifests})

@@ -9,10 +9,10 @@ from pydantic import Field
 
 from rlmesh.config import ServerConfig
 from rlmesh.settings.tracking import TrackingSettings
-from rlmesh.settings.trainer import AlgorithmConfig, GrpoConfig, TrainerSettings
+from rlmesh.settings.trainer import AlgorithmConfig, LossConfig, TrainerSettings
 from rlmesh.tasks.config import TaskConfig
 
-__all__ = ["GrpoConfig", "TrainerConfig"]
+__all__ = ["LossConfig", "TrainerConfig"]
 
 
 class TrainerConfig(AlgorithmConfig, TrainerSettings):

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -25,8 +26,9 @@ from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
 from services.trainer.algorithms.group_advantages import with_advantages
 from services.trainer.config import TrainerConfig
-from services.trainer.episodes.driver import EpisodeDriver, episode_specs
+from services.trainer.episodes.driver import EpisodeDriver
 from services.trainer.episodes.process import EpisodeProcess, start_episodes
+from services.trainer.episodes.spec import episode_specs
 from services.trainer.mesh import MeshClient
 from services.trainer.pipeline import (
     PromptRecord,
@@ -45,7 +47,8 @@ from services.trainer.ranks.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals, balance_metrics
 from services.trainer.tracking.metrics import MetricsWriter
-from services.trainer.tracking.tracker import HeldOutSample, run_config, start_trackers
+from services.trainer.tracking.runs import run_config, start_trackers
+from services.trainer.tracking.tracker import HeldOutSample
 from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_rows, held_out_sets
 
 log = structlog.get_logger()
@@ -268,6 +271,7 @@ class TrainingLoop:
         first_eval = evaluations.get(first_step, {})
         last_eval = evaluations[max(evaluations)] if evaluations else {}
         plot = self.metrics.plot()
+        tracked = {tracker.name: tracker.where for tracker in self.metrics.trackers}
         self.metrics.close()
         summary = {
             "steps": state.step,
@@ -281,6 +285,7 @@ class TrainingLoop:
             "ledger": str(self.ledger_path),
             "checkpoint": str(latest_checkpoint(self.checkpoints)),
             "validations_skipped": self.validation.skipped if self.validation else [],
+            "tracking": tracked,
         }
         (self.output / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -557,7 +562,7 @@ class TrainingLoop:
         while plan.trained < plan.expected:
             waiting_since = time.perf_counter()
             most = min(config.micro_batch_groups, self.mini_batch_groups - groups_in_mini_batch)
-            ready = (lambda: plan.complete) if sync else (lambda: plan.can_take(self.ordered, most, fewest))
+            ready = (lambda: plan.complete) if sync else partial(plan.can_take, self.ordered, most, fewest)
             if not ready():
                 await self._wait_for_groups(plan, ready, deadline)
             totals.wait_seconds += time.perf_counter() - waiting_since

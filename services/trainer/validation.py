@@ -17,8 +17,9 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.driver import EpisodeDriver
 from services.trainer.episodes.process import EpisodeProcess
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.mesh import MeshClient
 from services.trainer.pipeline import prompt_seed
 from services.trainer.tracking.tracker import HeldOutSample

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
 
@@ -88,11 +89,15 @@ class EncodedPayload:
         for _ in self.frames():
             pass
 
+    def _encoded_or_failed(self, index: int) -> bool:
+        """Whether bucket `index` is encoded, or the encoding failed (called holding `_ready`)."""
+        return len(self._blobs) > index or self._error is not None
+
     def frames(self) -> Iterator[Frame]:
         self.start()
         for index, (start, end) in enumerate(self._ranges):
             with self._ready:
-                self._ready.wait_for(lambda: len(self._blobs) > index or self._error is not None)
+                self._ready.wait_for(partial(self._encoded_or_failed, index))
                 if len(self._blobs) <= index:
                     raise RuntimeError(f"encoding version {self.rank.manifest.version} failed: {self._error}")
                 blob = self._blobs[index]

@@ -56,7 +56,8 @@ def check_layout(header: weights_pb2.ShardsHeader, max_bytes: int) -> None:
     parameters = len(one) + more * (len(two) - len(one))
     if parameters > len(header.shards):
         raise InvalidArgument(
-            f"shards header: the layout has {parameters} parameters but the header lists only {len(header.shards)} shards"
+            f"shards header: the layout has {parameters} parameters "
+            f"but the header lists only {len(header.shards)} shards"
         )
     elements = [sum(math.prod(dims) for dims in shapes.values()) for shapes in (one, two)]
     dtype = next(

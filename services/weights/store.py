@@ -367,7 +367,8 @@ class WeightStore:
         for name, spec in names.items():
             if tuple(spec.full_shape) != expected[name]:
                 raise InvalidArgument(
-                    f"version {header.version}: {name} has shape {list(spec.full_shape)}, the layout says {list(expected[name])}"
+                    f"version {header.version}: {name} has shape {list(spec.full_shape)}, "
+                    f"the layout says {list(expected[name])}"
                 )
         dtypes = {spec.dtype for spec in header.shards}
         assembly = self._assemblies.get(header.version)

@@ -23,12 +23,12 @@ import pytest
 
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.support import wait_until
+from tests.support.paths import REPO_ROOT
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(5400)]
 """Building the images takes about 2 minutes here on overlay2, 10 on vfs."""
 
-ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
 PROJECT = "rlmesh-compose-test"
 LOCAL_BASE = "rlmesh-base:bookworm"
@@ -42,7 +42,7 @@ MANAGER, TRAINER = "127.0.0.1:50151", "127.0.0.1:50153"
 def run(
     command: list[str], env: dict[str, str], timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -56,13 +56,13 @@ def docker_env() -> dict[str, str]:
     stopped at the end)."""
     env = dict(os.environ)
     if run(["docker", "info"], env, check=False).returncode != 0:
-        exports = run([str(ROOT / "deploy" / "docker" / "engine.sh"), "start"], env, timeout=600).stdout
+        exports = run([str(REPO_ROOT / "deploy" / "docker" / "engine.sh"), "start"], env, timeout=600).stdout
         env |= dict(
             line.removeprefix("export ").split("=", 1) for line in exports.splitlines() if line.startswith("export ")
         )
     yield env
     if env.get("RLMESH_DOCKER_STARTED"):
-        run([str(ROOT / "deploy" / "docker" / "engine.sh"), "stop"], env, check=False)
+        run([str(REPO_ROOT / "deploy" / "docker" / "engine.sh"), "stop"], env, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def compose_env(docker_env) -> dict[str, str]:
         env["BASE_IMAGE"] == LOCAL_BASE
         and run(["docker", "image", "inspect", LOCAL_BASE], env, check=False).returncode != 0
     ):
-        run([str(ROOT / "deploy" / "docker" / "base-image.sh"), LOCAL_BASE], env, timeout=1200)
+        run([str(REPO_ROOT / "deploy" / "docker" / "base-image.sh"), LOCAL_BASE], env, timeout=1200)
     return env
 
 

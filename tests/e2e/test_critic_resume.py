@@ -13,7 +13,9 @@ import torch
 
 from rlmesh.launch.ports import free_base_port
 from services.trainer.ranks.checkpoint import CRITIC
-from tests.support import step_records_written, trainer_pid, up_command, wait_until
+from tests.support.jobs import up_command
+from tests.support.run_outputs import step_records_written, trainer_pid
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -14,11 +14,11 @@ import pytest
 
 from rlmesh.launch.ports import free_base_port
 from rlmesh.launch.processes import mesh_processes
-from tests.support import last_trained_step, wait_until
+from tests.support.paths import REPO_ROOT
+from tests.support.run_outputs import last_trained_step
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def mesh_state(output_dir: Path) -> dict | None:
@@ -45,7 +45,7 @@ def scale(output_dir: Path, count: int) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
     )
 
 
@@ -75,7 +75,7 @@ def test_instances_and_the_weights_service_come_back_and_scale_while_training_go
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
     )
     try:
         wait_until(lambda: last_trained_step(output_dir) >= 2, 180, "training to start")
@@ -165,7 +165,7 @@ def test_the_autoscaler_adds_an_instance_when_the_manager_recommends_one(model_d
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=REPO_ROOT,
         )
         try:
             wait_until(lambda: len(running(output_dir)) == 2, 180, "the autoscaler to add an instance")

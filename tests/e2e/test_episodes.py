@@ -13,10 +13,10 @@ import pytest
 
 from rlmesh.launch.ports import free_base_port
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
+from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 
 ENVIRONMENT = '''
 import asyncio
@@ -41,7 +41,8 @@ class Echo:
 
 
 VERIFIERS_ENVIRONMENT = '''
-"""A verifiers (0.4) tool environment, as its users write one: rows of sums, an adding tool, a reward on the last reply."""
+"""A verifiers (0.4) tool environment, as its users write one: rows of sums, an adding tool, a reward
+on the last reply."""
 import random
 
 import verifiers.v1 as vf
@@ -79,8 +80,8 @@ class Sums(vf.Taskset[SumTask, SumsConfig]):
     def load(self):
         rng = random.Random(5)
         pairs = [(rng.randint(1, 50), rng.randint(1, 50)) for _ in range(self.config.rows)]
-        return [SumTask(SumData(prompt=f"What is {a}+{b}?", system_prompt="Use the tool.", answer=str(a + b)), self.config.task)
-                for a, b in pairs]
+        rows = [SumData(prompt=f"What is {a}+{b}?", system_prompt="Use the tool.", answer=str(a + b)) for a, b in pairs]
+        return [SumTask(row, self.config.task) for row in rows]
 
     @classmethod
     def toolsets(cls, config):
@@ -131,7 +132,7 @@ def run_two_steps(job: Path, output: Path, model_dir: Path) -> Path:
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return output

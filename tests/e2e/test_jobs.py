@@ -1,7 +1,8 @@
 """Jobs run by `rlmesh up --job` as real processes: the user's own example task trains (its
 held-out reward rises) with a secret per role made for the run, a two-task mixture reports each
 task's reward with one task scored by the Node verifier over gRPC (which takes a token of its own,
-named by the task, and refuses the trainer's secret), and a reward that always fails stops the job saying why (a run with --insecure)."""
+named by the task, and refuses the trainer's secret), and a reward that always fails stops the job
+saying why (a run with --insecure)."""
 
 import json
 import shutil
@@ -16,14 +17,14 @@ import pytest
 from rlmesh.launch.ports import free_base_port, free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rpc.credentials import create_secrets, read_secret, secret_path
+from tests.support.paths import REPO_ROOT
 
 # Jobs without a model folder: the first run creates the built-in model under .rlmesh/, and a run
 # that starts meanwhile (the GPU check's short job) waits for it.
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "nines-complement"
-NODE_VERIFIER = ROOT / "examples" / "node-verifier"
+EXAMPLE = REPO_ROOT / "examples" / "nines-complement"
+NODE_VERIFIER = REPO_ROOT / "examples" / "node-verifier"
 
 
 def up(job: Path, output_dir: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -40,7 +41,7 @@ def up(job: Path, output_dir: Path, *args: str, timeout: float = 600) -> subproc
         str(free_base_port()),
         *args,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
 
 
 def metrics(output_dir: Path) -> list[dict]:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from rlmesh.launch.ports import free_base_port
-from tests.support import up_command
+from tests.support.jobs import up_command
 
 pytestmark = pytest.mark.e2e
 

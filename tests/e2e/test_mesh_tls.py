@@ -15,7 +15,8 @@ from rlmesh.launch.ports import free_base_port
 from rlmesh.launch.processes import mesh_processes
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.channels import call_options, check_health, open_channel, use_tls
-from tests.support import GRPCURL, up_command
+from tests.support.clients import GRPCURL
+from tests.support.jobs import up_command
 
 pytestmark = pytest.mark.e2e
 

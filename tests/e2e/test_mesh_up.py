@@ -25,11 +25,12 @@ from rlmesh.rpc.channels import call_options, open_channel
 from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.transfer.shards import SHM_DIR
 from services.trainer.ranks.handoff import SLOT_PREFIX, mesh_tag
-from tests.support import grpcurl_output, grpcurl_result, parent_pid, up_command
+from tests.support.clients import grpcurl_output, grpcurl_result
+from tests.support.jobs import up_command
+from tests.support.paths import REPO_ROOT
+from tests.support.processes import parent_pid
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 async def training_step(address: str) -> int:
@@ -214,7 +215,7 @@ def test_prometheus_scrapes_every_service_and_the_values_move(live_mesh):
     assert later["rollout-0"]["rlmesh_rollout_tokens_per_second"] >= 0
     assert later["weights"]["rlmesh_weights_push_seconds"] > 0
     # Every series the compose profile `observe`'s Grafana dashboard plots is served.
-    dashboard = json.loads((ROOT / "deploy" / "observe" / "grafana" / "dashboards" / "rlmesh.json").read_text())
+    dashboard = json.loads((REPO_ROOT / "deploy" / "observe" / "grafana" / "dashboards" / "rlmesh.json").read_text())
     plotted = {
         name
         for panel in dashboard["panels"]

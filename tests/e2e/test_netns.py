@@ -4,7 +4,6 @@ with a clear message. The chaos suite runs a namespaced instance and cuts its li
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,10 +16,9 @@ from rlmesh.launch.netns import (
     remove_netns,
     sweep_netns,
 )
+from tests.support.paths import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def namespaces() -> str:
@@ -74,7 +72,7 @@ def test_up_without_the_privileges_for_namespaces_says_so(tmp_path):
     if not netns_problem():
         # Root here: take away the two capabilities the namespaces need.
         command = ["setpriv", "--inh-caps=-all", "--bounding-set=-net_admin,-sys_admin", *command]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 2
     assert (
         "mesh.rollout_netns = 1 runs rollout instances in network namespaces, which this process cannot create"

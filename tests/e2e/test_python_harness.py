@@ -13,12 +13,12 @@ import pytest
 
 from rlmesh.launch.ports import free_base_port
 from rlmesh.models.chat_tiny import ChatModelSpec, create_chat_model
+from tests.support.paths import REPO_ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 """About 800 interpreters start, each importing `openai` (a CPU second): some 15 minutes on 2 cores,
 more than `make test` has; `make test-long` runs it, and CI after `make test`."""
 
-ROOT = Path(__file__).resolve().parents[2]
 
 HARNESS = '''
 """One chat turn about the row's increment problem, through the official openai client; the reward
@@ -84,7 +84,7 @@ def test_a_python_openai_harness_at_the_default_step_size_finishes_with_no_episo
         capture_output=True,
         text=True,
         timeout=2300,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         env=environment,
     )
     assert result.returncode == 0, result.stderr[-3000:]

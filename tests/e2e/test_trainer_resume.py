@@ -16,7 +16,9 @@ import pytest
 from rlmesh.launch.ports import free_base_port
 from services.trainer.pipeline import load_pipeline
 from services.trainer.ranks.checkpoint import latest_checkpoint
-from tests.support import step_records_written, trainer_pid, up_command, wait_until
+from tests.support.jobs import up_command
+from tests.support.run_outputs import step_records_written, trainer_pid
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +85,7 @@ def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(
             progress = step_records_written(output_dir)
             # Killed only once it trained a step since it started: the run must get somewhere.
             wait_until(
-                lambda: step_records_written(output_dir) > progress,
+                lambda progress=progress: step_records_written(output_dir) > progress,
                 120,
                 "a step trained since it started",
                 interval=0.01,
@@ -92,7 +94,7 @@ def test_a_trainer_killed_anywhere_resumes_and_trains_every_prompt_exactly_once(
                 # Right after a checkpoint that carries both: the resume must restore them.
                 read: dict[Path, bool] = {}
                 wait_until(
-                    lambda: carries_accepted_and_in_flight(output_dir / "checkpoints", read),
+                    lambda read=read: carries_accepted_and_in_flight(output_dir / "checkpoints", read),
                     120,
                     "a checkpoint holding accepted groups and prompts in flight",
                     interval=0.005,

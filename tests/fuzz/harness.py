@@ -25,7 +25,8 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2
 from services.trainer.loop import TrainingStatus
 from services.trainer.server import TrainerServicer
-from tests.support import TEST_SECRETS, Mesh, build_mesh, loopback, stop_mesh
+from tests.support.credentials import TEST_SECRETS, loopback
+from tests.support.meshes import Mesh, build_mesh, stop_mesh
 
 CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}
 

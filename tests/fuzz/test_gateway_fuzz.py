@@ -26,7 +26,7 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.rpc.channels import open_channel
 from tests.fuzz.gateway_requests import Generator, Request, Session
-from tests.support import build_mesh, stop_mesh
+from tests.support.meshes import build_mesh, stop_mesh
 
 REQUESTS = int(os.environ.get("RLMESH_FUZZ_REQUESTS", "0"))
 """Generated requests (`make fuzz`: 10,000); 0 is the bounded run of `make test`."""

@@ -14,7 +14,9 @@ from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.torch.engine import TorchEngine
 from services.trainer.mesh import MeshClient
-from tests.support import TP, TpInstance, build_mesh, loopback, stop_mesh
+from tests.support.credentials import loopback
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.tp_instances import TP, TpInstance
 
 
 @pytest.fixture

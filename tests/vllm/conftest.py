@@ -19,14 +19,14 @@ from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.support import (
+from tests.support.credentials import loopback
+from tests.support.processes import stop_process_group
+from tests.support.vllm_rollout import (
     TORCH_ID,
     VLLM_MAX_BATCH,
     VLLM_PYTHON,
     PairedInstances,
-    loopback,
     spawn_vllm_rollout,
-    stop_process_group,
     wait_registered,
 )
 

@@ -12,21 +12,18 @@ from rlmesh.models.random_init import scaled_config, write_random_model
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
-from tests.support import (
-    DIGIT_PROMPTS,
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.model_families import (
     PUSHED_VERSION,
-    VLLM_START_SECONDS,
     Pushed,
     assert_served_as_hf,
-    build_mesh,
     greedy_responses,
     published_tensors,
-    spawn_vllm_rollout,
-    stop_mesh,
-    stop_process_group,
     trainer_rank_results,
-    wait_registered,
 )
+from tests.support.processes import stop_process_group
+from tests.support.samples import DIGIT_PROMPTS
+from tests.support.vllm_rollout import VLLM_START_SECONDS, spawn_vllm_rollout, wait_registered
 
 MAX_MODEL_LEN = 512
 """Far below Llama's 131,072 positions: vLLM would otherwise size its start-up runs for that."""

@@ -3,7 +3,8 @@ its head size, instead of registering and failing every request sent to it."""
 
 from rlmesh.launch.ports import free_port
 from rlmesh.models.engine_fit import VLLM_CPU_HEAD_SIZES
-from tests.support import spawn_vllm_rollout, stop_process_group
+from tests.support.processes import stop_process_group
+from tests.support.vllm_rollout import spawn_vllm_rollout
 
 REFUSAL_SECONDS = 30
 

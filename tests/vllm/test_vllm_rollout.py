@@ -24,7 +24,7 @@ from rlmesh.transfer.base import raw_frames
 from rlmesh.transfer.grpc_stream import GrpcStreamSender
 from rlmesh.transfer.payload import pack
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
-from tests.support import VLLM_ID, PairedInstances
+from tests.support.vllm_rollout import VLLM_ID, PairedInstances
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -233,7 +233,7 @@ async def test_abort_ends_one_request_and_spares_the_other(instances):
             generate(instances.vllm, f"doomed-{attempt}", prompt, params(1.0, LONG, seed=5), into=doomed),
             generate(instances.vllm, f"survivor-{attempt}", prompt, params(1.0, LONG, seed=6), into=survivor),
         )
-        await until(lambda: doomed.tokens)
+        await until(lambda doomed=doomed: doomed.tokens)
         reply = await instances.vllm.Abort(
             rollout_pb2.AbortRequest(request_ids=[f"doomed-{attempt}", "never-started"]), timeout=RPC_TIMEOUT
         )
@@ -261,7 +261,7 @@ async def test_pause_holds_requests_and_resume_finishes_them(instances):
             ]
         )
         try:
-            await until(lambda: all(r.tokens for r in held))
+            await until(lambda held=held: all(r.tokens for r in held))
             reply = await instances.vllm.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT)
             if reply.held_requests == 2:
                 await asyncio.sleep(0.1)
@@ -302,7 +302,7 @@ async def test_a_new_version_pushed_mid_request_serves_the_torch_engines_tokens(
         running = asyncio.create_task(
             generate(instances.vllm, f"across-{attempt}", prompt, params(0.0, LONG), into=across)
         )
-        await until(lambda: across.tokens)
+        await until(lambda across=across: across.tokens)
         await instances.vllm.PauseGeneration(rollout_pb2.PauseGenerationRequest(), timeout=RPC_TIMEOUT)
         seen = len(across.tokens)
         running_requests = (await info(instances.vllm)).running_requests

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from rlmesh.micro_batch import group_tokens, pack, trajectory_tokens
 from services.manager.domain.journaled import Records
-from services.manager.domain.ledger import RequestLedger
 from services.manager.domain.records import Batch, SampleRequest
+from services.manager.domain.request_table import RequestTable
 
 if TYPE_CHECKING:
     from services.manager.domain.sessions import Session
@@ -36,9 +36,17 @@ def session_group_size(group: list[SampleRequest], sessions: Mapping[str, Sessio
 
 
 class Delivery:
-    def __init__(self, batches: Records[Batch], ledger: RequestLedger, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        batches: Records[Batch],
+        request_table: RequestTable,
+        sessions: Mapping[str, Session],
+        clock: Callable[[], float],
+    ) -> None:
         self.batches = batches
-        self.ledger = ledger
+        self.request_table = request_table
+        self.sessions = sessions
+        """The sessions by id, whose trajectories a session batch's groups are weighed by."""
         self.clock = clock
         self.delivered_groups = 0
         self.finished: dict[str, tuple[float, float, int]] = {}
@@ -125,10 +133,9 @@ class Delivery:
 
     def _sizer(self, batch: Batch) -> Callable[[list[SampleRequest]], int]:
         """What a group of the batch weighs against a budget."""
-        sessions = self.ledger.sessions
-        if not batch.sessions or sessions is None:
+        if not batch.sessions:
             return group_size
-        return lambda group: session_group_size(group, sessions.sessions)
+        return lambda group: session_group_size(group, self.sessions)
 
     def _delivered(self, batch: Batch) -> None:
         """Every group was sent: the timing the stage balance needs is kept after the batch is forgotten."""
@@ -160,7 +167,7 @@ class Delivery:
 
     def forget(self, batch: Batch) -> None:
         del self.batches[batch.batch_id]
-        self.ledger.forget(batch)
+        self.request_table.forget(batch)
 
     @property
     def ready_groups(self) -> int:

@@ -4,12 +4,13 @@ tokens against measured throughput (and lets stragglers migrate); `round_robin` 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Literal, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
+from services.manager.domain.admission import Admission
 from services.manager.domain.records import Assignment, Instance, SampleRequest
-
-if TYPE_CHECKING:
-    from services.manager.domain.scheduling import RunningWork, Scheduler
+from services.manager.domain.request_table import RequestTable
 
 PolicyName = Literal["balanced", "round_robin"]
 MIGRATION_SPEEDUP = 1.5
@@ -17,11 +18,49 @@ MIGRATION_SPEEDUP = 1.5
 much slower than the fastest starts nothing near the end of the queue."""
 
 
+@dataclass(slots=True)
+class RunningWork:
+    """What the instances run, as the dispatch policy weighs it."""
+
+    holders: dict[int, set[str]] = field(default_factory=dict)
+    """The instances running exact-version requests, by version."""
+    background: set[str] = field(default_factory=set)
+    """The instances running background work."""
+    oldest_version: dict[str, int] = field(default_factory=dict)
+    """By instance, the lowest policy version among the training requests it runs: the step whose
+    stragglers it decodes."""
+
+    def started(self, request: SampleRequest, instance_id: str) -> None:
+        if request.exact_version:
+            self.holders.setdefault(request.policy_version, set()).add(instance_id)
+        else:
+            self.oldest_version[instance_id] = min(
+                self.oldest_version.get(instance_id, request.policy_version), request.policy_version
+            )
+        if request.background:
+            self.background.add(instance_id)
+
+
+class SchedulerView(Protocol):
+    """The scheduler (scheduling.py) as a dispatch policy sees it: the instances, the request table
+    it starts queued requests through, and the admission rules."""
+
+    instances: Mapping[str, Instance]
+    request_table: RequestTable
+    admission: Admission
+
+    def eligible(self, request: SampleRequest) -> list[Instance]: ...
+
+    def running_work(self) -> RunningWork: ...
+
+    def rates(self) -> dict[str, float]: ...
+
+
 class DispatchPolicy(Protocol):
     migrates: bool
     """Whether stragglers move off slow instances near the end of a step."""
 
-    def assign(self, scheduler: Scheduler) -> list[Assignment]:
+    def assign(self, scheduler: SchedulerView) -> list[Assignment]:
         """Starts queued requests (exact-version ones first in the queue) on eligible instances."""
         ...
 
@@ -38,11 +77,11 @@ class Balanced:
 
     migrates = True
 
-    def assign(self, scheduler: Scheduler) -> list[Assignment]:
-        ledger, instances = scheduler.ledger, scheduler.instances
+    def assign(self, scheduler: SchedulerView) -> list[Assignment]:
+        request_table, instances = scheduler.request_table, scheduler.instances
         assignments: list[Assignment] = []
         free = sum(max(0, i.free_slots) for i in instances.values() if i.schedulable)
-        if not free or not ledger.queue:
+        if not free or not request_table.queue:
             return assignments
         waiting: deque[SampleRequest] = deque()
         rates = scheduler.rates()
@@ -58,16 +97,18 @@ class Balanced:
             for i in instances.values()
             if i.schedulable
         )
-        mean_length = ledger.mean_length
+        mean_length = request_table.mean_length
         queued_tokens = (
-            sum(r.expected_remaining(mean_length) for r in ledger.queue if not r.exact_version) if slow_present else 0.0
+            sum(r.expected_remaining(mean_length) for r in request_table.queue if not r.exact_version)
+            if slow_present
+            else 0.0
         )
         work = scheduler.running_work()
         # Whether an instance may run a request depends only on the request's version and kind: a
         # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
         may_run: dict[tuple[int, bool], list[Instance]] = {}
-        while ledger.queue and free:
-            request = ledger.queue.popleft()
+        while request_table.queue and free:
+            request = request_table.queue.popleft()
             kind = (request.policy_version, request.exact_version)
             if kind not in may_run:
                 may_run[kind] = [i for i in instances.values() if scheduler.admission.may_run(i, request)]
@@ -108,11 +149,11 @@ class Balanced:
                     candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
                 )
             )
-            assignments.append(ledger.start(request, instance))
+            assignments.append(request_table.start(request, instance))
             work.started(request, instance.instance_id)
             free -= 1
-        waiting.extend(ledger.queue)
-        ledger.queue = waiting
+        waiting.extend(request_table.queue)
+        request_table.queue = waiting
         return assignments
 
 
@@ -147,12 +188,12 @@ class RoundRobin:
     def __init__(self) -> None:
         self.turn = 0
 
-    def assign(self, scheduler: Scheduler) -> list[Assignment]:
-        ledger, instances = scheduler.ledger, scheduler.instances
+    def assign(self, scheduler: SchedulerView) -> list[Assignment]:
+        request_table, instances = scheduler.request_table, scheduler.instances
         assignments: list[Assignment] = []
         order = sorted(instances)
-        while ledger.queue and order:
-            request = ledger.queue[0]
+        while request_table.queue and order:
+            request = request_table.queue[0]
             instance = instances[order[self.turn % len(order)]]
             if not scheduler.admission.may_run(instance, request):
                 if not scheduler.eligible(request):
@@ -161,9 +202,9 @@ class RoundRobin:
                 continue
             if instance.free_slots <= 0:
                 break
-            ledger.queue.popleft()
+            request_table.queue.popleft()
             self.turn += 1
-            assignments.append(ledger.start(request, instance))
+            assignments.append(request_table.start(request, instance))
         return assignments
 
 

@@ -24,7 +24,7 @@ class WrongIncarnation(Exception):
 
 class InstanceRegistry(Journaled):
     """Registration, renewal and departure; a departure returns the instance gone, whose running
-    requests are the ledger's to requeue."""
+    requests are the request table's to requeue."""
 
     __slots__ = ("tracker", "lease_seconds", "instances", "registrations", "empty_since")
     JOURNALED: ClassVar[frozenset[str]] = frozenset({"registrations"})

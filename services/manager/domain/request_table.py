@@ -1,11 +1,10 @@
-"""The request ledger: every sample request with its tokens so far, the queue of those waiting for
+"""The request table: every sample request with its tokens so far, the queue of those waiting for
 an instance, and each request's life (started, chunks recorded, continued elsewhere, finished)."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import InvalidArgument
@@ -15,13 +14,13 @@ from services.manager.domain.journaled import REQUEST, ChangeTracker, Records
 from services.manager.domain.records import FINISHED, Assignment, Batch, Instance, SampleRequest
 from services.manager.domain.registry import RATE_SMOOTHING
 
-if TYPE_CHECKING:
-    from services.manager.domain.sessions import Sessions
-
 LENGTH_SMOOTHING = 0.05
 
 
-class RequestLedger:
+class RequestTable:
+    """Every sample request by id, and the queue. A session's turn is a request too: how it ends is
+    told through the turn hooks, which the sessions' owner registers (see ManagerState)."""
+
     def __init__(
         self,
         tracker: ChangeTracker,
@@ -44,8 +43,14 @@ class RequestLedger:
         """Smoothed length of finished responses: what a fresh request is expected to generate."""
         self._rate_tokens = 0
         self._rate_time = 0.0
-        self.sessions: Sessions | None = None
-        """Where a session's turn goes when it finishes or is refused."""
+        self.turn_finished: Callable[[SampleRequest], None] = lambda turn: None
+        """Told each session turn that finished: its tokens go to its session, not to a group."""
+        self.turn_refused: Callable[[SampleRequest, str], None] = lambda turn, reason: None
+        """Told each session turn an instance refused as invalid, with the reason."""
+        self.turn_failed: Callable[[SampleRequest, str], None] = lambda turn, reason: None
+        """Told each session turn that failed too often in a row (already off its instance), with the reason."""
+        self.session_batch_forgotten: Callable[[Batch], None] = lambda batch: None
+        """Told each session batch being forgotten, before its requests go: its sessions go with it."""
 
     def add(self, batch: Batch) -> int:
         """Queues the requests of a batch just accepted (a session batch's samples run turn by turn
@@ -203,8 +208,8 @@ class RequestLedger:
         request = self.current(request_id, attempt)
         if request is None:
             return False
-        if request.session_id and self.sessions is not None:
-            self.sessions.turn_refused(request, reason)
+        if request.session_id:
+            self.turn_refused(request, reason)
             return True
         self._fail_batch(request, f"prompt {request.prompt_id!r} was refused by an instance: {reason}")
         return True
@@ -219,9 +224,9 @@ class RequestLedger:
         instance = self.instances.get(request.instance_id or "")
         quarantine = breaker.request_failed(instance, self.clock()) if instance else 0.0
         if breaker.sample_failed(request, instance):
-            if request.session_id and self.sessions is not None:
+            if request.session_id:
                 self.detach(request)
-                self.sessions.turn_failed(request, reason)
+                self.turn_failed(request, reason)
                 return Failure(quarantine, batch_failed=False)
             self._fail_batch(
                 request,
@@ -271,16 +276,16 @@ class RequestLedger:
         self.mean_length = (
             length if self.mean_length is None else self.mean_length + LENGTH_SMOOTHING * (length - self.mean_length)
         )
-        if request.session_id and self.sessions is not None:
-            self.sessions.turn_finished(request)
+        if request.session_id:
+            self.turn_finished(request)
         else:
             self.batches[request.batch_id].sample_finished(request.prompt_id, self.clock())
 
     def forget(self, batch: Batch) -> None:
         """Drops the requests of a batch nobody reads any more, wherever they are."""
         self.unqueue({batch.batch_id})
-        if batch.sessions and self.sessions is not None:
-            self.sessions.forget(batch)
+        if batch.sessions:
+            self.session_batch_forgotten(batch)
         for group in batch.groups.values():
             for request in group:
                 self.detach(request)

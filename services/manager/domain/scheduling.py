@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from services.manager.domain.admission import Admission
-from services.manager.domain.dispatch_policy import MIGRATION_SPEEDUP, DispatchPolicy
-from services.manager.domain.ledger import RequestLedger
+from services.manager.domain.dispatch_policy import MIGRATION_SPEEDUP, DispatchPolicy, RunningWork
 from services.manager.domain.records import Assignment, Batch, Instance, SampleRequest
+from services.manager.domain.request_table import RequestTable
 
 MIGRATION_MIN_SECONDS = 0.25
 """A straggler moves only when it is expected to run at least this long where it is."""
@@ -18,41 +17,18 @@ MAX_MIGRATIONS = 2
 """Per sample, so that no request bounces between instances."""
 
 
-@dataclass(slots=True)
-class RunningWork:
-    """What the instances run, as the dispatch policy weighs it."""
-
-    holders: dict[int, set[str]] = field(default_factory=dict)
-    """The instances running exact-version requests, by version."""
-    background: set[str] = field(default_factory=set)
-    """The instances running background work."""
-    oldest_version: dict[str, int] = field(default_factory=dict)
-    """By instance, the lowest policy version among the training requests it runs: the step whose
-    stragglers it decodes."""
-
-    def started(self, request: SampleRequest, instance_id: str) -> None:
-        if request.exact_version:
-            self.holders.setdefault(request.policy_version, set()).add(instance_id)
-        else:
-            self.oldest_version[instance_id] = min(
-                self.oldest_version.get(instance_id, request.policy_version), request.policy_version
-            )
-        if request.background:
-            self.background.add(instance_id)
-
-
 class Scheduler:
     def __init__(
         self,
         instances: Mapping[str, Instance],
         batches: Mapping[str, Batch],
-        ledger: RequestLedger,
+        request_table: RequestTable,
         admission: Admission,
         policy: DispatchPolicy,
     ) -> None:
         self.instances = instances
         self.batches = batches
-        self.ledger = ledger
+        self.request_table = request_table
         self.admission = admission
         self.policy = policy
 
@@ -65,9 +41,9 @@ class Scheduler:
         capacity rule, or exactly its version), are not draining and have a free slot; the policy
         picks among them."""
         self._fail_versions_gone()
-        if any(r.exact_version for r in self.ledger.queue):
+        if any(r.exact_version for r in self.request_table.queue):
             # Stable: each kind keeps its order (continuations first).
-            self.ledger.queue = deque(sorted(self.ledger.queue, key=lambda r: not r.exact_version))
+            self.request_table.queue = deque(sorted(self.request_table.queue, key=lambda r: not r.exact_version))
         return self.policy.assign(self)
 
     def eligible(self, request: SampleRequest) -> list[Instance]:
@@ -78,7 +54,7 @@ class Scheduler:
         work = RunningWork()
         for instance in self.instances.values():
             for request_id in instance.running:
-                work.started(self.ledger.requests[request_id], instance.instance_id)
+                work.started(self.request_table.requests[request_id], instance.instance_id)
         return work
 
     def rates(self) -> dict[str, float]:
@@ -91,7 +67,7 @@ class Scheduler:
         """An exact-version batch with a sample waiting for an instance fails once none can take it:
         its evaluation is skipped. Its samples still running are let go (their next chunk ends their
         stream), so they no longer hold their instance's switch back."""
-        queue = self.ledger.queue
+        queue = self.request_table.queue
         versions = {r.policy_version for r in queue if r.exact_version}
         gone = {v for v in versions if self.admission.version_gone(v, self.instances.values())}
         if not gone:
@@ -107,18 +83,18 @@ class Scheduler:
             for group in batch.groups.values():
                 for request in group:
                     if request.instance_id is not None:
-                        self.ledger.detach(request)
-        self.ledger.unqueue(failed)
+                        self.request_table.detach(request)
+        self.request_table.unqueue(failed)
 
     def plan_migrations(self) -> list[SampleRequest]:
         """Near the end of a step (nothing queued but exact-version samples, background work) an
         instance with free slots takes over the requests expected to run longest on instances much
         slower per sequence; the caller aborts each on its instance, and the abort's chunk brings
         it back here to continue."""
-        if not self.policy.migrates or any(not r.exact_version for r in self.ledger.queue):
+        if not self.policy.migrates or any(not r.exact_version for r in self.request_table.queue):
             return []
         planned: list[SampleRequest] = []
-        requests = self.ledger.requests
+        requests = self.request_table.requests
         in_flight = [requests[r] for i in self.instances.values() for r in i.running if r in requests]
         incoming: dict[str, int] = {}
         for request in in_flight:
@@ -147,7 +123,7 @@ class Scheduler:
                 source_rate = source.sequence_tokens_per_second
                 if source_rate <= 0 or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source_rate:
                     continue
-                seconds_left = request.expected_remaining(self.ledger.mean_length) / source_rate
+                seconds_left = request.expected_remaining(self.request_table.mean_length) / source_rate
                 if seconds_left >= MIGRATION_MIN_SECONDS:
                     choices.append((seconds_left, request.request_id, request))
             for _, _, request in sorted(choices, reverse=True)[:free]:

@@ -1,5 +1,5 @@
 """Multi-turn sessions: each one trajectory held as one canonical token stream of segments, its turns
-run as sample requests through the ledger, its limits and deadlines, and the group slot it fills."""
+run as sample requests through the request table, its limits and deadlines, and the group slot it fills."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from rlmesh.manager.v1 import manager_pb2
 from services.manager.domain.admission import per_sample_sampling
 from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.journaled import SESSION, ChangeTracker, Journaled, Records
-from services.manager.domain.ledger import RequestLedger
 from services.manager.domain.records import Batch, SampleRequest
+from services.manager.domain.request_table import RequestTable
 
 MODEL, ENVIRONMENT, TEMPLATE = (
     manager_pb2.SEGMENT_SOURCE_MODEL,
@@ -155,13 +155,19 @@ class TurnState:
 
 
 class Sessions:
-    """Every open and closed session of the batches the manager holds, by session id."""
+    """Every open and closed session of the batches the manager holds, by session id. Their turns run
+    in the request table, which tells how each ends through the hooks its owner points at
+    turn_finished, turn_refused, turn_failed and forget."""
 
     def __init__(
-        self, tracker: ChangeTracker, ledger: RequestLedger, batches: Mapping[str, Batch], clock: Callable[[], float]
+        self,
+        tracker: ChangeTracker,
+        request_table: RequestTable,
+        batches: Mapping[str, Batch],
+        clock: Callable[[], float],
     ) -> None:
         self.sessions: Records[Session] = Records(tracker, SESSION)
-        self.ledger = ledger
+        self.request_table = request_table
         self.batches = batches
         self.clock = clock
         self.closed_by_status: dict[int, int] = {}
@@ -171,7 +177,6 @@ class Sessions:
         """Told the session id whenever a session's running turn ends (finished, or cut by its close)."""
         self.forgotten: Callable[[list[str]], None] = lambda session_ids: None
         """Told the ids of the sessions forgotten with their batch."""
-        ledger.sessions = self
 
     def open(self, batch: Batch, limits: Limits) -> list[Session]:
         """A session per sample slot of a session batch just admitted; each begins with its prompt's
@@ -223,7 +228,7 @@ class Sessions:
         sampling: common_pb2.SamplingParams | None,
         conversation: list[LoggedMessage] | None = None,
     ) -> TurnState:
-        """Starts turn `turn` (queued in the ledger), or tells where a turn already asked for stands.
+        """Starts turn `turn` (queued in the request table), or tells where a turn already asked for stands.
         `conversation`: the gateway's record of the messages before it, kept with the turn."""
         session = self.start(session_id)
         if turn == session.turns - 1:
@@ -285,7 +290,7 @@ class Sessions:
             affinity=session.last_instance,
         )
         session.turn = request
-        self.ledger.add_turn(request)
+        self.request_table.add_turn(request)
         return TurnState(OPEN, running=request)
 
     def turn_state(self, session: Session, turn: int) -> TurnState:
@@ -348,9 +353,9 @@ class Sessions:
         return segments
 
     def turn_finished(self, request: SampleRequest) -> None:
-        """The ledger finished a turn: its tokens become the session's model segment."""
+        """The request table finished a turn: its tokens become the session's model segment."""
         session = self.sessions.get(request.session_id)
-        self.ledger.requests.pop(request.request_id, None)
+        self.request_table.requests.pop(request.request_id, None)
         if session is None or session.turn is not request:
             return
         turn = session.turns - 1
@@ -415,15 +420,16 @@ class Sessions:
         The manager ends a session itself (a limit, a turn refused or failing) without settling it:
         its episode may still be scoring what it did, and its owner's close settles it."""
         if status not in CLOSING_STATUSES:
+            given = manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status
             raise InvalidArgument(
                 f"status must be one of {sorted(manager_pb2.SessionStatus.Name(s) for s in CLOSING_STATUSES)}, "
-                f"got {manager_pb2.SessionStatus.Name(status) if status in manager_pb2.SessionStatus.values() else status}"
+                f"got {given}"
             )
         dropped = None
         if session.is_open:
             dropped = session.turn
             if dropped is not None:
-                self.ledger.drop_turn(dropped)
+                self.request_table.drop_turn(dropped)
                 session.turn = None
             session.status = status
             session.detail = detail
@@ -481,7 +487,7 @@ class Sessions:
                     continue
                 forgotten.append(session.session_id)
                 if session.turn is not None:
-                    self.ledger.drop_turn(session.turn)
+                    self.request_table.drop_turn(session.turn)
         if forgotten:
             self.forgotten(forgotten)
 
@@ -496,7 +502,7 @@ class Sessions:
             turn = running.get(session.session_id)
             if turn is not None and session.is_open:
                 session.turn = turn
-                self.ledger.add_turn(turn, restored=True)
+                self.request_table.add_turn(turn, restored=True)
 
     @property
     def open_count(self) -> int:
@@ -513,7 +519,10 @@ def deadline_passed(session: Session, now: float) -> str:
     if session.turn is not None:
         started = session.turn_started
         if limits.turn_deadline_seconds and started is not None and now - started > limits.turn_deadline_seconds:
-            return f"turn {session.turns - 1} generated for more than turn_deadline_seconds ({limits.turn_deadline_seconds:g})"
+            return (
+                f"turn {session.turns - 1} generated for more than turn_deadline_seconds "
+                f"({limits.turn_deadline_seconds:g})"
+            )
     elif limits.step_deadline_seconds and now - session.idle_since > limits.step_deadline_seconds:
         return (
             f"no call for more than step_deadline_seconds ({limits.step_deadline_seconds:g}) after turn "

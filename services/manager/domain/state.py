@@ -1,5 +1,5 @@
 """The manager's domain state: one facade over the modules that each hold one job (registry,
-admission, scheduling, request ledger, delivery), sharing the tracker the journal reads what
+admission, scheduling, request table, sessions, delivery), sharing the tracker the journal reads what
 changed from. Plain Python, driven by the server from one event loop."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.delivery import Delivery, Taken
 from services.manager.domain.dispatch_policy import PolicyName, dispatch_policy
 from services.manager.domain.journaled import BATCH, Changed, ChangeTracker, Records
-from services.manager.domain.ledger import RequestLedger
 from services.manager.domain.records import Assignment, Batch, Instance, SampleRequest
 from services.manager.domain.registry import InstanceRegistry
+from services.manager.domain.request_table import RequestTable
 from services.manager.domain.scheduling import Scheduler
 from services.manager.domain.sessions import Limits, Segment, Session, Sessions, TurnState
 from services.manager.domain.stage_balance import Balance, StageBalancer, StepTiming
@@ -41,11 +41,16 @@ class ManagerState:
         self.registry = InstanceRegistry(self.tracker, lease_seconds, clock())
         self.admission = Admission(self.tracker, max_staleness)
         batches: Records[Batch] = Records(self.tracker, BATCH)
-        self.ledger = RequestLedger(self.tracker, self.registry.instances, batches, clock)
-        self.delivery = Delivery(batches, self.ledger, clock)
-        self.sessions = Sessions(self.tracker, self.ledger, batches, clock)
+        self.request_table = RequestTable(self.tracker, self.registry.instances, batches, clock)
+        self.sessions = Sessions(self.tracker, self.request_table, batches, clock)
+        # How a session's turn ends, and a session batch forgotten, go from the table to the sessions.
+        self.request_table.turn_finished = self.sessions.turn_finished
+        self.request_table.turn_refused = self.sessions.turn_refused
+        self.request_table.turn_failed = self.sessions.turn_failed
+        self.request_table.session_batch_forgotten = self.sessions.forget
+        self.delivery = Delivery(batches, self.request_table, self.sessions.sessions, clock)
         self.scheduler = Scheduler(
-            self.registry.instances, batches, self.ledger, self.admission, dispatch_policy(policy)
+            self.registry.instances, batches, self.request_table, self.admission, dispatch_policy(policy)
         )
         self.balancer = StageBalancer()
 
@@ -55,7 +60,7 @@ class ManagerState:
 
     @property
     def requests(self) -> dict[str, SampleRequest]:
-        return self.ledger.requests
+        return self.request_table.requests
 
     @property
     def batches(self) -> dict[str, Batch]:
@@ -63,7 +68,7 @@ class ManagerState:
 
     @property
     def queue(self) -> deque[SampleRequest]:
-        return self.ledger.queue
+        return self.request_table.queue
 
     @property
     def published_version(self) -> int:
@@ -96,7 +101,7 @@ class ManagerState:
         self.admission.published_version = published_version
         self.registry.restore(instances, registrations, now)
         self.delivery.restore(batches)
-        self.ledger.restore(batches)
+        self.request_table.restore(batches)
         self.sessions.restore(sessions or [], turns or [])
 
     # Instances ---------------------------------------------------------------------------
@@ -125,7 +130,7 @@ class ManagerState:
             self.published_version,
             saturation_batch_size,
         )
-        return instance, self.ledger.requeue_running(replaced) if replaced else []
+        return instance, self.request_table.requeue_running(replaced) if replaced else []
 
     def heartbeat(
         self, instance_id: str, weight_version: int, now: float, draining: bool = False, *, token: str
@@ -147,7 +152,7 @@ class ManagerState:
         return [(instance, self._drop(instance.instance_id, now)) for instance in self.registry.expired(now)]
 
     def _drop(self, instance_id: str, now: float) -> list[SampleRequest]:
-        return self.ledger.requeue_running(self.registry.drop(instance_id, now))
+        return self.request_table.requeue_running(self.registry.drop(instance_id, now))
 
     def publish(self, version: int) -> None:
         self.admission.publish(version)
@@ -176,7 +181,7 @@ class ManagerState:
             batch_id, policy_version, prompts, sampling, exact_version, background, self.batches, self.clock()
         )
         self.batches[batch_id] = batch
-        return self.ledger.add(batch)
+        return self.request_table.add(batch)
 
     # Sessions ----------------------------------------------------------------------------
 
@@ -196,7 +201,7 @@ class ManagerState:
         if problem:
             raise InvalidArgument(problem)
         self.batches[batch_id] = batch
-        self.ledger.add(batch)
+        self.request_table.add(batch)
         return self.sessions.open(batch, limits)
 
     def run_turn(
@@ -236,19 +241,19 @@ class ManagerState:
         weight_versions: list[int],
         finish_reason: int,
     ) -> bool:
-        return self.ledger.record_chunk(request_id, attempt, token_ids, logprobs, weight_versions, finish_reason)
+        return self.request_table.record_chunk(request_id, attempt, token_ids, logprobs, weight_versions, finish_reason)
 
     def version_refused(self, request_id: str, attempt: int) -> bool:
-        return self.ledger.version_refused(request_id, attempt)
+        return self.request_table.version_refused(request_id, attempt)
 
     def stream_lost(self, request_id: str, attempt: int) -> bool:
-        return self.ledger.stream_lost(request_id, attempt)
+        return self.request_table.stream_lost(request_id, attempt)
 
     def reject(self, request_id: str, attempt: int, reason: str) -> bool:
-        return self.ledger.reject(request_id, attempt, reason)
+        return self.request_table.reject(request_id, attempt, reason)
 
     def request_failed(self, request_id: str, attempt: int, reason: str) -> Failure | None:
-        return self.ledger.failed(request_id, attempt, reason)
+        return self.request_table.failed(request_id, attempt, reason)
 
     def release_quarantines(self, now: float) -> list[Instance]:
         return breaker.release_due(self.instances.values(), now)
@@ -292,9 +297,9 @@ class ManagerState:
         return self.balancer.observe(timing, len(self.instances), reserved)
 
     def token_staleness(self) -> list[int]:
-        return self.ledger.token_staleness(self.published_version)
+        return self.request_table.token_staleness(self.published_version)
 
     def measure(self, now: float) -> None:
         """Updates the measured tokens/s, per instance and overall."""
         self.registry.measure(now)
-        self.ledger.measure(now)
+        self.request_table.measure(now)

@@ -1,9 +1,10 @@
-"""The manager's OpenAI-compatible gateway, a process of its own beside the manager.
+"""The manager's OpenAI-compatible gateway, a process of its own beside the manager, through which
+agent harnesses make a session's turns.
 
-- `app`: The manager's OpenAI-compatible gateway (Starlette, served by uvicorn in a process of its own beside the manager's).
-- `main`: The manager's OpenAI gateway as a process of its own, started and watched by the manager.
-- `openai_format`: OpenAI's wire format for the gateway.
-- `process`: Runs the manager's OpenAI gateway in a process of its own.
-- `requests`: What the gateway reads of a request body, checked before anything runs.
-- `sessions`: The gateway process's view of the sessions harnesses reach it for.
+- `app`: the HTTP app: `/v1/chat/completions` and `/v1/completions` per session, matched to its conversation.
+- `main`: the gateway process's entry: serves the app on the manager's socket, runs turns over gRPC.
+- `openai_format`: OpenAI's wire format: completions and chat completions, whole or streamed, and errors.
+- `process`: the manager's side: binds the port, starts the gateway process, restarts it, stops it.
+- `requests`: checks a request body before anything runs; a refusal names the field at fault.
+- `sessions`: the gateway's bounded cache of the sessions it serves, kept in step with their turns.
 """

@@ -44,8 +44,8 @@ log = structlog.get_logger()
 SESSION_HEADER = "x-rlmesh-session"
 MAX_BODY_BYTES = 8 << 20
 ROUTE_ERRORS = {
-    404: "no such route: the gateway serves POST <base>/chat/completions, POST <base>/completions, GET <base>/models and "
-    "POST <base>/rlmesh/reward, <base> being /sessions/<id>/v1, /sessions/<id>/key/<key>/v1 or /v1 (with the "
+    404: "no such route: the gateway serves POST <base>/chat/completions, POST <base>/completions, GET <base>/models "
+    "and POST <base>/rlmesh/reward, <base> being /sessions/<id>/v1, /sessions/<id>/key/<key>/v1 or /v1 (with the "
     f"{SESSION_HEADER} header); and GET /healthz",
     405: "{method} is not allowed on this route (POST for completions and rewards, GET for models and /healthz)",
 }

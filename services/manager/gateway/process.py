@@ -44,7 +44,7 @@ async def bind(host: str, port: int) -> socket.socket:
         except OSError as exc:
             listening.close()
             if exc.errno != errno.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
-                raise
+                raise OSError(exc.errno, f"the OpenAI gateway cannot listen on {host}:{port}: {exc.strerror}") from exc
             await asyncio.sleep(0.1)
             continue
         listening.listen(2048)
@@ -76,12 +76,15 @@ class GatewayProcess:
         self._stopping = False
 
     @classmethod
-    async def start(cls, config: ManagerConfig, manager_address: str) -> GatewayProcess:
+    async def start(cls, config: ManagerConfig, manager_address: str, listening: socket.socket) -> GatewayProcess:
+        """The gateway's process serving on `listening` (from `bind`, taken before the manager serves,
+        so that a port in use stops the manager before anything reaches it)."""
         if not config.model_dir:
+            listening.close()
             raise ValueError(
                 "gateway_port is set but model_dir is not: the gateway renders messages with the model's tokenizer"
             )
-        gateway = cls(config, manager_address, await bind(config.server.host, config.gateway_port))
+        gateway = cls(config, manager_address, listening)
         try:
             await gateway._spawn()
         except BaseException:

@@ -34,7 +34,7 @@ from services.rollout.engine import (
 )
 from services.rollout.torch.device import engine_device, serving_dtype
 from services.rollout.torch.prefix_cache import PrefixCache
-from services.rollout.torch.rank import RankHandle, RankTransfer
+from services.rollout.torch.rank import GRPC_ONLY, RankHandle, RankTransfer
 from services.rollout.torch.running import DecodingSequence, RunningBatch
 from services.rollout.torch.sampling import draw
 from services.rollout.torch.tp_group import TensorParallelGroup
@@ -76,7 +76,7 @@ class TorchEngine(TensorParallelEngine):
         seed: int = 0,
         weight_version: int = 0,
         tensor_parallel_size: int = 1,
-        transfer: RankTransfer = RankTransfer(),
+        transfer: RankTransfer = GRPC_ONLY,
         threads: int = 1,
         update_mode: UpdateMode = "continue",
         stream_interval: int = 1,

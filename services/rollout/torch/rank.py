@@ -35,6 +35,8 @@ log = structlog.get_logger()
 SWITCH_TIMEOUT_SECONDS = 30.0
 """How long a rank waits to catch up with a weight switch rank 0 already made."""
 _RAW = (common_pb2.COMPRESSION_UNSPECIFIED, common_pb2.COMPRESSION_NONE)
+CPU = torch.device("cpu")
+"""Where a rank runs unless it is given a GPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,10 @@ class RankTransfer:
         return self.advertise_host or self.host
 
 
+GRPC_ONLY = RankTransfer()
+"""The default data planes: weight pushes arrive as gRPC chunks only (no TCP receiver, no Mooncake)."""
+
+
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     missing = width - tensor.shape[dim]
     if missing == 0:
@@ -71,7 +77,7 @@ class KvBatch:
     last ones (mask 1), padding is on the left (mask 0). Rows join by merging their prefill cache
     and leave by being dropped, at any decode step."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, device: torch.device = CPU) -> None:
         self.device = device
         self.clear()
 
@@ -124,7 +130,7 @@ class RankRunner:
         active: PreTrainedModel,
         standby: PreTrainedModel,
         version: int,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ) -> None:
         self.active = active
         self.standby = standby
@@ -281,7 +287,7 @@ class ModelSlot:
         model: PreTrainedModel,
         layout: RankLayout,
         buffer: ReceiveBuffer,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -544,7 +550,7 @@ def build_rank(
     collectives: Collectives,
     transfer: RankTransfer,
     version: int,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
     dtype: torch.dtype | None = None,
 ) -> tuple[RankRunner, RankWeights]:
     """A rank's two model copies on `device`, cut from the model folder's full weights, and its

@@ -28,7 +28,7 @@ from rlmesh.errors import FailedPrecondition, InvalidArgument
 from rlmesh.forking.helpers import WarmHelper, start_helper
 from rlmesh.transfer.auth import UnprovenPayload
 from rlmesh.transfer.base import TransferError
-from services.rollout.torch.rank import RankPort, RankTransfer, RankWeights, build_rank
+from services.rollout.torch.rank import CPU, RankPort, RankTransfer, RankWeights, build_rank
 from services.rollout.torch.tp_model import Collectives
 
 log = structlog.get_logger()
@@ -212,7 +212,7 @@ class TensorParallelGroup:
         version: int,
         threads: int,
         on_failure: Callable[[str], None],
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = CPU,
         dtype: torch.dtype | None = None,
     ) -> None:
         self.tp = tp

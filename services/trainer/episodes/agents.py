@@ -12,7 +12,6 @@ import shlex
 import signal
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -20,11 +19,9 @@ from rlmesh.chat.gateway_client import session_base_url, trust_environment
 from rlmesh.environments.base import checked_reward
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.episodes.steps import row_of
 from services.trainer.mesh import MeshClient
-
-if TYPE_CHECKING:
-    from services.trainer.episodes.driver import EpisodeSpec
 
 log = structlog.get_logger()
 
@@ -117,7 +114,10 @@ async def run_agent(
         except TimeoutError:
             kill_group(process)
             await process.wait()
-            reason = f"the agent ran longer than episode_deadline_seconds ({config.episode_deadline_seconds:g}) and was killed"
+            reason = (
+                f"the agent ran longer than episode_deadline_seconds ({config.episode_deadline_seconds:g}) "
+                "and was killed"
+            )
             return await mesh.close_session(handle.session_id, DEADLINE, reason), reason
         except asyncio.CancelledError:
             kill_group(process)

@@ -19,7 +19,8 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from services.trainer.config import TrainerConfig
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec, TooManyEpisodeErrors, open_sessions
+from services.trainer.episodes.driver import EpisodeDriver, TooManyEpisodeErrors, open_sessions
+from services.trainer.episodes.spec import EpisodeSpec, episode_specs
 from services.trainer.mesh import MeshClient
 from services.trainer.ranks.child_process import ChildProcess, end_child, frame, how_it_ended, next_frame, start_child
 
@@ -162,7 +163,6 @@ async def serve(requests: asyncio.StreamReader, replies: asyncio.WriteTransport)
     from rlmesh.models.tokenizer import load_hf_tokenizer
     from rlmesh.rpc.channels import use_server_identity
     from rlmesh.tasks.build import TaskMixture, build_task
-    from services.trainer.episodes.driver import episode_specs
 
     _, config_json, stop_ids, context_length = await next_frame(requests)
     config = TrainerConfig.model_validate_json(config_json)

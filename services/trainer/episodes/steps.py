@@ -5,7 +5,7 @@ template, or tokens as they are) and its rewards set on the session per turn."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlmesh.chat.tool_calls import parse_tool_calls
 from rlmesh.chat.turns import ENVIRONMENT, Piece
@@ -21,10 +21,8 @@ from rlmesh.environments.base import (
 )
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.mesh import MeshClient
-
-if TYPE_CHECKING:
-    from services.trainer.episodes.driver import EpisodeSpec
 
 OPEN = manager_pb2.SESSION_STATUS_OPEN
 DONE = manager_pb2.SESSION_STATUS_DONE

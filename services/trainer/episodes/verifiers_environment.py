@@ -1,20 +1,16 @@
 """An episode of a verifiers environment (`environment.verifiers`): verifiers runs it unchanged, its
-model calls sent to the session's base URL on the manager's gateway (the key in the URL); the
-taskset's reward, or its failure, ends the session."""
+model calls sent to the session's base URL on the manager's gateway (the key in a header, never in
+the URL); the taskset's reward, or its failure, ends the session."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from rlmesh.chat.gateway_client import session_base_url
 from rlmesh.environments.base import checked_reward
 from rlmesh.environments.verifiers_adapter import INDEX_FIELD, VerifiersEpisodes
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.mesh import MeshClient
-
-if TYPE_CHECKING:
-    from services.trainer.episodes.driver import EpisodeSpec
 
 DONE = manager_pb2.SESSION_STATUS_DONE
 DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE

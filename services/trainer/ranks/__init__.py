@@ -1,14 +1,15 @@
-"""What the trainer's ranks run with torch: the sharded policy and critic, their steps, checkpoints and weight hand-off.
+"""What the trainer's ranks run with torch: the sharded policy and critic, their steps, checkpoints
+and weight hand-off. Every rank runs the same commands in the same order.
 
-- `batching`: Turns rollout groups into padded training tensors and scores policy log-probabilities.
-- `checkpoint`: Resumable sharded checkpoints.
-- `child_process`: Rank 0's talk with the processes it starts (the reference worker, the episode process).
-- `commands`: How the trainer's ranks move together.
-- `critic`: The critic of PPO with a critic (advantage_estimator `gae`).
-- `distributed`: The trainer's process group.
-- `evaluation`: Held-out generation with the trainer's own policy.
-- `handoff`: One rank's hand-off of its FSDP shards of a weight version to the weights service, without ever assembling a full tensor.
-- `optimizing`: The optimizer step of a sharded model whose gradients were summed, unnormalised, over a mini-batch's micro-batches and the ranks' shares (the policy's and the critic's alike), and the refusal of a step whose loss or gradient is not finite.
-- `policy`: The policy sharded with FSDP2 over the trainer's ranks, and what every rank does with it.
-- `reference`: The frozen reference policy in a process of its own (placement.
+- `batching`: rollout groups turned into padded training tensors; policy log-probabilities scored.
+- `checkpoint`: resumable sharded checkpoints, loadable on any number of ranks, and the HF export.
+- `child_process`: rank 0's pickled messages with the processes it starts (reference worker, episode process).
+- `commands`: the commands rank 0 broadcasts and every rank runs, keeping their collectives matched.
+- `critic`: PPO's value model (`gae`), sharded and stepped beside the policy.
+- `distributed`: the trainer's process group (torchrun or one rank) and each rank's torch thread.
+- `evaluation`: held-out generation with the trainer's own policy.
+- `handoff`: a rank's FSDP shards packed and uploaded to the weights service without a full tensor.
+- `optimizing`: the optimizer step over summed gradients, refused when the loss or gradient is not finite.
+- `policy`: the policy sharded with FSDP2, and what every rank does with it.
+- `reference`: the frozen reference policy in a process of its own (`ref_logp` placed apart from `train`).
 """

@@ -76,7 +76,8 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        # Summed over the head's one output rather than squeezed: FSDP hooks the root's output, which must not be a view.
+        # Summed over the head's one output rather than squeezed: FSDP hooks the root's output, which
+        # must not be a view.
         return self.head(hidden).sum(dim=-1)
 
 

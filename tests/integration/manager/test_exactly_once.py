@@ -20,7 +20,8 @@ from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig
 from services.trainer.mesh import MeshClient
-from tests.support import loopback, wait_for
+from tests.support.credentials import loopback
+from tests.support.waiting import wait_for
 
 PROMPTS = 10
 GROUP_SIZE = 2

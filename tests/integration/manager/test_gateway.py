@@ -13,6 +13,7 @@ mesh's CA."""
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -29,8 +30,10 @@ from rlmesh.rpc.tls import create_certificates
 from services.manager.gateway.openai_format import GatewayError
 from services.manager.gateway.sessions import GatewaySessions
 from services.trainer.trajectories import parts_of
-from tests.integration.rlmesh.test_authorization import roleless_certificate
-from tests.support import build_mesh, stop_mesh, wait_for
+from tests.support.clients import session_client, session_trajectories
+from tests.support.credentials import roleless_certificate
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.waiting import wait_for
 
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
 
@@ -64,24 +67,6 @@ async def open_sessions(
     return list(reply.sessions)
 
 
-def client_for(mesh, handle) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(
-        base_url=f"http://{mesh.manager.gateway_address}/sessions/{handle.session_id}/v1",
-        api_key=handle.key,
-        max_retries=0,
-        timeout=60,
-    )
-
-
-async def trajectories(manager, batch_id: str) -> list[manager_pb2.SessionTrajectory]:
-    groups = []
-    async for reply in manager.StreamRollouts(
-        manager_pb2.StreamRolloutsRequest(batch_id=batch_id, micro_batch_groups=1), timeout=30
-    ):
-        groups += reply.groups
-    return [s.session for g in groups for s in g.samples]
-
-
 async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_tokens(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1)
@@ -89,7 +74,7 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
         {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}
     ]
     tokenizer = load_hf_tokenizer(chat_model_dir)
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
         first = await client.chat.completions.create(model="tiny", messages=messages, tools=tools, logprobs=True)
         turns = [first.model_extra["rlmesh"]]
@@ -117,7 +102,7 @@ async def test_an_episode_through_the_openai_client_trains_exactly_the_sampled_t
         manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
         timeout=10,
     )
-    [trajectory] = await trajectories(manager, "agents")
+    [trajectory] = await session_trajectories(manager, "agents")
     models = [s for s in trajectory.segments if s.source == MODEL]
     assert [list(m.token_ids) for m in models] == [t["token_ids"] for t in turns]
     assert [list(m.logprobs) for m in models] == [pytest.approx(t["logprobs"]) for t in turns]
@@ -148,7 +133,7 @@ async def test_tool_messages_render_through_the_chat_template(gateway_mesh, chat
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "5"},
     ]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         reply = await client.chat.completions.create(model="tiny", messages=history)
     assert reply.choices[0].message.role == "assistant"
     session = mesh.manager.state.sessions.get(handle.session_id)
@@ -160,7 +145,7 @@ async def test_tool_messages_render_through_the_chat_template(gateway_mesh, chat
 async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1, "edits")
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         messages = [{"role": "user", "content": "Count."}]
         first = await client.chat.completions.create(model="tiny", messages=messages)
         messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
@@ -173,7 +158,7 @@ async def test_an_edited_history_is_a_break_trained_as_separate_samples(gateway_
         manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
         timeout=10,
     )
-    [trajectory] = await trajectories(manager, "edits")
+    [trajectory] = await session_trajectories(manager, "edits")
     breaks = [s for s in trajectory.segments if s.starts_part]
     # Nothing before the edit is shared but the user's first message: the new part starts from scratch.
     assert len(breaks) == 1 and breaks[0].reused_prefix_tokens == 0 and breaks[0].break_cause == "content_mismatch"
@@ -228,7 +213,7 @@ async def test_text_completions_extend_the_stream_token_for_token_and_an_overflo
         manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
         timeout=10,
     )
-    [trajectory] = await trajectories(manager, "text")
+    [trajectory] = await session_trajectories(manager, "text")
     assert (
         trajectory.status == manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT
         and "max_total_tokens is 80" in trajectory.detail
@@ -248,13 +233,13 @@ async def test_a_key_reaches_its_own_session_only(gateway_mesh, chat_model_dir):
     mesh, manager = gateway_mesh
     mine, theirs = await open_sessions(manager, chat_model_dir, 2, "keys")
     stranger = manager_pb2.SessionHandle(session_id=theirs.session_id, key=mine.key)
-    async with client_for(mesh, stranger) as client:
+    async with session_client(mesh, stranger) as client:
         with pytest.raises(openai.AuthenticationError, match="no session"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-    async with client_for(mesh, manager_pb2.SessionHandle(session_id=mine.session_id, key="wrong")) as client:
+    async with session_client(mesh, manager_pb2.SessionHandle(session_id=mine.session_id, key="wrong")) as client:
         with pytest.raises(openai.AuthenticationError):
             await client.models.list()
-    async with client_for(mesh, mine) as client:
+    async with session_client(mesh, mine) as client:
         with pytest.raises(openai.BadRequestError, match="n: must be 1"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
         assert (await client.models.list()).data[0].object == "model"
@@ -285,7 +270,7 @@ async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on
     mesh, manager = gateway_mesh
     [handle] = await open_sessions(manager, chat_model_dir, 1, "restart")
     messages = [{"role": "user", "content": "Count."}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         first = await client.chat.completions.create(model="tiny", messages=messages)
     gateway = mesh.manager.gateway
     killed = gateway.process.pid
@@ -297,14 +282,14 @@ async def test_a_killed_gateway_process_is_started_again_and_the_episode_goes_on
     # The new process knows nothing of the session but what the manager recorded: the conversation
     # matched so far and the turn's tokens, so the next request extends the stream without a break.
     messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         second = await client.chat.completions.create(model="tiny", messages=messages)
     assert second.model_extra["rlmesh"]["turn"] == 1
     await manager.CloseSession(
         manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
         timeout=10,
     )
-    [trajectory] = await trajectories(manager, "restart")
+    [trajectory] = await session_trajectories(manager, "restart")
     assert not any(s.starts_part for s in trajectory.segments)
     models = [list(s.token_ids) for s in trajectory.segments if s.source == MODEL]
     assert models == [first.model_extra["rlmesh"]["token_ids"], second.model_extra["rlmesh"]["token_ids"]]
@@ -381,12 +366,12 @@ async def test_a_stop_string_ends_the_turn_at_its_token_and_the_text_before_it(g
         timeout=10,
     )
     free_handle, stopped_handle = reply.sessions
-    async with client_for(mesh, free_handle) as client:
+    async with session_client(mesh, free_handle) as client:
         free = await client.completions.create(model="tiny", prompt="Count: 1 2")
     free_tokens, text = free.model_extra["rlmesh"]["token_ids"], free.choices[0].text
     stop = text[1:3]
     assert len(stop) == 2, text
-    async with client_for(mesh, stopped_handle) as client:
+    async with session_client(mesh, stopped_handle) as client:
         stopped = await client.completions.create(model="tiny", prompt="Count: 1 2", stop=[stop])
     # The engine ended the turn at the token with which the text first held the stop string; the
     # turn keeps that token (what was sampled is what is trained), the text ends before the string.
@@ -430,7 +415,9 @@ async def test_a_task_that_scores_itself_refuses_its_agents_rewards(gateway_mesh
 
 AGENT = """
 import openai
-reply = openai.OpenAI(max_retries=0).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
+reply = openai.OpenAI(max_retries=0).chat.completions.create(
+    model="tiny", messages=[{"role": "user", "content": "Count."}]
+)
 print(reply.model_extra["rlmesh"]["session_id"])
 """
 
@@ -485,7 +472,7 @@ async def test_the_gateway_keeps_nothing_of_the_sessions_of_a_delivered_batch(ga
             return int((await http.get(health)).json()["sessions_cached"])
 
     for handle in handles[:2]:
-        async with client_for(mesh, handle) as client:
+        async with session_client(mesh, handle) as client:
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
     assert await cached() == 2
     for handle in handles:
@@ -493,12 +480,26 @@ async def test_the_gateway_keeps_nothing_of_the_sessions_of_a_delivered_batch(ga
             manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
             timeout=10,
         )
-    assert len(await trajectories(manager, "forgotten")) == 3
+    assert len(await session_trajectories(manager, "forgotten")) == 3
     await manager.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id="forgotten"), timeout=10)
     deadline = time.monotonic() + 20
     while await cached():
         assert time.monotonic() < deadline, "the gateway kept the views of a delivered batch's sessions"
         await asyncio.sleep(0.1)
-    async with client_for(mesh, handles[2]) as client:
+    async with session_client(mesh, handles[2]) as client:
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}])
+
+
+async def test_a_gateway_port_in_use_stops_the_manager_before_it_serves_naming_the_port(chat_model_dir):
+    from services.manager.config import ManagerConfig
+    from services.manager.main import start as start_manager
+    from tests.support.credentials import loopback
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = ManagerConfig(server=loopback(None, "manager"), gateway_port=port, model_dir=str(chat_model_dir))
+        with pytest.raises(OSError, match=f"gateway cannot listen on 127.0.0.1:{port}"):
+            await start_manager(config)

@@ -19,8 +19,9 @@ from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.rpc.channels import open_channel
 from services.rollout.engine import Chunk, Finish
 from services.trainer.trajectories import parts_of
-from tests.integration.manager.test_gateway import client_for, trajectories
-from tests.support import build_mesh, stop_mesh, wait_for
+from tests.support.clients import session_client, session_trajectories
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.waiting import wait_for
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object", "properties": {}}}}]
 
@@ -81,7 +82,7 @@ async def closed_trajectory(manager, handle, batch_id: str) -> manager_pb2.Sessi
         manager_pb2.CloseSessionRequest(session_id=handle.session_id, status=manager_pb2.SESSION_STATUS_DONE),
         timeout=10,
     )
-    [trajectory] = await trajectories(manager, batch_id)
+    [trajectory] = await session_trajectories(manager, batch_id)
     return trajectory
 
 
@@ -101,7 +102,7 @@ async def test_a_go_style_harness_runs_three_turns_without_a_break(scripted, cha
     ]
     handle = await open_session(manager, chat_model_dir, "go")
     messages = [{"role": "user", "content": "What is (2+3)^2?"}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         for turn in range(3):
             reply = (
                 (await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)).choices[0].message
@@ -135,7 +136,7 @@ async def test_a_harness_stripping_whitespace_and_think_blocks_runs_three_turns_
     model.replies = ["<think>2 and 3 make 5.</think>\n  It is 5.\n\n", "\n<think>\nTimes 5.\n</think>25  ", "  Done.\n"]
     handle = await open_session(manager, chat_model_dir, "strip")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         for follow_up in ("Times 5?", "Thanks."):
             reply = (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message
             shown = reply.content.split("</think>")[-1].strip()
@@ -157,7 +158,7 @@ async def test_a_harness_sending_text_parts_runs_three_turns_without_a_break(scr
         return [{"type": "text", "text": text[:middle]}, {"type": "text", "text": text[middle:]}]
 
     messages = [{"role": "system", "content": parts("Be brief.")}, {"role": "user", "content": parts("What is 2+3?")}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         for follow_up in ("Times 5?", "Thanks."):
             reply = (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message
             messages += [
@@ -213,7 +214,7 @@ async def test_what_a_streamed_turn_sends_is_what_its_echo_matches(scripted, cha
     model.replies = ["Let me compute. " + call, "Again: " + call, "It is 5."]
     handle = await open_session(manager, chat_model_dir, "streams")
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         # Without tools a written call is text: it streams as content and comes back as such.
         first = await stream_turn(client, messages)
         assert first == {"role": "assistant", "content": "Let me compute. " + call}
@@ -234,7 +235,7 @@ async def test_a_chat_request_after_a_completions_turn_breaks_where_the_chat_lef
     handle = await open_session(manager, chat_model_dir, "mixed")
     tokenizer = load_hf_tokenizer(chat_model_dir)
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         first = await client.chat.completions.create(model="tiny", messages=messages)
         chat_end = first.model_extra["rlmesh"]["stream_tokens"]
         stream = mesh.manager.state.sessions.get(handle.session_id).part_tokens()
@@ -260,7 +261,7 @@ async def test_a_session_that_refuses_breaks_answers_409_naming_the_message(scri
     model.replies = ["It is 5.", "It is 25.", "Done."]
     refusing = await open_session(manager, chat_model_dir, "refuse", refuse_breaks=True)
     messages = [{"role": "user", "content": "What is 2+3?"}]
-    async with client_for(mesh, refusing) as client:
+    async with session_client(mesh, refusing) as client:
         first = (await client.chat.completions.create(model="tiny", messages=messages)).choices[0].message
         rewritten = [*messages, {"role": "assistant", "content": "Five."}, {"role": "user", "content": "Times 5?"}]
         with pytest.raises(
@@ -281,7 +282,7 @@ async def test_a_retry_with_another_body_is_refused_not_given_the_first_reply(sc
     model.replies = ["It is 5."]
     handle = await open_session(manager, chat_model_dir, "retry")
     model.released.clear()
-    async with client_for(mesh, handle) as client:
+    async with session_client(mesh, handle) as client:
         # The turn outlives the gateway's wait for it: a 504, the turn still running on the manager.
         with pytest.raises(openai.InternalServerError):
             await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2+3?"}])

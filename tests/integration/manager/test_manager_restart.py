@@ -9,32 +9,17 @@ import json
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
-from rlmesh.launch.processes import spawn_service, stop_children, wait_started
+from rlmesh.launch.processes import stop_children, wait_started
 from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.support import loopback, suite_auth_env, wait_for
+from tests.support.credentials import loopback
+from tests.support.processes import spawn_manager
+from tests.support.waiting import wait_for
 
 PROMPTS, GROUP_SIZE = 16, 2
 SYNTHETIC = SyntheticConfig(length="fixed", mean_tokens=60, min_step_seconds=0.02, stream_interval=4)
-
-
-def spawn_manager(log_dir, address: str, journal) -> object:
-    return spawn_service(
-        "manager",
-        "services.manager",
-        address,
-        {
-            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
-            **suite_auth_env("RLMESH_MANAGER_", "manager"),
-            "RLMESH_MANAGER_SERVER__PORT": address.rsplit(":", 1)[1],
-            "RLMESH_MANAGER_JOURNAL_PATH": str(journal),
-            "RLMESH_MANAGER_LEASE_SECONDS": "10",
-        },
-        log_dir,
-        mesh_id=str(log_dir),
-    )
 
 
 async def test_a_killed_manager_restarted_on_its_journal_loses_and_repeats_nothing(tmp_path):

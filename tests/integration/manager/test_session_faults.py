@@ -17,8 +17,9 @@ from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.integration.manager.test_manager_restart import spawn_manager
-from tests.support import loopback, spawn_rollout, wait_for
+from tests.support.credentials import loopback
+from tests.support.processes import spawn_manager, spawn_rollout
+from tests.support.waiting import wait_for
 
 SYNTHETIC = SyntheticConfig(length="fixed", mean_tokens=60, min_step_seconds=0.02, stream_interval=4)
 TURN = response_length(SYNTHETIC, 0, 100)
@@ -85,7 +86,7 @@ async def test_an_instance_killed_mid_turn_hands_the_turn_on_with_its_tokens(tmp
     models = [s for s in trajectory.segments if s.source == MODEL]
     assert [len(m.token_ids) for m in models] == [TURN, TURN]
     assert models[0].instance_ids[0] == victim.name and len(models[0].instance_ids) == 2
-    assert manager.state.ledger.continued_tokens >= 8
+    assert manager.state.request_table.continued_tokens >= 8
 
 
 async def test_a_manager_killed_mid_session_goes_on_from_its_journal(tmp_path):

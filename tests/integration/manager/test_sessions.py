@@ -20,7 +20,9 @@ from services.manager.config import ManagerConfig
 from services.manager.domain.sessions import stream_of
 from services.manager.domain.trajectories import segment_from_proto
 from services.manager.main import start as start_manager
-from tests.support import build_mesh, loopback, sampling, stop_mesh
+from tests.support.credentials import loopback
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.samples import sampling
 
 ENV = manager_pb2.SEGMENT_SOURCE_ENVIRONMENT
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL

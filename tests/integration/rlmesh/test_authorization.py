@@ -1,21 +1,16 @@
 """The authorization matrix on real servers, with bearer secrets and with mutual TLS: for every RPC
-of every mesh contract (the contracts users serve are in no role's table), no credential gets UNAUTHENTICATED, each role the table does not name gets
-PERMISSION_DENIED, and the roles it names get through; no refused call changed any state. With
-authorization turned off a service serves anyone and says so; without a way to learn roles, none starts."""
+of every mesh contract (the contracts users serve are in no role's table), no credential gets
+UNAUTHENTICATED, each role the table does not name gets PERMISSION_DENIED, and the roles it names
+get through; no refused call changed any state. With authorization turned off a service serves
+anyone and says so; without a way to learn roles, none starts."""
 
 import asyncio
-import datetime
-import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
@@ -32,16 +27,11 @@ from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.trainer.loop import TrainingStatus
 from services.trainer.server import TrainerServicer
-from tests.support import (
-    Mesh,
-    build_mesh,
-    loopback,
-    role_secret,
-    scaled_weights,
-    stop_mesh,
-    upload_requests,
-    wait_for,
-)
+from tests.support.clients import upload_requests
+from tests.support.credentials import loopback, role_secret, roleless_certificate
+from tests.support.meshes import Mesh, build_mesh, stop_mesh
+from tests.support.tensors import scaled_weights
+from tests.support.waiting import wait_for
 
 CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2)
 CALL_TIMEOUT = 2.0
@@ -107,38 +97,13 @@ def state_of(mesh: Mesh) -> dict:
         "instances": {i.instance_id: (i.address, i.weight_version, i.draining) for i in manager.instances.values()},
         "batches": sorted(manager.batches),
         "published": manager.published_version,
-        "generated_tokens": manager.ledger.generated_tokens,
-        "requeued": manager.ledger.requeued_samples,
+        "generated_tokens": manager.request_table.generated_tokens,
+        "requeued": manager.request_table.requeued_samples,
         "stored": weights.latest.version if weights.latest else None,
         "served": rollout.engine.weight_version,
         "paused": rollout.engine.paused,
         "draining": rollout.servicer.membership.draining,
     }
-
-
-def roleless_certificate(tls_dir: Path) -> TlsFiles:
-    """A certificate of the mesh's CA that names no role: it passes the handshake, and then the
-    caller's role must come from its bearer secret."""
-    ca = x509.load_pem_x509_certificate((tls_dir / "ca.pem").read_bytes())
-    ca_key = serialization.load_pem_private_key((tls_dir / "ca-key.pem").read_bytes(), password=None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "no-role")]))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    (tls_dir / "no-role.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tls_dir / "no-role-key.pem").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return TlsFiles.in_directory(tls_dir, "no-role")
 
 
 @dataclass

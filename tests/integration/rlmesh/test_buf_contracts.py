@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO_ROOT
+
 BUF = Path(sys.executable).parent / "buf"
 
 
@@ -18,14 +19,14 @@ def buf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def contracts(tmp_path) -> Path:
-    shutil.copytree(ROOT / "protos", tmp_path / "protos")
-    shutil.copy(ROOT / "buf.yaml", tmp_path / "buf.yaml")
+    shutil.copytree(REPO_ROOT / "protos", tmp_path / "protos")
+    shutil.copy(REPO_ROOT / "buf.yaml", tmp_path / "buf.yaml")
     return tmp_path
 
 
 def test_lint_and_breaking_pass_on_the_repository():
-    assert buf("lint", cwd=ROOT).returncode == 0
-    result = buf("breaking", "--against", "protos/released.binpb", cwd=ROOT)
+    assert buf("lint", cwd=REPO_ROOT).returncode == 0
+    result = buf("breaking", "--against", "protos/released.binpb", cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

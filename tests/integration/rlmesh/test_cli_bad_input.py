@@ -6,12 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from rlmesh.launch.ports import free_port
-from tests.support import dataset_job
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.jobs import dataset_job
+from tests.support.paths import REPO_ROOT
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -20,7 +18,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
     )
 
@@ -127,3 +125,26 @@ def test_init_model_takes_a_short_warm_up_for_a_chat_model_of_ones_own_only(tmp_
         or (tmp_path / "chat" / "chat_template.jinja").exists()
     )
     assert (tmp_path / "chat" / "config.json").exists()
+
+
+def test_up_refuses_a_tracker_whose_package_is_missing_before_starting_anything(tmp_path, model_dir):
+    # `rlmesh up` in a Python where no `wandb` package is found.
+    without_wandb = (
+        "import sys; from rlmesh.settings import tracking; found = tracking.find_spec; "
+        "tracking.find_spec = lambda name: None if name == 'wandb' else found(name); "
+        "from rlmesh.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    output_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", without_wandb, "up", "--model-dir", str(model_dir), "--output-dir", str(output_dir)]
+        + ["--set", "tracking.wandb.mode=offline"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2 and not output_dir.exists()
+    assert (
+        "tracking.wandb.mode = offline needs the `wandb` package" in result.stderr
+        and "rlmesh[tracking]" in result.stderr
+    )

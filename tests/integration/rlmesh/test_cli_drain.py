@@ -10,7 +10,7 @@ import pytest
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.credentials import secret_path
 from rlmesh.rpc.servers import GrpcServer
-from tests.support import TEST_SECRETS, loopback
+from tests.support.credentials import TEST_SECRETS, loopback
 
 
 class ScriptedRollout(rollout_pb2_grpc.RolloutServiceServicer):

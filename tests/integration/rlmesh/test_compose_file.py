@@ -14,7 +14,8 @@ import compose
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO_ROOT
+
 COMPOSE = Path(compose.__file__).parent / "docker-compose"
 GRPC_PORTS = {"manager": 50151, "weights": 50152, "trainer": 50153, "rollout": 50161}
 METRICS_PORT_OFFSET = 1000
@@ -30,13 +31,13 @@ def render(profiles: str, *files: str) -> dict:
         "--format",
         "json",
     ]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def dockerfile_targets() -> set[str]:
-    return set(re.findall(r"^FROM \S+ AS (\S+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE))
+    return set(re.findall(r"^FROM \S+ AS (\S+)$", (REPO_ROOT / "Dockerfile").read_text(), re.MULTILINE))
 
 
 def test_the_cpu_mesh_builds_every_service_from_one_dockerfile():
@@ -122,7 +123,7 @@ def test_the_gpu_profiles_reserve_gpus_for_the_rollout_engine_and_the_nccl_train
 def test_observe_scrapes_every_service_and_provisions_the_dashboard():
     services = render("cpu,observe")["services"]
     assert {"prometheus", "grafana"} <= set(services)
-    config = yaml.safe_load((ROOT / "deploy" / "observe" / "prometheus.yml").read_text())
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "observe" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == set(GRPC_PORTS)
     for name, port in GRPC_PORTS.items():
@@ -134,7 +135,7 @@ def test_observe_scrapes_every_service_and_provisions_the_dashboard():
             assert "rollout" in discovery["names"] and discovery["port"] == metrics
         else:
             assert f"{name}:{metrics}" in job["static_configs"][0]["targets"]
-    mounts = {v["target"]: ROOT / v["source"] for v in services["grafana"]["volumes"] if v["type"] == "bind"}
+    mounts = {v["target"]: REPO_ROOT / v["source"] for v in services["grafana"]["volumes"] if v["type"] == "bind"}
     datasource = yaml.safe_load((mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml").read_text())
     dashboard = json.loads((mounts["/var/lib/grafana/dashboards"] / "rlmesh.json").read_text())
     uids = {panel["datasource"]["uid"] for panel in dashboard["panels"]}

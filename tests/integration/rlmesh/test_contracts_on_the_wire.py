@@ -13,7 +13,8 @@ from rlmesh.trainer.v1 import trainer_pb2, trainer_pb2_grpc
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.trainer.loop import TrainingStatus
 from services.trainer.server import TrainerServicer
-from tests.support import grpcurl_output, loopback
+from tests.support.clients import grpcurl_output
+from tests.support.credentials import loopback
 
 
 @pytest.fixture

@@ -14,15 +14,16 @@ import pytest
 from rlmesh.forking.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError, process_alive
 from rlmesh.launch.netns import NETNS_DIR, netns_problem
 from rlmesh.launch.processes import process_name
-from tests.support import parent_pid, wait_until
+from tests.support.processes import parent_pid
+from tests.support.waiting import wait_until
 
 REPORTING_MODULE = """
 import json, os, sys, time
 print("to stdout", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 report = {"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in ("ASKED", "DROPPED")},
-          "session_leader": os.getsid(0) == os.getpid(), "name": __name__, "preloaded": "forkmod_preload" in sys.modules,
-          "netns_inode": os.stat("/proc/self/ns/net").st_ino}
+          "session_leader": os.getsid(0) == os.getpid(), "name": __name__,
+          "preloaded": "forkmod_preload" in sys.modules, "netns_inode": os.stat("/proc/self/ns/net").st_ino}
 open(os.environ["REPORT"], "w").write(json.dumps(report))
 if sys.argv[1:] == ["sleep"]:
     time.sleep(60)

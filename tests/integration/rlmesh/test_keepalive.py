@@ -48,7 +48,8 @@ async def test_idle_connection_survives_keepalive_pings_without_a_goaway():
     assert "after idle: SERVING" in out.decode()
     received = re.findall(r"SERVER\[(0x[0-9a-f]+)\]: received ping .* ping_strikes=(\d+)", trace)
     print(
-        f"server received {len(received)} pings in {IDLE_SECONDS:.0f} s idle; strikes {sorted({int(s) for _, s in received})}"
+        f"server received {len(received)} pings in {IDLE_SECONDS:.0f} s idle; "
+        f"strikes {sorted({int(s) for _, s in received})}"
     )
     # Keepalive was exercised: the client pinged throughout the idle time, ...
     assert len(received) >= 4, trace[-3000:]

@@ -14,7 +14,8 @@ import pytest
 from rlmesh.forking.forkserver import FORK_SERVER_NAME, ForkServer, ForkServerError
 from rlmesh.forking.warm_forkserver import MARKER_ROOM
 from rlmesh.launch.processes import MESH_ID_ENV, mesh_processes, process_name
-from tests.support import parent_pid, wait_until
+from tests.support.processes import parent_pid
+from tests.support.waiting import wait_until
 
 SLEEPER = "import time\ntime.sleep(120)\n"
 
@@ -46,7 +47,7 @@ def test_each_run_gets_its_own_server_marked_with_its_run(tmp_path, warm_fork_se
             forks.wait_ready(60)
             forks.spawn("sleeper", [], run_env(tmp_path, run), run / "sleeper.log")
         for run, forks in zip(runs, servers):
-            wait_until(lambda: len(mesh_processes(run)) == 2, 30, "the run's server and its service")
+            wait_until(lambda run=run: len(mesh_processes(run)) == 2, 30, "the run's server and its service")
             found = mesh_processes(run)
             assert forks.pid in found and warm_fork_server.pid not in found
             assert process_name(forks.pid) == FORK_SERVER_NAME and parent_pid(forks.pid) == warm_fork_server.pid
@@ -56,7 +57,7 @@ def test_each_run_gets_its_own_server_marked_with_its_run(tmp_path, warm_fork_se
         for forks in servers:
             forks.close()
     for run in runs:
-        wait_until(lambda: mesh_processes(run) == [], 30, "the run's processes to end")
+        wait_until(lambda run=run: mesh_processes(run) == [], 30, "the run's processes to end")
 
 
 def test_a_launcher_killed_takes_its_run_with_it_and_leaves_the_warm_server(tmp_path, warm_fork_server):

@@ -20,7 +20,8 @@ from rlmesh.forking.helpers import WARM_FORK_SERVER_ENV, WarmHelper, start_async
 from rlmesh.forking.warm_forkserver import KEEPER_NAME
 from rlmesh.launch.processes import process_name
 from services.trainer.ranks.child_process import start_child
-from tests.support import parent_pid, wait_until
+from tests.support.processes import parent_pid
+from tests.support.waiting import wait_until
 
 REPORTING_HELPER = """
 import json, os, sys, time
@@ -169,7 +170,8 @@ async def test_a_requester_with_no_warm_server_to_ask_execs_its_helper(helper_en
 NETNS_REQUESTER = textwrap.dedent("""
     import os
     from rlmesh.forking.helpers import start_helper
-    print("forked" if start_helper("reporting", ["0"], dict(os.environ), {3: os.open(os.devnull, os.O_WRONLY)}) else "exec")
+    extra_fds = {3: os.open(os.devnull, os.O_WRONLY)}
+    print("forked" if start_helper("reporting", ["0"], dict(os.environ), extra_fds) else "exec")
 """)
 
 

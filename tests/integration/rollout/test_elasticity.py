@@ -19,17 +19,11 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
 from services.rollout.synthetic_engine import SyntheticConfig, response_length
 from services.trainer.mesh import MeshClient
-from tests.support import (
-    NO_STOP,
-    assert_exactly_once,
-    build_mesh,
-    gather_batch,
-    prompt_batch,
-    spawn_rollout,
-    stop_mesh,
-    suite_warm_fork_server,
-    wait_for,
-)
+from tests.support.clients import assert_exactly_once, gather_batch
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.processes import spawn_rollout, suite_warm_fork_server
+from tests.support.samples import NO_STOP, prompt_batch
+from tests.support.waiting import wait_for
 
 PROMPTS = 32
 

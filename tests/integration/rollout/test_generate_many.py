@@ -11,7 +11,9 @@ import pytest
 from rlmesh.common.v1 import common_pb2
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from services.trainer.mesh import MeshClient
-from tests.support import build_mesh, gather_batch, prompt_batch, sampling, stop_mesh
+from tests.support.clients import gather_batch
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.samples import prompt_batch, sampling
 
 
 async def read_until_ended(

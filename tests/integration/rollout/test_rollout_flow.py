@@ -19,18 +19,12 @@ from rlmesh.transfer.payload import pack
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
 from services.rollout.main import start as start_rollout
 from services.trainer.mesh import MeshClient
-from tests.support import (
-    build_mesh,
-    gather_batch,
-    prompt_batch,
-    rollout_config,
-    sampling,
-    scaled_weights,
-    stop_mesh,
-    suite_auth_env,
-    upload_full_tensors,
-    wait_for,
-)
+from tests.support.clients import gather_batch, upload_full_tensors
+from tests.support.credentials import suite_auth_env
+from tests.support.meshes import build_mesh, rollout_config, stop_mesh
+from tests.support.samples import prompt_batch, sampling
+from tests.support.tensors import scaled_weights
+from tests.support.waiting import wait_for
 
 
 async def test_every_prompt_comes_back_once_with_all_its_samples(grpc_mesh, model_dir):

@@ -17,7 +17,7 @@ from rlmesh.models.tokenizer import load_tokenizer
 from services.rollout.config import EngineConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.torch.engine import TorchEngine
-from tests.support import engine_output
+from tests.support.engines import engine_output
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 

@@ -30,20 +30,19 @@ from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.engine import EngineRequest, Sampling
 from services.rollout.main import start as start_rollout
-from tests.support import (
+from tests.support.credentials import loopback
+from tests.support.engines import engine_output, greedy_outputs
+from tests.support.tensors import perturbed_weights
+from tests.support.tp_instances import (
     TCP,
     TP,
     assert_serves_the_reference,
     begin_update,
     commit_version,
-    engine_output,
-    greedy_outputs,
-    loopback,
-    perturbed_weights,
     rank_payloads,
     send_all,
-    wait_for,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

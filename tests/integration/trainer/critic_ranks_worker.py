@@ -19,7 +19,8 @@ from rlmesh.logging import configure_logging
 from services.trainer.config import TrainerConfig
 from services.trainer.ranks.distributed import init_distributed, shutdown_distributed
 from services.trainer.ranks.policy import ShardedPolicy
-from tests.support import full_parameters, rewarded_micro_batches
+from tests.support.samples import rewarded_micro_batches
+from tests.support.tensors import full_parameters
 
 
 def run(spec: dict) -> None:

@@ -27,7 +27,7 @@ from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
 from services.trainer.ranks.commands import Checkpoint, Evaluate, OptimizerStep, Publish, Resume, Stop, Train
 from services.trainer.ranks.distributed import TorchThread, init_distributed, shutdown_distributed
 from services.trainer.ranks.evaluation import EvalRequest
-from tests.support import play_every_role
+from tests.support.credentials import play_every_role
 
 
 def config_for(spec: dict) -> TrainerConfig:

@@ -1,4 +1,5 @@
-"""Trainer ranks for tests/integration/trainer/test_model_families.py (no tests here): under torchrun, for
+"""Trainer ranks for tests/integration/trainer/test_model_families.py and tests/vllm/test_vllm_families.py
+(no tests here), started by tests.support.model_families.trainer_rank_results: under torchrun, for
 each model of the spec in turn, the ranks are built as the service builds them, every rank moves
 its own shards away from the folder's weights (so a served version can only come from this push),
 publishes a version to the model's weights service, and writes the rows it published (no rank
@@ -24,7 +25,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.main import _build
 from services.trainer.ranks.commands import Publish, Stop
 from services.trainer.ranks.distributed import RankInfo, TorchThread, init_distributed, shutdown_distributed
-from tests.support import play_every_role
+from tests.support.credentials import play_every_role
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from services.trainer.ranks.distributed import init_distributed, shutdown_distri
 from services.trainer.ranks.evaluation import EvalRequest
 from services.trainer.ranks.optimizing import NonFiniteUpdate
 from services.trainer.ranks.policy import ShardedPolicy
-from tests.support import micro_batches
+from tests.support.samples import micro_batches
 
 
 def run(spec: dict) -> None:

@@ -18,8 +18,9 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec, open_sessions
-from tests.support import wait_until
+from services.trainer.episodes.driver import EpisodeDriver, open_sessions
+from services.trainer.episodes.spec import EpisodeSpec
+from tests.support.waiting import wait_until
 
 STATUS = manager_pb2.SessionStatus.Name
 
@@ -202,8 +203,11 @@ async def test_a_task_that_refuses_agent_rewards_ignores_its_agents_report_and_i
         "self_scoring.py",
         """
 import json, os, urllib.error, urllib.request
-request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/rlmesh/reward", data=json.dumps({"reward": 1.0}).encode(),
-                                 headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
+request = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/rlmesh/reward",
+    data=json.dumps({"reward": 1.0}).encode(),
+    headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"},
+)
 try:
     status = urllib.request.urlopen(request).status
 except urllib.error.HTTPError as refused:

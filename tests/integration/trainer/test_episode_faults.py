@@ -14,7 +14,8 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeErrors, EpisodeSpec, TooManyEpisodeErrors
+from services.trainer.episodes.driver import EpisodeDriver, EpisodeErrors, TooManyEpisodeErrors
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.trajectories import MASKED_STATUSES
 
 STATUS = manager_pb2.SessionStatus.Name

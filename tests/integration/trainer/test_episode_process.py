@@ -9,7 +9,8 @@ import signal
 from services.trainer.config import TrainerConfig
 from services.trainer.episodes.process import EpisodeProcess, EpisodeProcessError
 from services.trainer.mesh import MeshClient
-from tests.support import loopback, wait_for
+from tests.support.credentials import loopback
+from tests.support.waiting import wait_for
 
 ENVIRONMENT = """
 class Once:

@@ -22,7 +22,7 @@ from rlmesh.transfer.payload import ALIGNMENT
 from rlmesh.transfer.shards import SHM_DIR, shard_views
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.ranks.handoff import SLOT_PREFIX, mesh_tag
-from tests.support import build_mesh, stop_mesh
+from tests.support.meshes import build_mesh, stop_mesh
 
 WORKER = "tests.integration.trainer.fsdp_trainer_worker"
 RUN_TIMEOUT = 120

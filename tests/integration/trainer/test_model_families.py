@@ -23,20 +23,19 @@ from rlmesh.models.random_init import real_config, scaled_config, write_random_m
 from rlmesh.models.tokenizer import EOS_TOKEN, load_tokenizer
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
-from tests.support import (
-    DIGIT_PROMPTS,
+from tests.support.credentials import loopback
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.model_families import (
     PUSHED_VERSION,
-    TP,
     Pushed,
     assert_served_as_hf,
-    build_mesh,
     greedy_responses,
-    loopback,
     published_tensors,
-    stop_mesh,
     trainer_rank_results,
-    wait_for,
 )
+from tests.support.samples import DIGIT_PROMPTS
+from tests.support.tp_instances import TP
+from tests.support.waiting import wait_for
 
 FAMILIES = {"llama": {"tie_word_embeddings": False}, "qwen3": {"tie_word_embeddings": True}}
 
@@ -156,6 +155,6 @@ def test_a_rollout_process_refuses_another_architecture_at_start(tmp_path):
     )
     assert done.returncode == 2, done.stderr[-3000:]
     assert (
-        f"rlmesh rollout: model folder {tmp_path}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') is not supported; "
-        "supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM)"
+        f"rlmesh rollout: model folder {tmp_path}: architecture 'GPT2LMHeadModel' (model_type 'gpt2') "
+        "is not supported; supported: qwen2 (Qwen2ForCausalLM), llama (LlamaForCausalLM), qwen3 (Qwen3ForCausalLM)"
     ) in done.stderr

@@ -8,7 +8,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -20,12 +19,13 @@ from rlmesh.manager.v1 import manager_pb2
 from rlmesh.models.tokenizer import IM_END_TOKEN, load_hf_tokenizer
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.driver import EpisodeDriver
+from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.trajectories import parts_of, trajectory_reward
+from tests.support.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
-NODE_HARNESS = ROOT / "examples" / "node-harness"
-NODE_ENVIRONMENT = ROOT / "examples" / "node-environment"
+NODE_HARNESS = REPO_ROOT / "examples" / "node-harness"
+NODE_ENVIRONMENT = REPO_ROOT / "examples" / "node-environment"
 MODEL = manager_pb2.SEGMENT_SOURCE_MODEL
 
 
@@ -39,7 +39,7 @@ def spec_for(chat_model_dir, config: EnvironmentConfig, make_environment=None) -
         tokenizer,
         [tokenizer.convert_tokens_to_ids(IM_END_TOKEN)],
         512,
-        str(ROOT),
+        str(REPO_ROOT),
     )
 
 

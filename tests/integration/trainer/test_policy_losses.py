@@ -14,7 +14,7 @@ import torch
 
 from rlmesh.models.loading import load_causal_lm
 from services.trainer.ranks.batching import build_micro_batch, token_logprobs
-from tests.support import micro_batches
+from tests.support.samples import micro_batches
 
 WORKER = "tests.integration.trainer.policy_losses_worker"
 

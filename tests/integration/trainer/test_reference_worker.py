@@ -21,7 +21,7 @@ from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import PAD_TOKEN, load_tokenizer
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
 from services.trainer.ranks.reference import ReferenceWorker, ReferenceWorkerError, response_logprobs
-from tests.support import digit_samples
+from tests.support.samples import digit_samples
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 

@@ -18,9 +18,10 @@ from rlmesh.launch.ports import free_port
 from rlmesh.reward.v1 import reward_pb2, reward_pb2_grpc
 from rlmesh.rewards.remote import RemoteReward, RemoteRewardError, RewardItem
 from rlmesh.rpc.channels import check_health, open_user_channel
-from tests.support import role_secret
+from tests.support.credentials import role_secret
+from tests.support.paths import REPO_ROOT
 
-NODE_VERIFIER = Path(__file__).resolve().parents[3] / "examples" / "node-verifier"
+NODE_VERIFIER = REPO_ROOT / "examples" / "node-verifier"
 TOKEN = "the-node-verifiers-own-token"
 """The bearer token the Node verifier is started with, as a task's reward.remote_credential names it."""
 

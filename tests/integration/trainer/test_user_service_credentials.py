@@ -20,8 +20,9 @@ from rlmesh.rpc.credentials import peer_secrets
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.build import TaskError, TaskMixture, build_task
 from rlmesh.tasks.config import TaskConfig
-from services.trainer.episodes.driver import EpisodeDriver, episode_specs, open_sessions
-from tests.support import TEST_SECRETS, play_every_role, role_secret
+from services.trainer.episodes.driver import EpisodeDriver, open_sessions
+from services.trainer.episodes.spec import episode_specs
+from tests.support.credentials import TEST_SECRETS, play_every_role, role_secret
 
 ENVIRONMENT_TOKEN = "environment-token-of-the-user"
 VERIFIER_TOKEN = "verifier-token-of-the-user"

@@ -10,13 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from rlmesh.lifecycle import CAP_SYS_ADMIN, SessionPriority, effective_capabilities
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener
+from tests.support.paths import REPO_ROOT
 
 
 def test_receiving_and_checking_threads_are_idle_class_only_when_asked():
@@ -47,7 +47,7 @@ def test_a_background_process_lowers_its_threads_and_its_autogroup():
         text=True,
         check=True,
         start_new_session=True,
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=REPO_ROOT,
     )
     assert out.stdout.split() == ["19", "19"], out.stderr
 
@@ -128,7 +128,7 @@ def test_without_cap_sys_admin_a_lowered_session_comes_back_within_the_kernels_r
         text=True,
         timeout=60,
         start_new_session=True,
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=REPO_ROOT,
     )
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.splitlines()[-1])

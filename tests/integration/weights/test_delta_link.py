@@ -16,7 +16,8 @@ from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.models.tp_layout import ModelShape, fsdp_rows
 from rlmesh.transfer.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.support import build_mesh, stop_mesh, wait_for
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.waiting import wait_for
 
 WORLD = 2
 CHANGED_FRACTION = 0.02
@@ -42,11 +43,7 @@ async def hand_off(stub, shape: ModelShape, tensors: dict[str, torch.Tensor], ve
                 shm_path=str(slot.path),
             )
             header.payload_crc32 = write_payload(shards, specs, slot.tensor)
-
-            async def parts():
-                yield weights_pb2.UploadShardsRequest(header=header)
-
-            await stub.UploadShards(parts(), timeout=10)
+            await stub.UploadShards([weights_pb2.UploadShardsRequest(header=header)], timeout=10)
         finally:
             slot.close()
 
@@ -89,12 +86,12 @@ async def test_versions_from_trainer_shards_go_as_sparse_deltas_encoded_before_t
     for version in (1, 2, 3):
         tensors = versions[version] = changed(tensors, seed=version)
         await hand_off(stub, shape, tensors, version)
-        await wait_for(lambda: store.latest is not None and store.latest.version == version)
+        await wait_for(lambda version=version: store.latest is not None and store.latest.version == version)
         if version > 1:
             # The link's encoding is complete as soon as the version is stored: its push only sends.
             encoded = store.latest.encodings[(1, 0, "delta", version - 1)]
             assert len(encoded._blobs) == len(encoded._ranges)
-        await wait_for(lambda: engine.weight_version == version, timeout=20)
+        await wait_for(lambda version=version: engine.weight_version == version, timeout=20)
         assert served_parameters_equal(engine, tensors)
         status = await stub.GetStatus(weights_pb2.GetStatusRequest(), timeout=5)
         (link,) = status.instances

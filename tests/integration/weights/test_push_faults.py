@@ -16,7 +16,10 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.transfer.base import Frame
 from rlmesh.transfer.tcp import TcpSender
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.support import build_mesh, scaled_weights, stop_mesh, upload_full_tensors, wait_for
+from tests.support.clients import upload_full_tensors
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.tensors import scaled_weights
+from tests.support.waiting import wait_for
 
 GATE_SECONDS = 30
 

@@ -13,7 +13,8 @@ from rlmesh.models.tp_layout import ModelShape, fsdp_rows, hf_parameter_shapes
 from rlmesh.transfer.payload import stream_chunks
 from rlmesh.transfer.shards import LocalShard, SharedMemorySlot, layout_to_proto, shard_specs, write_payload
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
-from tests.support import build_mesh, stop_mesh, wait_for
+from tests.support.meshes import build_mesh, stop_mesh
+from tests.support.waiting import wait_for
 
 SHAPE = ModelShape(
     hidden_size=16,

@@ -16,7 +16,7 @@ from rlmesh.transfer.payload import pack
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import TcpListener, send_frames
 from services.weights.store import RankPayload
-from tests.support import wait_until
+from tests.support.waiting import wait_until
 
 BUCKET_BYTES = 64 << 10
 BUCKETS = 8

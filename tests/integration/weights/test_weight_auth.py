@@ -18,13 +18,13 @@ from rlmesh.transfer.mooncake import MooncakeEndpoint, MooncakeSender
 from rlmesh.transfer.payload import crc32
 from rlmesh.transfer.receiver import RankReceiver
 from rlmesh.transfer.tcp import HEADER, MAGIC, TcpListener, TcpSender
-from tests.support import (
+from tests.support.engines import greedy_outputs
+from tests.support.tensors import perturbed_weights
+from tests.support.tp_instances import (
     TCP,
     assert_serves_the_reference,
     begin_update,
     commit_version,
-    greedy_outputs,
-    perturbed_weights,
     rank_payloads,
     send_all,
 )

@@ -14,13 +14,14 @@ from mkdocs.commands.build import build
 from mkdocs.config import load_config
 from mkdocs.exceptions import Abort
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO_ROOT
+
 MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def strict_config(site_dir: Path):
     """The configuration `mkdocs build --strict --site-dir site_dir` builds with."""
-    return load_config(config_file=str(ROOT / "mkdocs.yml"), strict=True, site_dir=str(site_dir))
+    return load_config(config_file=str(REPO_ROOT / "mkdocs.yml"), strict=True, site_dir=str(site_dir))
 
 
 def build_strictly(site_dir: Path) -> None:
@@ -44,7 +45,7 @@ def nav_pages(nav) -> list[str]:
 
 def readme_link_targets() -> list[str]:
     """The targets of README.md's markdown links that are not web addresses."""
-    text = (ROOT / "README.md").read_text()
+    text = (REPO_ROOT / "README.md").read_text()
     return [t for t in MARKDOWN_LINK.findall(text) if not re.match(r"[a-z]+:", t)]
 
 
@@ -75,7 +76,7 @@ def test_mkdocs_yml_makes_a_link_that_points_nowhere_fail_the_build(tmp_path: Pa
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "index.md").write_text(f"# Home\n\nSee {link}.\n")
-    (tmp_path / "mkdocs.yml").write_text((ROOT / "mkdocs.yml").read_text().split("\nnav:")[0])
+    (tmp_path / "mkdocs.yml").write_text((REPO_ROOT / "mkdocs.yml").read_text().split("\nnav:")[0])
     config = load_config(config_file=str(tmp_path / "mkdocs.yml"), site_dir=str(tmp_path / "site"))
     with pytest.raises(Abort, match="strict mode"):
         build(config)
@@ -86,7 +87,7 @@ def test_every_relative_link_in_the_readme_reaches_a_file_and_its_anchor(site_di
     assert targets
     for target in targets:
         path, _, anchor = target.partition("#")
-        assert (ROOT / path).is_file(), f"README.md links to {target}, which does not exist"
+        assert (REPO_ROOT / path).is_file(), f"README.md links to {target}, which does not exist"
         if anchor and path.startswith("docs/") and path.endswith(".md"):
             html = built_page(site_dir, path.removeprefix("docs/")).read_text()
             assert f'id="{anchor}"' in html, f"README.md links to {target}: no heading has that anchor"

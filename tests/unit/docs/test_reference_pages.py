@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from rlmesh.reference import contracts, extensions
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO_ROOT
 
 PAGES = {
     "contracts.md": lambda: contracts.render(contracts.descriptor_set()),

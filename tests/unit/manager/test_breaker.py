@@ -12,7 +12,7 @@ from services.manager.domain.breaker import (
     SAMPLE_FAILURES,
 )
 from services.manager.domain.state import ManagerState
-from tests.support import ManualClock
+from tests.support.waiting import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -93,7 +93,7 @@ def test_a_token_between_failures_keeps_an_instance_out_of_quarantine():
 def test_a_sample_that_fails_attempt_after_attempt_ends_its_batch_with_the_reason():
     state, clock = mesh(*(f"i{n}" for n in range(SAMPLE_FAILURES)), max_batch_size=1)
     state.submit("b", 0, [("p", [1], 1)], sampling())
-    for attempt in range(SAMPLE_FAILURES):
+    for _ in range(SAMPLE_FAILURES):
         (assignment,) = state.assign()
         state.request_failed(assignment.request.request_id, assignment.attempt, "INTERNAL: poisoned prompt")
     batch = state.batches["b"]

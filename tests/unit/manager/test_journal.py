@@ -222,9 +222,9 @@ FORMAT_2_BATCHES = """CREATE TABLE batches (
     batch_id TEXT PRIMARY KEY, policy_version INTEGER NOT NULL, prompt_ids TEXT NOT NULL,
     sent TEXT NOT NULL, error TEXT NOT NULL, submitted INTEGER NOT NULL)"""
 FORMAT_2_INSTANCES = """CREATE TABLE instances (
-    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL, max_batch_size INTEGER NOT NULL,
-    min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL, preemptible INTEGER NOT NULL,
-    draining INTEGER NOT NULL)"""
+    instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL,
+    max_batch_size INTEGER NOT NULL, min_version INTEGER NOT NULL, incarnation INTEGER NOT NULL, token TEXT NOT NULL,
+    preemptible INTEGER NOT NULL, draining INTEGER NOT NULL)"""
 
 
 def test_a_journal_of_the_previous_format_is_migrated(tmp_path):

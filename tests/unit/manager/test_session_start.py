@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from services.manager.domain.sessions import DEADLINE, OPEN, Limits
 from services.manager.journal import Journal
-from tests.support import ManualClock
-from tests.unit.manager.test_sessions import mesh, open_group
+from tests.support.manager_states import manager_state, open_group
+from tests.support.waiting import ManualClock
 
 WAITING = Limits(step_deadline_seconds=5, session_deadline_seconds=50, wait_for_start=True)
 
@@ -16,7 +16,7 @@ WAITING = Limits(step_deadline_seconds=5, session_deadline_seconds=50, wait_for_
 @given(waited=st.floats(0, 1e6), ran=st.floats(0, 4.9))
 def test_a_waiting_sessions_deadlines_count_from_its_start(waited, ran):
     clock = ManualClock()
-    state = mesh(clock=clock)
+    state = manager_state(clock=clock)
     first, second = open_group(state, limits=WAITING)
     clock.now = waited
     assert state.sessions.reap(clock.now) == []
@@ -33,7 +33,7 @@ def test_a_waiting_sessions_deadlines_count_from_its_start(waited, ran):
 
 def test_a_first_turn_starts_a_waiting_session_and_a_session_that_did_not_wait_is_timed_from_its_opening():
     clock = ManualClock()
-    state = mesh(clock=clock)
+    state = manager_state(clock=clock)
     waiting, _ = open_group(state, limits=WAITING)
     clock.now = 100
     state.run_turn(waiting.session_id, 0, [], None, None)
@@ -45,13 +45,13 @@ def test_a_first_turn_starts_a_waiting_session_and_a_session_that_did_not_wait_i
 
 def test_a_restarted_manager_still_knows_which_sessions_wait(tmp_path):
     journal = Journal(tmp_path / "journal.sqlite")
-    state = mesh()
+    state = manager_state()
     started, waiting = open_group(state, limits=WAITING)
     state.sessions.start(started.session_id)
     journal.flush(state)
     journal.close()
     clock = ManualClock()
-    restored = mesh(instances=(), clock=clock)
+    restored = manager_state(instances=(), clock=clock)
     Journal(tmp_path / "journal.sqlite").restore(restored, now=0)
     clock.now = 1000
     reaped = {session.session_id for session, _ in restored.sessions.reap(clock.now)}

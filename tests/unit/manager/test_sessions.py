@@ -26,26 +26,12 @@ from services.manager.domain.sessions import (
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import trajectory
 from services.manager.journal import Journal
-from tests.support import ManualClock
+from tests.support.manager_states import manager_state, open_group, seeded_sampling
+from tests.support.waiting import ManualClock
 
 STOP = common_pb2.FINISH_REASON_STOP
 ABORT = common_pb2.FINISH_REASON_ABORT
 NONE = common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-def mesh(instances=("a",), clock=None) -> ManagerState:
-    state = ManagerState(lease_seconds=10, max_staleness=0, clock=clock or ManualClock())
-    for instance_id in instances:
-        state.register(instance_id, f"127.0.0.1:{len(state.instances) + 1000}", 0, 8, now=0)
-    return state
-
-
-def sampling(max_tokens: int = 8) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=7)
-
-
-def open_group(state: ManagerState, n: int = 2, limits: Limits = Limits(), prompt=(1, 2, 3)):
-    return state.open_sessions("b", 0, [("p", list(prompt), n)], sampling(), limits)
 
 
 def env(*tokens: int) -> Segment:
@@ -63,7 +49,7 @@ def generate(state: ManagerState, tokens: list[int], finish=STOP, version: int =
 
 
 def test_a_turn_generates_from_the_whole_stream_and_appends_the_models_segment():
-    state = mesh()
+    state = manager_state()
     first, _ = open_group(state)
     running = state.run_turn(first.session_id, 0, [Segment(TEMPLATE, [9])], None, None).running
     assert running.prompt_token_ids == [1, 2, 3, 9]
@@ -82,7 +68,7 @@ def test_a_turn_generates_from_the_whole_stream_and_appends_the_models_segment()
 
 
 def test_a_turn_whose_instance_dies_continues_elsewhere_from_its_tokens():
-    state = mesh(("a", "b"))
+    state = manager_state(("a", "b"))
     session, _ = open_group(state, n=1 + 1)
     state.run_turn(session.session_id, 0, [], None, None)
     [assignment] = state.assign()
@@ -99,7 +85,7 @@ def test_a_turn_whose_instance_dies_continues_elsewhere_from_its_tokens():
 
 
 def test_a_retried_call_gets_the_same_turn_never_a_second_one():
-    state = mesh()
+    state = manager_state()
     session, _ = open_group(state)
     first = state.run_turn(session.session_id, 0, [env(5)], None, None)
     retried = state.run_turn(session.session_id, 0, [env(5)], None, None)
@@ -115,7 +101,7 @@ def test_a_retried_call_gets_the_same_turn_never_a_second_one():
 def test_a_call_for_a_started_turn_that_asks_for_other_tokens_is_refused_not_given_that_turn():
     """A retry must be the same request: one with another body (after a gateway's 5xx, say) would
     otherwise get the reply to the first."""
-    state = mesh()
+    state = manager_state()
     session, _ = open_group(state)
     state.run_turn(session.session_id, 0, [env(5)], None, None)
     with pytest.raises(FailedPrecondition, match="turn 0 was asked for with other segments to append"):
@@ -131,7 +117,7 @@ def test_a_call_for_a_started_turn_that_asks_for_other_tokens_is_refused_not_giv
 
 
 def test_a_break_keeps_the_cause_its_caller_named_and_is_counted():
-    state = mesh()
+    state = manager_state()
     session, other = open_group(state)
     state.run_turn(session.session_id, 0, [], None, None)
     generate(state, [7, 8])
@@ -143,7 +129,7 @@ def test_a_break_keeps_the_cause_its_caller_named_and_is_counted():
 
 
 def test_the_next_turn_goes_to_the_instance_that_served_the_last():
-    state = mesh(("a", "b"))
+    state = manager_state(("a", "b"))
     session, _ = open_group(state)
     state.run_turn(session.session_id, 0, [], None, None)
     served = generate(state, [7]).instance.instance_id
@@ -153,9 +139,9 @@ def test_the_next_turn_goes_to_the_instance_that_served_the_last():
 
 
 def test_limits_end_a_session_instead_of_generating():
-    state = mesh()
+    state = manager_state()
     turns_bound, context_bound = state.open_sessions(
-        "b", 0, [("p", [1, 2], 1), ("q", [1, 2], 1)], sampling(8), Limits(max_turns=1, max_total_tokens=6)
+        "b", 0, [("p", [1, 2], 1), ("q", [1, 2], 1)], seeded_sampling(8), Limits(max_turns=1, max_total_tokens=6)
     )
     state.run_turn(turns_bound.session_id, 0, [], None, None)
     # The turn's max_tokens is cut to what the stream has room for.
@@ -169,7 +155,7 @@ def test_limits_end_a_session_instead_of_generating():
 
 
 def test_bad_appends_and_unknown_sessions_are_refused_and_change_nothing():
-    state = mesh()
+    state = manager_state()
     session, _ = open_group(state)
     with pytest.raises(InvalidArgument, match="only the engine adds model tokens"):
         state.run_turn(session.session_id, 0, [Segment(MODEL, [1])], None, None)
@@ -178,12 +164,12 @@ def test_bad_appends_and_unknown_sessions_are_refused_and_change_nothing():
     with pytest.raises(NotFound, match="session 'nope' is unknown"):
         state.run_turn("nope", 0, [], None, None)
     with pytest.raises(InvalidArgument, match="limits.turn_deadline_seconds"):
-        state.open_sessions("c", 0, [("p", [1], 1)], sampling(), Limits(turn_deadline_seconds=-1))
+        state.open_sessions("c", 0, [("p", [1], 1)], seeded_sampling(), Limits(turn_deadline_seconds=-1))
     assert session.turns == 0 and len(session.segments) == 1 and "c" not in state.batches and not state.queue
 
 
 def test_an_edited_history_starts_a_part_that_reuses_the_kept_prefix():
-    state = mesh()
+    state = manager_state()
     session, _ = open_group(state)
     state.run_turn(session.session_id, 0, [], None, None)
     generate(state, [7, 8])
@@ -215,7 +201,7 @@ def test_the_stream_is_the_kept_prefix_of_each_part_plus_what_followed(steps):
 
 
 def test_a_group_is_delivered_once_every_session_closed_with_its_trajectory():
-    state = mesh()
+    state = manager_state()
     first, second = open_group(state)
     state.run_turn(first.session_id, 0, [], None, None)
     generate(state, [7])
@@ -235,7 +221,7 @@ def test_a_group_is_delivered_once_every_session_closed_with_its_trajectory():
 
 
 def test_closing_a_session_drops_its_running_turn():
-    state = mesh()
+    state = manager_state()
     session, _ = open_group(state)
     state.run_turn(session.session_id, 0, [], None, None)
     [assignment] = state.assign()
@@ -249,7 +235,7 @@ def test_closing_a_session_drops_its_running_turn():
 
 def test_a_session_past_a_deadline_is_reaped_and_its_slot_done():
     clock = ManualClock()
-    state = mesh(clock=clock)
+    state = manager_state(clock=clock)
     idle, slow = open_group(state, limits=Limits(step_deadline_seconds=5, turn_deadline_seconds=2))
     state.run_turn(slow.session_id, 0, [], None, None)
     # Waiting in the queue is not generating: the turn's clock starts on an instance.
@@ -269,7 +255,7 @@ def test_a_session_past_a_deadline_is_reaped_and_its_slot_done():
 
 def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_turn(tmp_path):
     journal = Journal(tmp_path / "journal.sqlite")
-    state = mesh()
+    state = manager_state()
     session, other = open_group(state)
     state.run_turn(session.session_id, 0, [env(4)], None, None)
     generate(state, [7])
@@ -300,7 +286,7 @@ def test_a_restarted_manager_keeps_open_sessions_and_continues_their_running_tur
 
 
 def test_a_reward_sent_after_the_manager_truncated_a_session_counts_until_its_owner_closes_it():
-    state = mesh()
+    state = manager_state()
     truncated, other = open_group(state, limits=Limits(max_turns=1))
     state.run_turn(truncated.session_id, 0, [], None, None)
     generate(state, [7])
@@ -321,9 +307,9 @@ def test_a_reward_sent_after_the_manager_truncated_a_session_counts_until_its_ow
 
 def test_a_truncated_session_its_owner_never_closes_is_settled_at_its_step_deadline():
     clock = ManualClock()
-    state = mesh(clock=clock)
+    state = manager_state(clock=clock)
     [session] = state.open_sessions(
-        "b", 0, [("p", [1, 2], 1)], sampling(), Limits(max_turns=1, step_deadline_seconds=5)
+        "b", 0, [("p", [1, 2], 1)], seeded_sampling(), Limits(max_turns=1, step_deadline_seconds=5)
     )
     state.run_turn(session.session_id, 0, [], None, None)
     generate(state, [7])
@@ -338,7 +324,7 @@ def test_a_truncated_session_its_owner_never_closes_is_settled_at_its_step_deadl
 
 
 def test_a_turn_failing_again_and_again_ends_its_session_not_its_batch():
-    state = mesh(("a", "b", "c", "d", "e"))
+    state = manager_state(("a", "b", "c", "d", "e"))
     failing, other = open_group(state)
     state.run_turn(failing.session_id, 0, [], None, None)
     for _ in range(4):

@@ -3,11 +3,11 @@ roles allowed to call it (a new RPC without an entry fails here), and no entry n
 does not exist."""
 
 import re
-from pathlib import Path
 
 from rlmesh.rpc.authz import AUTHORIZED, OPEN_SERVICES, ROLES, USER_CONTRACTS, allowed_roles, service_of
+from tests.support.paths import REPO_ROOT
 
-PROTOS = Path(__file__).resolve().parents[3] / "protos"
+PROTOS = REPO_ROOT / "protos"
 
 
 def declared_rpcs() -> set[str]:

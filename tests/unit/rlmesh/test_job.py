@@ -9,7 +9,8 @@ import pytest
 
 from rlmesh.config import ConfigError
 from rlmesh.job import Job, load_job, parse_value
-from tests.support import dataset_job
+from tests.support.jobs import dataset_job
+from tests.support.paths import REPO_ROOT
 
 
 def write(path: Path, text: str) -> Path:
@@ -103,6 +104,7 @@ def test_the_job_model_carries_every_documented_section():
         "weights",
         "mesh",
         "output",
+        "tracking",
     }
 
 
@@ -188,6 +190,22 @@ def test_the_up_flags_set_the_service_settings_they_name():
     assert job_of("--engine", "vllm").rollout.engine.kind == "vllm"
 
 
+def test_the_up_flags_paths_are_the_working_directorys_not_the_job_files(tmp_path, monkeypatch):
+    from rlmesh.cli import main as cli
+
+    (tmp_path / "examples" / "x").mkdir(parents=True)
+    job_file = write(tmp_path / "examples" / "x" / "job.toml", "")
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model-dir", "models/mine", "--output-dir", "runs/a", "--secrets-dir", "s", "--tls-dir", "t"]
+    job, base = load_job(
+        job_file, cli._overrides(cli.build_parser().parse_args(["up", "--job", str(job_file), *flags]))
+    )
+    assert base == job_file.parent
+    assert Path(job.model.path) == tmp_path / "models" / "mine"
+    assert Path(job.output.dir) == tmp_path / "runs" / "a"
+    assert (Path(job.mesh.secrets_dir), Path(job.mesh.tls_dir)) == (tmp_path / "s", tmp_path / "t")
+
+
 def test_a_job_streams_a_chunk_per_16_tokens_unless_it_says_otherwise_and_a_lone_service_per_token(tmp_path):
     from services.rollout.config import EngineConfig
 
@@ -198,7 +216,7 @@ def test_a_job_streams_a_chunk_per_16_tokens_unless_it_says_otherwise_and_a_lone
     assert EngineConfig(model_dir="m").stream_interval == 1
 
 
-EXAMPLE_JOBS = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*/job.toml"))
+EXAMPLE_JOBS = sorted((REPO_ROOT / "examples").glob("*/job.toml"))
 
 
 @pytest.mark.parametrize("path", EXAMPLE_JOBS, ids=lambda path: path.parent.name)
@@ -214,7 +232,7 @@ def test_the_examples_folder_has_jobs():
 
 
 def test_the_async_example_job_sets_three_values_and_leaves_the_rest_to_defaults():
-    path = Path(__file__).resolve().parents[3] / "examples" / "async" / "job.toml"
+    path = REPO_ROOT / "examples" / "async" / "job.toml"
     job, _ = load_job(path)
     given = tomllib.loads(path.read_text())
     tuned = [f"{section}.{key}" for section, values in given.items() for key in values]
@@ -227,7 +245,7 @@ def test_the_agent_command_examples_compose_config_runs_its_job():
     from rlmesh.config import load_config
     from services.trainer.config import TrainerConfig
 
-    folder = Path(__file__).resolve().parents[3] / "examples" / "agent-command"
+    folder = REPO_ROOT / "examples" / "agent-command"
     job, _ = load_job(folder / "job.toml")
     config = load_config(TrainerConfig, folder / "compose-trainer.toml", overrides={"model_dir": "/models/policy"})
     assert config.tasks == job.tasks and config.python_path == ["/jobs/agent-command"]

@@ -4,7 +4,7 @@ import pytest
 import structlog
 
 from rlmesh.logging import MAX_TRACKED_EVENTS, RepeatLimiter
-from tests.support import ManualClock
+from tests.support.waiting import ManualClock
 
 
 def written(limiter: RepeatLimiter, event: dict) -> dict | None:

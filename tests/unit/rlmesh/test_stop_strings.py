@@ -13,7 +13,7 @@ from rlmesh.models.tokenizer import load_tokenizer
 from services.rollout.engine import EngineRequest, Finish, Sampling
 from services.rollout.synthetic_engine import SyntheticConfig, SyntheticEngine
 from services.rollout.torch.engine import TorchEngine
-from tests.support import engine_output
+from tests.support.engines import engine_output
 
 # Tokens of one to three characters over a small alphabet, so stop strings span several tokens.
 VOCABULARY = ["a", "b", "c", " ", "ab", "ba", "c ", " a", "abc", "bca", "\n", "a\n"]

@@ -6,7 +6,7 @@ import json
 
 from rlmesh.job import load_job
 from rlmesh.tasks.check import CHECK_FAILED, main
-from tests.support import dataset_job
+from tests.support.jobs import dataset_job
 
 
 def write_job_json(tmp_path, job_file) -> str:

@@ -22,7 +22,8 @@ from services.rollout.engine import EngineRequest, Finish, Sampling
 from services.rollout.torch.engine import TorchEngine
 from services.rollout.weight_update import WeightUpdater
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch, token_logprobs
-from tests.support import engine_output, wait_for
+from tests.support.engines import engine_output
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlmesh.settings.trainer import AdvantageEstimatorKind, GrpoConfig, LossKind
+from rlmesh.settings.trainer import AdvantageEstimatorKind, LossConfig, LossKind
 from services.trainer.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPERS, Registry, UnknownName
 from services.trainer.algorithms.advantages import gae, reinforce_pp, rloo
 from services.trainer.algorithms.losses import clipped_value_loss
@@ -34,7 +34,7 @@ def test_an_unknown_name_is_refused_naming_it_and_the_known_ones():
     with pytest.raises(UnknownName, match=r"unknown policy loss 'grpo': known are decoupled, ppo, tis"):
         POLICY_LOSSES.get("grpo")
     with pytest.raises(ValidationError, match="advantage_estimator"):
-        GrpoConfig(advantage_estimator="a2c")
+        LossConfig(advantage_estimator="a2c")
 
 
 def test_a_name_is_registered_once():
@@ -121,8 +121,8 @@ def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
 
 
 def test_reward_shaping_goes_through_the_registry():
-    off = GrpoConfig()
+    off = LossConfig()
     assert shape(ShapingInput(response_length=100, max_tokens=100), off) == {}
-    on = GrpoConfig(overlong_buffer_tokens=10, overlong_penalty=2.0)
+    on = LossConfig(overlong_buffer_tokens=10, overlong_penalty=2.0)
     assert shape(ShapingInput(response_length=95, max_tokens=100), on) == {"overlong_penalty": pytest.approx(-1.0)}
     assert shape(ShapingInput(response_length=50, max_tokens=100), on) == {"overlong_penalty": 0.0}

@@ -14,7 +14,8 @@ from services.trainer.config import TrainerConfig
 from services.trainer.ranks.checkpoint import BackgroundCheckpoints, TrainerState, latest_checkpoint
 from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.step_totals import StepTotals
-from tests.support import full_parameters, rewarded_micro_batches
+from tests.support.samples import rewarded_micro_batches
+from tests.support.tensors import full_parameters
 
 
 def critic_policy(model_dir, tmp_path, rank, **algorithm) -> ShardedPolicy:
@@ -72,7 +73,8 @@ def test_the_policy_waits_for_the_critics_warm_up(model_dir, tmp_path, rank):
 
 @pytest.mark.parametrize("writer", ["background", "final"])
 def test_a_checkpoint_restores_the_value_model_and_its_optimizer_bit_for_bit(model_dir, tmp_path, rank, writer):
-    """`background`: the periodic checkpoints a killed trainer resumes from; `final`: the run's last, with its export."""
+    """`background`: the periodic checkpoints a killed trainer resumes from; `final`: the run's last,
+    with its export."""
     trained = critic_policy(model_dir, tmp_path / "a", rank)
     batches = rewarded_micro_batches(model_dir, 3)
     trained.begin_step(0)

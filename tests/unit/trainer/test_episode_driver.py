@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from rlmesh.manager.v1 import manager_pb2
 from rlmesh.tasks.base import TaskPrompt
 from rlmesh.tasks.config import EnvironmentConfig
-from services.trainer.episodes.driver import EpisodeDriver, EpisodeSpec
+from services.trainer.episodes.driver import EpisodeDriver
 from services.trainer.episodes.environment_threads import EnvironmentThreads
+from services.trainer.episodes.spec import EpisodeSpec
 
 OPEN = manager_pb2.SESSION_STATUS_OPEN
 DONE = manager_pb2.SESSION_STATUS_DONE

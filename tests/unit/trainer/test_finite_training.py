@@ -24,7 +24,7 @@ from services.trainer.ranks.distributed import TorchThread
 from services.trainer.ranks.optimizing import NonFiniteUpdate
 from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.trajectories import turn_credit
-from tests.support import micro_batches
+from tests.support.samples import micro_batches
 
 OUTCOME_ESTIMATORS = [name for name, estimator in ADVANTAGE_ESTIMATORS.items() if not estimator.needs_critic]
 CRITIC_ESTIMATORS = [name for name, estimator in ADVANTAGE_ESTIMATORS.items() if estimator.needs_critic]

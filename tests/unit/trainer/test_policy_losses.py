@@ -15,7 +15,7 @@ from rlmesh.models.loading import load_causal_lm
 from services.trainer.config import TrainerConfig
 from services.trainer.ranks.batching import build_micro_batch, token_logprobs
 from services.trainer.ranks.policy import ShardedPolicy
-from tests.support import micro_batches
+from tests.support.samples import micro_batches
 
 
 def make_policy(model_dir, tmp_path, rank, **loss) -> ShardedPolicy:

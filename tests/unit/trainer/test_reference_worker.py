@@ -20,7 +20,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.ranks.distributed import RankInfo
 from services.trainer.ranks.policy import ShardedPolicy
 from services.trainer.ranks.reference import response_logprobs
-from tests.support import digit_samples
+from tests.support.samples import digit_samples
 
 
 def make_policy(model_dir: Path, tmp_path: Path, rank: RankInfo, placement) -> ShardedPolicy:

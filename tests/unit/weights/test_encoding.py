@@ -19,7 +19,7 @@ def rank_payload(version: int, tensors: dict[str, torch.Tensor]) -> RankPayload:
 
 def receive(encoded_frames, out: np.ndarray, mode: str, dtype: torch.dtype) -> None:
     codecs = {}
-    for offset, raw_bytes, code, base_version, data in encoded_frames:
+    for offset, raw_bytes, code, _base_version, data in encoded_frames:
         target = out[offset : offset + raw_bytes]
         if code == common_pb2.COMPRESSION_NONE:
             target[:] = np.frombuffer(data, dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""GRPO's pieces: advantages, the three clipped losses (ppo, decoupled, tis) and their gradients,
+"""The algorithm's terms: advantages, the three clipped losses (ppo, decoupled, tis) and their gradients,
 clip-higher, sequence- and token-mean aggregation over streamed micro-batches, the KL estimate,
 the overlong penalty and the loss settings."""
 
@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from services.trainer.algorithms.advantages import group_advantages
 from services.trainer.algorithms.losses import k3_kl, policy_loss
 from services.trainer.algorithms.shaping import overlong_penalty
-from services.trainer.config import GrpoConfig
+from services.trainer.config import LossConfig
 from services.trainer.ranks.batching import TrainingSample, build_micro_batch
 
 rewards = st.lists(st.floats(0, 1), min_size=2, max_size=16)
@@ -154,8 +154,8 @@ def test_an_unknown_cap_mode_is_refused():
 
 def test_tis_refuses_to_drop():
     with pytest.raises(ValidationError, match="tis truncates by definition"):
-        GrpoConfig(loss="tis", importance_cap_mode="drop")
-    assert GrpoConfig(loss="decoupled", importance_cap_mode="drop").importance_cap_mode == "drop"
+        LossConfig(loss="tis", importance_cap_mode="drop")
+    assert LossConfig(loss="decoupled", importance_cap_mode="drop").importance_cap_mode == "drop"
 
 
 def test_without_proximal_log_probabilities_the_current_policy_is_the_proximal_one():
@@ -294,13 +294,13 @@ def test_overlong_penalty_is_zero_up_to_the_buffer_then_falls_linearly_to_the_pe
 
 
 def test_the_loss_settings_default_to_ppo_with_a_symmetric_clip_and_check_their_ranges():
-    default = GrpoConfig()
+    default = LossConfig()
     assert (default.loss, default.loss_aggregation, default.importance_cap) == ("ppo", "sequence-mean", 2.0)
     assert default.clip_low == default.clip_high == default.clip_epsilon == 0.2
-    assert (GrpoConfig(clip_epsilon=0.3).clip_low, GrpoConfig(clip_epsilon=0.3).clip_high) == (0.3, 0.3)
-    higher = GrpoConfig(clip_epsilon_high=0.28)
+    assert (LossConfig(clip_epsilon=0.3).clip_low, LossConfig(clip_epsilon=0.3).clip_high) == (0.3, 0.3)
+    higher = LossConfig(clip_epsilon_high=0.28)
     assert (higher.clip_low, higher.clip_high) == (0.2, 0.28)
-    assert GrpoConfig(clip_epsilon=0.3, clip_epsilon_low=0.1).clip_low == 0.1
+    assert LossConfig(clip_epsilon=0.3, clip_epsilon_low=0.1).clip_low == 0.1
     for values, field in (
         ({"clip_epsilon_low": 1.0}, "clip_epsilon_low"),
         ({"clip_epsilon_high": 0.0}, "clip_epsilon_high"),
@@ -310,4 +310,4 @@ def test_the_loss_settings_default_to_ppo_with_a_symmetric_clip_and_check_their_
         ({"overlong_buffer_tokens": -1}, "overlong_buffer_tokens"),
     ):
         with pytest.raises(ValidationError, match=field):
-            GrpoConfig(**values)
+            LossConfig(**values)

@@ -1,17 +1,16 @@
 """The configuration reference in the docs is the generator's output from the models' field
 docstrings: a field added or reworded without regenerating the page fails here."""
 
-from pathlib import Path
-
-from rlmesh.cli.configref import reference
 from rlmesh.job import Job
+from rlmesh.reference.configuration import reference
+from tests.support.paths import REPO_ROOT
 
-PAGE = Path(__file__).resolve().parents[3] / "docs" / "reference" / "configuration.md"
+PAGE = REPO_ROOT / "docs" / "reference" / "configuration.md"
 
 
 def test_the_committed_reference_is_what_the_models_generate():
     assert PAGE.read_text() == reference(), (
-        "regenerate it: python -m rlmesh.cli.configref > docs/reference/configuration.md"
+        "regenerate it: python -m rlmesh.reference.configuration > docs/reference/configuration.md"
     )
 
 
