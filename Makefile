@@ -143,7 +143,8 @@ $(DEFAULT_MODEL)/config.json: $(VENV)/.installed
 	$(BIN)/rlmesh init-model
 
 # The wheelhouse the images install from, offline (Dockerfile): what pip resolves on this host for
-# requirements.txt, torch's wheel included (the CPU one here, the CUDA one on a GPU host), with the
+# requirements.txt, torch's wheel included (the CUDA build from PyPI; the CPU build where pip is
+# pointed at PyTorch's CPU index), with the
 # requirements themselves, which the image reads from it.
 WHEELS := wheels
 

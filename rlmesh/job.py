@@ -101,7 +101,7 @@ class MeshSection(StrictModel):
     and a certificate per service in <output>/tls, or uses tls_dir."""
     tls_dir: str | None = None
     """The certificates to use (ca.pem, NAME.pem and NAME-key.pem for manager, weights, rollout,
-    trainer and client, as `rlmesh certs` writes them; what is missing or expired is issued from
+    trainer, client and observer, as `rlmesh certs` writes them; what is missing or expired is issued from
     ca-key.pem). Relative to the working directory, like output.dir. Needs tls = true."""
     insecure: bool = False
     """Turn authorization off: every service answers every RPC to anyone who reaches its port, with

@@ -1,5 +1,6 @@
 """Prints uv's flags for the package sources pip is configured with (find-links, indexes), so
-`uv pip install` takes the same wheels pip would: torch's local CPU wheel here, PyPI elsewhere."""
+`uv pip install` takes the same wheels pip would: a local mirror or PyTorch's CPU index where pip is
+configured with one, PyPI otherwise."""
 
 import subprocess
 import sys

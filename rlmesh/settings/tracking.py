@@ -12,7 +12,7 @@ from pydantic import Field
 
 from rlmesh.config import StrictModel
 
-INSTALL_HINT = "install it with `pip install 'rlmesh[tracking]'`"
+INSTALL_HINT = "install rlmesh's `tracking` extra: `pip install '.[tracking]'` in the checkout (`make setup` has it)"
 
 
 class WandbSettings(StrictModel):

@@ -146,5 +146,5 @@ def test_up_refuses_a_tracker_whose_package_is_missing_before_starting_anything(
     assert result.returncode == 2 and not output_dir.exists()
     assert (
         "tracking.wandb.mode = offline needs the `wandb` package" in result.stderr
-        and "rlmesh[tracking]" in result.stderr
+        and "`tracking` extra" in result.stderr
     )
