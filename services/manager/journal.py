@@ -16,8 +16,7 @@ from rlmesh.config import ConfigError
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.journaled import BATCH, COUNTERS, INSTANCE, REQUEST, SESSION
-from services.manager.domain.records import Batch, Instance, SampleRequest
-from services.manager.domain.sessions import Limits, Session
+from services.manager.domain.records import Batch, Instance, Limits, SampleRequest, Session
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import take_progress, trajectory
 

@@ -17,9 +17,8 @@ from rlmesh.rpc.prometheus import Families
 from services.manager.config import ManagerConfig
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.domain.conversations import conversation_from_proto, conversation_to_proto
-from services.manager.domain.records import Instance, SampleRequest
+from services.manager.domain.records import Instance, Limits, SampleRequest, Session, TurnState, stream_of
 from services.manager.domain.registry import WrongIncarnation
-from services.manager.domain.sessions import Limits, Session, TurnState, stream_of
 from services.manager.domain.stage_balance import Balance
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import segment_from_proto, segment_to_proto, trajectory

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from rlmesh.common.v1 import common_pb2
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.domain.conversations import LoggedMessage
-from services.manager.domain.sessions import Segment, TurnState
+from services.manager.domain.records import Segment, TurnState
 from services.manager.domain.state import ManagerState
 from services.manager.journal import Journal, NoJournal
 

@@ -4,7 +4,7 @@ registered, and a group of sessions opened on it."""
 from __future__ import annotations
 
 from rlmesh.common.v1 import common_pb2
-from services.manager.domain.sessions import Limits
+from services.manager.domain.records import Limits
 from services.manager.domain.state import ManagerState
 from tests.support.waiting import ManualClock
 

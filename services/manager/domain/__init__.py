@@ -7,7 +7,7 @@ edge (`server.py`) and the journal sit above it and reach it through `state`.
 - `delivery`: batches of groups in stream order, the micro-batches readers take and resume, acknowledgement.
 - `dispatch_policy`: which instance each queued request goes to (`balanced`, `round_robin`).
 - `journaled`: how the journal learns what changed: journaled fields and collections mark a change tracker.
-- `records`: the records the manager keeps (instances, sample requests, batches) and their journaled fields.
+- `records`: the records the manager keeps (instances, sample requests, batches, sessions and their segments).
 - `registry`: the instance registry: incarnations, leases, served versions, measured throughput.
 - `request_table`: every sample request with its tokens so far, the queue, and each request's life.
 - `scheduling`: dispatching queued requests through the policy, failing batches whose version is gone, migration.

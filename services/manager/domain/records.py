@@ -1,5 +1,6 @@
-"""What the manager keeps: rollout instances, sample requests with their tokens so far, and batches
-of groups in delivery; the journal writes the fields each declares JOURNALED."""
+"""What the manager keeps: rollout instances, sample requests with their tokens so far, batches of
+groups in delivery, and sessions with their segments; the journal writes the fields each declares
+JOURNALED."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from rlmesh.common.v1 import common_pb2
-from services.manager.domain.journaled import BATCH, INSTANCE, REQUEST, ChangeTracker, Journaled
+from rlmesh.manager.v1 import manager_pb2
+from services.manager.domain.conversations import LoggedMessage
+from services.manager.domain.journaled import BATCH, INSTANCE, REQUEST, SESSION, ChangeTracker, Journaled
 
 FINISHED = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 
@@ -211,3 +214,142 @@ class Assignment:
     request: SampleRequest
     instance: Instance
     attempt: int
+
+
+# Sessions -----------------------------------------------------------------------------
+
+MODEL, ENVIRONMENT, TEMPLATE = (
+    manager_pb2.SEGMENT_SOURCE_MODEL,
+    manager_pb2.SEGMENT_SOURCE_ENVIRONMENT,
+    manager_pb2.SEGMENT_SOURCE_TEMPLATE,
+)
+OPEN = manager_pb2.SESSION_STATUS_OPEN
+DONE = manager_pb2.SESSION_STATUS_DONE
+TRUNCATED_CONTEXT = manager_pb2.SESSION_STATUS_TRUNCATED_CONTEXT
+TRUNCATED_TURNS = manager_pb2.SESSION_STATUS_TRUNCATED_TURNS
+DEADLINE = manager_pb2.SESSION_STATUS_DEADLINE
+ENVIRONMENT_ERROR = manager_pb2.SESSION_STATUS_ENVIRONMENT_ERROR
+CLOSING_STATUSES = frozenset({DONE, TRUNCATED_CONTEXT, TRUNCATED_TURNS, DEADLINE, ENVIRONMENT_ERROR})
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of tokens of one source; see manager.proto's Segment."""
+
+    source: int
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    instance_ids: list[str] = field(default_factory=list)
+    starts_part: bool = False
+    reused_prefix_tokens: int = 0
+    turn: int = 0
+    break_cause: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds of a session; 0 means none (see manager.proto's SessionLimits)."""
+
+    max_turns: int = 0
+    max_total_tokens: int = 0
+    turn_deadline_seconds: float = 0.0
+    step_deadline_seconds: float = 0.0
+    session_deadline_seconds: float = 0.0
+    wait_for_start: bool = False
+    """The deadlines do not run until the episode starts (Sessions.start, or its first turn)."""
+    refuse_agent_rewards: bool = False
+    """The gateway refuses the rewards the session's harness reports."""
+    refuse_breaks: bool = False
+    """The gateway refuses a chat history that breaks the session's, instead of starting a part."""
+
+    def problem(self) -> str:
+        for name in ("turn_deadline_seconds", "step_deadline_seconds", "session_deadline_seconds"):
+            value = getattr(self, name)
+            if not 0 <= value < 1e9:
+                return f"limits.{name} must be in [0, 1e9) seconds, got {value}"
+        return ""
+
+
+@dataclass(slots=True)
+class Session(Journaled):
+    JOURNALED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "segments",
+            "status",
+            "detail",
+            "turns",
+            "reward",
+            "turn_rewards",
+            "environment_seconds",
+            "conversation",
+            "limits",
+        }
+    )
+    KIND: ClassVar[str] = SESSION
+
+    session_id: str
+    batch_id: str
+    prompt_id: str
+    key: str
+    sampling: common_pb2.SamplingParams
+    policy_version: int
+    limits: Limits
+    segments: list[Segment] = field(default_factory=list)
+    status: int = OPEN
+    detail: str = ""
+    turns: int = 0
+    """Turns started; a running turn is the last of them."""
+    reward: float | None = None
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    environment_seconds: float = 0.0
+    conversation: list[LoggedMessage] = field(default_factory=list)
+    """The messages before the last turn the gateway ran, as it matched them (see
+    RunTurnRequest.conversation)."""
+    turn: SampleRequest | None = None
+    """The turn generating now."""
+    opened_at: float = 0.0
+    turn_started: float | None = None
+    """When the running turn was first seen on an instance (None: still queued)."""
+    idle_since: float = 0.0
+    """When the last turn ended (or the session opened): the environment's step runs since."""
+    last_instance: str = ""
+    tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def journal_key(self) -> str:
+        return self.session_id
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == OPEN
+
+    def part_tokens(self) -> list[int]:
+        """The current part's token stream: what the next turn is generated from."""
+        return stream_of(self.segments)
+
+    def turn_segment(self, turn: int) -> Segment | None:
+        return next((s for s in reversed(self.segments) if s.source == MODEL and s.turn == turn), None)
+
+
+def stream_of(segments: list[Segment]) -> list[int]:
+    """The token stream the segments leave as context: a segment that starts a part keeps only the
+    reused prefix of the stream before it."""
+    stream: list[int] = []
+    for segment in segments:
+        if segment.starts_part:
+            stream = stream[: segment.reused_prefix_tokens]
+        stream += segment.token_ids
+    return stream
+
+
+@dataclass(frozen=True, slots=True)
+class TurnState:
+    """Where a RunTurn call stands: `running` (wait for it), or the turn's model segment, or the
+    session ended without it (`segment` None, `status` why)."""
+
+    status: int
+    running: SampleRequest | None = None
+    segment: Segment | None = None
+    stream_tokens: int = 0

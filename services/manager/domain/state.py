@@ -17,11 +17,20 @@ from services.manager.domain.conversations import LoggedMessage
 from services.manager.domain.delivery import Delivery, Taken
 from services.manager.domain.dispatch_policy import PolicyName, dispatch_policy
 from services.manager.domain.journaled import BATCH, Changed, ChangeTracker, Records
-from services.manager.domain.records import Assignment, Batch, Instance, SampleRequest
+from services.manager.domain.records import (
+    Assignment,
+    Batch,
+    Instance,
+    Limits,
+    SampleRequest,
+    Segment,
+    Session,
+    TurnState,
+)
 from services.manager.domain.registry import InstanceRegistry
 from services.manager.domain.request_table import RequestTable
 from services.manager.domain.scheduling import Scheduler
-from services.manager.domain.sessions import Limits, Segment, Session, Sessions, TurnState
+from services.manager.domain.sessions import Sessions
 from services.manager.domain.stage_balance import Balance, StageBalancer, StepTiming
 
 MAX_STEP_SECONDS = 1e6

@@ -4,7 +4,7 @@ GetSession answers, and the form the journal keeps a session's progress in."""
 from __future__ import annotations
 
 from rlmesh.manager.v1 import manager_pb2
-from services.manager.domain.sessions import Segment, Session
+from services.manager.domain.records import Segment, Session
 
 
 def segment_to_proto(segment: Segment) -> manager_pb2.Segment:

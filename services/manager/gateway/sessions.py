@@ -27,7 +27,7 @@ from services.manager.domain.conversations import (
     conversation_to_proto,
     logged_model_turn,
 )
-from services.manager.domain.sessions import stream_of
+from services.manager.domain.records import stream_of
 from services.manager.gateway import openai_format as wire
 from services.manager.gateway.openai_format import GatewayError
 

@@ -17,7 +17,7 @@ from rlmesh.models.loading import load_causal_lm
 from rlmesh.models.tokenizer import load_tokenizer
 from rlmesh.rpc.channels import open_channel
 from services.manager.config import ManagerConfig
-from services.manager.domain.sessions import stream_of
+from services.manager.domain.records import stream_of
 from services.manager.domain.trajectories import segment_from_proto
 from services.manager.main import start as start_manager
 from tests.support.credentials import loopback

@@ -5,7 +5,7 @@ again changes nothing, and a restarted manager still knows which sessions wait."
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.manager.domain.sessions import DEADLINE, OPEN, Limits
+from services.manager.domain.records import DEADLINE, OPEN, Limits
 from services.manager.journal import Journal
 from tests.support.manager_states import manager_state, open_group
 from tests.support.waiting import ManualClock

@@ -10,7 +10,7 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from rlmesh.manager.v1 import manager_pb2
 from services.manager.domain.conversations import LoggedMessage
-from services.manager.domain.sessions import (
+from services.manager.domain.records import (
     DEADLINE,
     DONE,
     ENVIRONMENT,

@@ -13,7 +13,7 @@ from rlmesh.micro_batch import group_tokens, pack, trajectory_tokens
 from rlmesh.rewards.base import RewardResult
 from rlmesh.tasks.base import TaskPrompt
 from services.manager.domain import delivery
-from services.manager.domain.sessions import DONE, ENVIRONMENT, Limits, Segment
+from services.manager.domain.records import DONE, ENVIRONMENT, Limits, Segment
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import trajectory
 from services.trainer import pipeline
