@@ -194,8 +194,12 @@ test-vllm: setup setup-vllm ## the vLLM rollout tests alone
 # Models at real sizes (pytest marker `large`, deselected from `make test` by pyproject.toml): the
 # Qwen2.5-0.5B shape through an FSDP-2 trainer, the weights service and a TP-2 torch-engine instance,
 # and the real-model quickstart's job (examples/qwen2.5-gsm8k) at that shape for 2 steps.
+# Each file in a pytest process of its own: at these shapes a mesh takes most of a 24 GiB machine,
+# and a process that ran one keeps the heap it freed.
 test-large: setup ## models at real sizes (pytest marker large)
-	$(PY) -m pytest tests -m large
+	@set -e; files=$$($(PY) -m pytest tests -m large --collect-only -q | grep '::' | cut -d: -f1 | sort -u); \
+	test -n "$$files" || { echo "make test-large: no test marked large was collected" >&2; exit 1; }; \
+	for file in $$files; do $(PY) -m pytest "$$file" -m large; done
 
 # Jobs at the default step size that take a 2-core machine a quarter of an hour (pytest marker `long`,
 # deselected from `make test`): a Python `openai` harness per episode, 16 prompts x 8 episodes a step.
