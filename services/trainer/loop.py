@@ -20,7 +20,6 @@ import grpc
 import structlog
 
 from rlmesh.common.v1 import common_pb2
-from rlmesh.rewards.base import RewardItem
 from rlmesh.tasks.base import SourceExhausted, TaskPrompt
 from rlmesh.tasks.build import Task, TaskMixture, build_task
 from rlmesh.trainer.v1 import trainer_pb2
@@ -41,15 +40,13 @@ from services.trainer.pipeline import (
 )
 from services.trainer.publishing import VersionPublisher, publish_figures
 from services.trainer.ranks.checkpoint import TrainerState, latest_checkpoint
-from services.trainer.ranks.commands import BeginStep, Checkpoint, Evaluate, OptimizerStep, RankGroup, Resume, Train
-from services.trainer.ranks.evaluation import EvalRequest, EvalResponses
+from services.trainer.ranks.commands import BeginStep, Checkpoint, OptimizerStep, RankGroup, Resume, Train
 from services.trainer.ranks.reference import ReferenceWorker
 from services.trainer.scoring import GroupScorer
 from services.trainer.step_totals import StepTotals, balance_metrics
 from services.trainer.tracking.metrics import MetricsWriter
 from services.trainer.tracking.runs import run_config, start_trackers
-from services.trainer.tracking.tracker import HeldOutSample
-from services.trainer.validation import BackgroundValidation, ValidationFigures, held_out_rows, held_out_sets
+from services.trainer.validation import BackgroundValidation, evaluate_inline
 
 log = structlog.get_logger()
 
@@ -593,40 +590,9 @@ class TrainingLoop:
             self.validation.retry_due = False
             await self.validation.start(step, version)
             return
-        figures = ValidationFigures()
-        samples: list[HeldOutSample] = []
-        for held_out in held_out_sets(self.mixture):
-            task = held_out.task
-            sampling = task.config.sampling
-            request = EvalRequest(
-                held_out.token_ids,
-                task.config.max_tokens,
-                task.config.eval.samples,
-                sampling.temperature,
-                sampling.top_p,
-                self.config.seed + step,
-            )
-            responses: EvalResponses = await self.group.lead(Evaluate(request))
-            completions = [self.scorer.completion(ids) for ids in responses.sampled + responses.greedy]
-            results = await task.reward.score(
-                [
-                    RewardItem(f"eval-{step}-{index}", text, completion, prompt.metadata, ids)
-                    for index, (prompt, text, completion, ids) in enumerate(
-                        zip(
-                            held_out.prompts * task.config.eval.samples + held_out.prompts,
-                            held_out.texts * task.config.eval.samples + held_out.texts,
-                            completions,
-                            responses.sampled + responses.greedy,
-                        )
-                    )
-                ]
-            )
-            rewards = [r.reward for r in results]
-            sampled = len(responses.sampled)
-            figures.sampled[task.name] = rewards[:sampled]
-            figures.greedy[task.name] = rewards[sampled:]
-            samples += held_out_rows(step, version, held_out, "sampled", completions[:sampled], rewards[:sampled])
-            samples += held_out_rows(step, version, held_out, "greedy", completions[sampled:], rewards[sampled:])
+        figures, samples = await evaluate_inline(
+            self.group, self.scorer, self.mixture, self.config.seed + step, step, version
+        )
         values = {**figures.values(), "eval/weight_version": float(version)}
         self.evaluations[step] = values
         self._file_metrics(step, values)

@@ -22,6 +22,9 @@ from services.trainer.episodes.process import EpisodeProcess
 from services.trainer.episodes.spec import EpisodeSpec
 from services.trainer.mesh import MeshClient
 from services.trainer.pipeline import prompt_seed
+from services.trainer.ranks.commands import Evaluate, RankGroup
+from services.trainer.ranks.evaluation import EvalRequest, EvalResponses
+from services.trainer.scoring import GroupScorer
 from services.trainer.tracking.tracker import HeldOutSample
 from services.trainer.trajectories import (
     MASKED_STATUSES,
@@ -314,3 +317,45 @@ async def score_held_out(
         for (index, _), result in zip(scored, results):
             rewards[index] = result.reward
     return rewards
+
+
+async def evaluate_inline(
+    group: RankGroup, scorer: GroupScorer, mixture: TaskMixture, seed: int, step: int, version: int
+) -> tuple[ValidationFigures, list[HeldOutSample]]:
+    """Held-out evaluation on the trainer's own policy (validation = "inline"): every rank generates,
+    rank 0 scores each task's sampled and greedy responses with the task's reward."""
+    figures = ValidationFigures()
+    samples: list[HeldOutSample] = []
+    for held_out in held_out_sets(mixture):
+        task = held_out.task
+        sampling = task.config.sampling
+        request = EvalRequest(
+            held_out.token_ids,
+            task.config.max_tokens,
+            task.config.eval.samples,
+            sampling.temperature,
+            sampling.top_p,
+            seed,
+        )
+        responses: EvalResponses = await group.lead(Evaluate(request))
+        completions = [scorer.completion(ids) for ids in responses.sampled + responses.greedy]
+        results = await task.reward.score(
+            [
+                RewardItem(f"eval-{step}-{index}", text, completion, prompt.metadata, ids)
+                for index, (prompt, text, completion, ids) in enumerate(
+                    zip(
+                        held_out.prompts * task.config.eval.samples + held_out.prompts,
+                        held_out.texts * task.config.eval.samples + held_out.texts,
+                        completions,
+                        responses.sampled + responses.greedy,
+                    )
+                )
+            ]
+        )
+        rewards = [r.reward for r in results]
+        sampled = len(responses.sampled)
+        figures.sampled[task.name] = rewards[:sampled]
+        figures.greedy[task.name] = rewards[sampled:]
+        samples += held_out_rows(step, version, held_out, "sampled", completions[:sampled], rewards[:sampled])
+        samples += held_out_rows(step, version, held_out, "greedy", completions[sampled:], rewards[sampled:])
+    return figures, samples
