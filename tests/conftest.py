@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# As in `rlmesh up` (rlmesh/cli/main.py): a worker starts processes (fork, then exec) while its in-process
+# As in `rlmesh up` (rlmesh/cli/run_commands.py): a worker starts processes (fork, then exec) while its in-process
 # servers' gRPC threads run. gRPC's fork handlers would restart its pollers in the child before the
 # exec, where closing the inherited descriptors makes a poller abort the child.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

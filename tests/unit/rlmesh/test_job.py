@@ -180,9 +180,10 @@ def test_the_update_mode_flag_the_stream_interval_the_device_and_dtype_reach_eve
 
 def test_the_up_flags_set_the_service_settings_they_name():
     from rlmesh.cli import main as cli
+    from rlmesh.cli import run_commands
 
     def job_of(*flags: str):
-        return load_job(None, cli._overrides(cli.build_parser().parse_args(["up", *flags])))[0]
+        return load_job(None, run_commands.overrides(cli.build_parser().parse_args(["up", *flags])))[0]
 
     job = job_of("--rollout-tp", "2", "--update-mode", "pause", "--transfer-backend", "grpc", "--compression", "zstd")
     assert (job.rollout.engine.tensor_parallel_size, job.rollout.engine.update_mode) == (2, "pause")
@@ -192,13 +193,14 @@ def test_the_up_flags_set_the_service_settings_they_name():
 
 def test_the_up_flags_paths_are_the_working_directorys_not_the_job_files(tmp_path, monkeypatch):
     from rlmesh.cli import main as cli
+    from rlmesh.cli import run_commands
 
     (tmp_path / "examples" / "x").mkdir(parents=True)
     job_file = write(tmp_path / "examples" / "x" / "job.toml", "")
     monkeypatch.chdir(tmp_path)
     flags = ["--model-dir", "models/mine", "--output-dir", "runs/a", "--secrets-dir", "s", "--tls-dir", "t"]
     job, base = load_job(
-        job_file, cli._overrides(cli.build_parser().parse_args(["up", "--job", str(job_file), *flags]))
+        job_file, run_commands.overrides(cli.build_parser().parse_args(["up", "--job", str(job_file), *flags]))
     )
     assert base == job_file.parent
     assert Path(job.model.path) == tmp_path / "models" / "mine"
