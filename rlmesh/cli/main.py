@@ -1,6 +1,7 @@
 """The `rlmesh` command: `up` runs a training job on the whole mesh locally, `scale` changes its number
 of rollout instances, `status` shows a running mesh live, `<service>` runs one service, `init-model`
 creates a built-in model, `health` checks a service, `drain` takes a rollout instance out of the pool,
+`autoscale` scales a Kubernetes rollout Deployment,
 `certs` makes mTLS certificates, `secrets` makes or rotates the role secrets, `fork-server` keeps the
 services' imports warm for `up`."""
 
@@ -220,6 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer (default 2)")
     mesh_commands.add_credential_arguments(health, secret=False)
     health.set_defaults(handler=mesh_commands.health)
+    autoscale = commands.add_parser(
+        "autoscale",
+        help="scale a Kubernetes Deployment of rollout instances on the manager's recommendations",
+        description="Follows GetStatus.stage_balance.recommended_rollout_instances with the same rule as "
+        "`rlmesh up --autoscale` (a recommendation holds for --patience seconds, then --cooldown between "
+        "changes, one instance at a time, within --min:--max), setting the Deployment's replicas through "
+        "its scale subresource. In a pod it uses the pod's ServiceAccount (deploy/k8s/base/autoscaler.yaml).",
+    )
+    autoscale.add_argument("--manager", required=True, help="the manager's host:port")
+    autoscale.add_argument("--deployment", default="rollout", help="the rollout Deployment (default rollout)")
+    autoscale.add_argument("--namespace", help="its namespace (default: the pod's own, else default)")
+    autoscale.add_argument("--min", type=_positive, required=True, help="the fewest replicas it leaves")
+    autoscale.add_argument("--max", type=_positive, required=True, help="the most replicas it sets")
+    autoscale.add_argument("--patience", type=float, default=30.0, help="seconds a recommendation must hold (30)")
+    autoscale.add_argument("--cooldown", type=float, default=60.0, help="seconds between two changes (60)")
+    autoscale.add_argument("--kubeconfig", help="a kubeconfig to use instead of the pod's ServiceAccount")
+    autoscale.add_argument("--log-level", default="info", help="info (default), warning, debug")
+    mesh_commands.add_credential_arguments(autoscale)
+    autoscale.set_defaults(handler=mesh_commands.autoscale)
+
     drain = commands.add_parser(
         "drain",
         help="take a rollout instance out of the pool: it hands its requests back "

@@ -137,6 +137,38 @@ def drain(args: argparse.Namespace) -> int:
     return 0
 
 
+def autoscale(args: argparse.Namespace) -> int:
+    from rlmesh.config import ConfigError
+    from rlmesh.launch.autoscale import Autoscaler, follow_recommendations, manager_recommendation
+    from rlmesh.launch.kubernetes_scale import DeploymentReplicas, api_client, default_namespace
+    from rlmesh.logging import configure_logging
+    from rlmesh.rpc.channels import open_channel
+
+    configure_logging(args.log_level)
+    if not call_with_credentials(args):
+        return 2
+    try:
+        scaler = Autoscaler(args.min, args.max, args.patience, args.cooldown)
+        target = DeploymentReplicas(api_client(args.kubeconfig), args.deployment, args.namespace or default_namespace())
+
+        async def follow() -> None:
+            # A target the credentials cannot read or scale stops here, before the first poll.
+            replicas = await target.current()
+            print(
+                f"autoscaling deployment {target.namespace}/{target.name} ({replicas} replicas) within "
+                f"{args.min}:{args.max} on the recommendations of {args.manager}",
+                flush=True,
+            )
+            async with open_channel(args.manager) as channel:
+                await follow_recommendations(scaler, target, manager_recommendation(channel))
+
+        asyncio.run(follow())
+    except (ConfigError, ValueError) as exc:
+        print(f"rlmesh autoscale: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def certs(args: argparse.Namespace) -> int:
     from rlmesh.config import ConfigError
     from rlmesh.logging import configure_logging

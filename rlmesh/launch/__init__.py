@@ -1,6 +1,7 @@
-"""`rlmesh up`'s launcher, a module per job.
+"""`rlmesh up`'s launcher, a module per job, and the autoscaler's targets.
 
-- `autoscale`: follows the manager's recommended rollout count, with hysteresis, within the job's bounds.
+- `autoscale`: follows the manager's recommended rollout count, with hysteresis, within bounds, for a scale target.
+- `kubernetes_scale`: the autoscaler's Kubernetes target: a Deployment's replicas through its scale subresource.
 - `console`: what `rlmesh up` prints: the mesh, the progress bar, the supervisor's events, the summary.
 - `netns`: network namespaces and veth pairs for rollout instances, and sweeping up leftovers.
 - `plan`: what a run starts: the job plus output folder, certificates, secrets, addresses.

@@ -1,6 +1,6 @@
-"""The autoscaler, a task of its own beside the supervisor: it follows the manager's recommended
-number of rollout instances with hysteresis (a recommendation must hold for a while, then a
-cooldown) within the job's bounds, and asks the supervisor for the count."""
+"""The autoscaler: it follows the manager's recommended number of rollout instances with hysteresis
+(a recommendation must hold for a while, then a cooldown) within bounds, and asks a scale target
+for the count: `rlmesh up`'s supervisor, or a Kubernetes workload (kubernetes_scale.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
+import structlog
 
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.supervisor import Supervisor
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.channels import call_options, open_channel
+
+log = structlog.get_logger()
 
 POLL_SECONDS = 2.0
 
@@ -58,37 +62,73 @@ class Autoscaler:
         return current + direction
 
 
+class TargetUnavailable(Exception):
+    """The target could not be read or changed this time (a timeout, a server error): the next poll tries again."""
+
+
+class ScaleTarget(Protocol):
+    """What the autoscaler scales."""
+
+    async def current(self) -> int:
+        """The instance count asked for now."""
+        ...
+
+    async def scale_to(self, count: int, why: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LocalInstances:
+    """`rlmesh up`'s rollout processes, kept at the count by its supervisor."""
+
+    supervisor: Supervisor
+
+    async def current(self) -> int:
+        return self.supervisor.target_instances
+
+    async def scale_to(self, count: int, why: str) -> None:
+        self.supervisor.scale_to(count, why)
+
+
 async def follow_recommendations(
     scaler: Autoscaler,
-    supervisor: Supervisor,
+    target: ScaleTarget,
     recommendation: Callable[[], Awaitable[int | None]],
     clock: Callable[[], float] = time.monotonic,
+    poll_seconds: float = POLL_SECONDS,
 ) -> None:
-    """Every POLL_SECONDS, until cancelled: the manager's recommendation (None: it did not answer)
-    through the rule, and a change to the supervisor."""
+    """Every poll_seconds, until cancelled: the manager's recommendation (None: it did not answer)
+    through the rule, and a change to the target."""
     while True:
         recommended = await recommendation()
         if recommended is not None:
-            new = scaler.observe(clock(), recommended, supervisor.target_instances)
-            if new is not None:
-                supervisor.scale_to(new, f"autoscale: the manager recommends {recommended}")
-        await asyncio.sleep(POLL_SECONDS)
+            try:
+                new = scaler.observe(clock(), recommended, await target.current())
+                if new is not None:
+                    await target.scale_to(new, f"autoscale: the manager recommends {recommended}")
+            except TargetUnavailable as exc:
+                log.warning("the scale target did not answer; next poll", error=str(exc))
+        await asyncio.sleep(poll_seconds)
+
+
+def manager_recommendation(channel: grpc.aio.Channel) -> Callable[[], Awaitable[int | None]]:
+    """The rollout instance count `GetStatus.stage_balance` recommends (None: the manager did not answer)."""
+    manager = manager_pb2_grpc.ManagerServiceStub(channel)
+
+    async def recommendation() -> int | None:
+        try:
+            status = await manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(2.0))
+        except grpc.aio.AioRpcError:
+            return None
+        return status.stage_balance.recommended_rollout_instances
+
+    return recommendation
 
 
 async def autoscale(plan: LaunchPlan, supervisor: Supervisor) -> None:
-    """Follows the recommendation `GetStatus.stage_balance` carries, until cancelled."""
+    """Follows the manager's recommendation with `rlmesh up`'s instances, until cancelled."""
     mesh = plan.mesh
     scaler = Autoscaler(
         mesh.rollout_instances, mesh.instance_cap, mesh.autoscale_patience_seconds, mesh.autoscale_cooldown_seconds
     )
     async with open_channel(plan.manager_address) as channel:
-        manager = manager_pb2_grpc.ManagerServiceStub(channel)
-
-        async def recommendation() -> int | None:
-            try:
-                status = await manager.GetStatus(manager_pb2.GetStatusRequest(), **call_options(2.0))
-            except grpc.aio.AioRpcError:
-                return None
-            return status.stage_balance.recommended_rollout_instances
-
-        await follow_recommendations(scaler, supervisor, recommendation)
+        await follow_recommendations(scaler, LocalInstances(supervisor), manager_recommendation(channel))

@@ -5,6 +5,7 @@ the conftest files; test modules import from here, never from each other.
 - `credentials`: the suite's secrets per role, auth settings, loopback server configs, a roleless certificate
 - `engines`: what an engine decodes when called directly
 - `jobs`: `rlmesh up` command lines and job files
+- `kubernetes_api`: a Kubernetes API server stand-in for a Deployment's scale subresource, with its requests kept
 - `manager_parts`: the manager's domain modules built one by one, without the facade (instances as records)
 - `manager_states`: a manager's state in memory with instances registered, and sessions opened on it
 - `meshes`: in-process meshes (manager, weights service, rollout instances) and stopping them

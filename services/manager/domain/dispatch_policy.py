@@ -106,13 +106,23 @@ class Balanced:
         work = scheduler.running_work()
         # Whether an instance may run a request depends only on the request's version and kind: a
         # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
+        # Slots only fill during a call, and an instance beyond its saturation for a step stays so
+        # (it only runs more, and older, work): each kind's open instances are pruned as they close,
+        # so a request costs what the open instances cost, not the whole fleet.
         may_run: dict[tuple[int, bool], list[Instance]] = {}
+        open_to: dict[tuple[int, bool], list[Instance]] = {}
+        others_free_of_background: dict[tuple[int, bool], tuple[int, bool]] = {}
         while request_table.queue and free:
             request = request_table.queue.popleft()
             kind = (request.policy_version, request.exact_version)
             if kind not in may_run:
                 may_run[kind] = [i for i in instances.values() if scheduler.admission.may_run(i, request)]
-            candidates = [c for c in may_run[kind] if c.free_slots > 0]
+                open_to[kind] = may_run[kind]
+            candidates = open_to[kind] = [
+                c
+                for c in open_to[kind]
+                if c.free_slots > 0 and (request.exact_version or not beyond_saturation(c, request, work))
+            ]
             if not candidates and (request.exact_version or not slow_present):
                 waiting.append(request)
                 continue
@@ -127,13 +137,10 @@ class Balanced:
             ]
             if not request.exact_version:
                 queued_tokens -= expected
-                candidates = [c for c in candidates if not beyond_saturation(c, request, work)]
             elif request.policy_version in work.holders:
                 candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
-            if (
-                not request.background
-                and work.background
-                and any(i.instance_id not in work.background for i in may_run[kind])
+            if not request.background and work.background and _some_free_of_background(
+                may_run[kind], work.background, kind, others_free_of_background
             ):
                 candidates = [c for c in candidates if c.instance_id not in work.background]
             if not candidates:
@@ -155,6 +162,20 @@ class Balanced:
         waiting.extend(request_table.queue)
         request_table.queue = waiting
         return assignments
+
+
+def _some_free_of_background(
+    eligible: list[Instance],
+    background: set[str],
+    kind: tuple[int, bool],
+    known: dict[tuple[int, bool], tuple[int, bool]],
+) -> bool:
+    """Whether an instance that may run requests of `kind` runs no background work; remembered per
+    kind while the set of instances running background work keeps its size (it only grows)."""
+    seen = known.get(kind)
+    if seen is None or seen[0] != len(background):
+        seen = known[kind] = (len(background), any(i.instance_id not in background for i in eligible))
+    return seen[1]
 
 
 def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningWork) -> bool:

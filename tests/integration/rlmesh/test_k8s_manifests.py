@@ -348,3 +348,43 @@ def test_the_trainer_points_agents_at_the_managers_gateway_through_its_service(r
     assert volume_behind(pod, manager, model_dir + "/config.json")["persistentVolumeClaim"]["claimName"] == "models"
     assert model_dir == env(container(objects, "trainer"))["RLMESH_TRAINER_MODEL_DIR"]["value"]
     assert env(container(objects, "trainer"))["RLMESH_TRAINER_GATEWAY_ADDRESS"]["value"] == f"manager:{port}"
+
+
+def test_only_the_autoscaler_holds_an_api_token_and_it_may_only_scale_the_rollout(rendered):
+    """Least privilege: one Role, get and patch on the rollout Deployment's scale subresource, bound
+    to the autoscaler's ServiceAccount, whose pod alone mounts a token; the autoscaler reads the
+    manager with the observer's secret (GetStatus is all it calls)."""
+    _, tls, objects = rendered
+    roles = [obj for obj in objects if obj["kind"] in ("Role", "ClusterRole")]
+    assert [role["metadata"]["name"] for role in roles] == ["rlmesh-autoscaler"]
+    assert roles[0]["kind"] == "Role"
+    assert roles[0]["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "resourceNames": ["rollout"],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    binding = find(objects, "RoleBinding", "rlmesh-autoscaler")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rlmesh-autoscaler"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rlmesh-autoscaler"}]
+    assert not [obj for obj in objects if obj["kind"] == "ClusterRoleBinding"]
+    for workload, template in pod_templates(objects):
+        pod = template["spec"]
+        if workload["metadata"]["name"] == "autoscaler":
+            assert pod["serviceAccountName"] == "rlmesh-autoscaler" and pod["automountServiceAccountToken"] is True
+        else:
+            assert pod.get("automountServiceAccountToken") is False, workload["metadata"]["name"]
+    spec = container(objects, "autoscaler")
+    command = spec["command"]
+    assert command[:3] == ["rlmesh", "autoscale", "--manager"] and command[3] == f"manager:{SERVICE_PORTS['manager']}"
+    assert command[command.index("--deployment") + 1] == "rollout"
+    pod = find(objects, "Deployment", "autoscaler")["spec"]["template"]["spec"]
+    secret_file = command[command.index("--secret-file") + 1]
+    sources = volume_behind(pod, spec, secret_file)["projected"]["sources"]
+    assert [source["secret"]["name"] for source in sources] == ["rlmesh-secret-observer"]
+    if tls:
+        assert command[command.index("--tls-name") + 1] == "observer"
+        tls_dir = command[command.index("--tls-dir") + 1]
+        assert volume_behind(pod, spec, f"{tls_dir}/observer.pem")["secret"]["secretName"] == "rlmesh-tls-observer"

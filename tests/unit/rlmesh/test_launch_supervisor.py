@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rlmesh.job import Job, MeshSection
 from rlmesh.launch import autoscale
-from rlmesh.launch.autoscale import Autoscaler, follow_recommendations
+from rlmesh.launch.autoscale import Autoscaler, LocalInstances, follow_recommendations
 from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.processes import Child, ServiceSpec
 from rlmesh.launch.scale import plan_scale, request_scale
@@ -249,7 +249,9 @@ def test_the_autoscaler_task_asks_the_supervisor_for_the_count_the_rule_gives(tm
     async def follow() -> None:
         clock = iter(range(100))
         task = asyncio.create_task(
-            follow_recommendations(Autoscaler(1, 3, 1, 1), mesh.supervisor, recommendation, lambda: next(clock))
+            follow_recommendations(
+                Autoscaler(1, 3, 1, 1), LocalInstances(mesh.supervisor), recommendation, lambda: next(clock)
+            )
         )
         await asyncio.wait_for(asked.wait(), 30)
         task.cancel()
