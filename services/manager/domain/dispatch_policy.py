@@ -3,9 +3,11 @@ tokens against measured throughput (and lets stragglers migrate); `round_robin` 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal, Protocol
 
 from services.manager.domain.admission import Admission
@@ -112,12 +114,40 @@ class Balanced:
         may_run: dict[tuple[int, bool], list[Instance]] = {}
         open_to: dict[tuple[int, bool], list[Instance]] = {}
         others_free_of_background: dict[tuple[int, bool], tuple[int, bool]] = {}
+        cheapest: dict[tuple[int, float], _Cheapest] = {}
         while request_table.queue and free:
             request = request_table.queue.popleft()
             kind = (request.policy_version, request.exact_version)
             if kind not in may_run:
                 may_run[kind] = [i for i in instances.values() if scheduler.admission.may_run(i, request)]
                 open_to[kind] = may_run[kind]
+            if _plain(request) and not work.background:
+                # Most of a large queue: one heap per version and expected length finds the instance
+                # the loop below would, without looking at every open instance for every request.
+                expected = request.expected_remaining(mean_length)
+                key = (request.policy_version, expected)
+                if key not in cheapest:
+                    cheapest[key] = _Cheapest(open_to[kind], expected, rates)
+                instance = cheapest[key].take(
+                    partial(
+                        _closed_to,
+                        request=request,
+                        work=work,
+                        expected=expected,
+                        queued_tokens=queued_tokens,
+                        fastest=fastest,
+                        fast_capacity=fast_capacity,
+                    )
+                )
+                queued_tokens -= expected
+                if instance is None:
+                    waiting.append(request)
+                    continue
+                assignments.append(request_table.start(request, instance))
+                cheapest[key].put(instance)
+                work.started(request, instance.instance_id)
+                free -= 1
+                continue
             candidates = open_to[kind] = [
                 c
                 for c in open_to[kind]
@@ -139,8 +169,10 @@ class Balanced:
                 queued_tokens -= expected
             elif request.policy_version in work.holders:
                 candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
-            if not request.background and work.background and _some_free_of_background(
-                may_run[kind], work.background, kind, others_free_of_background
+            if (
+                not request.background
+                and work.background
+                and _some_free_of_background(may_run[kind], work.background, kind, others_free_of_background)
             ):
                 candidates = [c for c in candidates if c.instance_id not in work.background]
             if not candidates:
@@ -162,6 +194,62 @@ class Balanced:
         waiting.extend(request_table.queue)
         request_table.queue = waiting
         return assignments
+
+
+def _closed_to(
+    instance: Instance,
+    request: SampleRequest,
+    work: RunningWork,
+    expected: float,
+    queued_tokens: float,
+    fastest: float,
+    fast_capacity: float,
+) -> bool:
+    return beyond_saturation(instance, request, work) or too_slow_for_the_tail(
+        instance, expected, queued_tokens, fastest, fast_capacity
+    )
+
+
+def _plain(request: SampleRequest) -> bool:
+    """A training request with nowhere it should prefer or avoid: the cheapest instance takes it."""
+    return not (
+        request.exact_version or request.background or request.failed_on or request.affinity or request.migrate_to
+    )
+
+
+class _Cheapest:
+    """The instances of one version's requests of one expected length, cheapest first: the one
+    expected to finish its work soonest, (outstanding + expected) / rate, then by id. Within one
+    assignment pass outstanding work only grows, slots only fill, and an instance beyond its
+    saturation or too slow for the tail stays so, so a lazy heap holds: an entry whose cost grew is
+    put back at its new cost, and one that can no longer take the request leaves for good."""
+
+    def __init__(self, instances: list[Instance], expected: float, rates: dict[str, float]) -> None:
+        self.expected = expected
+        self.rates = rates
+        self.heap = [(self.cost(i), i.instance_id, i) for i in instances if i.free_slots > 0]
+        heapq.heapify(self.heap)
+
+    def cost(self, instance: Instance) -> float:
+        return (instance.outstanding_tokens + self.expected) / self.rates[instance.instance_id]
+
+    def take(self, excluded: Callable[[Instance], bool]) -> Instance | None:
+        while self.heap:
+            cost, instance_id, instance = self.heap[0]
+            if instance.free_slots <= 0 or excluded(instance):
+                heapq.heappop(self.heap)
+                continue
+            now = self.cost(instance)
+            if now > cost:
+                heapq.heapreplace(self.heap, (now, instance_id, instance))
+                continue
+            heapq.heappop(self.heap)
+            return instance
+        return None
+
+    def put(self, instance: Instance) -> None:
+        if instance.free_slots > 0:
+            heapq.heappush(self.heap, (self.cost(instance), instance.instance_id, instance))
 
 
 def _some_free_of_background(

@@ -104,29 +104,40 @@ class Scheduler:
             (i for i in self.instances.values() if i.schedulable and i.sequence_tokens_per_second > 0),
             key=lambda i: -i.sequence_tokens_per_second,
         )
+        # Longest expected first (then by id, descending); what does not depend on the target is
+        # weighed once, so a fleet of a thousand costs its in-flight requests, not their product
+        # with the targets.
+        movable = []
+        for request in in_flight:
+            source = self.instances[request.instance_id] if request.instance_id else None
+            if source is None or request.migrate_to is not None or request.migrations >= MAX_MIGRATIONS:
+                continue
+            source_rate = source.sequence_tokens_per_second
+            if source_rate <= 0:
+                continue
+            seconds_left = request.expected_remaining(self.request_table.mean_length) / source_rate
+            if seconds_left >= MIGRATION_MIN_SECONDS:
+                movable.append((seconds_left, request.request_id, request, source))
+        movable.sort(key=lambda m: (m[0], m[1]), reverse=True)
+        slowest = min((m[3].sequence_tokens_per_second for m in movable), default=0.0)
         for target in targets:
             free = target.free_slots - incoming.get(target.instance_id, 0)
-            if free <= 0:
+            if free <= 0 or not movable or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * slowest:
                 continue
-            choices = []
-            for request in in_flight:
-                source = self.instances[request.instance_id] if request.instance_id else None
+            chosen = []
+            for _, _, request, source in movable:
                 if (
-                    source is None
+                    request.migrate_to is not None
                     or source is target
-                    or request.migrate_to is not None
-                    or request.migrations >= MAX_MIGRATIONS
-                    or not self.admission.may_run(target, request)
                     or len(source.running) <= len(target.running)
+                    or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source.sequence_tokens_per_second
+                    or not self.admission.may_run(target, request)
                 ):
                     continue
-                source_rate = source.sequence_tokens_per_second
-                if source_rate <= 0 or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source_rate:
-                    continue
-                seconds_left = request.expected_remaining(self.request_table.mean_length) / source_rate
-                if seconds_left >= MIGRATION_MIN_SECONDS:
-                    choices.append((seconds_left, request.request_id, request))
-            for _, _, request in sorted(choices, reverse=True)[:free]:
+                chosen.append(request)
+                if len(chosen) == free:
+                    break
+            for request in chosen:
                 request.migrate_to = target.instance_id
                 request.migrations += 1
                 planned.append(request)
