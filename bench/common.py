@@ -20,6 +20,8 @@ from rlmesh.rpc.channels import call_options, open_channel, use_secret
 from rlmesh.rpc.credentials import create_secrets, peer_secrets, service_auth_settings
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
+"""Where a benchmark's plot goes when a docs page shows it."""
 
 
 @dataclass(frozen=True, slots=True)

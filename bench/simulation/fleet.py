@@ -81,7 +81,9 @@ class SimInstance:
         """Begins a request; returns it already finished when its continued tokens reach its length."""
         request = assignment.request
         total = response_length(self.model.lengths, request.sampling.seed, request.sampling.max_tokens)
-        reason = common_pb2.FINISH_REASON_LENGTH if total >= request.sampling.max_tokens else common_pb2.FINISH_REASON_STOP
+        reason = (
+            common_pb2.FINISH_REASON_LENGTH if total >= request.sampling.max_tokens else common_pb2.FINISH_REASON_STOP
+        )
         sequence = Sequence(request, assignment.attempt, self.steps, max(0, total - len(request.token_ids)), reason)
         if sequence.target == 0:
             return sequence

@@ -55,7 +55,9 @@ def trace_events(name: TraceName, fleet: int, duration: float, seed: int, settin
         victims = rng.sample(range(fleet), round(fleet * settings.burst_fraction))
         for index, slot in enumerate(victims):
             gone = settings.burst_at + rng.uniform(0.0, settings.burst_seconds)
-            back = settings.burst_at + settings.burst_seconds + settings.burst_return_seconds * (index + 1) / len(victims)
+            back = (
+                settings.burst_at + settings.burst_seconds + settings.burst_return_seconds * (index + 1) / len(victims)
+            )
             events += [FleetEvent(gone, "preempt", slot), FleetEvent(back, "join", slot)]
     if name != "steady" and settings.preemptions_per_instance_hour > 0:
         events += _poisson(fleet, duration, rng, settings, events)

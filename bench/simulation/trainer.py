@@ -20,6 +20,9 @@ class TrainerModel:
     """Training time per response token of the step (units of the simulation)."""
     fixed_seconds: float = 0.0
     micro_batch_groups: int = 8
+    publishes: bool = True
+    """Whether each step publishes a new version (False: every step samples version 0, as a mesh
+    without a weights service does)."""
 
     def step_seconds(self, tokens: int) -> float:
         return self.fixed_seconds + self.seconds_per_token * tokens
@@ -67,6 +70,10 @@ class SimTrainer:
     def done(self) -> bool:
         return self.step >= self.steps
 
+    def version_of(self, step: int) -> int:
+        """The version step `step` is trained at."""
+        return step if self.model.publishes else 0
+
     def tick(self, now: float, state: ManagerState) -> None:
         if self.training_until is not None:
             if now < self.training_until:
@@ -81,11 +88,13 @@ class SimTrainer:
         for ahead in range(self.step, min(self.steps, self.step + self.max_staleness + 1)):
             if ahead in self.submitted:
                 continue
-            sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=self.model.max_tokens, seed=self.seed + ahead)
+            sampling = common_pb2.SamplingParams(
+                temperature=1.0, max_tokens=self.model.max_tokens, seed=self.seed + ahead
+            )
             prompts = [
                 (f"s{ahead}p{i}", [1, 2, 3, 4], self.model.group_size) for i in range(self.model.prompts_per_step)
             ]
-            self.call(state.submit, batch_id(ahead), ahead, prompts, sampling)
+            self.call(state.submit, batch_id(ahead), self.version_of(ahead), prompts, sampling)
             self.submitted.add(ahead)
 
     def _collect(self, now: float, state: ManagerState) -> None:
@@ -110,7 +119,7 @@ class SimTrainer:
     def _check(self, group: list) -> None:
         for request in group:
             self.received[request.prompt_id] = self.received.get(request.prompt_id, 0) + 1
-            staleness = self.step - min(request.weight_versions) if request.weight_versions else 0
+            staleness = self.version_of(self.step) - min(request.weight_versions) if request.weight_versions else 0
             self.accounts.max_staleness_seen = max(self.accounts.max_staleness_seen, staleness)
             self.accounts.violations += staleness > self.max_staleness
             self.tokens += len(request.token_ids)
@@ -130,8 +139,9 @@ class SimTrainer:
         self.received, self.tokens, self.training_until = {}, 0, None
         self.waiting_since = now
         self.accounts.step_ends.append(now)
-        self.call(state.publish, self.step)
-        self.published.append((now, self.step))
+        if self.model.publishes:
+            self.call(state.publish, self.step)
+            self.published.append((now, self.step))
         batch, step_seconds, wait_seconds = self.reports[-1]
         self.balance = self.call(state.report_training_step, batch, step_seconds, wait_seconds)
 

@@ -13,6 +13,7 @@ from bench.simulation.fleet import BOOTING, GONE, LOADING, SERVING, InstanceMode
 from bench.simulation.traces import FleetEvent, TraceName, TraceSettings, trace_events, warning_of
 from bench.simulation.trainer import SimTrainer, TrainerModel
 from rlmesh.common.v1 import common_pb2
+from rlmesh.launch.autoscale import POLL_SECONDS, Autoscaler
 from services.manager.domain.state import ManagerState
 
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -27,7 +28,9 @@ class Scenario:
     steps: int
     max_staleness: int = 2
     speeds: tuple[float, float] = (0.8, 1.2)
-    """Each instance's speed factor, uniform in this range."""
+    """Each instance's speed factor, uniform in this range..."""
+    fixed_speeds: tuple[float, ...] = ()
+    """...unless given here, by slot."""
     token_unit: int = 1
     """Real tokens each simulated token stands for (a chunk's worth at scale: memory and time stay
     within a machine's); every token figure below is in these units."""
@@ -45,6 +48,11 @@ class Scenario:
     boot_seconds: float = 0.0
     """A joining instance registers this long after its machine starts (paid, not yet serving)."""
     policy: str = "balanced"
+    autoscale: tuple[int, int] | None = None
+    """(fewest, most) instances the real autoscaler (rlmesh.launch.autoscale) may ask for, following
+    the manager's recommendation; None: the fleet's size is the trace's."""
+    autoscale_patience_seconds: float = 30.0
+    autoscale_cooldown_seconds: float = 60.0
     trace_settings: TraceSettings = field(default_factory=TraceSettings)
     max_seconds: float = 6 * 3600.0
 
@@ -56,6 +64,8 @@ class Outcome:
     ideal_seconds: float = 0.0
     fleet_bound_seconds: float = 0.0
     trainer_bound_seconds: float = 0.0
+    instance_seconds: float = 0.0
+    """Machine time the rollout fleet was paid for: every instance from its start (booting too) until it left."""
     capacity_unit_seconds: float = 0.0
     """Units the registered fleet could have generated, saturated (instances still loading their
     first weights count: the weight plane is the mesh's; a machine still booting does not)."""
@@ -67,6 +77,8 @@ class Outcome:
     preemptions: int = 0
     crashes: int = 0
     joins: int = 0
+    scale_changes: list[tuple[float, int]] = field(default_factory=list)
+    """(time, instance count asked for) at each of the autoscaler's changes."""
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
     """(time, instances serving, trainer steps done) once per simulated 10 s."""
 
@@ -89,7 +101,15 @@ class Simulation:
         self.retired: list[SimInstance] = []
         self.timers: list[tuple[float, str, SimInstance]] = []
         """(time, what, instance): boots ending, pushes arriving, machines going after a notice."""
-        self._next_flush = self._next_measure = self._next_heartbeat = self._next_sample = 0.0
+        self._next_flush = self._next_measure = self._next_heartbeat = self._next_sample = self._next_poll = 0.0
+        self.target = scenario.fleet
+        """The instance count asked for: the fleet's, or the autoscaler's."""
+        self.scaler = (
+            Autoscaler(*scenario.autoscale, scenario.autoscale_patience_seconds, scenario.autoscale_cooldown_seconds)
+            if scenario.autoscale
+            else None
+        )
+        self._next_slot = scenario.fleet
         first: dict[int, str] = {}
         for event in self.events:
             first.setdefault(event.slot, event.kind)
@@ -111,10 +131,11 @@ class Simulation:
 
     def _join(self, slot: int, booted: bool = False) -> None:
         low, high = self.scenario.speeds
+        fixed = self.scenario.fixed_speeds
         instance = SimInstance(
             f"i{slot}-{self.outcome.joins}",
             self.scenario.instance,
-            self.rng.uniform(low, high),
+            fixed[slot] if slot < len(fixed) else self.rng.uniform(low, high),
             warning_of(slot, self.rng, self.scenario.trace_settings),
             alive_since=self.now,
         )
@@ -150,7 +171,8 @@ class Simulation:
 
     def _event(self, event: FleetEvent) -> None:
         if event.kind == "join":
-            if event.slot not in self.instances:
+            # The cloud gives back what it took, as far as the count asked for wants it.
+            if event.slot not in self.instances and len(self.instances) < self.target:
                 self._join(event.slot)
             return
         instance = self.instances.pop(event.slot, None)
@@ -241,7 +263,7 @@ class Simulation:
     # The loop ------------------------------------------------------------------------------
 
     def run(self) -> Outcome:
-        scenario, outcome = self.scenario, self.outcome
+        scenario = self.scenario
         events = iter(self.events)
         upcoming = next(events, None)
         while not self.trainer.done and self.now < scenario.max_seconds:
@@ -260,10 +282,34 @@ class Simulation:
             self.trainer.tick(self.now, self.state)
             for _, version in self.trainer.published[published:]:
                 self._push(version)
+            self._autoscale()
             self._dispatch()
             self.state.take_changes()
             self._account()
         return self._finish()
+
+    def _autoscale(self) -> None:
+        """Polls the recommendation as `rlmesh autoscale` does (every POLL_SECONDS) through the real
+        rule; a new instance joins as a spot machine does, one asked to go drains."""
+        if self.scaler is None or self.now < self._next_poll:
+            return
+        self._next_poll = self.now + POLL_SECONDS
+        balance = self.trainer.balance
+        wanted = self.scaler.observe(self.now, balance.recommended_rollout_instances if balance else 0, self.target)
+        if wanted is None:
+            return
+        self.target = wanted
+        self.outcome.scale_changes.append((self.now, wanted))
+        while len(self.instances) < self.target:
+            self._join(self._next_slot)
+            self._next_slot += 1
+        while len(self.instances) > self.target:
+            slot = max(self.instances, key=lambda s: (self.instances[s].alive_since, s))
+            instance = self.instances.pop(slot)
+            if instance.phase in (SERVING, LOADING):
+                self._drain(instance)
+            instance.phase = GONE
+            self.retired.append(instance)
 
     def _decode(self) -> None:
         flush = self.now >= self._next_flush
@@ -276,7 +322,8 @@ class Simulation:
                 self._send(instance, sequence, sequence.recorded, sequence.target, sequence.reason)
             if flush:
                 for sequence in list(instance.running.values()):
-                    if not self._send(instance, sequence, *instance.unsent(sequence, sent_in_chunks=False), UNSPECIFIED):
+                    first, last = instance.unsent(sequence, sent_in_chunks=False)
+                    if not self._send(instance, sequence, first, last, UNSPECIFIED):
                         instance.drop(sequence.request.request_id)
 
     def _housekeeping(self) -> None:
@@ -300,6 +347,7 @@ class Simulation:
     def _account(self) -> None:
         capacity = self.scenario.instance.throughput
         alive = [i for i in self.instances.values() if i.phase != GONE]
+        self.outcome.instance_seconds += len(alive) * self.scenario.tick_seconds
         self.outcome.capacity_unit_seconds += (
             sum(capacity * i.speed for i in alive if i.phase != BOOTING) * self.scenario.tick_seconds
         )

@@ -1,6 +1,7 @@
 """Inter-stage balance between training and rollout, after PolyRL / RLBoost: from the last
 steps' training and rollout times, move the reserved instances' local generation window by a
-third of the bubble difference and estimate how many rollout instances the trainer can use."""
+third of the bubble difference and estimate how many rollout instances the trainer can use: from
+the times when rollout and training take turns, from the work when they overlap."""
 
 from __future__ import annotations
 
@@ -41,7 +42,16 @@ class StageBalancer:
         self.window_seconds: float | None = None
         self.balance = Balance()
 
-    def observe(self, timing: StepTiming, instances: int, reserved_tokens_per_second: float) -> Balance:
+    def observe(
+        self,
+        timing: StepTiming,
+        instances: int,
+        reserved_tokens_per_second: float,
+        fleet_tokens_per_second: float = 0.0,
+        overlapped: bool = False,
+    ) -> Balance:
+        """`fleet_tokens_per_second`: what the instances generate with their batches full, all together.
+        `overlapped`: rollout runs ahead of training (max_staleness > 0)."""
         if timing.step_seconds < 0 or timing.wait_seconds < 0 or timing.wait_seconds > timing.step_seconds:
             raise ValueError("need 0 <= wait_seconds <= step_seconds")
         self.steps.append(timing)
@@ -61,8 +71,15 @@ class StageBalancer:
         rollout = sum(s.rollout_seconds for s in self.steps) / count
         tokens = sum(s.tokens for s in self.steps) / count
         train = max(step - wait, 1e-9)
-        # Rollout throughput scales with instances: this many would make rollout as long as training.
-        recommended = max(1, math.ceil(max(instances, 1) * rollout / train - 1e-9))
+        if overlapped and fleet_tokens_per_second > 0 and instances > 0:
+            # A batch submitted steps ahead is in flight for several steps: its rollout time says
+            # how far ahead, not how much capacity it took. This many instances generate a step's
+            # tokens in a training step.
+            per_instance = fleet_tokens_per_second / instances
+            recommended = max(1, math.ceil(tokens / train / per_instance - 1e-9))
+        else:
+            # Rollout throughput scales with instances: this many would make rollout as long as training.
+            recommended = max(1, math.ceil(max(instances, 1) * rollout / train - 1e-9))
         local_tokens = reserved_tokens_per_second * self.window_seconds
         offload = 1.0 if tokens <= 0 else min(1.0, max(0.0, 1.0 - local_tokens / tokens))
         self.balance = Balance(

@@ -37,6 +37,13 @@ MAX_STEP_SECONDS = 1e6
 """A reported training step longer than this (11 days) is a bad value: its average would overflow."""
 
 
+def instance_capacity(instance: Instance) -> float:
+    """Tokens/s the instance gives with its batch full: a sequence's measured rate times its
+    saturation batch (else its max batch), at least what it was measured to give in all."""
+    batch = instance.saturation_batch_size or instance.max_batch_size
+    return max(instance.tokens_per_second, instance.sequence_tokens_per_second * batch)
+
+
 class ManagerState:
     def __init__(
         self,
@@ -302,8 +309,9 @@ class ManagerState:
             )
         submitted, completed, tokens = finished
         reserved = sum(i.tokens_per_second for i in self.instances.values() if not i.preemptible)
+        fleet = sum(instance_capacity(i) for i in self.instances.values())
         timing = StepTiming(step_seconds, wait_seconds, completed - submitted, tokens)
-        return self.balancer.observe(timing, len(self.instances), reserved)
+        return self.balancer.observe(timing, len(self.instances), reserved, fleet, overlapped=self.max_staleness > 0)
 
     def token_staleness(self) -> list[int]:
         return self.request_table.token_staleness(self.published_version)

@@ -28,7 +28,7 @@ queues = st.lists(
 
 def build(fleet, queue, mean_length, scan: bool) -> DomainParts:
     parts = DomainParts({f"i{n}": 0 for n in range(len(fleet))}, max_staleness=2)
-    for index, (rate, share, batch, saturation, running) in enumerate(fleet):
+    for index, (rate, share, batch, saturation, _) in enumerate(fleet):
         instance = parts.instances[f"i{index}"]
         instance.tokens_per_second, instance.sequence_tokens_per_second = rate, rate * share
         instance.max_batch_size, instance.saturation_batch_size = batch, min(saturation, batch)

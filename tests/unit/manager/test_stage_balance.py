@@ -41,6 +41,28 @@ def test_recommendations_follow_the_gap():
     assert 0 <= balance.offload_fraction <= 1
 
 
+def test_overlapped_rollout_is_sized_by_its_work_not_by_how_far_ahead_it_ran():
+    """A batch submitted 4 steps ahead takes 45 s from submission to its last group while 10 instances
+    of 1,000 tok/s generate its 120,000 tokens in 12 s of a 15 s training step: 8 instances would do."""
+    balancer = StageBalancer(history=1)
+    timing = StepTiming(step_seconds=15, wait_seconds=0, rollout_seconds=45, tokens=120_000)
+    by_time = balancer.observe(timing, instances=10, reserved_tokens_per_second=0)
+    by_work = StageBalancer(history=1).observe(
+        timing, instances=10, reserved_tokens_per_second=0, fleet_tokens_per_second=10_000, overlapped=True
+    )
+    assert by_time.recommended_rollout_instances == 30
+    assert by_work.recommended_rollout_instances == 8
+    waiting = StageBalancer(history=1).observe(
+        StepTiming(step_seconds=30, wait_seconds=15, rollout_seconds=45, tokens=240_000),
+        instances=10,
+        reserved_tokens_per_second=0,
+        fleet_tokens_per_second=10_000,
+        overlapped=True,
+    )
+    # The trainer waits half of each step: 240,000 tokens in 15 s of training take 16 instances.
+    assert waiting.recommended_rollout_instances == 16
+
+
 def test_inconsistent_timings_are_refused():
     with pytest.raises(ValueError):
         StageBalancer().observe(

@@ -1,0 +1,172 @@
+"""The scale and cost page, generated from bench/results/scale.json and cost.json so that it cannot
+drift from them: `python -m bench.scale_page > docs/scale.md` (`make bench` runs it after both)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench.common import RESULTS
+
+TRACE_WORDS = {
+    "poisson": "Poisson preemptions",
+    "burst": "a burst: 30 % gone in 2 min, back over 20",
+    "join": "half the fleet joining over 10 min",
+}
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
+def met(value: bool) -> str:
+    return "met" if value else "**not met**"
+
+
+def page() -> str:
+    scale, cost = load("scale"), load("cost")
+    settings, figures = scale["settings"], scale["figures"]
+    validation = scale["baseline"]["validation"]
+    fleet_rows = [
+        [
+            f"{int(fleet):,}",
+            TRACE_WORDS.get(trace, trace),
+            f"{run['of_ideal']:.3f}",
+            f"{run['steps_per_hour']:.0f} / {run['ideal_steps_per_hour']:.0f}",
+            f"{run['staleness_violations']}",
+            f"{run['tokens_regenerated']}",
+            f"{run['samples_lost']} / {run['samples_duplicated']}",
+            f"{run['preemptions_with_notice']} + {run['preemptions_without_notice']}",
+            f"{run['manager_cpu_per_simulated_second']:.3f}",
+        ]
+        for fleet, runs in figures["runs"].items()
+        for trace, run in runs.items()
+    ]
+    validation_rows = [
+        [
+            count,
+            ", ".join(f"{s:.2f}" for s in compared["real_step_seconds"]),
+            ", ".join(f"{s:.2f}" for s in compared["simulated_step_seconds"]),
+            f"{compared['simulated_over_real']:.3f}",
+        ]
+        for count, compared in validation.items()
+    ]
+    traces = list(cost["figures"]["table"])
+    ratios = [row["ratio"] for row in cost["figures"]["table"][traces[0]]]
+    cost_rows = [
+        [
+            f"{ratio:.1f}",
+            f"{cost['baseline']['reserved_dollars_per_1000_steps']:.1f}",
+            *(
+                f"{row['spot_dollars_per_1000_steps']:.1f} ({100 * row['saving']:.0f} % cheaper)"
+                for trace in traces
+                for row in cost["figures"]["table"][trace]
+                if row["ratio"] == ratio
+            ),
+        ]
+        for ratio in ratios
+    ]
+    cost_settings = cost["settings"]
+    lengths = settings["lengths"]
+    parts = [
+        "# Scale and cost",
+        "",
+        "What the manager does with the fleets rlmesh is for, and what harvesting spot capacity saves. "
+        "`python -m bench.scale` drives the manager's own domain code (registry, admission and the capacity rule, "
+        "scheduling, request table, delivery) under a virtual clock with simulated instances and a simulated "
+        "trainer (bench/simulation); `python -m bench.cost` prices its runs. Generated: "
+        "`python -m bench.scale_page > docs/scale.md`; the figures are in `bench/results/scale.json` and "
+        f"`cost.json` ({scale['when'][:10]}, {cost['when'][:10]}).",
+        "",
+        "## The model",
+        "",
+        f"- Instances: {settings['instance_tokens_per_second']:,.0f} tok/s with {settings['saturation_batch']} "
+        f"sequences or more (a decode step of b sequences takes max(min step, b / throughput), the synthetic "
+        f"engine's model), at most {settings['max_batch']} a batch, speeds uniform in 0.8–1.2; lognormal lengths "
+        f"(mean {lengths['mean']:,}, σ {lengths['sigma']}, at most {lengths['max']:,}), drawn per seed as the "
+        "synthetic engine draws them; a new version reaches an instance 3–6 s after it is published, a joiner "
+        "boots for 60 s and loads its first weights for 15 s before it serves.",
+        f"- Trainer: {settings['per_instance_step'][0]} prompts × {settings['per_instance_step'][1]} per instance a "
+        f"step, trained in {settings['trainer_step_seconds']:.0f} s a step of the full fleet's batch, "
+        f"η = {settings['max_staleness']}, {settings['steps']} steps.",
+        "- Fleet: Poisson preemptions at 0.5 per instance-hour in every trace, each replaced after 1–3 min; "
+        "preemption notices of 30 s and 120 s (two clouds), a tenth with none (the manager finds out when "
+        "the lease expires). At a notice the instance does what the rollout service does: it announces its "
+        "drain, aborts its requests (each ends with its tokens so far, continued elsewhere) and deregisters.",
+        f"- A simulated token stands for {settings['token_unit']} (a chunk): a step of 1,000 instances then fits "
+        "this machine; the manager records a chunk where it would record one. Prefill of a continued request "
+        "is not charged.",
+        "",
+        "## The simulator against real meshes",
+        "",
+        "The same synchronous steps (16 prompts × 8, the same seeds and instance speeds) on a real manager with "
+        "synthetic rollout processes over gRPC, and in the simulator with every token as it is:",
+        "",
+        *table(["instances", "real step times (s)", "simulated (s)", "simulated ÷ real"], validation_rows),
+        "",
+        f"Target: within 10 %: {met(scale['targets'].get('simulator within 10 % of real at 1-3 instances', False))}.",
+        "",
+        "## 10, 100 and 1,000 instances",
+        "",
+        "Of ideal: the steps an hour the run reached over those the fleet and the trainer allow, the ideal time "
+        "being the longer of the trainer's busy time and the tokens trained over the registered fleet's mean "
+        "capacity (instances loading their first weights count; booting machines do not).",
+        "",
+        *table(
+            [
+                "instances",
+                "trace",
+                "of ideal",
+                "steps/h (ideal)",
+                "staleness violations",
+                "tokens regenerated",
+                "samples lost / duplicated",
+                "preemptions (notice + none)",
+                "manager CPU s per s",
+            ],
+            fleet_rows,
+        ),
+        "",
+        *(f"- {target}: {met(value)}" for target, value in scale["targets"].items()),
+        "",
+        "![instances serving and steps done at 1,000 instances](images/scale.png)",
+        "",
+        "Manager CPU is the domain's own time in its calls at the simulated chunk rate; the gRPC relay of the "
+        "tokens comes on top (see [Benchmarks](benchmarks.md), `relay`).",
+        "",
+        "## What spot saves",
+        "",
+        f"{cost_settings['fleet']} rollout instances of one GPU each and a trainer of "
+        f"{cost_settings['trainer_gpus']:.1f} reserved GPUs; the real autoscaler sizes the fleet within "
+        f"{cost_settings['autoscale_bounds'][0]}–{cost_settings['autoscale_bounds'][1]} in every run. Reserved "
+        f"capacity at ${cost_settings['reserved_dollars_per_gpu_hour']:.2f} per GPU-hour; spot at the ratio "
+        "below of it. $ per 1,000 trainer steps:",
+        "",
+        *table(["spot ÷ reserved price", "all reserved", *(f"spot, {t}" for t in traces)], cost_rows),
+        "",
+        *(
+            f"- {trace}: {cost['figures'][f'{trace}_spot_dollars_per_1000_steps']:.1f} $ at "
+            f"{cost_settings['reference_ratio']} against {cost['baseline']['reserved_dollars_per_1000_steps']:.1f} $ "
+            f"({100 * cost['figures'][f'{trace}_saving_at_reference']:.0f} % cheaper); 50 % cheaper up to a ratio of "
+            f"{cost['figures'][f'{trace}_ratio_for_target']:.2f}; spot stops paying at a ratio of "
+            f"{cost['figures'][f'{trace}_break_even_ratio']:.2f}."
+            for trace in traces
+        ),
+        *(f"- Target {target}: {met(value)}." for target, value in cost["targets"].items()),
+        "",
+        "![saving against the price ratio](images/cost.png)",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(page())
