@@ -100,11 +100,7 @@ class Balanced:
             if i.schedulable
         )
         mean_length = request_table.mean_length
-        queued_tokens = (
-            sum(r.expected_remaining(mean_length) for r in request_table.queue if not r.exact_version)
-            if slow_present
-            else 0.0
-        )
+        queued = QueuedTokens(request_table.queue, mean_length)
         work = scheduler.running_work()
         # Whether an instance may run a request depends only on the request's version and kind: a
         # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
@@ -124,7 +120,7 @@ class Balanced:
             if _plain(request) and not work.background:
                 # Most of a large queue: one heap per version and expected length finds the instance
                 # the loop below would, without looking at every open instance for every request.
-                expected = request.expected_remaining(mean_length)
+                expected = queued.placing = request.expected_remaining(mean_length)
                 key = (request.policy_version, expected)
                 if key not in cheapest:
                     cheapest[key] = _Cheapest(open_to[kind], expected, rates)
@@ -134,12 +130,12 @@ class Balanced:
                         request=request,
                         work=work,
                         expected=expected,
-                        queued_tokens=queued_tokens,
+                        queued=queued,
                         fastest=fastest,
                         fast_capacity=fast_capacity,
                     )
                 )
-                queued_tokens -= expected
+                queued.paid(expected)
                 if instance is None:
                     waiting.append(request)
                     continue
@@ -157,16 +153,16 @@ class Balanced:
                 waiting.append(request)
                 continue
             expected = request.expected_remaining(mean_length)
+            queued.placing = 0.0 if request.exact_version else expected
             # The tail rule is about a training step's end; an exact-version request can only run
             # where its version is served, which the fast instances may not be.
             candidates = [
                 c
                 for c in candidates
-                if request.exact_version
-                or not too_slow_for_the_tail(c, expected, queued_tokens, fastest, fast_capacity)
+                if request.exact_version or not too_slow_for_the_tail(c, expected, queued, fastest, fast_capacity)
             ]
             if not request.exact_version:
-                queued_tokens -= expected
+                queued.paid(expected)
             elif request.policy_version in work.holders:
                 candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
             if (
@@ -201,12 +197,12 @@ def _closed_to(
     request: SampleRequest,
     work: RunningWork,
     expected: float,
-    queued_tokens: float,
+    queued: QueuedTokens,
     fastest: float,
     fast_capacity: float,
 ) -> bool:
     return beyond_saturation(instance, request, work) or too_slow_for_the_tail(
-        instance, expected, queued_tokens, fastest, fast_capacity
+        instance, expected, queued, fastest, fast_capacity
     )
 
 
@@ -278,15 +274,39 @@ def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningW
     return request.policy_version > work.oldest_version.get(instance.instance_id, request.policy_version)
 
 
+class QueuedTokens:
+    """The expected tokens of the training requests from the one being placed to the end of the
+    queue, which only the tail rule reads: summed the first time it does, then paid down by each
+    request placed (or left waiting) after it."""
+
+    def __init__(self, queue: deque[SampleRequest], mean_length: float | None) -> None:
+        self.queue = queue
+        self.mean_length = mean_length
+        self.placing = 0.0
+        """Expected tokens of the training request being placed (already off the queue)."""
+        self._tokens: float | None = None
+
+    @property
+    def tokens(self) -> float:
+        if self._tokens is None:
+            rest = sum(r.expected_remaining(self.mean_length) for r in self.queue if not r.exact_version)
+            self._tokens = self.placing + rest
+        return self._tokens
+
+    def paid(self, expected: float) -> None:
+        if self._tokens is not None:
+            self._tokens -= expected
+
+
 def too_slow_for_the_tail(
-    instance: Instance, expected: float, queued_tokens: float, fastest: float, fast_capacity: float
+    instance: Instance, expected: float, queued: QueuedTokens, fastest: float, fast_capacity: float
 ) -> bool:
     """Near the end of the queue a much slower instance should start nothing: the fast ones
     would drain what is queued and finish this request sooner than it could."""
     rate = instance.sequence_tokens_per_second
     if rate <= 0 or fast_capacity <= 0 or rate * MIGRATION_SPEEDUP >= fastest:
         return False
-    return queued_tokens / fast_capacity < expected / rate
+    return queued.tokens / fast_capacity < expected / rate
 
 
 class RoundRobin:

@@ -3,6 +3,7 @@ failure of exact-version batches whose version is gone, and the planning of stra
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Mapping
 
@@ -104,35 +105,42 @@ class Scheduler:
             (i for i in self.instances.values() if i.schedulable and i.sequence_tokens_per_second > 0),
             key=lambda i: -i.sequence_tokens_per_second,
         )
-        # Longest expected first (then by id, descending); what does not depend on the target is
-        # weighed once, so a fleet of a thousand costs its in-flight requests, not their product
-        # with the targets.
-        movable = []
+        fastest_open = max(
+            (t.sequence_tokens_per_second for t in targets if t.free_slots - incoming.get(t.instance_id, 0) > 0),
+            default=0.0,
+        )
+        # Each source's movable requests, longest expected first (then by id, descending), weighed
+        # once; a source no open target is fast enough for is not looked into, so a fleet of a
+        # thousand instances of similar speed costs next to nothing here.
+        movable: dict[str, tuple[Instance, list[tuple[float, str, SampleRequest]]]] = {}
         for request in in_flight:
             source = self.instances[request.instance_id] if request.instance_id else None
             if source is None or request.migrate_to is not None or request.migrations >= MAX_MIGRATIONS:
                 continue
             source_rate = source.sequence_tokens_per_second
-            if source_rate <= 0:
+            if source_rate <= 0 or fastest_open < MIGRATION_SPEEDUP * source_rate:
                 continue
             seconds_left = request.expected_remaining(self.request_table.mean_length) / source_rate
             if seconds_left >= MIGRATION_MIN_SECONDS:
-                movable.append((seconds_left, request.request_id, request, source))
-        movable.sort(key=lambda m: (m[0], m[1]), reverse=True)
-        slowest = min((m[3].sequence_tokens_per_second for m in movable), default=0.0)
+                movable.setdefault(source.instance_id, (source, []))[1].append(
+                    (seconds_left, request.request_id, request)
+                )
+        for _, entries in movable.values():
+            entries.sort(key=_longest_first, reverse=True)
         for target in targets:
             free = target.free_slots - incoming.get(target.instance_id, 0)
-            if free <= 0 or not movable or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * slowest:
+            if free <= 0:
                 continue
+            sources = [
+                entries
+                for source, entries in movable.values()
+                if source is not target
+                and len(source.running) > len(target.running)
+                and target.sequence_tokens_per_second >= MIGRATION_SPEEDUP * source.sequence_tokens_per_second
+            ]
             chosen = []
-            for _, _, request, source in movable:
-                if (
-                    request.migrate_to is not None
-                    or source is target
-                    or len(source.running) <= len(target.running)
-                    or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source.sequence_tokens_per_second
-                    or not self.admission.may_run(target, request)
-                ):
+            for _, _, request in heapq.merge(*sources, key=_longest_first, reverse=True):
+                if request.migrate_to is not None or not self.admission.may_run(target, request):
                     continue
                 chosen.append(request)
                 if len(chosen) == free:
@@ -142,3 +150,7 @@ class Scheduler:
                 request.migrations += 1
                 planned.append(request)
         return planned
+
+
+def _longest_first(entry: tuple[float, str, SampleRequest]) -> tuple[float, str]:
+    return entry[0], entry[1]

@@ -1,11 +1,14 @@
 """Balanced dispatch at fleet scale: plain training requests find their instance through a heap
-per version and expected length; whatever the fleet's rates, load, saturation and the queue, each
-goes exactly where the scan over every open instance sends it."""
+per version and expected length, and stragglers their new instance without weighing every pair;
+whatever the fleet's rates, load, saturation and the queue, each goes exactly where the scan over
+every open instance (every pair) sends it."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlmesh.common.v1 import common_pb2
+from services.manager.domain.dispatch_policy import MIGRATION_SPEEDUP
+from services.manager.domain.scheduling import MAX_MIGRATIONS, MIGRATION_MIN_SECONDS
 from tests.support.manager_parts import DomainParts
 
 fleets = st.lists(
@@ -60,3 +63,58 @@ def test_the_heap_sends_every_plain_request_where_the_scan_would(fleet, queue, m
     assert [(a.request.request_id, a.instance.instance_id) for a in by_heap] == [
         (a.request.request_id, a.instance.instance_id) for a in by_scan
     ]
+
+
+def migrations_by_definition(parts: DomainParts) -> list[tuple[str, str]]:
+    """Straggler migration as scheduling.py defines it, target by target over every request in flight:
+    the slow, plain statement that plan_migrations must agree with."""
+    instances, table = parts.instances, parts.request_table
+    in_flight = [table.requests[r] for i in instances.values() for r in i.running]
+    incoming: dict[str, int] = {}
+    for request in in_flight:
+        if request.migrate_to is not None:
+            incoming[request.migrate_to] = incoming.get(request.migrate_to, 0) + 1
+    targets = sorted(
+        (i for i in instances.values() if i.schedulable and i.sequence_tokens_per_second > 0),
+        key=lambda i: -i.sequence_tokens_per_second,
+    )
+    planned = []
+    for target in targets:
+        free = target.free_slots - incoming.get(target.instance_id, 0)
+        choices = []
+        for request in in_flight:
+            source = instances[request.instance_id]
+            if (
+                source is target
+                or request.migrate_to is not None
+                or request.migrations >= MAX_MIGRATIONS
+                or not parts.admission.may_run(target, request)
+                or len(source.running) <= len(target.running)
+                or source.sequence_tokens_per_second <= 0
+                or target.sequence_tokens_per_second < MIGRATION_SPEEDUP * source.sequence_tokens_per_second
+            ):
+                continue
+            seconds_left = request.expected_remaining(table.mean_length) / source.sequence_tokens_per_second
+            if seconds_left >= MIGRATION_MIN_SECONDS:
+                choices.append((seconds_left, request.request_id, request))
+        for _, _, request in sorted(choices, key=lambda c: (c[0], c[1]), reverse=True)[: max(0, free)]:
+            request.migrate_to = target.instance_id
+            request.migrations += 1
+            planned.append((request.request_id, target.instance_id))
+    return planned
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets, st.one_of(st.none(), st.floats(min_value=1.0, max_value=300.0)), st.integers(0, 3))
+def test_stragglers_move_where_the_definition_moves_them(fleet, mean_length, generated):
+    plans = []
+    for by_definition in (False, True):
+        parts = build(fleet, [], mean_length, scan=False)
+        for request in parts.request_table.requests.values():
+            request.token_ids = [1] * generated
+        plans.append(
+            migrations_by_definition(parts)
+            if by_definition
+            else [(r.request_id, r.migrate_to) for r in parts.scheduler.plan_migrations()]
+        )
+    assert plans[0] == plans[1]
