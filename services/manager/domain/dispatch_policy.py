@@ -80,116 +80,170 @@ class Balanced:
     migrates = True
 
     def assign(self, scheduler: SchedulerView) -> list[Assignment]:
-        request_table, instances = scheduler.request_table, scheduler.instances
-        assignments: list[Assignment] = []
-        free = sum(max(0, i.free_slots) for i in instances.values() if i.schedulable)
+        request_table = scheduler.request_table
+        free = sum(max(0, i.free_slots) for i in scheduler.instances.values() if i.schedulable)
         if not free or not request_table.queue:
-            return assignments
+            return []
+        placing = _Pass(scheduler)
+        assignments: list[Assignment] = []
         waiting: deque[SampleRequest] = deque()
-        rates = scheduler.rates()
-        fastest = max((i.sequence_tokens_per_second for i in instances.values() if i.schedulable), default=0.0)
-        fast_capacity = sum(
-            i.tokens_per_second
-            for i in instances.values()
-            if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= fastest
-        )
-        # The queue's expected work matters only when some instance is much slower than the rest.
-        slow_present = any(
-            0 < i.sequence_tokens_per_second and i.sequence_tokens_per_second * MIGRATION_SPEEDUP < fastest
-            for i in instances.values()
-            if i.schedulable
-        )
-        mean_length = request_table.mean_length
-        queued = QueuedTokens(request_table.queue, mean_length)
-        work = scheduler.running_work()
-        # Whether an instance may run a request depends only on the request's version and kind: a
-        # queue of thousands, most of it beyond the capacity rule, is then looked at once per batch.
-        # Slots only fill during a call, and an instance beyond its saturation for a step stays so
-        # (it only runs more, and older, work): each kind's open instances are pruned as they close,
-        # so a request costs what the open instances cost, not the whole fleet.
-        may_run: dict[tuple[int, bool], list[Instance]] = {}
-        open_to: dict[tuple[int, bool], list[Instance]] = {}
-        others_free_of_background: dict[tuple[int, bool], tuple[int, bool]] = {}
-        cheapest: dict[tuple[int, float], _Cheapest] = {}
         while request_table.queue and free:
             request = request_table.queue.popleft()
-            kind = (request.policy_version, request.exact_version)
-            if kind not in may_run:
-                may_run[kind] = [i for i in instances.values() if scheduler.admission.may_run(i, request)]
-                open_to[kind] = may_run[kind]
-            if _plain(request) and not work.background:
-                # Most of a large queue: one heap per version and expected length finds the instance
-                # the loop below would, without looking at every open instance for every request.
-                expected = queued.placing = request.expected_remaining(mean_length)
-                key = (request.policy_version, expected)
-                if key not in cheapest:
-                    cheapest[key] = _Cheapest(open_to[kind], expected, rates)
-                instance = cheapest[key].take(
-                    partial(
-                        _closed_to,
-                        request=request,
-                        work=work,
-                        expected=expected,
-                        queued=queued,
-                        fastest=fastest,
-                        fast_capacity=fast_capacity,
-                    )
-                )
-                queued.paid(expected)
-                if instance is None:
-                    waiting.append(request)
-                    continue
-                assignments.append(request_table.start(request, instance))
-                cheapest[key].put(instance)
-                work.started(request, instance.instance_id)
-                free -= 1
-                continue
-            candidates = open_to[kind] = [
-                c
-                for c in open_to[kind]
-                if c.free_slots > 0 and (request.exact_version or not beyond_saturation(c, request, work))
-            ]
-            if not candidates and (request.exact_version or not slow_present):
+            instance = placing.place(request)
+            if instance is None:
                 waiting.append(request)
                 continue
-            expected = request.expected_remaining(mean_length)
-            queued.placing = 0.0 if request.exact_version else expected
-            # The tail rule is about a training step's end; an exact-version request can only run
-            # where its version is served, which the fast instances may not be.
-            candidates = [
-                c
-                for c in candidates
-                if request.exact_version or not too_slow_for_the_tail(c, expected, queued, fastest, fast_capacity)
-            ]
-            if not request.exact_version:
-                queued.paid(expected)
-            elif request.policy_version in work.holders:
-                candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
-            if (
-                not request.background
-                and work.background
-                and _some_free_of_background(may_run[kind], work.background, kind, others_free_of_background)
-            ):
-                candidates = [c for c in candidates if c.instance_id not in work.background]
-            if not candidates:
-                waiting.append(request)
-                continue
-            # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
-            candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
-            preferred = [c for c in candidates if c.instance_id == (request.migrate_to or request.affinity)]
-            instance = (
-                preferred[0]
-                if preferred
-                else min(
-                    candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id)
-                )
-            )
             assignments.append(request_table.start(request, instance))
-            work.started(request, instance.instance_id)
+            placing.started(request, instance)
             free -= 1
         waiting.extend(request_table.queue)
         request_table.queue = waiting
         return assignments
+
+
+class _Pass:
+    """One assignment pass of `Balanced`: what it measured of the fleet when it began, and what it
+    learns of each kind of request as it goes.
+
+    Whether an instance may run a request depends only on the request's version and kind: a queue of
+    thousands, most of it beyond the capacity rule, is then looked at once per batch. Slots only fill
+    during a pass, and an instance beyond its saturation for a step stays so (it only runs more, and
+    older, work): each kind's open instances are pruned as they close, so a request costs what the
+    open instances cost, not the whole fleet; a plain training request, most of a large queue, costs
+    a heap's log of them."""
+
+    def __init__(self, scheduler: SchedulerView) -> None:
+        instances = scheduler.instances.values()
+        self.scheduler = scheduler
+        self.rates = scheduler.rates()
+        self.fastest = max((i.sequence_tokens_per_second for i in instances if i.schedulable), default=0.0)
+        self.fast_capacity = sum(
+            i.tokens_per_second
+            for i in instances
+            if i.schedulable and i.sequence_tokens_per_second * MIGRATION_SPEEDUP >= self.fastest
+        )
+        # The queue's expected work matters only when some instance is much slower than the rest.
+        self.slow_present = any(
+            0 < i.sequence_tokens_per_second and i.sequence_tokens_per_second * MIGRATION_SPEEDUP < self.fastest
+            for i in instances
+            if i.schedulable
+        )
+        self.mean_length = scheduler.request_table.mean_length
+        self.queued = QueuedTokens(scheduler.request_table.queue, self.mean_length)
+        self.work = scheduler.running_work()
+        self.may_run: dict[tuple[int, bool], list[Instance]] = {}
+        self.may_run_ids: dict[tuple[int, bool], set[str]] = {}
+        self.open_to: dict[tuple[int, bool], list[Instance]] = {}
+        self.others_free_of_background: dict[tuple[int, bool], tuple[int, bool]] = {}
+        self.cheapest: dict[tuple[int, float], _Cheapest] = {}
+        self.taken_from: _Cheapest | None = None
+        """The heap the last request placed came from (None: another route)."""
+
+    def started(self, request: SampleRequest, instance: Instance) -> None:
+        self.work.started(request, instance.instance_id)
+        if self.taken_from is not None:
+            self.taken_from.put(instance)
+
+    def place(self, request: SampleRequest) -> Instance | None:
+        """The instance the request starts on now, or None: it waits."""
+        kind = (request.policy_version, request.exact_version)
+        self.taken_from = None
+        if kind not in self.may_run:
+            self.may_run[kind] = [
+                i for i in self.scheduler.instances.values() if self.scheduler.admission.may_run(i, request)
+            ]
+            self.may_run_ids[kind] = {i.instance_id for i in self.may_run[kind]}
+            self.open_to[kind] = self.may_run[kind]
+        if _plain(request) and not self.work.background:
+            return self._cheapest(request)
+        wanted = self.scheduler.instances.get(request.migrate_to or request.affinity)
+        if wanted is not None and wanted.instance_id not in request.failed_on:
+            expected = request.expected_remaining(self.mean_length)
+            self.queued.placing = 0.0 if request.exact_version else expected
+            if self._may_take(wanted, request, kind, expected):
+                if not request.exact_version:
+                    self.queued.paid(expected)
+                return wanted
+        return self._scan(request, kind)
+
+    def _cheapest(self, request: SampleRequest) -> Instance | None:
+        """One heap per version and expected length finds the instance the scan would."""
+        expected = self.queued.placing = request.expected_remaining(self.mean_length)
+        key = (request.policy_version, expected)
+        if key not in self.cheapest:
+            self.cheapest[key] = _Cheapest(self.open_to[(request.policy_version, False)], expected, self.rates)
+        self.taken_from = self.cheapest[key]
+        instance = self.cheapest[key].take(
+            partial(
+                _closed_to,
+                request=request,
+                work=self.work,
+                expected=expected,
+                queued=self.queued,
+                fastest=self.fastest,
+                fast_capacity=self.fast_capacity,
+            )
+        )
+        self.queued.paid(expected)
+        return instance
+
+    def _may_take(self, instance: Instance, request: SampleRequest, kind: tuple[int, bool], expected: float) -> bool:
+        """Whether the scan would keep `instance` among the request's candidates (every rule but the
+        choice among them, where the instance the request names wins)."""
+        if instance.instance_id not in self.may_run_ids[kind] or instance.free_slots <= 0:
+            return False
+        if not request.exact_version and (
+            beyond_saturation(instance, request, self.work)
+            or too_slow_for_the_tail(instance, expected, self.queued, self.fastest, self.fast_capacity)
+        ):
+            return False
+        holders = self.work.holders.get(request.policy_version) if request.exact_version else None
+        if holders is not None and instance.instance_id not in holders:
+            return False
+        return not self._keeps_off_background(request, kind) or instance.instance_id not in self.work.background
+
+    def _keeps_off_background(self, request: SampleRequest, kind: tuple[int, bool]) -> bool:
+        return (
+            not request.background
+            and bool(self.work.background)
+            and _some_free_of_background(self.may_run[kind], self.work.background, kind, self.others_free_of_background)
+        )
+
+    def _scan(self, request: SampleRequest, kind: tuple[int, bool]) -> Instance | None:
+        """Every open instance weighed against every rule."""
+        work = self.work
+        candidates = self.open_to[kind] = [
+            c
+            for c in self.open_to[kind]
+            if c.free_slots > 0 and (request.exact_version or not beyond_saturation(c, request, work))
+        ]
+        if not candidates and (request.exact_version or not self.slow_present):
+            return None
+        expected = request.expected_remaining(self.mean_length)
+        self.queued.placing = 0.0 if request.exact_version else expected
+        # The tail rule is about a training step's end; an exact-version request can only run
+        # where its version is served, which the fast instances may not be.
+        candidates = [
+            c
+            for c in candidates
+            if request.exact_version
+            or not too_slow_for_the_tail(c, expected, self.queued, self.fastest, self.fast_capacity)
+        ]
+        if not request.exact_version:
+            self.queued.paid(expected)
+        elif request.policy_version in work.holders:
+            candidates = [c for c in candidates if c.instance_id in work.holders[request.policy_version]]
+        if self._keeps_off_background(request, kind):
+            candidates = [c for c in candidates if c.instance_id not in work.background]
+        if not candidates:
+            return None
+        # A sample that failed somewhere goes elsewhere when it can: the fault may be the instance's.
+        candidates = [c for c in candidates if c.instance_id not in request.failed_on] or candidates
+        preferred = [c for c in candidates if c.instance_id == (request.migrate_to or request.affinity)]
+        if preferred:
+            return preferred[0]
+        rates = self.rates
+        return min(candidates, key=lambda i: ((i.outstanding_tokens + expected) / rates[i.instance_id], i.instance_id))
 
 
 def _closed_to(
