@@ -92,6 +92,8 @@ class Balanced:
             instance = placing.place(request)
             if instance is None:
                 waiting.append(request)
+                if placing.nothing_else_fits(request, request_table.queue):
+                    break
                 continue
             assignments.append(request_table.start(request, instance))
             placing.started(request, instance)
@@ -136,8 +138,32 @@ class _Pass:
         self.open_to: dict[tuple[int, bool], list[Instance]] = {}
         self.others_free_of_background: dict[tuple[int, bool], tuple[int, bool]] = {}
         self.cheapest: dict[tuple[int, float], _Cheapest] = {}
+        self.fit_checked: set[int] = set()
+        """Versions `nothing_else_fits` looked at."""
         self.taken_from: _Cheapest | None = None
         """The heap the last request placed came from (None: another route)."""
+
+    def nothing_else_fits(self, waiting: SampleRequest, rest: deque[SampleRequest]) -> bool:
+        """Whether no request of `rest` could start anywhere: every instance with a free slot runs
+        its saturation batch and a step older than any of them (exact-version requests, which the
+        saturation rule lets by, are none of them). Looked at once per version a plain request was
+        left waiting at: the fleet's free slots then stop a pass over a long queue that none can take."""
+        if not _plain(waiting) or waiting.policy_version in self.fit_checked:
+            return False
+        self.fit_checked.add(waiting.policy_version)
+        floors = []
+        for instance in self.scheduler.instances.values():
+            if instance.free_slots <= 0 or not instance.schedulable:
+                continue
+            oldest = self.work.oldest_version.get(instance.instance_id)
+            saturation = instance.saturation_batch_size
+            if oldest is None or not saturation or len(instance.running) < saturation:
+                return False
+            floors.append(oldest)
+        if any(r.exact_version for r in rest):
+            return False
+        highest_open = max(floors, default=-1)
+        return all(r.policy_version > highest_open for r in rest)
 
     def started(self, request: SampleRequest, instance: Instance) -> None:
         self.work.started(request, instance.instance_id)
