@@ -235,6 +235,9 @@ bench: setup ## every benchmark, each writing bench/results/<name>.json, then do
 	$(PY) -m bench.agentic
 	$(PY) -m bench.gateway
 	$(PY) -m bench.soak
+	$(PY) -m bench.scale
+	$(PY) -m bench.cost
+	$(PY) -m bench.scale_page > docs/scale.md.new && mv docs/scale.md.new docs/scale.md
 	$(PY) -m bench.report > docs/benchmarks.md.new && mv docs/benchmarks.md.new docs/benchmarks.md
 
 # At least 10,000 requests generated from the contracts over every RPC of the four services, plus
@@ -245,12 +248,13 @@ fuzz: setup ## 10,000 requests generated from the contracts, and 10,000 to the g
 
 # The docs site (mkdocs.yml, pages in docs/) into site/; a broken link or anchor fails the build.
 # The pages generated from the code, the contracts and bench/results: `make test` fails while one is stale.
-docs-reference: $(GEN)/.stamp ## regenerate the reference pages, the code map and docs/benchmarks.md
+docs-reference: $(GEN)/.stamp ## regenerate the reference pages, the code map, docs/benchmarks.md and docs/scale.md
 	$(PY) -m rlmesh.reference.configuration > docs/reference/configuration.md
 	$(PY) -m rlmesh.reference.contracts > docs/reference/contracts.md
 	$(PY) -m rlmesh.reference.extensions > docs/reference/extension-points.md
 	$(PY) -m rlmesh.reference.codemap > docs/code-map.md
 	$(PY) -m bench.report > docs/benchmarks.md
+	$(PY) -m bench.scale_page > docs/scale.md
 
 docs: $(VENV)/.installed ## the docs site into site/ (mkdocs build --strict)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site

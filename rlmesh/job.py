@@ -76,8 +76,8 @@ class MeshSection(StrictModel):
     max_rollout_instances: int | None = Field(default=None, ge=1)
     """The most rollout instances `rlmesh scale` or the autoscaler may run (None: rollout_instances)."""
     autoscale: bool = False
-    """Follow the manager's recommended number of rollout instances (rollout time against training
-    time), one instance at a time, with hysteresis, between the two bounds."""
+    """Follow the manager's recommended number of rollout instances (the rollout work a training
+    step needs), one instance at a time, with hysteresis, between the two bounds."""
     autoscale_patience_seconds: float = Field(default=30.0, ge=0)
     """How long the recommendation must point the same way before an instance is added or drained."""
     autoscale_cooldown_seconds: float = Field(default=60.0, ge=0)
