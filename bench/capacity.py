@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import BenchAuth, StepResult, check_exactly_once, write_result
+from bench.common import BenchAuth, StepResult, check_exactly_once, spawn_manager, write_result
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import spawn_service, stop_children, wait_started
@@ -86,20 +86,7 @@ async def measure(count: int) -> dict:
     folder = Path(tempfile.mkdtemp(prefix=f"rlmesh-capacity-{count}-"))
     auth = BenchAuth(folder / "secrets")
     address = f"127.0.0.1:{free_port()}"
-    manager = spawn_service(
-        "manager",
-        "services.manager",
-        address,
-        {
-            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
-            "RLMESH_MANAGER_SERVER__PORT": address.rsplit(":", 1)[1],
-            "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
-            "RLMESH_MANAGER_HEARTBEAT_INTERVAL_SECONDS": str(HEARTBEAT_SECONDS),
-            **auth.settings("RLMESH_MANAGER_", "manager"),
-        },
-        folder,
-        str(folder),
-    )
+    manager = spawn_manager(address, auth, folder, {"HEARTBEAT_INTERVAL_SECONDS": str(HEARTBEAT_SECONDS)})
     children = [manager]
     try:
         auth.use()

@@ -69,6 +69,25 @@ class StepResult:
         return sum(len(s.token_ids) for s in self.samples)
 
 
+def spawn_manager(address: str, auth: BenchAuth, log_dir: Path, settings: dict[str, str] | None = None) -> Child:
+    """A manager process on `address`, logging to `log_dir`; `settings` by environment name without
+    the prefix (DISPATCH_POLICY)."""
+    return spawn_service(
+        "manager",
+        "services.manager",
+        address,
+        {
+            "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
+            "RLMESH_MANAGER_SERVER__PORT": address.rsplit(":", 1)[1],
+            "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
+            **auth.settings("RLMESH_MANAGER_", "manager"),
+            **{f"RLMESH_MANAGER_{k}": v for k, v in (settings or {}).items()},
+        },
+        log_dir,
+        str(log_dir),
+    )
+
+
 class BenchMesh:
     """A manager process and synthetic rollout processes; logs go to a temporary folder."""
 
@@ -107,20 +126,7 @@ class BenchMesh:
         return child
 
     async def __aenter__(self) -> BenchMesh:
-        manager = spawn_service(
-            "manager",
-            "services.manager",
-            self.manager_address,
-            {
-                "RLMESH_MANAGER_SERVER__HOST": "127.0.0.1",
-                "RLMESH_MANAGER_SERVER__PORT": self.manager_address.rsplit(":", 1)[1],
-                "RLMESH_MANAGER_SERVER__LOG_LEVEL": "warning",
-                **self.auth.settings("RLMESH_MANAGER_", "manager"),
-                **{f"RLMESH_MANAGER_{k}": v for k, v in self.manager_settings.items()},
-            },
-            self.log_dir,
-            str(self.log_dir),
-        )
+        manager = spawn_manager(self.manager_address, self.auth, self.log_dir, self.manager_settings)
         self.children.append(manager)
         self.auth.use()
         await wait_started([manager])

@@ -138,6 +138,7 @@ def main() -> None:
             "trainer_gpus": trainer_gpus,
             "gpus_per_instance": 1,
             "reference_ratio": REFERENCE_RATIO,
+            "target_saving": TARGET_SAVING,
             "autoscale_bounds": [max(1, args.fleet // 2), 2 * args.fleet],
         },
     )

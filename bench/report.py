@@ -23,6 +23,7 @@ from bench.report_rows import (
     MULTI_TURN,
     QUALITY,
     ROWS,
+    SCALE,
     SEED_ZERO_VARIANTS,
     SERVING,
     WEIGHT_PLANE,
@@ -203,7 +204,8 @@ def bench_modules() -> list[str]:
     recipe = re.search(r"^bench:.*\n((?:\t.*\n)+)", MAKEFILE.read_text(), re.MULTILINE)
     if recipe is None:
         raise ValueError("Makefile: no `bench:` target with a recipe")
-    return [module for module in re.findall(r"-m (bench\.\w+)", recipe.group(1)) if module != "bench.report"]
+    pages = ("bench.report", "bench.scale_page")
+    return [module for module in re.findall(r"-m (bench\.\w+)", recipe.group(1)) if module not in pages]
 
 
 def contract_rpcs() -> set[str]:
@@ -269,6 +271,12 @@ def page() -> str:
         "### Multi-turn tasks",
         "",
         *table(MULTI_TURN),
+        "",
+        "### Scale and cost",
+        "",
+        "Simulated fleets on the manager's domain, and a real one: [Scale and cost](scale.md).",
+        "",
+        *table(SCALE),
         "",
         "## The chaos suite",
         "",

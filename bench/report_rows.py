@@ -337,7 +337,43 @@ GPU = (
     ),
 )
 
-ROWS = SERVING + WEIGHT_PLANE + ASYNC + QUALITY + MULTI_TURN + CHAOS + FUZZ + GPU
+SCALE = (
+    Row(
+        "scale",
+        "1,000 simulated instances, burst",
+        "{figures.1000_burst_of_ideal:.3f} of ideal",
+        "sim ÷ real, 3 instances: {ratios.simulated_over_real_3:.3f}",
+        "—",
+        "≥ 0.9; 0 stale, lost, regenerated",
+        (
+            "1000 instances, burst: >= 0.9 of ideal",
+            "0 staleness violations",
+            "0 tokens regenerated",
+            "0 samples lost or duplicated",
+            "simulator within 10 % of real at 1-3 instances",
+        ),
+    ),
+    Row(
+        "cost",
+        "$ per 1,000 steps, spot at 0.3× reserved, burst",
+        "{figures.burst_spot_dollars_per_1000_steps:.1f} $",
+        "all reserved: {baseline.reserved_dollars_per_1000_steps:.1f} $",
+        "{ratios.burst_spot_over_reserved:.2f}×",
+        "≥ 50 % cheaper",
+        ("burst >= 50% cheaper at ratio 0.3", "poisson >= 50% cheaper at ratio 0.3"),
+    ),
+    Row(
+        "capacity",
+        "a manager and {settings.counts.2} real instances",
+        "{figures.runs.500.instances_held} held, {figures.runs.500.relay_tokens_per_second:s3} tok/s",
+        "{settings.counts.0}: {baseline.runs.50.relay_tokens_per_second:s3} tok/s",
+        "—",
+        "all held, none lost",
+        ("500 instances held through the idle window and the step", "0 samples lost or duplicated"),
+    ),
+)
+
+ROWS = SERVING + WEIGHT_PLANE + ASYNC + QUALITY + MULTI_TURN + SCALE + CHAOS + FUZZ + GPU
 
 GPU_SECTIONS_ALONE = ("gpu-weight-path", "gpu-short-job")
 """Results of bench.gpu run for one section alone: named on the page, given no row."""

@@ -1,5 +1,6 @@
-"""The scale and cost page, generated from bench/results/scale.json and cost.json so that it cannot
-drift from them: `python -m bench.scale_page > docs/scale.md` (`make bench` runs it after both)."""
+"""The scale and cost page, generated from bench/results/scale.json, capacity.json and cost.json so
+that it cannot drift from them: `python -m bench.scale_page > docs/scale.md` (`make bench` runs it
+after all three)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,57 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def met(value: bool) -> str:
     return "met" if value else "**not met**"
+
+
+def capacity_section(capacity: dict) -> list[str]:
+    runs = {**capacity["baseline"]["runs"], **capacity["figures"]["runs"]}
+    rows = [
+        [
+            f"{int(count):,}",
+            f"{run['instances_held']:,}",
+            f"{run['heartbeats_per_second']:.0f} of {run['heartbeats_per_second_asked']:.0f}",
+            f"{run['dispatch_latency_p50_ms']:.0f} / {run['dispatch_latency_p99_ms']:.0f}",
+            f"{run['relay_tokens_per_second']:,.0f}",
+            f"{1000 * run['manager_idle_cpu_per_instance']:.2f}",
+            f"{run['manager_step_cpu_per_second']:.2f}",
+            f"{run['manager_cpu_seconds_per_million_tokens']:.1f}",
+            f"{run['manager_peak_memory_mb']:.0f}",
+            f"{run['samples_lost']} / {run['samples_duplicated']}",
+        ]
+        for count, run in sorted(runs.items(), key=lambda item: int(item[0]))
+    ]
+    settings = capacity["settings"]
+    return [
+        "## The manager with hundreds of real instances",
+        "",
+        "`python -m bench.capacity`: the manager process against real rollout instances (the rollout service on the "
+        "synthetic engine, each with its own port, registration, heartbeats every "
+        f"{settings['heartbeat_seconds']:.0f} s and GenerateMany stream) served from one host process "
+        "(`bench/capacity_host.py`), over gRPC on loopback; after a quiet "
+        f"{settings['idle_seconds']:.0f} s, one synchronous step of {settings['per_instance'][0]} prompt × "
+        f"{settings['per_instance'][1]} per instance, the host's engines generating "
+        f"{settings['host_tokens_per_second']:,.0f} tok/s at most together. Dispatch latency: from the "
+        "submission to each first request's arrival at its instance.",
+        "",
+        *table(
+            [
+                "instances",
+                "held",
+                "heartbeats/s answered (asked)",
+                "dispatch p50 / p99 (ms)",
+                "relay tok/s",
+                "manager idle CPU ms/s per instance",
+                "manager CPU s/s in the step",
+                "manager CPU s per 1 M tokens",
+                "manager peak MB",
+                "lost / duplicated",
+            ],
+            rows,
+        ),
+        "",
+        *(f"- {target}: {met(value)}" for target, value in capacity["targets"].items()),
+        "",
+    ]
 
 
 def page() -> str:
@@ -139,6 +191,7 @@ def page() -> str:
         "",
         "![instances serving and steps done at 1,000 instances](images/scale.png)",
         "",
+        *capacity_section(load("capacity")),
         "Manager CPU is the domain's own time in its calls at the simulated chunk rate; the gRPC relay of the "
         "tokens comes on top (see [Benchmarks](benchmarks.md), `relay`).",
         "",

@@ -22,6 +22,9 @@ UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
+    """What one simulation runs: the fleet and its instances, the trainer, the manager's settings
+    (staleness bound, lease, heartbeats, dispatch policy) and the event loop's periods."""
+
     fleet: int
     instance: InstanceModel
     trainer: TrainerModel
@@ -59,6 +62,8 @@ class Scenario:
 
 @dataclass(slots=True)
 class Outcome:
+    """What a simulation measured, token figures in the scenario's units."""
+
     seconds: float = 0.0
     steps: int = 0
     ideal_seconds: float = 0.0
@@ -84,6 +89,8 @@ class Outcome:
 
 
 class Simulation:
+    """`Simulation(scenario, trace, seed).run()`: the outcome of the trainer's steps through the trace."""
+
     def __init__(self, scenario: Scenario, trace: TraceName, seed: int = 0, record: Callable | None = None) -> None:
         self.scenario = scenario
         self.now = 0.0
@@ -190,7 +197,8 @@ class Simulation:
 
     def _drain(self, instance: SimInstance) -> None:
         """What the rollout service does on a notice: announce the drain, abort every request (each
-        ends with its tokens so far), deregister; its machine goes when the notice runs out."""
+        ends with its tokens so far), deregister. The instance leaves the fleet at once; the rest of
+        its machine's notice is not counted as paid time."""
         self.manager(self.state.heartbeat, instance.instance_id, instance.version, self.now, True, token=instance.token)
         for sequence in list(instance.running.values()):
             instance.drop(sequence.request.request_id)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
+from google.protobuf.descriptor import ServiceDescriptor
 
 from rlmesh.models.loading import load_causal_lm, trainable_tensors
 from rlmesh.rollout.v1 import rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
+from rlmesh.rpc.servers import GrpcServer
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
@@ -17,6 +19,24 @@ from services.trainer.mesh import MeshClient
 from tests.support.credentials import loopback
 from tests.support.meshes import build_mesh, stop_mesh
 from tests.support.tp_instances import TP, TpInstance
+
+
+@pytest.fixture
+async def scripted_server():
+    """`await scripted_server(servicer, add_to_server, descriptor)`: the address of a real gRPC
+    server on loopback answering with `servicer` (a test's own, scripted), stopped after the test."""
+    servers = []
+
+    async def start(servicer, add_to_server, service: ServiceDescriptor) -> str:
+        server = GrpcServer(loopback(), [service.full_name])
+        add_to_server(servicer, server.server)
+        await server.start()
+        servers.append(server)
+        return server.address
+
+    yield start
+    for server in servers:
+        await server.stop()
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ import pytest
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.credentials import secret_path
-from rlmesh.rpc.servers import GrpcServer
-from tests.support.credentials import TEST_SECRETS, loopback
+from tests.support.credentials import TEST_SECRETS
 
 
 class ScriptedRollout(rollout_pb2_grpc.RolloutServiceServicer):
@@ -31,19 +30,15 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServiceServicer):
 
 
 @pytest.fixture
-async def serve():
-    servers = []
-
+def serve(scripted_server):
     async def start(servicer: ScriptedRollout) -> str:
-        server = GrpcServer(loopback(), [rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name])
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
-        await server.start()
-        servers.append(server)
-        return server.address
+        return await scripted_server(
+            servicer,
+            rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+            rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"],
+        )
 
-    yield start
-    for server in servers:
-        await server.stop()
+    return start
 
 
 async def drain(*args: str, role: str = "operator") -> tuple[int, str, str]:

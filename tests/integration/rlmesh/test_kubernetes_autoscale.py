@@ -14,8 +14,7 @@ from rlmesh.launch.autoscale import Autoscaler, follow_recommendations
 from rlmesh.launch.kubernetes_scale import DeploymentReplicas, api_client
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.credentials import secret_path
-from rlmesh.rpc.servers import GrpcServer
-from tests.support.credentials import TEST_SECRETS, loopback
+from tests.support.credentials import TEST_SECRETS
 from tests.support.kubernetes_api import NAMESPACE, KubernetesApiStandIn, ScaleApi, forbidden, scale_response
 from tests.support.waiting import wait_for
 
@@ -35,19 +34,15 @@ class RecommendingManager(manager_pb2_grpc.ManagerServiceServicer):
 
 
 @pytest.fixture
-async def manager():
-    servers = []
-
+def manager(scripted_server):
     async def start(servicer: RecommendingManager) -> str:
-        server = GrpcServer(loopback(), [manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name])
-        manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server.server)
-        await server.start()
-        servers.append(server)
-        return server.address
+        return await scripted_server(
+            servicer,
+            manager_pb2_grpc.add_ManagerServiceServicer_to_server,
+            manager_pb2.DESCRIPTOR.services_by_name["ManagerService"],
+        )
 
-    yield start
-    for server in servers:
-        await server.stop()
+    return start
 
 
 async def start_autoscale(tmp_path, server: KubernetesApiStandIn, manager_address: str, *args: str, role="observer"):
