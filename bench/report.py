@@ -230,8 +230,8 @@ def fuzz_note() -> str:
         f"the {service}'s " + ", ".join(f"`{name}`" for name in names) for service, names in by_service.items() if names
     )
     return (
-        f"The RPC run predates {names}: the fuzzer reads the RPCs from the contracts, so the bounded run in "
-        "`make test` covers them, and the next `make fuzz` will."
+        f"The RPC run predates {names}; the fuzzer reads the RPCs from the contracts, so `make test`'s bounded "
+        "run covers them."
     )
 
 
@@ -243,17 +243,15 @@ def page() -> str:
     parts = [
         "# Benchmarks",
         "",
-        "Each row is a measure of one run: its figure, the baseline the same run measured, their ratio, the target, "
-        "whether it was met and the day of the run (UTC, or of its results' commit). Its results, "
-        "`bench/results/<results>.json`, hold its whole output; earlier runs are in their git history. "
+        "Each row is one run's figure, the baseline that run measured, their ratio, the target, whether it was met "
+        "and the run's day (UTC). `bench/results/<results>.json` holds the run's whole output, git history "
+        "the earlier runs. "
         f"Measured on {' or '.join(map(str, cores))} cores without a GPU, except [on a GPU](#on-a-gpu). "
         "Generated: `python -m bench.report > docs/benchmarks.md`.",
         "",
         "## Latest figures",
         "",
-        f"`make bench` runs {count} benchmarks against real processes on loopback, `python -m bench.<results>` for "
-        + ", ".join(m.removeprefix("bench.") for m in modules)
-        + ", one after another.",
+        f"`make bench` runs {count} benchmarks (`python -m bench.<results>`), against real processes on loopback.",
         "",
         *table(SERVING + WEIGHT_PLANE),
         "",
@@ -263,8 +261,8 @@ def page() -> str:
         "",
         "### Async quality",
         "",
-        "The first row is the target's, the second the default settings' ([Algorithms](algorithms.md) says which "
-        f"to use); variants run at one seed: {variants}.",
+        "Row one is the target's, row two the default settings' ([Algorithms](algorithms.md) says which to use); "
+        f"one-seed variants: {variants}.",
         "",
         *table(QUALITY),
         "",
@@ -274,14 +272,14 @@ def page() -> str:
         "",
         "### Scale and cost",
         "",
-        "Simulated fleets on the manager's domain, and a real one: [Scale and cost](scale.md).",
+        "[Scale and cost](scale.md): simulated fleets, and a real one.",
         "",
         *table(SCALE),
         "",
         "## The chaos suite",
         "",
         "`make chaos` ([Faults](faults.md#the-chaos-suite)): random faults while a job trains; below, each kind's "
-        "count × the time one cost (the excess over the median step in its recovery window).",
+        "count × what one cost (the excess over the median step).",
         "",
         *table(CHAOS),
         "",

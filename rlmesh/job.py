@@ -82,6 +82,11 @@ class MeshSection(StrictModel):
     """How long the recommendation must point the same way before an instance is added or drained."""
     autoscale_cooldown_seconds: float = Field(default=60.0, ge=0)
     """The least time between two changes, so a new instance has time to show in the measurements."""
+    relay_shards: int = Field(default=0, ge=0, le=6)
+    """Relay shards beside the manager (each a process, `python -m services.manager.relay`): the
+    rollout instances' tokens for training go through them to the trainer, and the manager keeps
+    only their counts, so the mesh's token ceiling grows with the shards (docs/scale.md). 0: the
+    manager relays every token itself."""
     rollout_netns: int = Field(default=0, ge=0)
     """The first N rollout instances each run in their own network namespace, linked to the host
     by a veth pair (10.x addresses; the manager then listens on an address they reach). Lets the

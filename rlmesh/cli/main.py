@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="mesh.rollout_netns: the first N rollout instances each run in their own network namespace, "
         "linked by a veth pair (needs root; default 0)",
     )
+    up.add_argument(
+        "--relay-shards",
+        type=int,
+        metavar="N",
+        help="mesh.relay_shards: relay shards beside the manager; training tokens go through them to the "
+        "trainer and the manager keeps only their counts (default 0: the manager relays every token)",
+    )
     up.add_argument("--engine", choices=("torch", "vllm"), help="rollout.engine.kind: rollout engine (default torch)")
     up.add_argument(
         "--update-mode",

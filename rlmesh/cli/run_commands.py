@@ -19,6 +19,7 @@ FLAG_FIELDS = {
     "trainer_ranks": "mesh.trainer_ranks",
     "rollout_tp": "rollout.engine.tensor_parallel_size",
     "rollout_netns": "mesh.rollout_netns",
+    "relay_shards": "mesh.relay_shards",
     "transfer_backend": "weights.backend",
     "compression": "weights.compression",
     "engine": "rollout.engine.kind",

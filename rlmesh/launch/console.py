@@ -85,7 +85,9 @@ def describe_mesh(plan: LaunchPlan) -> str:
     """The line `rlmesh up` prints once the services serve."""
     mesh = plan.mesh
     return (
-        f"mesh up: manager {plan.manager_address}, weights {plan.weights_address}, "
+        f"mesh up: manager {plan.manager_address}"
+        + (f" (relay shards {', '.join(plan.relay_addresses)})" if plan.relay_addresses else "")
+        + f", weights {plan.weights_address}, "
         f"rollout {', '.join(plan.rollout_address(i) for i in range(mesh.rollout_instances))}"
         + (
             f" (up to {mesh.instance_cap}{', autoscaled' if mesh.autoscale else ''})"

@@ -15,6 +15,8 @@ from rlmesh.rpc.credentials import secret_path, service_auth_settings
 
 ROLLOUT_PORT_OFFSET = 10
 """Rollout instance i listens on the base port + ROLLOUT_PORT_OFFSET + i."""
+RELAY_PORT_OFFSET = 4
+"""Relay shard i listens on the base port + RELAY_PORT_OFFSET + i (below the rollout instances')."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,13 @@ class LaunchPlan:
     def trainer_address(self) -> str:
         return f"{self.mesh.host}:{self.mesh.base_port + 2}"
 
+    @property
+    def relay_addresses(self) -> list[str]:
+        """The manager's relay shards, beside it."""
+        return [
+            f"{self.manager_host}:{self.mesh.base_port + RELAY_PORT_OFFSET + i}" for i in range(self.mesh.relay_shards)
+        ]
+
     def netns_link(self, index: int) -> NetnsLink | None:
         if self.netns is None or index >= len(self.netns.links):
             return None
@@ -87,12 +96,13 @@ class LaunchPlan:
     def secret_file(self, role: Role) -> Path | None:
         return secret_path(self.secrets_dir, role) if self.secrets_dir is not None else None
 
-    def security_settings(self, service: str) -> dict[str, str]:
+    def security_settings(self, service: str, prefix: str = "") -> dict[str, str]:
         """The environment settings that give `service` its certificate, its role's bearer secret
-        and the verifiers it checks its callers' secrets against (or turn authorization off)."""
+        and the verifiers it checks its callers' secrets against (or turn authorization off), under
+        `prefix` (default: the service's own)."""
         from rlmesh.rpc.tls import ROLE_OF_NAME
 
-        prefix = f"RLMESH_{service.upper()}_"
+        prefix = prefix or f"RLMESH_{service.upper()}_"
         settings = {}
         files = self.tls_files(service)
         if files is not None:

@@ -13,7 +13,13 @@ from rlmesh.models.families import check_model_dir
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 """The vLLM engine's own virtualenv (`make setup-vllm`)."""
-SERVICE_MODULES = ("services.manager", "services.weights", "services.rollout", "services.trainer")
+SERVICE_MODULES = (
+    "services.manager",
+    "services.manager.relay",
+    "services.weights",
+    "services.rollout",
+    "services.trainer",
+)
 """What each service runs as `python -m`."""
 HELPER_MODULES = (
     "services.rollout.torch.tp_worker",
@@ -40,8 +46,24 @@ def manager_spec(plan: LaunchPlan) -> ServiceSpec:
             "RLMESH_MANAGER_WEIGHTS_ADDRESS": plan.weights_address,
             "RLMESH_MANAGER_GATEWAY_PORT": port_of(plan.gateway_address),
             "RLMESH_MANAGER_MODEL_DIR": str(plan.model_dir),
+            "RLMESH_MANAGER_RELAY_ADDRESSES": ",".join(plan.relay_addresses),
             **metrics_setting("RLMESH_MANAGER", plan.manager_address),
             **plan.security_settings("manager"),
+        },
+    )
+
+
+def relay_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
+    """A relay shard: a process of the manager service, with the manager's certificate and role."""
+    address = plan.relay_addresses[index]
+    return ServiceSpec(
+        f"relay-{index}",
+        "services.manager.relay",
+        address,
+        {
+            "RLMESH_RELAY_SERVER__HOST": plan.manager_host,
+            "RLMESH_RELAY_SERVER__PORT": port_of(address),
+            **plan.security_settings("manager", "RLMESH_RELAY_"),
         },
     )
 

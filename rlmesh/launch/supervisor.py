@@ -17,7 +17,14 @@ from rlmesh.launch.plan import LaunchPlan
 from rlmesh.launch.ports import metrics_address
 from rlmesh.launch.processes import Child, ServiceSpec, describe_exit, spawn, stop_children, wait_started
 from rlmesh.launch.scale import ScaleRequests, plan_scale
-from rlmesh.launch.services import MANAGER_JOURNAL_FILE, manager_spec, rollout_spec, trainer_spec, weights_spec
+from rlmesh.launch.services import (
+    MANAGER_JOURNAL_FILE,
+    manager_spec,
+    relay_spec,
+    rollout_spec,
+    trainer_spec,
+    weights_spec,
+)
 from rlmesh.launch.state import STATE_FILE, write_state
 
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
@@ -124,6 +131,7 @@ class Supervisor:
         self._clock = clock
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.manager: Supervised | None = None
+        self.relays: list[Supervised] = []
         self.weights: Supervised | None = None
         self.rollouts: dict[int, Supervised] = {}
         self.trainer: Supervised | None = None
@@ -155,6 +163,8 @@ class Supervisor:
         # the trainer resumes from; only restarts within this run take up the manager's state.
         for stale in plan.output_dir.glob(f"{MANAGER_JOURNAL_FILE}*"):
             stale.unlink()
+        self.relays = [self._supervise(partial(relay_spec, plan, index)) for index in range(plan.mesh.relay_shards)]
+        await self._wait_serving([relay.child for relay in self.relays])
         self.manager = self._supervise(partial(manager_spec, plan))
         await self._wait_serving([self.manager.child])
         self.weights = self._supervise(partial(weights_spec, plan))
@@ -183,7 +193,7 @@ class Supervisor:
         state = {
             "pid": os.getpid(),
             "manager": plan.manager_address,
-            "services": [s.state() for s in (self.manager, self.weights) if s is not None],
+            "services": [s.state() for s in (*self.relays, self.manager, self.weights) if s is not None],
             "rollout_instances": {
                 "min": plan.mesh.rollout_instances,
                 "max": plan.mesh.instance_cap,
@@ -284,7 +294,7 @@ class Supervisor:
                 self.write_state()
             else:
                 self._after_exit(service, now)
-        for service in (self.manager, self.weights, self.trainer):
+        for service in (*self.relays, self.manager, self.weights, self.trainer):
             if service is not None and service.child.process.poll() is not None:
                 self._after_exit(service, now)
 
@@ -295,7 +305,13 @@ class Supervisor:
             await asyncio.sleep(TICK_SECONDS)
 
     def stop(self) -> None:
-        """The trainer first, the rollout instances, the weights service, the manager last."""
-        services = [self.manager, self.weights, *(s for _, s in sorted(self.rollouts.items())), self.trainer]
+        """The trainer first, the rollout instances, the weights service, the manager, its relay shards last."""
+        services = [
+            *self.relays,
+            self.manager,
+            self.weights,
+            *(s for _, s in sorted(self.rollouts.items())),
+            self.trainer,
+        ]
         stop_children([s.child for s in services if s is not None])
         (self.plan.output_dir / STATE_FILE).unlink(missing_ok=True)

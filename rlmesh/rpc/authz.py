@@ -25,6 +25,7 @@ OPEN_SERVICES = frozenset(
 credential), and reflection describes only the public contracts."""
 
 _MANAGER = "rlmesh.manager.v1.ManagerService"
+_RELAY = "rlmesh.manager.v1.RelayService"
 _ROLLOUT = "rlmesh.rollout.v1.RolloutService"
 _WEIGHTS = "rlmesh.weights.v1.WeightsService"
 _TRAINER = "rlmesh.trainer.v1.TrainerService"
@@ -58,6 +59,11 @@ AUTHORIZED: Mapping[str, frozenset[Role]] = {
     f"/{_MANAGER}/GetSession": _SESSION_RUNNERS,
     # Every opening session's key: the manager's own gateway only.
     f"/{_MANAGER}/WatchSessions": frozenset({"manager"}),
+    # A relay shard is a process of the manager service: the manager hands it streams, the trainer
+    # fetches the tokens it holds.
+    f"/{_RELAY}/Relay": frozenset({"manager"}),
+    f"/{_RELAY}/WatchRelay": frozenset({"manager"}),
+    f"/{_RELAY}/FetchSamples": frozenset({"trainer"}),
     f"/{_ROLLOUT}/Generate": frozenset({"manager"}),
     f"/{_ROLLOUT}/GenerateMany": frozenset({"manager"}),
     f"/{_ROLLOUT}/Abort": frozenset({"manager"}),

@@ -19,6 +19,7 @@ from services.manager.config import ManagerConfig
 from services.manager.domain.records import Assignment, Instance, SampleRequest
 from services.manager.domain.state import ManagerState
 from services.manager.instance_stream import InstanceStream
+from services.manager.relays import Relays
 
 log = structlog.get_logger()
 
@@ -62,15 +63,27 @@ class Dispatcher:
         self._channels: dict[str, tuple[grpc.aio.Channel, rollout_pb2_grpc.RolloutServiceStub]] = {}
         self._streams: dict[str, asyncio.Task[None]] = {}
         """Generate streams (one request each) by request id."""
-        self._instance_streams: dict[tuple[str, int], InstanceStream] = {}
+        self._instance_streams: dict[tuple[str, int], InstanceStream[Assignment]] = {}
         """The stream taking new requests for each incarnation, by (instance id, incarnation)."""
-        self._open_streams: dict[InstanceStream, tuple[str, int]] = {}
+        self._open_streams: dict[InstanceStream[Assignment], tuple[str, int]] = {}
         """Every GenerateMany stream not ended yet (retired ones too), with its incarnation."""
-        self._stream_of: dict[str, tuple[InstanceStream, str]] = {}
+        self._stream_of: dict[str, tuple[InstanceStream[Assignment], str]] = {}
         """Where each request dispatched on a GenerateMany stream runs: (stream, engine request id)."""
         self._single_request_addresses: set[str] = set()
         """Instances that answered GenerateMany with UNIMPLEMENTED."""
         self._closing: set[asyncio.Task[None]] = set()
+        self.relays = (
+            Relays(
+                config.relay_addresses,
+                state,
+                self._refused,
+                self._relayed,
+                config.rpc_timeout_seconds,
+                config.generate_timeout_seconds,
+            )
+            if config.relay_addresses
+            else None
+        )
 
     def _stub(self, address: str) -> rollout_pb2_grpc.RolloutServiceStub:
         if address not in self._channels:
@@ -80,7 +93,9 @@ class Dispatcher:
 
     def dispatch(self) -> None:
         for assignment in self.state.assign():
-            if assignment.instance.address in self._single_request_addresses:
+            if self.relays is not None and (assignment.request.relay or self.relays.takes(assignment.request)):
+                self.relays.start(assignment, self._generate_request(assignment))
+            elif assignment.instance.address in self._single_request_addresses:
                 self._streams[assignment.request.request_id] = asyncio.create_task(self._run(assignment))
             else:
                 stream = self._stream_to(assignment.instance)
@@ -88,7 +103,7 @@ class Dispatcher:
                 self._stream_of[assignment.request.request_id] = (stream, generate.request_id)
                 stream.start(assignment, generate)
 
-    def _stream_to(self, instance: Instance) -> InstanceStream:
+    def _stream_to(self, instance: Instance) -> InstanceStream[Assignment]:
         key = (instance.instance_id, instance.incarnation)
         stream = self._instance_streams.get(key)
         if stream is not None and stream.takes_requests:
@@ -119,7 +134,7 @@ class Dispatcher:
         generate.cache_key = request.session_id
         return generate
 
-    def _received(self, stream: InstanceStream, response: rollout_pb2.GenerateManyResponse) -> None:
+    def _received(self, stream: InstanceStream[Assignment], response: rollout_pb2.GenerateManyResponse) -> None:
         for chunk in response.chunks:
             assignment = stream.assignments.get(chunk.request_id)
             if assignment is None:
@@ -133,6 +148,11 @@ class Dispatcher:
             assignment = self._forget(stream, refusal.request_id)
             if assignment is not None:
                 self._refused(assignment, _STATUS_CODES.get(refusal.code, grpc.StatusCode.UNKNOWN), refusal.message)
+        self.dispatch()
+        self.changes.notify()
+
+    def _relayed(self) -> None:
+        """A relay shard's reports changed the ledger."""
         self.dispatch()
         self.changes.notify()
 
@@ -160,7 +180,7 @@ class Dispatcher:
             self.changes.notify()
         return goes_on
 
-    def _forget(self, stream: InstanceStream, engine_request_id: str) -> Assignment | None:
+    def _forget(self, stream: InstanceStream[Assignment], engine_request_id: str) -> Assignment | None:
         assignment = stream.ended(engine_request_id)
         if (
             assignment is not None
@@ -169,7 +189,7 @@ class Dispatcher:
             del self._stream_of[assignment.request.request_id]
         return assignment
 
-    def _stream_ended(self, stream: InstanceStream, error: grpc.aio.AioRpcError | None) -> None:
+    def _stream_ended(self, stream: InstanceStream[Assignment], error: grpc.aio.AioRpcError | None) -> None:
         self._discard(stream)
         for engine_request_id in list(stream.assignments):
             assignment = self._forget(stream, engine_request_id)
@@ -193,7 +213,7 @@ class Dispatcher:
         self.dispatch()
         self.changes.notify()
 
-    def _discard(self, stream: InstanceStream) -> None:
+    def _discard(self, stream: InstanceStream[Assignment]) -> None:
         key = self._open_streams.pop(stream, None)
         if key is not None and self._instance_streams.get(key) is stream:
             del self._instance_streams[key]
@@ -210,6 +230,8 @@ class Dispatcher:
             for engine_request_id in list(stream.assignments):
                 self._forget(stream, engine_request_id)
             stream.close()
+        if self.relays is not None:
+            self.relays.close_instance(instance_id, keep_incarnation)
 
     def _refused(self, assignment: Assignment, code: grpc.StatusCode, details: str) -> None:
         """A request ended without finishing: with `code`, as the instance refused it or its stream failed."""
@@ -243,7 +265,7 @@ class Dispatcher:
                 request=request.request_id,
                 instance_id=instance.instance_id,
                 code=code.name,
-                tokens_kept=len(request.token_ids),
+                tokens_kept=request.token_count,
             )
         if code == grpc.StatusCode.UNAVAILABLE:
             self._drop_gone(instance, "instance unreachable; dropped")
@@ -271,7 +293,7 @@ class Dispatcher:
                 instance_id=instance.instance_id,
                 code=code.name,
                 error=details,
-                tokens_kept=len(request.token_ids),
+                tokens_kept=request.token_count,
             )
         if failure.quarantine_seconds:
             log.error(
@@ -295,6 +317,8 @@ class Dispatcher:
             if request.request_id in self._stream_of:
                 stream, engine_request_id = self._stream_of[request.request_id]
                 stream.cancel(engine_request_id)
+            if request.relay and self.relays is not None:
+                self.relays.cancel(request, request.engine_request_id)
 
     async def forget_address(self, address: str) -> None:
         """Closes the channel to an address no registered instance uses any more."""
@@ -358,7 +382,14 @@ class Dispatcher:
         self._in_background(self.forget_address(instance.address))
         log.warning(why, instance_id=instance.instance_id, incarnation=instance.incarnation, requeued=len(requeued))
 
+    def release(self, requests: list[SampleRequest]) -> None:
+        """Their batch was read or cancelled: the relay shards holding their tokens may drop them."""
+        if self.relays is not None:
+            self.relays.release(requests)
+
     async def close(self) -> None:
+        if self.relays is not None:
+            await self.relays.close()
         for task in list(self._streams.values()):
             task.cancel()
         for stream in list(self._open_streams):

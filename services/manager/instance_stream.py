@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import grpc
 
 from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import call_options
-from services.manager.domain.records import Assignment
+
+Ticket = TypeVar("Ticket")
+"""What the caller keeps per request (the manager's assignment, a relay shard's attempt)."""
 
 TAKES_REQUESTS_FOR = 0.5
 """Share of its deadline during which a stream takes new requests; then the dispatcher opens
@@ -20,7 +23,7 @@ another and this one only finishes what it runs, so a request has at least that 
 stream's deadline cuts it (it then continues elsewhere from its tokens)."""
 
 
-class InstanceStream:
+class InstanceStream(Generic[Ticket]):
     """Requests are keyed by their engine request id (one per attempt), and stay here until a chunk
     that finishes them, a refusal, or the end of the stream: a request cancelled here still
     delivers its last (ABORT) chunk, whose tokens the state counts as discarded."""
@@ -29,10 +32,10 @@ class InstanceStream:
         self,
         stub: rollout_pb2_grpc.RolloutServiceStub,
         timeout_seconds: float,
-        on_response: Callable[[InstanceStream, rollout_pb2.GenerateManyResponse], None],
-        on_end: Callable[[InstanceStream, grpc.aio.AioRpcError | None], None],
+        on_response: Callable[[InstanceStream[Ticket], rollout_pb2.GenerateManyResponse], None],
+        on_end: Callable[[InstanceStream[Ticket], grpc.aio.AioRpcError | None], None],
     ) -> None:
-        self.assignments: dict[str, Assignment] = {}
+        self.assignments: dict[str, Ticket] = {}
         self.retire_at = time.monotonic() + timeout_seconds * TAKES_REQUESTS_FOR
         self._call = stub.GenerateMany(**call_options(timeout_seconds))
         self._outgoing = rollout_pb2.GenerateManyRequest()
@@ -48,7 +51,7 @@ class InstanceStream:
     def takes_requests(self) -> bool:
         return not self._retired and time.monotonic() < self.retire_at
 
-    def start(self, assignment: Assignment, generate: rollout_pb2.GenerateRequest) -> None:
+    def start(self, assignment: Ticket, generate: rollout_pb2.GenerateRequest) -> None:
         self.assignments[generate.request_id] = assignment
         self._outgoing.requests.append(generate)
         self._wake.set()
@@ -60,7 +63,7 @@ class InstanceStream:
             self._outgoing.cancel_request_ids.append(engine_request_id)
             self._wake.set()
 
-    def ended(self, engine_request_id: str) -> Assignment | None:
+    def ended(self, engine_request_id: str) -> Ticket | None:
         """A request's last chunk or its refusal arrived: forget it."""
         self._cancelled.discard(engine_request_id)
         assignment = self.assignments.pop(engine_request_id, None)

@@ -20,7 +20,7 @@ from services.manager.domain.records import Batch, Instance, Limits, SampleReque
 from services.manager.domain.state import ManagerState
 from services.manager.domain.trajectories import take_progress, trajectory
 
-FORMAT = 6
+FORMAT = 7
 """Bumped when the tables change; a journal of another format is migrated (from 2) or refused, not misread."""
 
 _MIGRATIONS = {
@@ -38,6 +38,12 @@ _MIGRATIONS = {
         "ALTER TABLE batches ADD COLUMN sessions INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE requests ADD COLUMN session_id TEXT NOT NULL DEFAULT ''",
     ],
+    # 7: requests whose tokens a relay shard holds (their count and first token's version here).
+    6: [
+        "ALTER TABLE requests ADD COLUMN relay TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE requests ADD COLUMN relayed_tokens INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE requests ADD COLUMN first_version INTEGER NOT NULL DEFAULT 0",
+    ],
 }
 """Per format, the columns (ALTER TABLE ... ADD COLUMN) that turn it into the next."""
 
@@ -52,7 +58,9 @@ CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY, batch_id TEXT NOT NULL, prompt_id TEXT NOT NULL, prompt_token_ids BLOB NOT NULL,
     sampling BLOB NOT NULL, policy_version INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB NOT NULL,
     weight_versions BLOB NOT NULL, instance_ids TEXT NOT NULL, finish_reason INTEGER NOT NULL,
-    attempt INTEGER NOT NULL, migrations INTEGER NOT NULL, session_id TEXT NOT NULL DEFAULT '');
+    attempt INTEGER NOT NULL, migrations INTEGER NOT NULL, session_id TEXT NOT NULL DEFAULT '',
+    relay TEXT NOT NULL DEFAULT '', relayed_tokens INTEGER NOT NULL DEFAULT 0,
+    first_version INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS requests_of_batch ON requests (batch_id);
 CREATE TABLE IF NOT EXISTS instances (
     instance_id TEXT PRIMARY KEY, address TEXT NOT NULL, weight_version INTEGER NOT NULL,
@@ -196,7 +204,8 @@ class Journal:
             groups: dict[str, list[SampleRequest]] = {prompt_id: [] for prompt_id in json.loads(prompt_ids)}
             for row in self._db.execute(
                 "SELECT request_id, prompt_id, prompt_token_ids, sampling, policy_version, token_ids, logprobs, "
-                "weight_versions, instance_ids, finish_reason, attempt, migrations, session_id FROM requests "
+                "weight_versions, instance_ids, finish_reason, attempt, migrations, session_id, relay, relayed_tokens, "
+                "first_version FROM requests "
                 "WHERE batch_id = ? ORDER BY rowid",
                 (batch_id,),
             ):
@@ -219,6 +228,9 @@ class Journal:
                     attempt=row[10],
                     migrations=row[11],
                     session_id=row[12],
+                    relay=row[13],
+                    relayed_tokens=row[14],
+                    first_version=row[15],
                 )
                 (turns if request.session_id else groups[row[1]]).append(request)
             for group in groups.values():
@@ -313,7 +325,7 @@ class Journal:
             new_requests = changed.added[REQUEST]
             progress = {r.request_id: self._progress(r) for r in requests}
             db.executemany(
-                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         r.request_id,
@@ -330,6 +342,9 @@ class Journal:
                         r.attempt,
                         r.migrations,
                         r.session_id,
+                        r.relay,
+                        r.relayed_tokens,
+                        r.first_version,
                     )
                     for r in requests
                     if r.request_id in new_requests
@@ -338,7 +353,8 @@ class Journal:
             # Requests written before change only in how far they got.
             db.executemany(
                 "UPDATE requests SET token_ids = ?, logprobs = ?, weight_versions = ?, instance_ids = ?, "
-                "finish_reason = ?, attempt = ?, migrations = ? WHERE request_id = ?",
+                "finish_reason = ?, attempt = ?, migrations = ?, relay = ?, relayed_tokens = ?, first_version = ? "
+                "WHERE request_id = ?",
                 [
                     (
                         (p := progress[r.request_id]).token_ids,
@@ -348,6 +364,9 @@ class Journal:
                         r.finish_reason,
                         r.attempt,
                         r.migrations,
+                        r.relay,
+                        r.relayed_tokens,
+                        r.first_version,
                         r.request_id,
                     )
                     for r in requests

@@ -81,6 +81,10 @@ def group_to_proto(group: list[SampleRequest], sessions: Mapping[str, Session]) 
             finish_reason=r.finish_reason,
             instance_ids=r.instance_ids,
         )
+        if r.relay:
+            sample.relayed.CopyFrom(
+                manager_pb2.RelayedPayload(address=r.relay, request_id=r.request_id, token_count=r.relayed_tokens)
+            )
         session = sessions.get(r.request_id)
         if session is not None:
             sample.session.CopyFrom(trajectory(session))
@@ -268,7 +272,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 return
 
     async def CancelBatch(self, request, context):
+        requests = self._requests_of(request.batch_id)
         cancelled = self.state.cancel_batch(request.batch_id)
+        self.dispatcher.release(requests)
         self._durable()
         log.info("batch cancelled", batch_id=request.batch_id, unfinished_samples=cancelled)
         self._changed()
@@ -284,8 +290,15 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         )
 
     async def AcknowledgeRollouts(self, request, context):
+        requests = self._requests_of(request.batch_id)
         forgotten = self.state.acknowledge(request.batch_id)
+        if forgotten:
+            self.dispatcher.release(requests)
         return manager_pb2.AcknowledgeRolloutsResponse(forgotten=forgotten)
+
+    def _requests_of(self, batch_id: str) -> list[SampleRequest]:
+        batch = self.state.batches.get(batch_id)
+        return [r for group in batch.groups.values() for r in group] if batch is not None else []
 
     async def ReportTrainingStep(self, request, context):
         balance = self.state.report_training_step(request.batch_id, request.step_seconds, request.wait_seconds)

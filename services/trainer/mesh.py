@@ -4,8 +4,6 @@ the manager ride out its restarts, and rollouts arrive exactly once."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,40 +14,10 @@ from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.channels import call_options, open_channel
 from rlmesh.weights.v1 import weights_pb2, weights_pb2_grpc
+from services.trainer.outage import ManagerOutage
+from services.trainer.relayed import RelayedPayloads
 
 log = structlog.get_logger()
-
-RETRY_FIRST_SECONDS = 0.25
-RETRY_MAX_SECONDS = 4.0
-
-
-class ManagerOutage:
-    """How long the manager has been unreachable: calls are made again with backoff until the
-    outage has lasted `limit_seconds`, then its last error stands."""
-
-    def __init__(self, limit_seconds: float) -> None:
-        self.limit_seconds = limit_seconds
-        self.since: float | None = None
-        self.delay = RETRY_FIRST_SECONDS
-
-    async def wait(self, exc: grpc.aio.AioRpcError, call: str) -> None:
-        """Sleeps before the next attempt, or raises `exc` when it is not worth another."""
-        now = time.monotonic()
-        self.since = self.since if self.since is not None else now
-        if exc.code() != grpc.StatusCode.UNAVAILABLE or now - self.since + self.delay > self.limit_seconds:
-            raise exc
-        log.warning(
-            "the manager is unreachable; calling again",
-            call=call,
-            retry_in_s=self.delay,
-            unreachable_s=round(now - self.since, 2),
-            error=exc.details(),
-        )
-        await asyncio.sleep(self.delay)
-        self.delay = min(2 * self.delay, RETRY_MAX_SECONDS)
-
-    def reset(self) -> None:
-        self.since, self.delay = None, RETRY_FIRST_SECONDS
 
 
 class MeshClient:
@@ -62,6 +30,7 @@ class MeshClient:
         self._weights_channel = open_channel(weights_address)
         self.manager = manager_pb2_grpc.ManagerServiceStub(self._manager_channel)
         self.weights = weights_pb2_grpc.WeightsServiceStub(self._weights_channel)
+        self.relayed = RelayedPayloads(rpc_timeout, manager_outage_seconds)
 
     async def _call_manager(
         self, method: Callable[..., Awaitable[Any]], request: Any, landed: grpc.StatusCode | None = None
@@ -165,6 +134,7 @@ class MeshClient:
                     fresh = [g for g in reply.groups if g.prompt_id not in seen]
                     seen.update(g.prompt_id for g in fresh)
                     if fresh:
+                        await self.relayed.fill(fresh)
                         yield fresh
                     if reply.remaining_groups == 0:
                         complete = True
@@ -265,3 +235,4 @@ class MeshClient:
     async def close(self) -> None:
         await self._manager_channel.close()
         await self._weights_channel.close()
+        await self.relayed.close()

@@ -21,7 +21,7 @@ Taken = tuple[list[list[SampleRequest]], int]
 
 
 def group_size(group: list[SampleRequest]) -> int:
-    return group_tokens(len(group[0].prompt_token_ids), (len(r.token_ids) for r in group))
+    return group_tokens(len(group[0].prompt_token_ids), (r.token_count for r in group))
 
 
 def session_group_size(group: list[SampleRequest], sessions: Mapping[str, Session]) -> int:
@@ -30,7 +30,7 @@ def session_group_size(group: list[SampleRequest], sessions: Mapping[str, Sessio
     return sum(
         trajectory_tokens(sessions[r.request_id].segments)
         if r.request_id in sessions
-        else len(r.prompt_token_ids) + len(r.token_ids)
+        else len(r.prompt_token_ids) + r.token_count
         for r in group
     )
 

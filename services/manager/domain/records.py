@@ -90,7 +90,18 @@ class Instance(Journaled):
 @dataclass(slots=True)
 class SampleRequest(Journaled):
     JOURNALED: ClassVar[frozenset[str]] = frozenset(
-        {"token_ids", "logprobs", "weight_versions", "instance_ids", "finish_reason", "attempt", "migrations"}
+        {
+            "token_ids",
+            "logprobs",
+            "weight_versions",
+            "instance_ids",
+            "finish_reason",
+            "attempt",
+            "migrations",
+            "relay",
+            "relayed_tokens",
+            "first_version",
+        }
     )
     KIND: ClassVar[str] = REQUEST
 
@@ -107,6 +118,12 @@ class SampleRequest(Journaled):
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
+    relay: str = ""
+    """The relay shard holding its tokens (a job running relay shards): token_ids, logprobs and
+    weight_versions then stay empty here, relayed_tokens counts them and first_version is the
+    version of the first."""
+    relayed_tokens: int = 0
+    first_version: int = 0
     instance_ids: list[str] = field(default_factory=list)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     attempt: int = 0
@@ -138,8 +155,13 @@ class SampleRequest(Journaled):
         return f"{self.request_id}@{self.attempt}"
 
     @property
+    def token_count(self) -> int:
+        """Response tokens generated so far, wherever they are held."""
+        return self.relayed_tokens if self.relay else len(self.token_ids)
+
+    @property
     def remaining_tokens(self) -> int:
-        return self.sampling.max_tokens - len(self.token_ids)
+        return self.sampling.max_tokens - self.token_count
 
     @property
     def done(self) -> bool:
@@ -151,7 +173,7 @@ class SampleRequest(Journaled):
         max_tokens is the only bound known."""
         if mean_length is None:
             return float(self.remaining_tokens)
-        generated = len(self.token_ids)
+        generated = self.token_count
         return float(max(1, min(self.remaining_tokens, max(mean_length, 2 * generated) - generated)))
 
 
@@ -194,7 +216,7 @@ class Batch(Journaled):
 
     @property
     def response_tokens(self) -> int:
-        return sum(len(r.token_ids) for group in self.groups.values() for r in group)
+        return sum(r.token_count for group in self.groups.values() for r in group)
 
     @property
     def remaining(self) -> int:
@@ -207,6 +229,12 @@ class Batch(Journaled):
             self.ready.append(prompt_id)
             if len(self.ready) + len(self.sent) == len(self.groups):
                 self.completed_at = now
+
+    def sample_unfinished(self, prompt_id: str) -> None:
+        """A sample of a group not yet sent must generate again (its relay shard lost its tokens)."""
+        if prompt_id in self.ready:
+            self.ready.remove(prompt_id)
+        self.completed_at = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,8 +99,7 @@ class RequestTable:
             if request.migrate_to == instance.instance_id:
                 self.migrated_samples += 1
             request.migrate_to = None
-        if request.token_ids:
-            self.continued_tokens += len(request.token_ids)
+        self.continued_tokens += request.token_count
         request.attempt += 1
         request.instance_id = instance.instance_id
         request.instance_ids += [instance.instance_id]
@@ -158,6 +157,64 @@ class RequestTable:
         elif finish_reason == common_pb2.FINISH_REASON_ABORT:
             self.requeue(request)
         return True
+
+    def record_progress(
+        self,
+        request_id: str,
+        attempt: int,
+        token_count: int,
+        first_version: int,
+        last_version: int,
+        finish_reason: int,
+    ) -> bool:
+        """A relay shard's cumulative report of the request's current attempt: the ledger counts
+        the tokens the shard holds, as record_chunk does for tokens held here. Returns whether the
+        attempt goes on (False: cancel it)."""
+        request = self.current(request_id, attempt)
+        if request is None:
+            return False
+        instance = self.instances.get(request.instance_id or "")
+        if instance and last_version > instance.weight_version:
+            instance.weight_version = last_version
+        count = max(0, min(token_count, request.sampling.max_tokens) - request.relayed_tokens)
+        if count:
+            if not request.relayed_tokens:
+                request.first_version = first_version
+            request.relayed_tokens += count
+            self.generated_tokens += count
+            paid = min(request.charged, count)
+            request.charged -= paid
+            if instance:
+                instance.outstanding_tokens = max(0.0, instance.outstanding_tokens - paid)
+                instance.generated_tokens += count
+            breaker.tokens_arrived(instance, request)
+        if finish_reason in FINISHED or request.remaining_tokens <= 0:
+            reason = finish_reason if finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
+            breaker.request_finished(instance)
+            self.detach(request)
+            self._complete(request, reason)
+        elif finish_reason == common_pb2.FINISH_REASON_ABORT:
+            self.requeue(request)
+        return True
+
+    def relay_lost(self, address: str) -> list[SampleRequest]:
+        """A relay shard restarted without the tokens it held: its requests not yet delivered start
+        again from none (the tokens it held count as discarded); their groups are complete no more."""
+        lost = []
+        for request in list(self.requests.values()):
+            batch = self.batches.get(request.batch_id)
+            if request.relay != address or batch is None or request.prompt_id in batch.sent:
+                continue
+            self.discarded_tokens += request.relayed_tokens
+            request.relayed_tokens = 0
+            if request.done:
+                request.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
+                batch.sample_unfinished(request.prompt_id)
+                self.requeue(request)
+            elif request.instance_id is not None:
+                self.requeue(request)
+            lost.append(request)
+        return lost
 
     def _record_tokens(
         self,
@@ -272,7 +329,7 @@ class RequestTable:
 
     def _complete(self, request: SampleRequest, reason: int) -> None:
         request.finish_reason = reason
-        length = len(request.token_ids)
+        length = request.token_count
         self.mean_length = (
             length if self.mean_length is None else self.mean_length + LENGTH_SMOOTHING * (length - self.mean_length)
         )
@@ -294,7 +351,11 @@ class RequestTable:
     def token_staleness(self, published_version: int) -> list[int]:
         """For each sample holding tokens and not yet delivered: versions between its oldest token's
         and the published one (its staleness if trained now)."""
-        return [published_version - r.weight_versions[0] for r in self.requests.values() if r.weight_versions]
+        return [
+            published_version - (r.first_version if r.relay else r.weight_versions[0])
+            for r in self.requests.values()
+            if r.token_count
+        ]
 
     def measure(self, now: float) -> None:
         """Updates the overall tokens/s, smoothed."""

@@ -259,6 +259,16 @@ class ManagerState:
     ) -> bool:
         return self.request_table.record_chunk(request_id, attempt, token_ids, logprobs, weight_versions, finish_reason)
 
+    def record_progress(
+        self, request_id: str, attempt: int, token_count: int, first_version: int, last_version: int, finish_reason: int
+    ) -> bool:
+        return self.request_table.record_progress(
+            request_id, attempt, token_count, first_version, last_version, finish_reason
+        )
+
+    def relay_lost(self, address: str) -> list[SampleRequest]:
+        return self.request_table.relay_lost(address)
+
     def version_refused(self, request_id: str, attempt: int) -> bool:
         return self.request_table.version_refused(request_id, attempt)
 

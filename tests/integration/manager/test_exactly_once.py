@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from rlmesh.common.v1 import common_pb2
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
+from services.manager.relay.config import RelayConfig
+from services.manager.relay.main import start as start_relay
 from services.rollout.config import EngineConfig, RolloutConfig
 from services.rollout.main import start as start_rollout
 from services.rollout.synthetic_engine import SyntheticConfig
@@ -84,9 +86,15 @@ class CuttingProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def manager():
-    manager = await start_manager(ManagerConfig(server=loopback()))
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["manager relays", "relay shards"])
+async def manager(request):
+    """The manager relaying every token itself, or with two relay shards holding them."""
+    relays = [
+        await start_relay(RelayConfig(server=loopback())) for _ in range(2 if request.param == "relay shards" else 0)
+    ]
+    manager = await start_manager(
+        ManagerConfig(server=loopback(), relay_addresses=[relay.server.address for relay in relays])
+    )
     synthetic = SyntheticConfig(
         length="uniform", mean_tokens=20, throughput_tokens_per_second=20000, min_step_seconds=0.001
     )
@@ -101,10 +109,12 @@ async def manager():
     )
     await wait_for(lambda: "fast" in manager.state.instances)
     try:
-        yield manager
+        yield manager, relays
     finally:
         await rollout.stop()
         await manager.stop()
+        for relay in relays:
+            await relay.stop()
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -117,7 +127,9 @@ async def manager():
 async def test_every_group_arrives_exactly_once_however_the_stream_is_cut(
     manager, cuts, micro_batch_groups, wait_for_all
 ):
+    manager, relays = manager
     batch_id = f"b{next(batch_numbers)}"
+    relayed_before = sum(relay.shard.store.accepted_tokens for relay in relays)
     direct = MeshClient(manager.server.address, manager.server.address, rpc_timeout=5)
     proxy = CuttingProxy(manager.server.port, cuts)
     proxied = MeshClient(await proxy.start(), manager.server.address, rpc_timeout=5, manager_outage_seconds=30)
@@ -132,13 +144,22 @@ async def test_every_group_arrives_exactly_once_however_the_stream_is_cut(
         if wait_for_all:
             # Everything ready at once: large replies, cut in the middle of a micro-batch's bytes.
             await wait_for(lambda: len(manager.state.batches[batch_id].ready) == PROMPTS)
-        read = []
+        read, delivered_tokens = [], 0
         async for groups in proxied.rollouts(batch_id, micro_batch_groups, 1, 0, timeout=30):
             assert 1 <= len(groups) <= micro_batch_groups
             read += [g.prompt_id for g in groups]
             assert all(len(g.samples) == GROUP_SIZE for g in groups)
+            samples = [s for g in groups for s in g.samples]
+            assert all(0 < len(s.token_ids) == len(s.logprobs) == len(s.weight_versions) for s in samples)
+            assert not any(s.HasField("relayed") for s in samples)
+            delivered_tokens += sum(len(s.token_ids) for s in samples)
         assert sorted(read) == sorted(f"p{i}" for i in range(PROMPTS)), f"read {read} with {proxy.cut_connections} cuts"
         assert batch_id not in manager.state.batches, "the batch read was not acknowledged"
+        if relays:
+            # Every token went past the manager: the shards held them, and dropped them once read.
+            assert not any(r.request.token_ids for r in manager.state.requests.values())
+            await wait_for(lambda: not any(relay.shard.store.payloads for relay in relays))
+            assert delivered_tokens <= sum(relay.shard.store.accepted_tokens for relay in relays) - relayed_before
     finally:
         await proxy.stop()
         await proxied.close()
