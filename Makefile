@@ -238,6 +238,7 @@ bench: setup ## every benchmark, each writing bench/results/<name>.json, then do
 	$(PY) -m bench.scale
 	$(PY) -m bench.cost
 	$(PY) -m bench.capacity
+	$(PY) -m bench.relay_shards
 	$(PY) -m bench.scale_page > docs/scale.md.new && mv docs/scale.md.new docs/scale.md
 	$(PY) -m bench.report > docs/benchmarks.md.new && mv docs/benchmarks.md.new docs/benchmarks.md
 

@@ -45,7 +45,7 @@ KEPT_TARGETS = {
 SERVING = (
     Row(
         "relay",
-        "tokens/s through the manager to the trainer, {settings.instances} synthetic instances",
+        "tok/s via the manager to the trainer, {settings.instances} synthetic instances",
         "{figures.relay_tokens_per_second_median:s4} tok/s",
         "the torch engine: {baseline.torch_engine_tokens_per_second:s4} tok/s",
         "{ratios.relay_over_torch_engine:.1f}×",
@@ -81,7 +81,7 @@ SERVING = (
     ),
     Row(
         "failure",
-        "a step with one of {settings.instances} instances killed at half its tokens",
+        "a step, one of {settings.instances} instances killed at half its tokens",
         "{figures.step_seconds_with_kill:.1f} s; {figures.tokens_regenerated} tokens regenerated, "
         "{figures.samples_lost} samples lost, {figures.samples_duplicated} duplicated",
         "no failure: {baseline.step_seconds_without_failure:.1f} s",
@@ -94,7 +94,7 @@ SERVING = (
 WEIGHT_PLANE = (
     Row(
         "weights",
-        "a bf16 model pushed over TCP by {settings.trainer_ranks} trainer ranks to {settings.instances} "
+        "a bf16 model pushed via TCP by {settings.trainer_ranks} trainer ranks to {settings.instances} "
         "instances × TP {settings.tensor_parallel}",
         "{figures.tcp_none_gbps:.2f} GB/s",
         "a raw socket: {baseline.raw_socket_gbps:.2f} GB/s",
@@ -104,7 +104,7 @@ WEIGHT_PLANE = (
     ),
     Row(
         "weights",
-        "the same push as a sparse delta, {settings.changed_fraction:%0} % of values changed",
+        "the same push as a sparse delta, {settings.changed_fraction:%0} % of values new",
         "{figures.tcp_delta_gbps:.2f} GB/s effective",
         "as above",
         "{ratios.tcp_delta_vs_raw_socket:.2f}×",
@@ -113,7 +113,7 @@ WEIGHT_PLANE = (
     ),
     Row(
         "weights",
-        "generation on both instances during pushes",
+        "generation on both instances while pushed",
         "{figures.tokens_per_second_during_push:.1f} tok/s",
         "without a push: {figures.tokens_per_second_without_push:.1f} tok/s",
         "{ratios.generation_during_push_vs_without:.2f}×",
@@ -157,8 +157,8 @@ ASYNC = (
     ),
     Row(
         "validation",
-        "a step while a background validation runs, {settings.rollout_instances.0} / "
-        "{settings.rollout_instances.1} rollout instances",
+        "a step beside a background validation, {settings.rollout_instances.0} / "
+        "{settings.rollout_instances.1} instances",
         "{figures.instances1_step_seconds_during_validation:.3f} s / "
         "{figures.instances2_step_seconds_during_validation:.3f} s",
         "other steps: {baseline.instances1_step_seconds_no_validation_running:.3f} s / "
@@ -179,7 +179,7 @@ ASYNC = (
     ),
     Row(
         "algorithms",
-        "held-out reward after {settings.steps} steps of the default task by estimator",
+        "held-out reward after {settings.steps} default-task steps, by estimator",
         "`gae` (PPO, a critic) {figures.gae.held_out.600:.3f}, `rloo` {figures.rloo.held_out.600:.3f}, "
         "`reinforce_pp` {figures.reinforce_pp.held_out.600:.3f}",
         "`grpo` {figures.grpo.held_out.600:.3f}; at step 0 {figures.grpo.held_out.0:.3f}",
@@ -200,7 +200,7 @@ QUALITY_FIGURES = (
 QUALITY = (
     Row(
         "async_quality",
-        "final held-out reward of `decoupled` at η = 4, {settings.extra_settings:code}, seeds {settings.target_seeds}",
+        "final held-out reward, `decoupled`, η = 4, {settings.extra_settings:code}, seeds {settings.target_seeds}",
         *QUALITY_FIGURES,
     ),
     Row(
@@ -225,7 +225,7 @@ MULTI_TURN = (
     ),
     Row(
         "agentic",
-        "a session's second turn on the torch engine, its first turn's KV cache kept",
+        "a session's second turn, torch engine, the first turn's KV cache kept",
         "{figures.second_turn_prefill_ms_with_reuse:.1f} ms to the first token",
         "full prefill: {baseline.second_turn_prefill_ms_without_reuse:.1f} ms",
         "{ratios.prefill_with_over_without_reuse:.2f}×",
@@ -250,7 +250,7 @@ MULTI_TURN = (
     ),
     Row(
         "soak",
-        "resident memory over {figures.sessions:,} agent-command sessions through the gateway",
+        "resident memory over {figures.sessions:,} agent sessions via the gateway",
         "manager {figures.manager_resident_mib_end:.1f} MiB, gateway {figures.gateway_resident_mib_end:.1f} MiB",
         "after {baseline.baseline_sessions:,}: {baseline.manager_resident_mib_at_baseline:.1f}, "
         "{baseline.gateway_resident_mib_at_baseline:.1f} MiB",
@@ -265,11 +265,11 @@ CHAOS = tuple(
     Row(
         name,
         measures,
-        "{figures.faults_survived} survived; {figures.samples_lost} samples lost, "
-        "{figures.samples_duplicated} duplicated, {figures.groups_short} groups short",
+        "{figures.faults_survived} survived; samples {figures.samples_lost} lost, "
+        "{figures.samples_duplicated} duplicated; {figures.groups_short} groups short",
         "median step {baseline.median_step_seconds:.2f} s",
         "—",
-        "≥ 100 survived, none lost or duplicated, every cut rejoined",
+        "≥ 100 survived, none lost or duplicated, cuts rejoined",
         ("faults_survived", "samples_lost", "samples_duplicated", "cuts_not_rejoined"),
     )
     for name, measures in CHAOS_RUNS.items()
@@ -370,6 +370,15 @@ SCALE = (
         "—",
         "all held, none lost",
         ("500 instances held through the idle window and the step", "0 samples lost or duplicated"),
+    ),
+    Row(
+        "relay_shards",
+        "a manager core's token ceiling, {settings.relay_shards} shards",
+        "{figures.manager_core_ceiling_tokens_per_second:s3} tok/s",
+        "relaying: {baseline.manager_core_ceiling_tokens_per_second:s3} tok/s",
+        "{ratios.manager_ceiling_over_single_relay:.1f}×",
+        "≥ 10×, none lost",
+        ("ceiling >= 10x the single relay", "0 samples lost or duplicated"),
     ),
 )
 
