@@ -260,7 +260,8 @@ def page() -> str:
         "",
         "### Async quality",
         "",
-        f"Row one: the target's settings; row two: the defaults ([Algorithms](algorithms.md)); one-seed variants: {variants}.",
+        "Row one: the target's settings; row two: the defaults ([Algorithms](algorithms.md)); one-seed variants: "
+        f"{variants}.",
         "",
         *table(QUALITY),
         "",

@@ -151,9 +151,11 @@ class Dispatcher:
         self.dispatch()
         self.changes.notify()
 
-    def _relayed(self) -> None:
-        """A relay shard's reports changed the ledger."""
-        self.dispatch()
+    def _relayed(self, freed: bool) -> None:
+        """A relay shard's reports changed the ledger; `freed`: a slot freed or an instance switched
+        version, so more work may start."""
+        if freed:
+            self.dispatch()
         self.changes.notify()
 
     def _record(self, assignment: Assignment, chunk: common_pb2.TokenChunk) -> bool:

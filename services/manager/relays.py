@@ -41,6 +41,8 @@ class ShardLink:
         self.incarnation = ""
         self.running: dict[str, Assignment] = {}
         """Attempts the shard runs, by the manager's request id."""
+        self._counted_at_start: dict[str, int] = {}
+        """The ledger's count when each attempt started, until its first report says what it continued after."""
         self._channel = open_channel(address)
         self._stub = relay_pb2_grpc.RelayServiceStub(self._channel)
         self._outgoing = relay_pb2.RelayRequest()
@@ -52,6 +54,7 @@ class ShardLink:
     def start(self, assignment: Assignment, generate: rollout_pb2.GenerateRequest) -> None:
         request, instance = assignment.request, assignment.instance
         self.running[request.request_id] = assignment
+        self._counted_at_start[request.request_id] = request.relayed_tokens
         self._starts.append(assignment)
         self._outgoing.starts.append(
             relay_pb2.RelayStart(
@@ -128,10 +131,17 @@ class ShardLink:
 
     def _progress(self, reports: list[relay_pb2.RelayProgress]) -> None:
         state = self.relays.state
+        # Only a freed slot or an instance's new version lets more work start: then dispatch.
+        freed = False
         for report in reports:
             assignment = self.running.get(report.request_id)
             if assignment is None or assignment.attempt != report.attempt:
                 continue
+            known_version = assignment.instance.weight_version
+            counted = self._counted_at_start.pop(report.request_id, report.continued_from)
+            if report.continued_from > counted:
+                # Tokens an earlier attempt handed back after the ledger requeued it: continued too.
+                state.count_continued(report.continued_from - counted)
             goes_on = state.record_progress(
                 report.request_id,
                 report.attempt,
@@ -140,17 +150,20 @@ class ShardLink:
                 report.last_version,
                 report.finish_reason if not report.ended else common_pb2.FINISH_REASON_UNSPECIFIED,
             )
+            freed = freed or assignment.instance.weight_version != known_version
             if report.ended:
                 del self.running[report.request_id]
                 code = _STATUS_CODES.get(report.code, grpc.StatusCode.UNKNOWN)
                 if code == grpc.StatusCode.NOT_FOUND:
                     state.relay_lost(self.address)
                 self.relays.ended(assignment, code, report.message)
+                freed = True
             elif report.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 del self.running[report.request_id]
+                freed = True
             elif not goes_on:
                 self.cancel(f"{report.request_id}@{report.attempt}")
-        self.relays.changed()
+        self.relays.changed(freed)
 
     async def close(self) -> None:
         self._sender.cancel()
@@ -164,7 +177,7 @@ class Relays:
         addresses: list[str],
         state: ManagerState,
         ended: Ended,
-        changed: Callable[[], None],
+        changed: Callable[[bool], None],
         rpc_timeout_seconds: float,
         watch_timeout_seconds: float,
     ) -> None:
@@ -197,7 +210,7 @@ class Relays:
         for assignment in assignments:
             link.running.pop(assignment.request.request_id, None)
             self.state.stream_lost(assignment.request.request_id, assignment.attempt)
-        self.changed()
+        self.changed(True)
 
     def release(self, requests: list[SampleRequest]) -> None:
         by_relay: dict[str, list[str]] = {}

@@ -4,11 +4,13 @@ own process on loopback ports, and stopping them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlmesh.config import TlsFiles
 from services.manager.config import ManagerConfig
 from services.manager.main import start as start_manager
+from services.manager.relay.config import RelayConfig
+from services.manager.relay.main import start as start_relay
 from services.rollout.config import EngineConfig, RolloutConfig, TransferConfig
 from services.rollout.main import start as start_rollout
 from services.weights.config import WeightsConfig
@@ -21,6 +23,7 @@ class Mesh:
     manager: object
     weights: object
     rollouts: list
+    relays: list = field(default_factory=list)
 
     @property
     def manager_address(self) -> str:
@@ -59,12 +62,18 @@ async def build_mesh(
     weights_settings: dict | None = None,
     tls: Mapping[str, TlsFiles] | None = None,
     gateway: bool = False,
+    relay_shards: int = 0,
     **manager_settings,
 ) -> Mesh:
     """A manager, a weights service and `instances` rollout instances, served from this process
     (with mutual TLS when `tls` gives each of them, by service name, its certificate); `gateway`:
-    the manager serves its OpenAI gateway on a free port."""
+    the manager serves its OpenAI gateway on a free port; `relay_shards`: relay shards hold the
+    training tokens."""
     tls = tls or {}
+    relays = [
+        await start_relay(RelayConfig(server=loopback(tls.get("manager"), "manager"))) for _ in range(relay_shards)
+    ]
+    manager_settings.setdefault("relay_addresses", [relay.server.address for relay in relays])
     if gateway:
         manager_settings |= {"gateway_port": 0, "model_dir": str(model_dir)}
     manager = await start_manager(
@@ -102,7 +111,7 @@ async def build_mesh(
         )
         for i in range(instances)
     ]
-    return Mesh(manager, weights, rollouts)
+    return Mesh(manager, weights, rollouts, relays)
 
 
 async def stop_mesh(mesh: Mesh) -> None:
@@ -110,3 +119,5 @@ async def stop_mesh(mesh: Mesh) -> None:
         await rollout.stop()
     await mesh.weights.stop()
     await mesh.manager.stop()
+    for relay in mesh.relays:
+        await relay.stop()

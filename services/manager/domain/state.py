@@ -266,6 +266,9 @@ class ManagerState:
             request_id, attempt, token_count, first_version, last_version, finish_reason
         )
 
+    def count_continued(self, tokens: int) -> None:
+        self.request_table.continued_tokens += tokens
+
     def relay_lost(self, address: str) -> list[SampleRequest]:
         return self.request_table.relay_lost(address)
 

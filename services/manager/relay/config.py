@@ -15,5 +15,6 @@ class RelayConfig(StrictModel):
     progress_seconds: float = Field(default=1.0, gt=0)
     """How often the token counts of running requests reach the manager: its balance and tail rules
     read them. Finished and ended attempts are reported at once."""
-    report_window_seconds: float = Field(default=0.01, ge=0)
-    """How long a report waits for more finishes to travel with it."""
+    report_window_seconds: float = Field(default=0.05, ge=0)
+    """How long a report waits for more finishes to travel with it: the manager dispatches once per
+    report, so a wider window costs it less and a freed slot waits longer for its next request."""

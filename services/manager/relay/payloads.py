@@ -1,5 +1,5 @@
-"""A relay shard's payloads: every request's tokens, logprobs and versions, kept from the attempt the
-manager named last, with the cumulative progress the shard reports to the manager's ledger."""
+"""A relay shard's payloads: every request's tokens, logprobs and versions, in the order its attempts
+ran, with the cumulative progress the shard reports to the manager's ledger."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class Payload:
     ended: bool = False
     code: int = 0
     message: str = ""
+    continued_from: int = 0
 
     @property
     def running(self) -> bool:
@@ -46,13 +47,15 @@ class Payload:
             ended=self.ended,
             code=self.code,
             message=self.message,
+            continued_from=self.continued_from,
         )
 
 
 class PayloadStore:
-    """The manager's ledger is the authority: an attempt starts from the count the ledger holds, and
-    tokens beyond it (those of an abandoned attempt the ledger never heard of) are dropped, so what
-    the shard holds is exactly what the ledger counted once the attempt reports."""
+    """A request's tokens only grow, in the order its attempts ran: an attempt starts after every
+    token the shard holds (a drained instance's last tokens may reach the shard after the manager
+    requeued the request, and are kept), and once a newer attempt starts, an older one's chunks
+    are dropped. The ledger's count trails what the shard holds and catches up with each report."""
 
     def __init__(self) -> None:
         self.payloads: dict[str, Payload] = {}
@@ -62,8 +65,9 @@ class PayloadStore:
         self.accepted_tokens = 0
         """Tokens taken from instances since the shard started."""
 
-    def start(self, request_id: str, attempt: int, continue_from: int, max_tokens: int) -> list[int]:
-        """Makes `attempt` the request's current one; returns the tokens it continues after."""
+    def start(self, request_id: str, attempt: int, continue_from: int, max_tokens: int) -> list[int] | None:
+        """Makes `attempt` the request's current one; returns the tokens it continues after, or
+        None when those already reach max_tokens (the attempt is then finished, by length)."""
         payload = self.payloads.get(request_id)
         if payload is None:
             if continue_from:
@@ -73,14 +77,17 @@ class PayloadStore:
             raise PayloadMissing(
                 f"{request_id}: the ledger counts {continue_from} tokens, this shard holds {len(payload.token_ids)}"
             )
-        del payload.token_ids[continue_from:], payload.logprobs[continue_from:], payload.weight_versions[continue_from:]
-        payload.attempt, payload.max_tokens = attempt, max_tokens
+        payload.attempt, payload.max_tokens, payload.continued_from = attempt, max_tokens, len(payload.token_ids)
         payload.finish_reason, payload.ended, payload.code, payload.message = (
             common_pb2.FINISH_REASON_UNSPECIFIED,
             False,
             0,
             "",
         )
+        if len(payload.token_ids) >= max_tokens:
+            payload.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            self._urgent.add(request_id)
+            return None
         return list(payload.token_ids)
 
     def current(self, request_id: str, attempt: int) -> Payload | None:
@@ -134,10 +141,13 @@ class PayloadStore:
     def has_urgent(self) -> bool:
         return bool(self._urgent)
 
-    def take_reports(self) -> list[relay_pb2.RelayProgress]:
-        """Cumulative progress of what changed since the last call."""
-        names = self._changed | self._urgent
-        self._changed, self._urgent = set(), set()
+    def take_reports(self, running_too: bool) -> list[relay_pb2.RelayProgress]:
+        """Cumulative progress of the attempts that finished or ended since the last call and, with
+        `running_too`, of every other request that grew since its last report."""
+        names, self._urgent = self._urgent, set()
+        self._changed -= names
+        if running_too:
+            names, self._changed = names | self._changed, set()
         return [self.payloads[name].progress() for name in names if name in self.payloads]
 
     def snapshot(self) -> list[relay_pb2.RelayProgress]:

@@ -91,6 +91,8 @@ class RelayShard:
             self.store.start(start.request_id, start.attempt, 0, start.generate.sampling.max_tokens)
             self.store.end(start.request_id, start.attempt, 0, grpc.StatusCode.NOT_FOUND.value[0], str(exc))
             return
+        if continued is None:
+            return
         generate = rollout_pb2.GenerateRequest()
         generate.CopyFrom(start.generate)
         generate.request_id = attempt.engine_request_id
@@ -169,13 +171,15 @@ class RelayShard:
         loop = asyncio.get_running_loop()
         next_progress = loop.time() + self.config.progress_seconds
         while True:
+            running_too = False
             try:
                 await asyncio.wait_for(self._urgent.wait(), max(0.0, next_progress - loop.time()))
                 await asyncio.sleep(self.config.report_window_seconds)
             except TimeoutError:
                 next_progress = loop.time() + self.config.progress_seconds
+                running_too = True
             self._urgent.clear()
-            reports = self.store.take_reports()
+            reports = self.store.take_reports(running_too)
             for watcher in self.watchers:
                 watcher.add(reports)
 

@@ -43,10 +43,18 @@ def forks(model_dir, tmp_path_factory):
     server.close()
 
 
-async def leave_mid_generation(model_dir, tmp_path, forks, leave) -> tuple[list, manager_pb2.GetStatusResponse, int]:
+@pytest.fixture(params=[0, 2], ids=["manager relays", "relay shards"])
+def relay_shards(request) -> int:
+    """The manager relaying every token itself, or two relay shards holding the tokens."""
+    return request.param
+
+
+async def leave_mid_generation(
+    model_dir, tmp_path, forks, leave, relay_shards: int = 0
+) -> tuple[list, manager_pb2.GetStatusResponse, int]:
     """Runs a batch on an in-process instance plus a real process that `leave` makes go away
     while it generates; returns the samples, the manager's status and the process's exit code."""
-    mesh = await build_mesh(model_dir, "grpc", instances=1)
+    mesh = await build_mesh(model_dir, "grpc", instances=1, relay_shards=relay_shards)
     leaving = spawn_rollout(tmp_path, mesh.manager_address, "leaving", forks, ENGINE__MODEL_DIR=str(model_dir))
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
@@ -104,11 +112,11 @@ def assert_handed_back_without_loss(samples, status) -> None:
     assert status.continued_tokens >= len(continued)
 
 
-async def test_sigterm_drains_and_every_generated_token_is_kept(model_dir, tmp_path, forks):
+async def test_sigterm_drains_and_every_generated_token_is_kept(model_dir, tmp_path, forks, relay_shards):
     async def terminate(child):
         child.process.send_signal(signal.SIGTERM)
 
-    samples, status, code = await leave_mid_generation(model_dir, tmp_path, forks, terminate)
+    samples, status, code = await leave_mid_generation(model_dir, tmp_path, forks, terminate, relay_shards)
     assert code == 0
     assert_handed_back_without_loss(samples, status)
 
@@ -129,9 +137,9 @@ async def test_a_preemption_notice_drains_the_instance_and_stops_it(model_dir, t
     assert_handed_back_without_loss(samples, status)
 
 
-async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_dir, tmp_path, forks):
+async def test_a_hung_instance_loses_its_lease_and_its_requests_continue(model_dir, tmp_path, forks, relay_shards):
     """SIGSTOP: the process keeps its connections open but sends nothing, heartbeats included."""
-    mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=2.0)
+    mesh = await build_mesh(model_dir, "grpc", instances=1, lease_seconds=2.0, relay_shards=relay_shards)
     hung = spawn_rollout(tmp_path, mesh.manager_address, "hung", forks, ENGINE__MODEL_DIR=str(model_dir))
     client = MeshClient(mesh.manager_address, mesh.weights_address, rpc_timeout=10)
     try:
