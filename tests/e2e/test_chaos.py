@@ -35,9 +35,18 @@ max_turns = 2
 puts both paths through the faults."""
 
 
-def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path):
+RELAYED_JOB = MIXED_JOB + """
+[mesh]
+relay_shards = 2
+"""
+"""The same, its training tokens held by two relay shards past the manager (the multi-turn task's
+turns keep the manager's own streams)."""
+
+
+@pytest.mark.parametrize("job_text", [MIXED_JOB, RELAYED_JOB], ids=["manager relays", "relay shards"])
+def test_ten_random_faults_lose_and_duplicate_nothing(model_dir, tmp_path, job_text):
     job = tmp_path / "job.toml"
-    job.write_text(MIXED_JOB)
+    job.write_text(job_text)
     result = run_chaos(
         faults=10,
         seed=7,
