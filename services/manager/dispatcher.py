@@ -329,8 +329,13 @@ class Dispatcher:
             await channel.close()
 
     def migrate(self) -> None:
-        """Aborts planned stragglers on their instances; each continues where it was sent."""
+        """Aborts planned stragglers on their instances; each continues where it was sent. A relayed
+        one is aborted by its relay shard, on the stream it runs on."""
         for request in self.state.plan_migrations():
+            if request.relay and self.relays is not None:
+                if not self.relays.cancel(request, request.engine_request_id):
+                    self.state.migration_failed(request)
+                continue
             instance = self.state.instances[request.instance_id or ""]
             self._in_background(self._abort_for_migration(request, instance.address, request.engine_request_id))
 

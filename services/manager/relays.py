@@ -199,10 +199,13 @@ class Relays:
         request.relay = request.relay or relay_of(request, self.addresses)
         self.links[request.relay].start(assignment, generate)
 
-    def cancel(self, request: SampleRequest, engine_request_id: str) -> None:
+    def cancel(self, request: SampleRequest, engine_request_id: str) -> bool:
+        """Has the request's shard abort the attempt; False when the shard does not run it."""
         link = self.links.get(request.relay)
-        if link is not None and link.running.get(request.request_id) is not None:
-            link.cancel(engine_request_id)
+        if link is None or link.running.get(request.request_id) is None:
+            return False
+        link.cancel(engine_request_id)
+        return True
 
     def lost(self, assignments: list[Assignment], link: ShardLink) -> None:
         """Attempts the shard does not run (it was unreachable, or restarted): each continues
