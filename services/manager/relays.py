@@ -32,8 +32,11 @@ def relay_of(request: SampleRequest, addresses: list[str]) -> str:
 
 
 class ShardLink:
-    """One shard: commands go out in order, one Relay call at a time; progress comes back on a
-    WatchRelay stream opened again whenever it ends."""
+    """One shard: commands go out in order on one Relay stream (the next opens once half its
+    deadline passed, after the last one's messages were all taken); progress comes back on a
+    WatchRelay stream opened again whenever it ends. A broken Relay stream may have lost what was
+    in flight: every attempt no report has named yet runs again (a newer attempt supersedes an
+    older one at the shard), and the stream's releases and closes are sent again."""
 
     def __init__(self, address: str, relays: Relays) -> None:
         self.address = address
@@ -43,10 +46,15 @@ class ShardLink:
         """Attempts the shard runs, by the manager's request id."""
         self._counted_at_start: dict[str, int] = {}
         """The ledger's count when each attempt started, until its first report says what it continued after."""
+        self._unconfirmed: set[str] = set()
+        """Requests whose running attempt no report has named yet."""
         self._channel = open_channel(address)
         self._stub = relay_pb2_grpc.RelayServiceStub(self._channel)
         self._outgoing = relay_pb2.RelayRequest()
-        self._starts: list[Assignment] = []
+        self._sent_again = relay_pb2.RelayRequest()
+        """The releases and closes the current stream carried: sent again if it breaks."""
+        self._call: grpc.aio.StreamUnaryCall | None = None
+        self._ending: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._sender = asyncio.create_task(self._send())
         self._watcher = asyncio.create_task(self._watch())
@@ -55,7 +63,7 @@ class ShardLink:
         request, instance = assignment.request, assignment.instance
         self.running[request.request_id] = assignment
         self._counted_at_start[request.request_id] = request.relayed_tokens
-        self._starts.append(assignment)
+        self._unconfirmed.add(request.request_id)
         self._outgoing.starts.append(
             relay_pb2.RelayStart(
                 request_id=request.request_id,
@@ -84,26 +92,57 @@ class ShardLink:
         self._wake.set()
 
     async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        retire_at = 0.0
         while True:
             await self._wake.wait()
             self._wake.clear()
             message, self._outgoing = self._outgoing, relay_pb2.RelayRequest()
-            starts, self._starts = self._starts, []
             try:
-                await self._stub.Relay(message, **call_options(self.relays.rpc_timeout_seconds))
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "relay shard unreachable; its requests continue elsewhere", relay=self.address, code=exc.code().name
-                )
-                # Releases and closes are kept for the next call; starts the shard may not have
-                # taken continue elsewhere (a later attempt supersedes one it did take).
-                kept = relay_pb2.RelayRequest(release_request_ids=message.release_request_ids, closes=message.closes)
-                kept.MergeFrom(self._outgoing)
-                self._outgoing = kept
-                self.relays.lost([a for a in starts if self.running.get(a.request.request_id) is a], self)
+                if self._call is not None and loop.time() > retire_at:
+                    retiring, self._call = self._call, None
+                    await retiring.done_writing()
+                    await retiring
+                if self._call is None:
+                    timeout = self.relays.watch_timeout_seconds
+                    self._call = self._stub.Relay(**call_options(timeout))
+                    self._ending = asyncio.create_task(self._until_ended(self._call))
+                    self._sent_again = relay_pb2.RelayRequest()
+                    retire_at = loop.time() + timeout / 2
+                await self._call.write(message)
+                self._sent_again.release_request_ids.extend(message.release_request_ids)
+                self._sent_again.closes.extend(message.closes)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+                self._broken(message, exc)
                 await asyncio.sleep(RETRY_SECONDS)
-                if self._outgoing.release_request_ids or self._outgoing.closes:
-                    self._wake.set()
+                self._wake.set()
+
+    async def _until_ended(self, call: grpc.aio.StreamUnaryCall) -> None:
+        """A stream that ends while it is still the one written to broke (a retired one was ended here)."""
+        try:
+            await call
+            error: Exception = asyncio.InvalidStateError("the shard ended the stream")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        if call is self._call:
+            self._broken(relay_pb2.RelayRequest(), error)
+            self._wake.set()
+
+    def _broken(self, message: relay_pb2.RelayRequest, exc: Exception) -> None:
+        code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "stream ended"
+        log.warning("relay stream broke; attempts it may have lost run again", relay=self.address, code=code)
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+        kept = relay_pb2.RelayRequest(
+            release_request_ids=[*self._sent_again.release_request_ids, *message.release_request_ids],
+            closes=[*self._sent_again.closes, *message.closes],
+        )
+        kept.MergeFrom(self._outgoing)
+        self._outgoing = kept
+        lost = [self.running[r] for r in self._unconfirmed if r in self.running]
+        self._unconfirmed.clear()
+        self.relays.lost(lost, self)
 
     async def _watch(self) -> None:
         while True:
@@ -138,6 +177,7 @@ class ShardLink:
             if assignment is None or assignment.attempt != report.attempt:
                 continue
             known_version = assignment.instance.weight_version
+            self._unconfirmed.discard(report.request_id)
             counted = self._counted_at_start.pop(report.request_id, report.continued_from)
             if report.continued_from > counted:
                 # Tokens an earlier attempt handed back after the ledger requeued it: continued too.
@@ -168,6 +208,9 @@ class ShardLink:
     async def close(self) -> None:
         self._sender.cancel()
         self._watcher.cancel()
+        if self._call is not None:
+            self._call, call = None, self._call
+            call.cancel()
         await self._channel.close()
 
 

@@ -19,17 +19,18 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
         self.shard = shard
 
     async def Relay(
-        self, request: relay_pb2.RelayRequest, context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[relay_pb2.RelayRequest], context: grpc.aio.ServicerContext
     ) -> relay_pb2.RelayResponse:
-        for index, start in enumerate(request.starts):
-            if not (start.request_id and start.address and start.attempt):
-                raise InvalidArgument(f"starts[{index}]: request_id, attempt and address are required")
-            if start.continue_from > start.generate.sampling.max_tokens:
-                raise InvalidArgument(
-                    f"starts[{index}]: continue_from {start.continue_from} is past max_tokens "
-                    f"{start.generate.sampling.max_tokens}"
-                )
-        self.shard.relay(request)
+        async for request in requests:
+            for index, start in enumerate(request.starts):
+                if not (start.request_id and start.address and start.attempt):
+                    raise InvalidArgument(f"starts[{index}]: request_id, attempt and address are required")
+                if start.continue_from > start.generate.sampling.max_tokens:
+                    raise InvalidArgument(
+                        f"starts[{index}]: continue_from {start.continue_from} is past max_tokens "
+                        f"{start.generate.sampling.max_tokens}"
+                    )
+            self.shard.relay(request)
         return relay_pb2.RelayResponse()
 
     async def WatchRelay(
