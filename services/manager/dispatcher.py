@@ -51,6 +51,10 @@ everything): they count towards its quarantine. A deadline (the stream's rotatio
 lost connection, a drain or an instance predating GenerateMany (UNIMPLEMENTED) do not."""
 
 
+RELAYED_DISPATCH_SECONDS = 0.05
+"""Longest a slot a relay shard reported free waits for the dispatch pass that fills it."""
+
+
 class Dispatcher:
     """Turns assignments into requests on one GenerateMany stream per instance incarnation (one
     Generate stream per request for an instance whose contract predates GenerateMany) and feeds
@@ -72,6 +76,7 @@ class Dispatcher:
         self._single_request_addresses: set[str] = set()
         """Instances that answered GenerateMany with UNIMPLEMENTED."""
         self._closing: set[asyncio.Task[None]] = set()
+        self._relayed_dispatch_due = False
         self.relays = (
             Relays(
                 config.relay_addresses,
@@ -153,9 +158,16 @@ class Dispatcher:
 
     def _relayed(self, freed: bool) -> None:
         """A relay shard's reports changed the ledger; `freed`: a slot freed or an instance switched
-        version, so more work may start."""
-        if freed:
-            self.dispatch()
+        version, so more work may start: one pass then takes what every shard freed within the
+        window, however many shards there are."""
+        if freed and not self._relayed_dispatch_due:
+            self._relayed_dispatch_due = True
+            asyncio.get_running_loop().call_later(RELAYED_DISPATCH_SECONDS, self._dispatch_relayed)
+        self.changes.notify()
+
+    def _dispatch_relayed(self) -> None:
+        self._relayed_dispatch_due = False
+        self.dispatch()
         self.changes.notify()
 
     def _record(self, assignment: Assignment, chunk: common_pb2.TokenChunk) -> bool:
