@@ -48,7 +48,9 @@ def memory_mb(pid: int, field: str) -> float:
     return 0.0
 
 
-def host_settings(count: int, manager_address: str, auth: BenchAuth, mean_tokens: int = MEAN_TOKENS) -> dict[str, str]:
+def host_settings(
+    count: int, manager_address: str, auth: BenchAuth, mean_tokens: int = MEAN_TOKENS, sigma: float = 0.5
+) -> dict[str, str]:
     rate = HOST_TOKENS_PER_SECOND / count
     batch = PROMPTS_PER_INSTANCE * GROUP_SIZE
     return {
@@ -64,7 +66,7 @@ def host_settings(count: int, manager_address: str, auth: BenchAuth, mean_tokens
         "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__MIN_STEP_SECONDS": str(batch / rate),
         "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__LENGTH": "lognormal",
         "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__MEAN_TOKENS": str(mean_tokens),
-        "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__SIGMA": "0.5",
+        "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__SIGMA": str(sigma),
         "RLMESH_ROLLOUT_ENGINE__SYNTHETIC__STREAM_INTERVAL": "16",
         # Every engine wakes once a tick: at hundreds in one process, a coarser tick keeps the host's
         # CPU for the gRPC work being measured.

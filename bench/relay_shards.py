@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.capacity import GROUP_SIZE, cpu_seconds, host_settings, wait_for
 from bench.common import BenchAuth, StepResult, check_exactly_once, spawn_manager, write_result
+from bench.simulation import scenarios
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
 from rlmesh.launch.processes import spawn_service, stop_children, wait_started
@@ -25,8 +26,13 @@ from services.trainer.relayed import RelayedPayloads
 
 INSTANCES = 50
 SHARDS = 2
-MEAN_TOKENS, MAX_TOKENS = 512, 2048
-"""A reasoning-length response: the manager's relay works per chunk, the ledger per request."""
+LENGTHS = {
+    "reference": (scenarios.MEAN_TOKENS, scenarios.SIGMA, scenarios.MAX_TOKENS),
+    "short": (512, 0.5, 2048),
+}
+"""Lognormal response lengths (mean, sigma, max): the scale simulator's reference scenario, and
+half as long. The manager's own relay works per chunk, the ledger per request: the shorter the
+responses, the less the shards take off the manager."""
 PROMPTS_PER_INSTANCE = 2
 IDLE_SECONDS = 6.0
 """The window the manager's idle CPU (heartbeats) is measured over before the step."""
@@ -49,7 +55,8 @@ def spawn_relay(index: int, auth: BenchAuth, folder: Path):
     )
 
 
-async def measure(shards: int) -> dict:
+async def measure(shards: int, lengths: str = "reference") -> dict:
+    mean_tokens, sigma, max_tokens = LENGTHS[lengths]
     folder = Path(tempfile.mkdtemp(prefix=f"rlmesh-relay-shards-{shards}-"))
     auth = BenchAuth(folder / "secrets")
     relays = [spawn_relay(i, auth, folder) for i in range(shards)]
@@ -62,7 +69,7 @@ async def measure(shards: int) -> dict:
             "host",
             "bench.capacity_host",
             address,
-            host_settings(INSTANCES, address, auth, MEAN_TOKENS),
+            host_settings(INSTANCES, address, auth, mean_tokens, sigma),
             folder,
             str(folder),
             args=["--count", str(INSTANCES), "--out", str(folder)],
@@ -74,7 +81,7 @@ async def measure(shards: int) -> dict:
         async with open_channel(address) as channel:
             stub = manager_pb2_grpc.ManagerServiceStub(channel)
             prompts = PROMPTS_PER_INSTANCE * INSTANCES
-            sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=11)
+            sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=11)
             request = manager_pb2.SubmitPromptsRequest(
                 batch_id="step",
                 policy_version=0,
@@ -122,7 +129,7 @@ async def measure(shards: int) -> dict:
             "samples_duplicated": duplicated,
         }
         print(
-            f"{shards} relay shards: {tokens:,} tokens in {step_seconds:.1f} s, manager "
+            f"{lengths} lengths, {shards} relay shards: {tokens:,} tokens in {step_seconds:.1f} s, manager "
             f"{figures['manager_cpu_seconds_per_million_tokens']:.2f} CPU s per 1M tokens (a core's ceiling "
             f"{figures['manager_core_ceiling_tokens_per_second']:,.0f} tok/s), shards "
             f"{figures['shard_cpu_seconds_per_million_tokens']:.2f}, {lost}/{duplicated} lost/duplicated",
@@ -137,25 +144,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shards", type=int, default=SHARDS, help=f"relay shards of the new path (default {SHARDS})")
     args = parser.parse_args()
-    relayed = asyncio.run(measure(0))
-    sharded = asyncio.run(measure(args.shards))
-    ceiling = sharded["manager_core_ceiling_tokens_per_second"] / relayed["manager_core_ceiling_tokens_per_second"]
+    runs = {name: (asyncio.run(measure(0, name)), asyncio.run(measure(args.shards, name))) for name in LENGTHS}
+    ceilings = {
+        name: sharded["manager_core_ceiling_tokens_per_second"] / relayed["manager_core_ceiling_tokens_per_second"]
+        for name, (relayed, sharded) in runs.items()
+    }
     write_result(
         "relay_shards",
-        sharded,
-        relayed,
-        {"manager_ceiling_over_single_relay": ceiling},
+        {name: sharded for name, (_, sharded) in runs.items()},
+        {name: relayed for name, (relayed, _) in runs.items()},
+        {f"manager_ceiling_over_single_relay_{name}": ratio for name, ratio in ceilings.items()},
         {
-            "ceiling >= 10x the single relay": ceiling >= 10,
+            "ceiling >= 10x the single relay, reference lengths": ceilings["reference"] >= 10,
             "0 samples lost or duplicated": all(
-                r["samples_lost"] == r["samples_duplicated"] == 0 for r in (relayed, sharded)
+                r["samples_lost"] == r["samples_duplicated"] == 0 for pair in runs.values() for r in pair
             ),
         },
         {
             "instances": INSTANCES,
             "relay_shards": args.shards,
             "per_instance": [PROMPTS_PER_INSTANCE, GROUP_SIZE],
-            "lengths": {"mean": MEAN_TOKENS, "max": MAX_TOKENS, "sigma": 0.5},
+            "lengths": {
+                name: dict(zip(("mean", "sigma", "max"), values, strict=True)) for name, values in LENGTHS.items()
+            },
             "chunk_tokens": 16,
         },
     )
