@@ -34,8 +34,8 @@ LENGTHS = {
 half as long. The manager's own relay works per chunk, the ledger per request: the shorter the
 responses, the less the shards take off the manager."""
 PROMPTS_PER_INSTANCE = 2
-IDLE_SECONDS = 6.0
-"""The window the manager's idle CPU (heartbeats) is measured over before the step."""
+IDLE_SECONDS = 10.0
+"""The windows the manager's idle CPU (heartbeats) is measured over, before the step and after it."""
 
 
 def spawn_relay(index: int, auth: BenchAuth, folder: Path):
@@ -53,6 +53,12 @@ def spawn_relay(index: int, auth: BenchAuth, folder: Path):
         folder,
         str(folder),
     )
+
+
+async def idle_cpu_per_second(pid: int) -> float:
+    started = cpu_seconds(pid)
+    await asyncio.sleep(IDLE_SECONDS)
+    return (cpu_seconds(pid) - started) / IDLE_SECONDS
 
 
 async def measure(shards: int, lengths: str = "reference") -> dict:
@@ -91,9 +97,7 @@ async def measure(shards: int, lengths: str = "reference") -> dict:
                 ],
             )
             processes = {"manager": manager.process.pid} | {r.name: r.process.pid for r in relays}
-            idle_cpu = cpu_seconds(manager.process.pid)
-            await asyncio.sleep(IDLE_SECONDS)
-            idle_rate = (cpu_seconds(manager.process.pid) - idle_cpu) / IDLE_SECONDS
+            idle_before = await idle_cpu_per_second(manager.process.pid)
             started_cpu = {name: cpu_seconds(pid) for name, pid in processes.items()}
             submitted = time.time()
             await stub.SubmitPrompts(request, **call_options(60))
@@ -106,6 +110,7 @@ async def measure(shards: int, lengths: str = "reference") -> dict:
             step_seconds = time.time() - submitted
             cpu = {name: cpu_seconds(pid) - started_cpu[name] for name, pid in processes.items()}
             await stub.AcknowledgeRollouts(manager_pb2.AcknowledgeRolloutsRequest(batch_id="step"), **call_options(30))
+            idle_rate = (idle_before + await idle_cpu_per_second(manager.process.pid)) / 2
         await fetcher.close()
         result = StepResult(step_seconds, groups)
         lost, duplicated = check_exactly_once(result, prompts, GROUP_SIZE)
