@@ -34,8 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MAKEFILE = ROOT / "Makefile"
 PROTOS = ROOT / "protos" / "rlmesh"
-FUZZED_CONTRACTS = ("manager", "rollout", "weights", "trainer")
-"""The services whose every RPC the fuzzer sends generated requests to (tests/fuzz/harness.py)."""
+FUZZED_CONTRACTS = {
+    "manager": "manager/v1/manager.proto",
+    "relay": "manager/v1/relay.proto",
+    "rollout": "rollout/v1/rollout.proto",
+    "weights": "weights/v1/weights.proto",
+    "trainer": "trainer/v1/trainer.proto",
+}
+"""The services whose every RPC the fuzzer sends generated requests to (tests/fuzz/harness.py), and
+the contract each is read from."""
 NUMBER_WORDS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
     "sixteen seventeen eighteen nineteen twenty"
@@ -211,8 +218,8 @@ def bench_modules() -> list[str]:
 def contract_rpcs() -> set[str]:
     """The RPCs of the fuzzed services' contracts, as `service.Rpc`."""
     rpcs = set()
-    for service in FUZZED_CONTRACTS:
-        proto = (PROTOS / service / "v1" / f"{service}.proto").read_text()
+    for service, path in FUZZED_CONTRACTS.items():
+        proto = (PROTOS / path).read_text()
         rpcs |= {f"{service}.{name}" for name in re.findall(r"^\s*rpc\s+(\w+)\s*\(", proto, re.MULTILINE)}
     return rpcs
 
@@ -221,7 +228,7 @@ def fuzz_note() -> str:
     """Which RPCs the contracts gained after the latest `make fuzz` run."""
     unfuzzed = sorted(contract_rpcs() - set(load("fuzz")["rpcs"]))
     if not unfuzzed:
-        return "The RPC run covered every RPC the four contracts have now."
+        return "The RPC run covered every RPC the contracts have now."
     by_service = {
         service: [rpc.partition(".")[2] for rpc in unfuzzed if rpc.startswith(service + ".")]
         for service in FUZZED_CONTRACTS

@@ -35,10 +35,13 @@ max_turns = 2
 puts both paths through the faults."""
 
 
-RELAYED_JOB = MIXED_JOB + """
+RELAYED_JOB = (
+    MIXED_JOB
+    + """
 [mesh]
 relay_shards = 2
 """
+)
 """The same, its training tokens held by two relay shards past the manager (the multi-turn task's
 turns keep the manager's own streams)."""
 

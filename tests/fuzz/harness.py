@@ -16,7 +16,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rlmesh.manager.v1 import manager_pb2
+from rlmesh.manager.v1 import manager_pb2, relay_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc.channels import channel_options
 from rlmesh.rpc.credentials import peer_secrets
@@ -28,7 +28,13 @@ from services.trainer.server import TrainerServicer
 from tests.support.credentials import TEST_SECRETS, loopback
 from tests.support.meshes import Mesh, build_mesh, stop_mesh
 
-CONTRACTS = {"manager": manager_pb2, "rollout": rollout_pb2, "weights": weights_pb2, "trainer": trainer_pb2}
+CONTRACTS = {
+    "manager": manager_pb2,
+    "relay": relay_pb2,
+    "rollout": rollout_pb2,
+    "weights": weights_pb2,
+    "trainer": trainer_pb2,
+}
 
 CALL_TIMEOUT = 5.0
 """Deadline of a call that must be answered at once: running into it is a hang."""
@@ -56,7 +62,7 @@ class Rpc:
 
 
 def contract_rpcs() -> list[Rpc]:
-    """Every RPC of the four services, read from the contracts."""
+    """Every RPC of the mesh's services (the manager's relay shard among them), read from the contracts."""
     rpcs = []
     for short, module in CONTRACTS.items():
         for service in module.DESCRIPTOR.services_by_name.values():
@@ -194,7 +200,7 @@ class Harness:
 
     async def _start(self) -> None:
         # A small version limit: a header that declares a huge payload must be refused, not allocated.
-        self.mesh = await build_mesh(self.model_dir, "grpc", weights_settings={"max_version_gb": 1.0})
+        self.mesh = await build_mesh(self.model_dir, "grpc", weights_settings={"max_version_gb": 1.0}, relay_shards=1)
         self.trainer = GrpcServer(loopback(), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name])
         status = TrainingStatus(total_steps=10, output_dir="runs/fuzz", metrics={"reward": 0.5, "loss": float("nan")})
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(status), self.trainer.server)
@@ -202,6 +208,7 @@ class Harness:
         await self.trainer.set_serving(True)
         self.servers = {
             "manager": self.mesh.manager.server,
+            "relay": self.mesh.relays[0].server,
             "rollout": self.mesh.rollouts[0].server,
             "weights": self.mesh.weights.server,
             "trainer": self.trainer,

@@ -1,4 +1,4 @@
-"""Fuzzing every RPC of the four services with requests generated from the contracts, plus oversize,
+"""Fuzzing every RPC of the mesh's services with requests generated from the contracts, plus oversize,
 NaN, negative, unknown-id and wrong-incarnation cases: each is answered with a status and a message,
 none crashes a server or hangs. A bounded run here; RLMESH_FUZZ_REQUESTS=10000 is `make fuzz`."""
 
@@ -87,7 +87,13 @@ def harness(model_dir):
 
 
 def assert_serving(harness: Harness, rollout: str = "SERVING") -> None:
-    assert harness.health() == {"manager": "SERVING", "rollout": rollout, "weights": "SERVING", "trainer": "SERVING"}
+    assert harness.health() == {
+        "manager": "SERVING",
+        "relay": "SERVING",
+        "rollout": rollout,
+        "weights": "SERVING",
+        "trainer": "SERVING",
+    }
 
 
 def check(harness: Harness, case: Expected) -> None:
@@ -156,9 +162,10 @@ def tidy(harness: Harness, rpc: Rpc, request, outcome: Outcome) -> None:
 
 def may_wait(harness: Harness, rpc: Rpc, request) -> bool:
     """A rollout stream of a batch the manager holds waits for its groups (the parked batch's are
-    never generated), and a watch of opening sessions streams until its deadline: that is their
+    never generated), and a watch of opening sessions or of a relay shard's progress streams until
+    its deadline: that is their
     contract. Every other call must be answered at once."""
-    if rpc.key == "manager.WatchSessions":
+    if rpc.key in ("manager.WatchSessions", "relay.WatchRelay"):
         return True
     return rpc.key == "manager.StreamRollouts" and request.message.batch_id in harness.mesh.manager.state.batches
 
