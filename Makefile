@@ -242,7 +242,7 @@ bench: setup ## every benchmark, each writing bench/results/<name>.json, then do
 	$(PY) -m bench.scale_page > docs/scale.md.new && mv docs/scale.md.new docs/scale.md
 	$(PY) -m bench.report > docs/benchmarks.md.new && mv docs/benchmarks.md.new docs/benchmarks.md
 
-# At least 10,000 requests generated from the contracts over every RPC of the four services, plus
+# At least 10,000 requests generated from the contracts over every RPC of the mesh's services, plus
 # the targeted cases, and 10,000 generated HTTP requests to the OpenAI gateway (bounded runs of both
 # are part of `make test`); figures in bench/results/fuzz.json (the gateway's under "gateway").
 fuzz: setup ## 10,000 requests generated from the contracts, and 10,000 to the gateway

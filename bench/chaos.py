@@ -1,6 +1,7 @@
 """The chaos suite (`make chaos`): a real training run of the tiny model under `rlmesh up` while
 random faults hit it (SIGKILL, SIGTERM or a long SIGSTOP of a rollout instance, SIGKILL of the
-weights service mid-push or of the manager, a cut of a rollout instance's network link). Training
+weights service mid-push, of the manager or of a relay shard, a cut of a rollout instance's network
+link). Training
 must finish with every accepted prompt trained exactly once; faults survived and the time each kind
 cost go to bench/results/chaos.json."""
 
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +42,7 @@ FAULT_WEIGHTS = {
     "stop_rollout": 1,
     "kill_weights_mid_push": 2,
     "kill_manager": 1,
+    "kill_relay": 1,
     "cut_network": 1,
     "broken_engine": 1,
 }
@@ -49,6 +52,7 @@ RECOVERY_WINDOW_SECONDS = {
     "term_rollout": 10.0,
     "kill_weights_mid_push": 10.0,
     "kill_manager": 15.0,
+    "kill_relay": 10.0,
     "broken_engine": 10.0,
 }
 """Steps ending this long after a fault (after a manager's restart wait) count toward its cost (a
@@ -307,6 +311,13 @@ class Injector:
             os.kill(pids[0], signal.SIGKILL)
             self._manager_killed_at_step = step
             return Fault(kind, "manager", time.time())
+        if kind == "kill_relay":
+            pids = mesh_processes(self.output_dir, "relay")
+            if not pids:
+                return None
+            target = self.rng.choice(sorted(pids))
+            os.kill(target, signal.SIGKILL)
+            return Fault(kind, "relay", time.time())
         if kind == "kill_weights_mid_push":
             deadline = time.monotonic() + 3.0
             mid_push = False
@@ -450,6 +461,9 @@ def run_chaos(
         print(f"cut_network left out: {left_out['cut_network']}", flush=True)
     else:
         command += ["--rollout-netns", "2"]
+    if job is None or not tomllib.loads(job.read_text()).get("mesh", {}).get("relay_shards"):
+        del kinds["kill_relay"]
+        left_out["kill_relay"] = "the job runs no relay shards"
     if model_dir is not None:
         command += ["--model-dir", str(model_dir)]
     if job is not None:

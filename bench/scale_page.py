@@ -1,6 +1,6 @@
-"""The scale and cost page, generated from bench/results/scale.json, capacity.json and cost.json so
-that it cannot drift from them: `python -m bench.scale_page > docs/scale.md` (`make bench` runs it
-after all three)."""
+"""The scale and cost page, generated from bench/results/scale.json, capacity.json, cost.json and
+relay_shards.json so that it cannot drift from them: `python -m bench.scale_page > docs/scale.md`
+(`make bench` runs it after all four)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,64 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def met(value: bool) -> str:
     return "met" if value else "**not met**"
+
+
+def relay_section(relay: dict) -> list[str]:
+    settings = relay["settings"]
+    rows = []
+    for name, lengths in settings["lengths"].items():
+        for path, run in (("the manager relays", relay["baseline"][name]), ("relay shards", relay["figures"][name])):
+            rows.append(
+                [
+                    f"mean {lengths['mean']}, σ {lengths['sigma']}, max {lengths['max']}",
+                    path if path != "relay shards" else f"{settings['relay_shards']} relay shards",
+                    f"{run['tokens']:,}",
+                    f"{run['manager_cpu_seconds_per_million_tokens']:.2f}",
+                    f"{run['manager_idle_cpu_per_second']:.3f}",
+                    f"{run['manager_cpu_seconds_per_million_tokens_beyond_idle']:.2f}",
+                    f"{run['manager_core_ceiling_tokens_per_second']:,.0f}",
+                    f"{run['shard_cpu_seconds_per_million_tokens']:.2f}" if run["relay_shards"] else "—",
+                    f"{run['samples_lost']} / {run['samples_duplicated']}",
+                ]
+            )
+    ratios = relay["ratios"]
+    return [
+        "## The data path past one relay",
+        "",
+        f"`python -m bench.relay_shards`: {settings['instances']} instances of the capacity host, one step of "
+        f"{settings['per_instance'][0]} prompts × {settings['per_instance'][1]} per instance in "
+        f"{settings['chunk_tokens']}-token chunks, run with the manager relaying every token and with relay shards "
+        "holding them (`mesh.relay_shards`) while the manager keeps the ledger. A core's ceiling: what is left of "
+        "it after the fleet's heartbeats (its idle CPU, before and after the step) over the CPU a token costs "
+        "beyond them.",
+        "",
+        *table(
+            [
+                "lengths",
+                "path",
+                "tokens",
+                "manager CPU s per 1M tokens",
+                "idle CPU s per s",
+                "beyond idle, per 1M",
+                "a core's ceiling (tok/s)",
+                "shards' CPU s per 1M",
+                "lost / duplicated",
+            ],
+            rows,
+        ),
+        "",
+        *(
+            f"- Ceiling with shards ÷ the manager's own relay, {name} lengths: "
+            f"{ratios[f'manager_ceiling_over_single_relay_{name}']:.1f}×."
+            for name in settings["lengths"]
+        ),
+        *(f"- Target {target}: {met(value)}." for target, value in relay["targets"].items()),
+        "- What is left on the manager's side is per request and per second, not per token: the dispatch pass "
+        "that fills the slots shards report free (one per 50 ms window), the running requests' counts (once a "
+        "second each), the commands' stream writes and gRPC's own polling. The shards' CPU per token is the "
+        "relay's work moved to processes that scale out.",
+        "",
+    ]
 
 
 def capacity_section(capacity: dict) -> list[str]:
@@ -195,6 +253,7 @@ def page() -> str:
         "Manager CPU is the domain's own time in its calls at the simulated chunk rate; the gRPC relay of the "
         "tokens comes on top (see [Benchmarks](benchmarks.md), `relay`).",
         "",
+        *relay_section(load("relay_shards")),
         "## What spot saves",
         "",
         f"{cost_settings['fleet']} rollout instances of one GPU each and a trainer of "

@@ -30,6 +30,8 @@ HELPER_MODULES = (
 """What the services start as helpers (`python -m`), which a warm fork server forks for them."""
 MANAGER_JOURNAL_FILE = "manager-journal.sqlite"
 """The manager's journal in the output folder: a restarted manager takes up its state from it."""
+RELAY_JOURNAL_FILES = "relay-{index}-payloads.log"
+"""Each relay shard's journal in the output folder: a restarted shard holds the tokens it reported."""
 
 
 def manager_spec(plan: LaunchPlan) -> ServiceSpec:
@@ -54,7 +56,8 @@ def manager_spec(plan: LaunchPlan) -> ServiceSpec:
 
 
 def relay_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
-    """A relay shard: a process of the manager service, with the manager's certificate and role."""
+    """A relay shard: a process of the manager service, with the manager's certificate and role, on
+    the same port and journal every time."""
     address = plan.relay_addresses[index]
     return ServiceSpec(
         f"relay-{index}",
@@ -63,6 +66,7 @@ def relay_spec(plan: LaunchPlan, index: int) -> ServiceSpec:
         {
             "RLMESH_RELAY_SERVER__HOST": plan.manager_host,
             "RLMESH_RELAY_SERVER__PORT": port_of(address),
+            "RLMESH_RELAY_JOURNAL_PATH": str(plan.output_dir / RELAY_JOURNAL_FILES.format(index=index)),
             **plan.security_settings("manager", "RLMESH_RELAY_"),
         },
     )

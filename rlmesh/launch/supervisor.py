@@ -19,6 +19,7 @@ from rlmesh.launch.processes import Child, ServiceSpec, describe_exit, spawn, st
 from rlmesh.launch.scale import ScaleRequests, plan_scale
 from rlmesh.launch.services import (
     MANAGER_JOURNAL_FILE,
+    RELAY_JOURNAL_FILES,
     manager_spec,
     relay_spec,
     rollout_spec,
@@ -157,11 +158,14 @@ class Supervisor:
         self.events.put_nowait(Notice(text))
 
     async def start_services(self) -> None:
-        """The manager first, then the weights service and the rollout instances, each serving."""
+        """The relay shards and the manager first, then the weights service and the rollout instances, each serving."""
         plan = self.plan
         # A journal left by an earlier `rlmesh up` of this folder describes batches past the checkpoint
         # the trainer resumes from; only restarts within this run take up the manager's state.
-        for stale in plan.output_dir.glob(f"{MANAGER_JOURNAL_FILE}*"):
+        for stale in [
+            *plan.output_dir.glob(f"{MANAGER_JOURNAL_FILE}*"),
+            *plan.output_dir.glob(RELAY_JOURNAL_FILES.format(index="*")),
+        ]:
             stale.unlink()
         self.relays = [self._supervise(partial(relay_spec, plan, index)) for index in range(plan.mesh.relay_shards)]
         await self._wait_serving([relay.child for relay in self.relays])

@@ -1,7 +1,8 @@
 """The chaos suite's short version: ten random faults (SIGKILL, SIGTERM or SIGSTOP of a rollout
-instance, SIGKILL of the weights service mid-push or of the manager, a cut of a namespaced rollout
-instance's link, an instance with a broken engine joining the pool), every kind at least once,
-during a real training run with authorization on, of the default task mixed with a multi-turn one;
+instance, SIGKILL of the weights service mid-push, of the manager or of a relay shard, a cut of a
+namespaced rollout instance's link, an instance with a broken engine joining the pool), every kind
+at least once, during a real training run with authorization on, of the default task mixed with a
+multi-turn one, with and without relay shards;
 it finishes, every accepted prompt is trained exactly once, every episode ends done, every cut
 instance rejoins and every broken one is quarantined. `make chaos` runs a hundred, on the default
 job and on the multi-turn one."""

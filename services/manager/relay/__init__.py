@@ -4,6 +4,7 @@ keeps their tokens, so payloads go from instances to the trainer past the manage
 - `__main__`: `python -m services.manager.relay --config relay.toml`.
 - `config`: the shard's socket, identity and report pace.
 - `main`: runs a shard until SIGTERM.
+- `payload_journal`: the shard's payloads on disk, so a restarted shard holds what it reported.
 - `payloads`: every request's tokens from the attempt the manager named last, and their progress.
 - `server`: the RelayService servicer: checks each call and has the shard act.
 - `shard`: the shard at work: instance streams in, reports out to the manager.

@@ -10,6 +10,10 @@ from rlmesh.config import ServerConfig, StrictModel
 
 class RelayConfig(StrictModel):
     server: ServerConfig = ServerConfig(port=50157)
+    journal_path: str = ""
+    """An append-only file of the tokens the shard holds, written before each report: a shard
+    restarted on it goes on with them, and the manager regenerates nothing. "" keeps them in memory
+    only (a restarted shard's requests not yet delivered generate again)."""
     generate_timeout_seconds: float = Field(default=600.0, gt=0)
     """Deadline of one GenerateMany stream to an instance (the manager's setting of that name)."""
     progress_seconds: float = Field(default=1.0, gt=0)

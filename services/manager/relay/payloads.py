@@ -4,6 +4,7 @@ ran, with the cumulative progress the shard reports to the manager's ledger."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.manager.v1 import relay_pb2
@@ -51,14 +52,29 @@ class Payload:
         )
 
 
+class PayloadLog(Protocol):
+    """Where a store's changes are written as they happen (payload_journal.py)."""
+
+    def started(self, payload: Payload) -> None: ...
+
+    def appended(self, request_id: str, token_ids, logprobs, weight_versions) -> None: ...
+
+    def finished(self, payload: Payload) -> None: ...
+
+    def released(self, request_id: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class PayloadStore:
     """A request's tokens only grow, in the order its attempts ran: an attempt starts after every
     token the shard holds (a drained instance's last tokens may reach the shard after the manager
     requeued the request, and are kept), and once a newer attempt starts, an older one's chunks
     are dropped. The ledger's count trails what the shard holds and catches up with each report."""
 
-    def __init__(self) -> None:
-        self.payloads: dict[str, Payload] = {}
+    def __init__(self, journal: PayloadLog | None = None, payloads: dict[str, Payload] | None = None) -> None:
+        self.journal = journal
+        self.payloads: dict[str, Payload] = payloads if payloads is not None else {}
         self._urgent: set[str] = set()
         """Requests whose attempt finished or ended since the last report: the manager waits on these."""
         self._changed: set[str] = set()
@@ -84,11 +100,18 @@ class PayloadStore:
             0,
             "",
         )
+        if self.journal is not None:
+            self.journal.started(payload)
         if len(payload.token_ids) >= max_tokens:
             payload.finish_reason = common_pb2.FINISH_REASON_LENGTH
-            self._urgent.add(request_id)
+            self._finished(payload)
             return None
         return list(payload.token_ids)
+
+    def _finished(self, payload: Payload) -> None:
+        if self.journal is not None:
+            self.journal.finished(payload)
+        self._urgent.add(payload.request_id)
 
     def current(self, request_id: str, attempt: int) -> Payload | None:
         payload = self.payloads.get(request_id)
@@ -108,16 +131,20 @@ class PayloadStore:
             self.end(request_id, attempt, common_pb2.FINISH_REASON_UNSPECIFIED, CANCELLED, MALFORMED)
             return False
         accepted = max(0, min(count, payload.max_tokens - len(payload.token_ids)))
-        payload.token_ids += chunk.token_ids[:accepted]
-        payload.logprobs += chunk.logprobs[:accepted]
-        payload.weight_versions += chunk.weight_versions[:accepted]
+        token_ids, logprobs = chunk.token_ids[:accepted], chunk.logprobs[:accepted]
+        weight_versions = chunk.weight_versions[:accepted]
+        if self.journal is not None and accepted:
+            self.journal.appended(request_id, token_ids, logprobs, weight_versions)
+        payload.token_ids += token_ids
+        payload.logprobs += logprobs
+        payload.weight_versions += weight_versions
         self.accepted_tokens += accepted
         self._changed.add(request_id)
         if chunk.finish_reason in FINISHED or len(payload.token_ids) >= payload.max_tokens:
             payload.finish_reason = (
                 chunk.finish_reason if chunk.finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
             )
-            self._urgent.add(request_id)
+            self._finished(payload)
         elif chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
             payload.finish_reason = common_pb2.FINISH_REASON_ABORT
             self._urgent.add(request_id)
@@ -133,7 +160,8 @@ class PayloadStore:
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.payloads.pop(request_id, None)
+            if self.payloads.pop(request_id, None) is not None and self.journal is not None:
+                self.journal.released(request_id)
             self._changed.discard(request_id)
             self._urgent.discard(request_id)
 
@@ -143,7 +171,10 @@ class PayloadStore:
 
     def take_reports(self, running_too: bool) -> list[relay_pb2.RelayProgress]:
         """Cumulative progress of the attempts that finished or ended since the last call and, with
-        `running_too`, of every other request that grew since its last report."""
+        `running_too`, of every other request that grew since its last report; the journal holds
+        all of it first."""
+        if self.journal is not None:
+            self.journal.flush()
         names, self._urgent = self._urgent, set()
         self._changed -= names
         if running_too:
@@ -151,6 +182,8 @@ class PayloadStore:
         return [self.payloads[name].progress() for name in names if name in self.payloads]
 
     def snapshot(self) -> list[relay_pb2.RelayProgress]:
+        if self.journal is not None:
+            self.journal.flush()
         return [payload.progress() for payload in self.payloads.values()]
 
     def fetch(self, request_id: str, token_count: int) -> relay_pb2.RelayedSample:

@@ -15,6 +15,7 @@ from rlmesh.rollout.v1 import rollout_pb2, rollout_pb2_grpc
 from rlmesh.rpc.channels import open_channel
 from services.manager.instance_stream import InstanceStream
 from services.manager.relay.config import RelayConfig
+from services.manager.relay.payload_journal import PayloadJournal
 from services.manager.relay.payloads import PayloadMissing, PayloadStore
 
 log = structlog.get_logger()
@@ -52,8 +53,9 @@ class Watcher:
 class RelayShard:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
-        self.incarnation = secrets.token_hex(8)
-        self.store = PayloadStore()
+        self.journal = PayloadJournal(config.journal_path) if config.journal_path else None
+        self.incarnation = self.journal.incarnation if self.journal is not None else secrets.token_hex(8)
+        self.store = PayloadStore(self.journal, self.journal.payloads if self.journal is not None else None)
         self.watchers: set[Watcher] = set()
         self._channels: dict[str, tuple[grpc.aio.Channel, rollout_pb2_grpc.RolloutServiceStub]] = {}
         self._streams: dict[tuple[str, int], InstanceStream[Attempt]] = {}
@@ -196,3 +198,5 @@ class RelayShard:
             stream.close()
         for channel, _ in self._channels.values():
             await channel.close()
+        if self.journal is not None:
+            self.journal.close()

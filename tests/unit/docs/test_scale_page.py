@@ -1,6 +1,6 @@
 """The scale and cost page is bench/scale_page.py's output from bench/results/scale.json,
-capacity.json and cost.json: results rerun without regenerating the page fail here, and so does a page that leaves
-out one of their targets."""
+capacity.json, cost.json and relay_shards.json: results rerun without regenerating the page fail
+here, and so does a page that leaves out one of their targets."""
 
 from bench.report import ROOT
 from bench.scale_page import load, page
@@ -14,7 +14,7 @@ def test_the_committed_page_is_what_the_results_generate():
 
 def test_every_target_of_both_runs_is_on_the_page_with_its_verdict():
     text = PAGE.read_text()
-    for name in ("scale", "capacity", "cost"):
+    for name in ("scale", "capacity", "cost", "relay_shards"):
         for target, met in load(name)["targets"].items():
             line = next((line for line in text.splitlines() if target in line), None)
             assert line is not None, f"{name}: target {target!r} is not on the page"

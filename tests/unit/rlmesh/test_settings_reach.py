@@ -60,6 +60,7 @@ WIRED = {
         "journal_path": "output.dir",
         "weights_address": "mesh.base_port",
         "gateway_port": "mesh.base_port",
+        "relay_addresses": "mesh.relay_shards",
         "model_dir": "model.path",
         "server.auth.insecure": "mesh.insecure",
         "server.auth.verifiers_file": "mesh.secrets_dir",
