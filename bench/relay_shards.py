@@ -48,6 +48,8 @@ def spawn_relay(index: int, auth: BenchAuth, folder: Path):
             "RLMESH_RELAY_SERVER__HOST": "127.0.0.1",
             "RLMESH_RELAY_SERVER__PORT": address.rsplit(":", 1)[1],
             "RLMESH_RELAY_SERVER__LOG_LEVEL": "warning",
+            # As `rlmesh up` runs a shard: its journal written before each report.
+            "RLMESH_RELAY_JOURNAL_PATH": str(folder / f"relay-{index}-payloads.log"),
             **auth.settings("RLMESH_RELAY_", "manager"),
         },
         folder,
