@@ -93,6 +93,14 @@ class PayloadStore:
             raise PayloadMissing(
                 f"{request_id}: the ledger counts {continue_from} tokens, this shard holds {len(payload.token_ids)}"
             )
+        if payload.finish_reason in FINISHED:
+            # It finished before the manager heard (the manager restarted since): the new attempt
+            # finishes at once with it; nothing is generated past its end.
+            payload.attempt, payload.continued_from = attempt, len(payload.token_ids)
+            if self.journal is not None:
+                self.journal.started(payload)
+            self._finished(payload)
+            return None
         payload.attempt, payload.max_tokens, payload.continued_from = attempt, max_tokens, len(payload.token_ids)
         payload.finish_reason, payload.ended, payload.code, payload.message = (
             common_pb2.FINISH_REASON_UNSPECIFIED,

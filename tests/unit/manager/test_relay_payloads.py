@@ -39,6 +39,17 @@ def test_an_attempt_continues_after_every_token_held_and_a_superseded_one_is_dro
     assert (report.attempt, report.token_count, report.finish_reason, report.continued_from) == (2, 5, STOP, 3)
 
 
+def test_a_request_that_finished_before_the_manager_heard_is_not_continued_past_its_end():
+    store = PayloadStore()
+    store.start("r", 1, 0, 10)
+    store.record("r", 1, chunk([1, 2], finish=STOP))
+    store.take_reports(running_too=False)
+    # A restarted manager's journal had the request at 1 token, running.
+    assert store.start("r", 2, 1, 10) is None
+    [report] = store.take_reports(running_too=False)
+    assert (report.attempt, report.token_count, report.finish_reason) == (2, 2, STOP)
+
+
 def test_the_ledger_counting_more_than_the_shard_holds_is_a_lost_payload():
     store = PayloadStore()
     with pytest.raises(PayloadMissing, match="does not hold"):
