@@ -149,13 +149,7 @@ class RequestTable:
         self._record_tokens(request, instance, token_ids[:accepted], logprobs, weight_versions)
         if accepted:
             breaker.tokens_arrived(instance, request)
-        if finish_reason in FINISHED or request.remaining_tokens <= 0:
-            reason = finish_reason if finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
-            breaker.request_finished(instance)
-            self.detach(request)
-            self._complete(request, reason)
-        elif finish_reason == common_pb2.FINISH_REASON_ABORT:
-            self.requeue(request)
+        self._ended_if(request, instance, finish_reason)
         return True
 
     def record_progress(
@@ -181,13 +175,14 @@ class RequestTable:
             if not request.relayed_tokens:
                 request.first_version = first_version
             request.relayed_tokens += count
-            self.generated_tokens += count
-            paid = min(request.charged, count)
-            request.charged -= paid
-            if instance:
-                instance.outstanding_tokens = max(0.0, instance.outstanding_tokens - paid)
-                instance.generated_tokens += count
+            self._count_tokens(request, instance, count)
             breaker.tokens_arrived(instance, request)
+        self._ended_if(request, instance, finish_reason)
+        return True
+
+    def _ended_if(self, request: SampleRequest, instance: Instance | None, finish_reason: int) -> None:
+        """After the attempt's latest tokens: it finished (or reached max_tokens), or was aborted and
+        continues elsewhere, or goes on."""
         if finish_reason in FINISHED or request.remaining_tokens <= 0:
             reason = finish_reason if finish_reason in FINISHED else common_pb2.FINISH_REASON_LENGTH
             breaker.request_finished(instance)
@@ -195,7 +190,6 @@ class RequestTable:
             self._complete(request, reason)
         elif finish_reason == common_pb2.FINISH_REASON_ABORT:
             self.requeue(request)
-        return True
 
     def relay_lost(self, address: str) -> list[SampleRequest]:
         """A relay shard restarted without the tokens it held: its requests not yet delivered start
@@ -229,6 +223,10 @@ class RequestTable:
         request.token_ids += token_ids
         request.logprobs += logprobs[:count]
         request.weight_versions += weight_versions[:count]
+        self._count_tokens(request, instance, count)
+
+    def _count_tokens(self, request: SampleRequest, instance: Instance | None, count: int) -> None:
+        """`count` new tokens of the request: generated, and paid off what its instance was charged."""
         self.generated_tokens += count
         paid = min(request.charged, count)
         request.charged -= paid
