@@ -15,7 +15,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from rlmesh.config import AuthSettings, ConfigError, ServerConfig, TlsFiles
-from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
+from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc, relay_pb2
 from rlmesh.rollout.v1 import rollout_pb2
 from rlmesh.rpc.authz import AUTHORIZED, ROLES, Role, allowed_roles
 from rlmesh.rpc.channels import use_tls
@@ -33,7 +33,7 @@ from tests.support.meshes import Mesh, build_mesh, stop_mesh
 from tests.support.tensors import scaled_weights
 from tests.support.waiting import wait_for
 
-CONTRACTS = (manager_pb2, rollout_pb2, weights_pb2, trainer_pb2)
+CONTRACTS = (manager_pb2, relay_pb2, rollout_pb2, weights_pb2, trainer_pb2)
 CALL_TIMEOUT = 2.0
 """An authorized call may wait for more (a bidirectional stream given one message): running into
 the deadline shows it got past authorization."""
@@ -115,7 +115,7 @@ class Servers:
 
 
 async def start_servers(model_dir, tls: dict[str, TlsFiles] | None) -> Servers:
-    mesh = await build_mesh(model_dir, "grpc", tls=tls)
+    mesh = await build_mesh(model_dir, "grpc", tls=tls, relay_shards=1)
     trainer = GrpcServer(
         loopback(tls and tls["trainer"]), [trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name]
     )
@@ -125,6 +125,7 @@ async def start_servers(model_dir, tls: dict[str, TlsFiles] | None) -> Servers:
     await trainer.start()
     addresses = {
         "rlmesh.manager.v1.ManagerService": mesh.manager.server.address,
+        "rlmesh.manager.v1.RelayService": mesh.relays[0].server.address,
         "rlmesh.weights.v1.WeightsService": mesh.weights.server.address,
         "rlmesh.rollout.v1.RolloutService": mesh.rollouts[0].server.address,
         "rlmesh.trainer.v1.TrainerService": trainer.address,
