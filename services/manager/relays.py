@@ -55,6 +55,7 @@ class ShardLink:
         """The releases and closes the current stream carried: sent again if it breaks."""
         self._call: grpc.aio.StreamUnaryCall | None = None
         self._ending: asyncio.Task[None] | None = None
+        """Waits for the current stream's end (held so the task is not collected)."""
         self._wake = asyncio.Event()
         self._sender = asyncio.create_task(self._send())
         self._watcher = asyncio.create_task(self._watch())
@@ -270,9 +271,6 @@ class Relays:
     def close_instance(self, instance_id: str, keep_incarnation: int | None) -> None:
         for link in self.links.values():
             link.close_instance(instance_id, keep_incarnation)
-
-    def runs(self, request_id: str) -> bool:
-        return any(request_id in link.running for link in self.links.values())
 
     async def close(self) -> None:
         for link in self.links.values():
