@@ -8,9 +8,10 @@ import socket
 
 from rlmesh.config import METRICS_PORT_OFFSET
 
-MESH_PORT_OFFSETS = (0, 1, 2, 3, *range(10, 26))
-"""Ports `rlmesh up` takes from its base: manager, weights, trainer, the manager's OpenAI gateway
-and up to 16 rollout instances, each with its metrics port METRICS_PORT_OFFSET above."""
+MESH_PORT_OFFSETS = tuple(range(26))
+"""Ports `rlmesh up` takes from its base: manager, weights, trainer, the manager's OpenAI gateway,
+up to 6 relay shards and up to 16 rollout instances, each with its metrics port METRICS_PORT_OFFSET
+above (the shards serve none)."""
 
 
 def port_of(address: str) -> str:
