@@ -8,9 +8,11 @@ the state they act on is plain Python in `domain/`.
 - `gateway`: the OpenAI-compatible gateway process that agent harnesses call.
 - `instance_stream`: one GenerateMany stream to one rollout instance incarnation, batched both ways.
 - `journal`: the SQLite journal a restarted manager resumes from, written once per flush.
+- `leases`: the watch beside the servicer: expired leases, quarantines, session deadlines, stragglers.
 - `main`: runs the manager until SIGTERM.
 - `relay`: a relay shard, a process of its own holding training requests' streams and tokens.
 - `relays`: the manager's side of its relay shards: attempts out, progress into the ledger.
+- `replies`: the state as the contract carries it: instances, turns, the stage balance, groups.
 - `server`: the ManagerService servicer: checks each call, has the state and dispatcher act, replies.
 - `session_feed`: newly opened sessions fanned out to watchers (the gateway), each with a bounded queue.
 - `stored_versions`: asks the weights service what it holds before a version is published.

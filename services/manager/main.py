@@ -15,7 +15,8 @@ from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.domain.state import ManagerState
 from services.manager.gateway.process import GatewayProcess, bind
 from services.manager.journal import Journal, NoJournal, open_journal
-from services.manager.server import ManagerServicer, watch_leases
+from services.manager.leases import watch_leases
+from services.manager.server import ManagerServicer
 from services.manager.session_feed import SessionFeed
 from services.manager.stored_versions import StoredVersions
 

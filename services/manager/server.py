@@ -1,11 +1,11 @@
 """The ManagerService servicer: parses and checks each call, has the state do it and the dispatcher
-act on it, and replies; the lease watch runs beside it."""
+act on it, and replies."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -17,79 +17,17 @@ from rlmesh.rpc.prometheus import Families
 from services.manager.config import ManagerConfig
 from services.manager.dispatcher import Changes, Dispatcher
 from services.manager.domain.conversations import conversation_from_proto, conversation_to_proto
-from services.manager.domain.records import Instance, Limits, SampleRequest, Session, TurnState, stream_of
+from services.manager.domain.records import Limits, SampleRequest, stream_of
 from services.manager.domain.registry import WrongIncarnation
-from services.manager.domain.stage_balance import Balance
 from services.manager.domain.state import ManagerState
-from services.manager.domain.trajectories import segment_from_proto, segment_to_proto, trajectory
+from services.manager.domain.trajectories import segment_from_proto, trajectory
 from services.manager.journal import Journal, NoJournal
+from services.manager.replies import balance_to_proto, group_to_proto, instance_status, turn_response
 from services.manager.session_feed import SessionFeed
 from services.manager.stored_versions import StoredVersions
 from services.manager.turns import TurnRunner
 
 log = structlog.get_logger()
-
-
-def instance_status(instance: Instance, now: float) -> manager_pb2.InstanceStatus:
-    return manager_pb2.InstanceStatus(
-        instance_id=instance.instance_id,
-        address=instance.address,
-        weight_version=instance.weight_version,
-        running_requests=len(instance.running),
-        outstanding_tokens=round(instance.outstanding_tokens),
-        tokens_per_second=instance.tokens_per_second,
-        lease_remaining_seconds=max(0.0, instance.lease_expires - now),
-        schedulable=instance.schedulable,
-        generated_tokens=instance.generated_tokens,
-        incarnation=instance.incarnation,
-        preemptible=instance.preemptible,
-        draining=instance.draining,
-        saturation_batch_size=instance.saturation_batch_size,
-        quarantine_remaining_seconds=max(0.0, instance.quarantined_until - now) if instance.quarantined_until else 0.0,
-        quarantines=instance.quarantines,
-    )
-
-
-def turn_response(state: TurnState) -> manager_pb2.RunTurnResponse:
-    response = manager_pb2.RunTurnResponse(status=state.status, stream_tokens=state.stream_tokens)
-    if state.segment is not None:
-        response.generated.CopyFrom(segment_to_proto(state.segment))
-    return response
-
-
-def balance_to_proto(balance: Balance) -> manager_pb2.StageBalance:
-    return manager_pb2.StageBalance(
-        observed_steps=balance.observed_steps,
-        train_seconds=balance.train_seconds,
-        rollout_seconds=balance.rollout_seconds,
-        trainer_wait_seconds=balance.trainer_wait_seconds,
-        rollout_idle_seconds=balance.rollout_idle_seconds,
-        local_window_seconds=balance.local_window_seconds,
-        recommended_rollout_instances=balance.recommended_rollout_instances,
-        offload_fraction=balance.offload_fraction,
-    )
-
-
-def group_to_proto(group: list[SampleRequest], sessions: Mapping[str, Session]) -> manager_pb2.Group:
-    """A complete group as the trainer receives it; a session's sample carries its trajectory."""
-    samples = []
-    for r in group:
-        sample = manager_pb2.Sample(
-            token_ids=r.token_ids,
-            logprobs=r.logprobs,
-            weight_versions=r.weight_versions,
-            finish_reason=r.finish_reason,
-            instance_ids=r.instance_ids,
-        )
-        if r.relay:
-            sample.relayed.CopyFrom(
-                manager_pb2.RelayedPayload(address=r.relay, request_id=r.request_id, token_count=r.relayed_tokens)
-            )
-        session = sessions.get(r.request_id)
-        if session is not None:
-            sample.session.CopyFrom(trajectory(session))
-        samples.append(sample)
-    return manager_pb2.Group(prompt_id=group[0].prompt_id, prompt_token_ids=group[0].prompt_token_ids, samples=samples)
 
 
 async def refuse_incarnation(context: grpc.aio.ServicerContext, exc: WrongIncarnation) -> NoReturn:
@@ -531,39 +469,3 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 float(instance.quarantine_remaining_seconds > 0),
                 **labels,
             )
-
-
-async def watch_leases(state: ManagerState, dispatcher: Dispatcher, changes: Changes, period: float = 0.25) -> None:
-    """Drops instances whose lease expired, keeps throughput figures current, moves stragglers,
-    and wakes rollout streams so they notice when no instance is left."""
-    while True:
-        await asyncio.sleep(period)
-        now = time.monotonic()
-        try:
-            state.measure(now)
-            dispatcher.migrate()
-            reaped = state.sessions.reap(now)
-            if reaped:
-                log.warning(
-                    "sessions reaped at a deadline",
-                    sessions=len(reaped),
-                    first=reaped[0][0].session_id,
-                    detail=reaped[0][0].detail,
-                )
-                dispatcher.cancel([dropped for _, dropped in reaped if dropped is not None])
-                changes.notify()
-            for instance in state.release_quarantines(now):
-                log.info("quarantine over; the instance gets work again", instance_id=instance.instance_id)
-                dispatcher.dispatch()
-            if state.starved_seconds(now):
-                changes.notify()
-            for instance, requeued in state.expire(now):
-                log.warning("lease expired; instance dropped", instance_id=instance.instance_id, requeued=len(requeued))
-                dispatcher.cancel(requeued)
-                dispatcher.close_streams(instance.instance_id)
-                await dispatcher.forget_address(instance.address)
-                dispatcher.dispatch()
-                changes.notify()
-        except Exception:
-            # This loop is what notices dead instances: it must outlive any single failure.
-            log.exception("lease check failed")
