@@ -159,8 +159,11 @@ class Dispatcher:
     def _relayed(self, freed: bool) -> None:
         """A relay shard's reports changed the ledger; `freed`: a slot freed or an instance switched
         version, so more work may start: one pass then takes what every shard freed within the
-        window, however many shards there are."""
-        if freed and not self._relayed_dispatch_due:
+        window, however many shards there are. Running counts alone complete nothing a waiter waits
+        for, so they wake nobody."""
+        if not freed:
+            return
+        if not self._relayed_dispatch_due:
             self._relayed_dispatch_due = True
             asyncio.get_running_loop().call_later(RELAYED_DISPATCH_SECONDS, self._dispatch_relayed)
         self.changes.notify()
