@@ -4,7 +4,9 @@ while the manager keeps the ledger. Figures: the manager's CPU seconds per 1 M t
 the token ceiling that gives one manager core (tokens per manager CPU second), the shards' CPU per
 1 M tokens (each shard is a process of its own, so their ceiling grows with their count), lost and
 duplicated samples; the manager's own relay is the baseline. A core's ceiling: what is left of it
-after the fleet's heartbeats (measured idle, before the step), over the CPU each token costs beyond them."""
+after the fleet's heartbeats (measured idle, before the step), over the CPU each token costs beyond them.
+Both paths give each instance QUEUE_AHEAD requests beyond its batch; the shards gather their reports
+over REPORT_WINDOW_SECONDS (docs/scale.md: the settings for a fleet)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ LENGTHS = {
 half as long. The manager's own relay works per chunk, the ledger per request: the shorter the
 responses, the less the shards take off the manager."""
 PROMPTS_PER_INSTANCE = 2
+QUEUE_AHEAD = 2
+"""manager.queue_ahead: an instance's next requests wait in its engine, so a freed slot does not
+wait for the shard's report and the dispatch pass after it."""
+REPORT_WINDOW_SECONDS = 0.25
+"""relay.report_window_seconds: the manager makes a dispatch pass per report."""
 IDLE_SECONDS = 10.0
 """The windows the manager's idle CPU (heartbeats) is measured over, before the step and after it."""
 
@@ -50,6 +57,7 @@ def spawn_relay(index: int, auth: BenchAuth, folder: Path):
             "RLMESH_RELAY_SERVER__LOG_LEVEL": "warning",
             # As `rlmesh up` runs a shard: its journal written before each report.
             "RLMESH_RELAY_JOURNAL_PATH": str(folder / f"relay-{index}-payloads.log"),
+            "RLMESH_RELAY_REPORT_WINDOW_SECONDS": str(REPORT_WINDOW_SECONDS),
             **auth.settings("RLMESH_RELAY_", "manager"),
         },
         folder,
@@ -69,7 +77,9 @@ async def measure(shards: int, lengths: str = "reference") -> dict:
     auth = BenchAuth(folder / "secrets")
     relays = [spawn_relay(i, auth, folder) for i in range(shards)]
     address = f"127.0.0.1:{free_port()}"
-    manager = spawn_manager(address, auth, folder, {"RELAY_ADDRESSES": ",".join(r.address for r in relays)})
+    manager = spawn_manager(
+        address, auth, folder, {"RELAY_ADDRESSES": ",".join(r.address for r in relays), "QUEUE_AHEAD": str(QUEUE_AHEAD)}
+    )
     children = [*relays, manager]
     try:
         await wait_started(children)
@@ -175,6 +185,8 @@ def main() -> None:
                 name: dict(zip(("mean", "sigma", "max"), values, strict=True)) for name, values in LENGTHS.items()
             },
             "chunk_tokens": 16,
+            "queue_ahead": QUEUE_AHEAD,
+            "report_window_seconds": REPORT_WINDOW_SECONDS,
         },
     )
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from rlmesh.config import METRICS_PORT_OFFSET, ConfigError, StrictModel
-from rlmesh.settings.manager import ManagerSettings, StalenessSetting
+from rlmesh.settings.manager import ManagerSettings, RelaySettings, StalenessSetting
 from rlmesh.settings.rollout import RolloutSettings
 from rlmesh.settings.tracking import TrackingSettings
 from rlmesh.settings.trainer import AlgorithmConfig, TrainerSettings
@@ -180,6 +180,8 @@ class Job(StrictModel):
     """How the trainer process runs (`rlmesh/settings/trainer.py`)."""
     manager: ManagerSettings = ManagerSettings()
     """Leases, dispatch and the journal (`rlmesh/settings/manager.py`)."""
+    relay: RelaySettings = RelaySettings()
+    """The relay shards' streams and reports, when `mesh.relay_shards` runs some (`rlmesh/settings/manager.py`)."""
     rollout: RolloutSettings = RolloutSettings()
     """Every rollout instance's engine, weight receiver and deadlines (`rlmesh/settings/rollout.py`)."""
     weights: WeightsSettings = WeightsSettings()

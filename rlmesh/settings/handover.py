@@ -28,14 +28,15 @@ def trainer_settings(job, base: Path, model_dir: Path, output_dir: Path) -> dict
 
 
 def service_settings(job) -> dict[str, dict]:
-    """What the manager, the weights service and every rollout instance take from the job: its
-    sections of the same names as they are, and η for the manager. The launcher's environment
+    """What the manager, its relay shards, the weights service and every rollout instance take from
+    the job: its sections of the same names as they are, and η for the manager. The launcher's environment
     settings (sockets, addresses, folders, the model's dtype) come on top."""
     return {
         "manager": {
             **job.manager.model_dump(mode="json"),
             **job.algorithm.model_dump(mode="json", include=set(StalenessSetting.model_fields)),
         },
+        "relay": job.relay.model_dump(mode="json"),
         "weights": job.weights.model_dump(mode="json"),
         "rollout": job.rollout.model_dump(mode="json"),
     }

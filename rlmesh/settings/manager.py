@@ -1,5 +1,6 @@
-"""The manager's settings a job sets (`[manager]`, and η as `algorithm.max_staleness`);
-`services/manager/config.py` adds the wiring (its socket, the journal's file, the weights service's address)."""
+"""The manager's settings a job sets (`[manager]`, and η as `algorithm.max_staleness`) and its relay
+shards' (`[relay]`); `services/manager/config.py` and `services/manager/relay/config.py` add the
+wiring (sockets, journals, the weights service's address)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ class ManagerSettings(StrictModel):
     dispatch_policy: Literal["balanced", "round_robin"] = "balanced"
     """`balanced` weighs outstanding tokens against each instance's measured throughput and moves
     stragglers off slow instances near the end of a step; `round_robin` is the plain baseline."""
+    queue_ahead: int = Field(default=0, ge=0, le=1024)
+    """Requests each instance is given beyond its max batch: they wait in its engine's queue and
+    start the moment a sequence ends, instead of after the manager heard of the end (a relay
+    shard's report window, then a dispatch pass). Stragglers still move only to free decode slots.
+    0: an instance gets at most its max batch."""
     no_instance_timeout_seconds: float = Field(default=120.0, gt=0)
     """With work waiting and no instance registered for this long, rollout streams fail with a
     clear error instead of hanging."""
@@ -55,3 +61,20 @@ class ManagerSettings(StrictModel):
         if self.heartbeat_interval_seconds * 2 > self.lease_seconds:
             raise ValueError("heartbeat_interval_seconds must be at most half of lease_seconds")
         return self
+
+
+class RelaySettings(StrictModel):
+    """How a relay shard (`mesh.relay_shards`) runs instance streams and reports to the manager's ledger."""
+
+    server: ServerSettings = ServerSettings()
+    """The shard's gRPC server limits and log level (its socket is the mesh's)."""
+    generate_timeout_seconds: float = Field(default=600.0, gt=0)
+    """Deadline of one GenerateMany stream to an instance (the manager's setting of that name)."""
+    progress_seconds: float = Field(default=1.0, gt=0)
+    """How often the token counts of running requests reach the manager: its balance and tail rules
+    read them. Finished and ended attempts are reported within the report window."""
+    report_window_seconds: float = Field(default=0.05, ge=0, le=5)
+    """How long a report of finished requests waits for more to travel with it: the manager makes a
+    dispatch pass per report, so a wider window costs it less per request, and a freed slot waits
+    longer for its next request unless `manager.queue_ahead` has one waiting in the engine already
+    (docs/scale.md)."""

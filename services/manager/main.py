@@ -64,7 +64,9 @@ async def keep_journal(state: ManagerState, journal: Journal | NoJournal, period
 
 
 async def start(config: ManagerConfig) -> RunningManager:
-    state = ManagerState(config.lease_seconds, config.max_staleness, config.dispatch_policy)
+    state = ManagerState(
+        config.lease_seconds, config.max_staleness, config.dispatch_policy, queue_ahead=config.queue_ahead
+    )
     journal = open_journal(config.journal_path)
     batches, instances = journal.restore(state, time.monotonic())
     if batches or instances:

@@ -72,6 +72,9 @@ class Instance(Journaled):
     rate_tokens: int = 0
     rate_time: float = 0.0
     busy_samples: float = 0.0
+    queue_ahead: int = 0
+    """Requests it is given beyond its max batch, which wait in its engine's queue and start the
+    moment a sequence ends (the manager's setting of that name; not journaled)."""
     tracker: ChangeTracker | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -84,7 +87,18 @@ class Instance(Journaled):
 
     @property
     def free_slots(self) -> int:
-        return self.max_batch_size - len(self.running)
+        """Requests it may be given now: its free decode slots and its queue ahead."""
+        return self.max_batch_size + self.queue_ahead - len(self.running)
+
+    @property
+    def free_decode_slots(self) -> int:
+        """Sequences it could start decoding at once (none while requests wait in its queue)."""
+        return max(0, self.max_batch_size - len(self.running))
+
+    @property
+    def decoding(self) -> int:
+        """Sequences it decodes at once: its running requests beyond its max batch wait."""
+        return min(len(self.running), self.max_batch_size)
 
 
 @dataclass(slots=True)

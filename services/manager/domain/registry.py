@@ -26,12 +26,14 @@ class InstanceRegistry(Journaled):
     """Registration, renewal and departure; a departure returns the instance gone, whose running
     requests are the request table's to requeue."""
 
-    __slots__ = ("tracker", "lease_seconds", "instances", "registrations", "empty_since")
+    __slots__ = ("tracker", "lease_seconds", "queue_ahead", "instances", "registrations", "empty_since")
     JOURNALED: ClassVar[frozenset[str]] = frozenset({"registrations"})
     KIND: ClassVar[str] = COUNTERS
 
-    def __init__(self, tracker: ChangeTracker, lease_seconds: float, now: float) -> None:
+    def __init__(self, tracker: ChangeTracker, lease_seconds: float, now: float, queue_ahead: int = 0) -> None:
         self.lease_seconds = lease_seconds
+        self.queue_ahead = queue_ahead
+        """Every instance's queue ahead (Instance.queue_ahead)."""
         self.instances: Records[Instance] = Records(tracker, INSTANCE)
         self.registrations = 0
         self.empty_since: float | None = now
@@ -43,6 +45,7 @@ class InstanceRegistry(Journaled):
         self.registrations = registrations
         for instance in instances:
             instance.lease_expires, instance.rate_time = now + self.lease_seconds, now
+            instance.queue_ahead = self.queue_ahead
         self.instances.restore(instances)
         self.empty_since = None if self.instances else now
 
@@ -103,6 +106,7 @@ class InstanceRegistry(Journaled):
             preemptible=preemptible,
             reported_version=weight_version,
             rate_time=now,
+            queue_ahead=self.queue_ahead,
         )
         self.instances[instance_id] = instance
         self.empty_since = None
@@ -158,7 +162,7 @@ class InstanceRegistry(Journaled):
             if elapsed <= 0:
                 continue
             tokens = instance.generated_tokens - instance.rate_tokens
-            busy = max(instance.busy_samples, len(instance.running))
+            busy = max(instance.busy_samples, instance.decoding)
             if tokens > 0 and busy > 0:
                 rate = tokens / elapsed
                 instance.tokens_per_second += RATE_SMOOTHING * (rate - instance.tokens_per_second)
@@ -167,7 +171,7 @@ class InstanceRegistry(Journaled):
                     per_sequence - instance.sequence_tokens_per_second
                 )
             instance.rate_tokens, instance.rate_time = instance.generated_tokens, now
-            instance.busy_samples = len(instance.running)
+            instance.busy_samples = instance.decoding
 
     @property
     def running_samples(self) -> int:

@@ -106,7 +106,7 @@ class Scheduler:
             key=lambda i: -i.sequence_tokens_per_second,
         )
         fastest_open = max(
-            (t.sequence_tokens_per_second for t in targets if t.free_slots - incoming.get(t.instance_id, 0) > 0),
+            (t.sequence_tokens_per_second for t in targets if t.free_decode_slots - incoming.get(t.instance_id, 0) > 0),
             default=0.0,
         )
         # Each source's movable requests, longest expected first (then by id, descending), weighed
@@ -128,7 +128,8 @@ class Scheduler:
         for _, entries in movable.values():
             entries.sort(key=_longest_first, reverse=True)
         for target in targets:
-            free = target.free_slots - incoming.get(target.instance_id, 0)
+            # A straggler moves only to a slot that decodes it at once, not into an engine's queue.
+            free = target.free_decode_slots - incoming.get(target.instance_id, 0)
             if free <= 0:
                 continue
             sources = [

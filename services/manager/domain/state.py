@@ -51,10 +51,11 @@ class ManagerState:
         max_staleness: int,
         policy: PolicyName = "balanced",
         clock: Callable[[], float] = time.monotonic,
+        queue_ahead: int = 0,
     ) -> None:
         self.clock = clock
         self.tracker = ChangeTracker()
-        self.registry = InstanceRegistry(self.tracker, lease_seconds, clock())
+        self.registry = InstanceRegistry(self.tracker, lease_seconds, clock(), queue_ahead)
         self.admission = Admission(self.tracker, max_staleness)
         batches: Records[Batch] = Records(self.tracker, BATCH)
         self.request_table = RequestTable(self.tracker, self.registry.instances, batches, clock)

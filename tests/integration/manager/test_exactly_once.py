@@ -88,12 +88,19 @@ class CuttingProxy:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["manager relays", "relay shards"])
 async def manager(request):
-    """The manager relaying every token itself, or with two relay shards holding them."""
+    """The manager relaying every token itself, or two relay shards holding them as the scale
+    benchmark runs them: reports gathered over a quarter second, the instance given four requests
+    beyond its batch of eight (a group's requests start as others end, on the engine's queue)."""
+    shards = request.param == "relay shards"
     relays = [
-        await start_relay(RelayConfig(server=loopback())) for _ in range(2 if request.param == "relay shards" else 0)
+        await start_relay(RelayConfig(server=loopback(), report_window_seconds=0.25)) for _ in range(2 if shards else 0)
     ]
     manager = await start_manager(
-        ManagerConfig(server=loopback(), relay_addresses=[relay.server.address for relay in relays])
+        ManagerConfig(
+            server=loopback(),
+            relay_addresses=[relay.server.address for relay in relays],
+            queue_ahead=4 if shards else 0,
+        )
     )
     synthetic = SyntheticConfig(
         length="uniform", mean_tokens=20, throughput_tokens_per_second=20000, min_step_seconds=0.001
@@ -103,7 +110,7 @@ async def manager(request):
             server=loopback(),
             instance_id="fast",
             manager_address=manager.server.address,
-            engine=EngineConfig(kind="synthetic", max_batch_size=64, synthetic=synthetic),
+            engine=EngineConfig(kind="synthetic", max_batch_size=8 if shards else 64, synthetic=synthetic),
             register_timeout_seconds=10,
         )
     )

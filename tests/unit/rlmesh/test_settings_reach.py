@@ -14,6 +14,7 @@ from rlmesh.job import Job, load_job
 from rlmesh.settings.handover import service_settings, trainer_settings
 from rlmesh.settings.trainer import REFERENCE_COLOCATED
 from services.manager.config import ManagerConfig
+from services.manager.relay.config import RelayConfig
 from services.rollout.config import RolloutConfig
 from services.trainer.config import TrainerConfig
 from services.weights.config import WeightsConfig
@@ -21,12 +22,14 @@ from services.weights.config import WeightsConfig
 SERVICES: dict[str, type[BaseModel]] = {
     "trainer": TrainerConfig,
     "manager": ManagerConfig,
+    "relay": RelayConfig,
     "weights": WeightsConfig,
     "rollout": RolloutConfig,
 }
 JOB_SECTIONS = {
     "trainer": ("algorithm", "trainer"),
     "manager": ("manager", "algorithm"),
+    "relay": ("relay",),
     "weights": ("weights",),
     "rollout": ("rollout",),
 }
@@ -62,6 +65,17 @@ WIRED = {
         "gateway_port": "mesh.base_port",
         "relay_addresses": "mesh.relay_shards",
         "model_dir": "model.path",
+        "server.auth.insecure": "mesh.insecure",
+        "server.auth.verifiers_file": "mesh.secrets_dir",
+        "server.auth.secret_file": "mesh.secrets_dir",
+    },
+    "relay": {
+        "server.host": "mesh.host",
+        "server.port": "mesh.relay_shards",
+        "server.advertise_host": "mesh.host",
+        "server.tls": "mesh.tls",
+        "server.metrics_port": "mesh.base_port",
+        "journal_path": "output.dir",
         "server.auth.insecure": "mesh.insecure",
         "server.auth.verifiers_file": "mesh.secrets_dir",
         "server.auth.secret_file": "mesh.secrets_dir",
