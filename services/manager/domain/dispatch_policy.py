@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Literal, Protocol
 
@@ -20,27 +19,48 @@ MIGRATION_SPEEDUP = 1.5
 much slower than the fastest starts nothing near the end of the queue."""
 
 
-@dataclass(slots=True)
 class RunningWork:
-    """What the instances run, as the dispatch policy weighs it."""
+    """What the instances run, as the dispatch policy weighs it. Exact-version and background work
+    come from their batches (validations: few); the oldest step an instance runs is read from its
+    running requests the first time a pass asks (only instances at their saturation batch are
+    asked), then kept up as the pass starts more: a pass costs what it looks at, not every request
+    running in the fleet."""
 
-    holders: dict[int, set[str]] = field(default_factory=dict)
-    """The instances running exact-version requests, by version."""
-    background: set[str] = field(default_factory=set)
-    """The instances running background work."""
-    oldest_version: dict[str, int] = field(default_factory=dict)
-    """By instance, the lowest policy version among the training requests it runs: the step whose
-    stragglers it decodes."""
+    __slots__ = ("requests", "holders", "background", "_oldest")
 
-    def started(self, request: SampleRequest, instance_id: str) -> None:
+    def __init__(self, requests: Mapping[str, SampleRequest], special: Iterable[tuple[SampleRequest, str]]) -> None:
+        """`special`: the running exact-version and background requests, each with its instance's id."""
+        self.requests = requests
+        self.holders: dict[int, set[str]] = {}
+        """The instances running exact-version requests, by version."""
+        self.background: set[str] = set()
+        """The instances running background work."""
+        self._oldest: dict[str, int | None] = {}
+        for request, instance_id in special:
+            self._special(request, instance_id)
+
+    def _special(self, request: SampleRequest, instance_id: str) -> None:
         if request.exact_version:
             self.holders.setdefault(request.policy_version, set()).add(instance_id)
-        else:
-            self.oldest_version[instance_id] = min(
-                self.oldest_version.get(instance_id, request.policy_version), request.policy_version
-            )
         if request.background:
             self.background.add(instance_id)
+
+    def oldest_version(self, instance: Instance) -> int | None:
+        """The lowest policy version among the training requests the instance runs: the step whose
+        stragglers it decodes (None: it runs none)."""
+        if instance.instance_id not in self._oldest:
+            running = [self.requests[r] for r in instance.running]
+            self._oldest[instance.instance_id] = min(
+                (r.policy_version for r in running if not r.exact_version), default=None
+            )
+        return self._oldest[instance.instance_id]
+
+    def started(self, request: SampleRequest, instance_id: str) -> None:
+        self._special(request, instance_id)
+        if not request.exact_version and instance_id in self._oldest:
+            oldest = self._oldest[instance_id]
+            version = request.policy_version
+            self._oldest[instance_id] = version if oldest is None else min(oldest, version)
 
 
 class SchedulerView(Protocol):
@@ -155,7 +175,7 @@ class _Pass:
         for instance in self.scheduler.instances.values():
             if instance.free_slots <= 0 or not instance.schedulable:
                 continue
-            oldest = self.work.oldest_version.get(instance.instance_id)
+            oldest = self.work.oldest_version(instance)
             saturation = instance.saturation_batch_size
             if oldest is None or not saturation or len(instance.running) < saturation:
                 return False
@@ -351,7 +371,8 @@ def beyond_saturation(instance: Instance, request: SampleRequest, work: RunningW
     saturation = instance.saturation_batch_size
     if not saturation or len(instance.running) < saturation:
         return False
-    return request.policy_version > work.oldest_version.get(instance.instance_id, request.policy_version)
+    oldest = work.oldest_version(instance)
+    return oldest is not None and request.policy_version > oldest
 
 
 class QueuedTokens:

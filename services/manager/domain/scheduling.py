@@ -51,12 +51,20 @@ class Scheduler:
         return [i for i in self.instances.values() if self.admission.may_run(i, request) and i.free_slots > 0]
 
     def running_work(self) -> RunningWork:
-        """In one pass over the running requests."""
-        work = RunningWork()
-        for instance in self.instances.values():
-            for request_id in instance.running:
-                work.started(self.request_table.requests[request_id], instance.instance_id)
-        return work
+        """Read from the batches of exact-version and background work, and lazily per instance."""
+        special = [
+            (request, request.instance_id)
+            for batch in self.batches.values()
+            if batch.exact_version or batch.background
+            for group in batch.groups.values()
+            for request in group
+            if self._runs(request)
+        ]
+        return RunningWork(self.request_table.requests, special)
+
+    def _runs(self, request: SampleRequest) -> bool:
+        instance = self.instances.get(request.instance_id or "")
+        return instance is not None and request.request_id in instance.running
 
     def rates(self) -> dict[str, float]:
         """Measured throughput per instance; one never measured counts as the pool's mean."""

@@ -118,3 +118,61 @@ def test_stragglers_move_where_the_definition_moves_them(fleet, mean_length, gen
             else [(r.request_id, r.migrate_to) for r in parts.scheduler.plan_migrations()]
         )
     assert plans[0] == plans[1]
+
+
+def scanned_work(parts: DomainParts) -> tuple[dict[int, set[str]], set[str], dict[str, int]]:
+    """What the instances run, by the definition: a pass over every running request."""
+    holders: dict[int, set[str]] = {}
+    background: set[str] = set()
+    oldest: dict[str, int] = {}
+    for instance in parts.instances.values():
+        for request_id in instance.running:
+            request = parts.request_table.requests[request_id]
+            if request.exact_version:
+                holders.setdefault(request.policy_version, set()).add(instance.instance_id)
+            else:
+                oldest[instance.instance_id] = min(oldest.get(instance.instance_id, 99), request.policy_version)
+            if request.background:
+                background.add(instance.instance_id)
+    return holders, background, oldest
+
+
+work_batches = st.lists(
+    st.tuples(st.integers(0, 3), st.booleans(), st.booleans(), st.integers(1, 4)),  # version, exact, background, n
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), work_batches, st.lists(st.integers(0, 10_000), max_size=30), st.integers(0, 30))
+def test_the_running_work_a_pass_reads_lazily_is_the_scan_of_every_running_request(
+    instances, batches, placements, asked_after
+):
+    parts = DomainParts({f"i{n}": 3 for n in range(instances)}, max_staleness=3)
+    for number, (version, exact, background, count) in enumerate(batches):
+        sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=8)
+        parts.submit(f"b{number}", version, [(f"p{number}", [1], count)], sampling, exact, background and exact)
+    queue = list(parts.request_table.queue)
+    instance_ids = sorted(parts.instances)
+    # Some requests run before the pass; the rest start during it, the work asked about in between.
+    before, during = placements[: len(placements) // 2], placements[len(placements) // 2 :]
+    started = 0
+    for placement in before:
+        if started < len(queue):
+            parts.request_table.start(queue[started], parts.instances[instance_ids[placement % instances]])
+            started += 1
+    work = parts.scheduler.running_work()
+    for step, placement in enumerate(during):
+        if step == asked_after:
+            for instance in parts.instances.values():
+                work.oldest_version(instance)
+        if started < len(queue):
+            instance = parts.instances[instance_ids[placement % instances]]
+            parts.request_table.start(queue[started], instance)
+            work.started(queue[started], instance.instance_id)
+            started += 1
+    holders, background, oldest = scanned_work(parts)
+    assert (work.holders, work.background) == (holders, background)
+    for instance in parts.instances.values():
+        assert work.oldest_version(instance) == oldest.get(instance.instance_id)
