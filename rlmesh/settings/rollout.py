@@ -20,14 +20,43 @@ class VllmConfig(StrictModel):
     """0: the model's own limit."""
 
 
-EngineKind = Literal["torch", "vllm"]
-"""The engines a job runs; a service started on its own also takes `synthetic` (benchmarks)."""
+class SyntheticConfig(StrictModel):
+    """The synthetic engine (benchmarks only): timed tokens from no model."""
+
+    throughput_tokens_per_second: float = Field(default=2000.0, gt=0)
+    """Tokens per second of a full batch at speed 1: a decode step of b sequences takes b / throughput."""
+    min_step_seconds: float = Field(default=0.004, gt=0)
+    """Shortest decode step (a lone sequence's per-token latency) at speed 1."""
+    speed: float = Field(default=1.0, gt=0)
+    """This instance's speed factor: every step takes 1/speed as long."""
+    length: Literal["fixed", "uniform", "lognormal"] = "lognormal"
+    """Response length distribution; lognormal gives a long tail."""
+    mean_tokens: float = Field(default=200.0, gt=0)
+    sigma: float = Field(default=1.0, ge=0)
+    """Spread: the lognormal's sigma, or the uniform's half-width as a fraction of the mean."""
+    stream_interval: int = Field(default=1, ge=1)
+    """Tokens per chunk (the last chunk may be shorter), like vLLM's stream_interval."""
+    vocab_size: int = Field(default=32_000, ge=2)
+    """Token ids are drawn below it; with a model folder, below the model's vocabulary too (a
+    trainer embeds them)."""
+    tick_seconds: float = Field(default=0.002, gt=0)
+    """How often the engine advances its sequences; below it, steps are accumulated."""
+    fail_after_requests: int | None = Field(default=None, ge=0)
+    """Fault injection: every request after the first this many fails at once (INTERNAL), as on an
+    instance whose engine core died while its server stayed up (0: every one); None: none fails."""
+
+
+EngineKind = Literal["torch", "vllm", "synthetic"]
+"""`synthetic` is for benchmarks only, never the default: its tokens come from no model."""
 
 
 class EngineSettings(StrictModel):
     kind: EngineKind = "torch"
     """Inference backend: `torch` (HF models on CPU or one GPU) or `vllm` (its async engine; runs
-    each instance with the vLLM virtualenv, `make setup-vllm`)."""
+    each instance with the vLLM virtualenv, `make setup-vllm`). `synthetic` is for benchmarks only,
+    never the default: tokens at the rate and lengths `synthetic` sets, drawn from no model (the
+    trainer still scores and trains them, and weight pushes still travel), so a whole mesh can be
+    timed with a rollout speed known exactly (`bench.scale` checks its simulator so)."""
     max_batch_size: int = Field(default=256, ge=1)
     """Sequences the instance decodes at once. 1 makes every response's tokens and logprobs
     independent of what else runs (bit-reproducible runs, as the η = 0 check uses), at a large
@@ -72,6 +101,7 @@ class EngineSettings(StrictModel):
     by then (its sender died or gave up) lets generation resume on the served version; a late
     commit holds it again while it switches."""
     vllm: VllmConfig = VllmConfig()
+    synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
     def _device_and_split_fit_the_kind(self) -> EngineSettings:

@@ -12,22 +12,18 @@ from pydantic import Field, model_validator
 
 from rlmesh.config import ServerConfig
 from rlmesh.models.tp_layout import ModelShape
-from rlmesh.settings.rollout import EngineKind, EngineSettings, RolloutSettings, TransferSettings, VllmConfig
-from services.rollout.synthetic_engine import SyntheticConfig
+from rlmesh.settings.rollout import EngineSettings, RolloutSettings, TransferSettings, VllmConfig
 
 __all__ = ["EngineConfig", "RolloutConfig", "TransferConfig", "VllmConfig"]
 
 
 class EngineConfig(EngineSettings):
-    kind: Literal[EngineKind, "synthetic"] = "torch"
-    """A job's engines, and `synthetic` for benchmarks: timed tokens, no model."""
     model_dir: str = ""
     """Local HF-format model folder (config.json, model.safetensors, tokenizer.json); optional for
     the synthetic engine, which then has no parameters to check weight pushes against."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Torch engine: the dtype of its weights and KV cache, which pushed versions must carry too
     (the trainer's weights_dtype); `auto`: the model folder's."""
-    synthetic: SyntheticConfig = SyntheticConfig()
 
     @model_validator(mode="after")
     def _model_for_real_engines(self) -> EngineConfig:

@@ -12,13 +12,11 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from rlmesh.config import StrictModel
 from rlmesh.errors import FailedPrecondition, InvalidArgument
+from rlmesh.settings.rollout import SyntheticConfig
 from services.rollout.engine import (
     Chunk,
     ChunkStream,
@@ -35,28 +33,6 @@ from services.rollout.engine import (
 _POOL_TOKENS = 65_536
 
 
-class SyntheticConfig(StrictModel):
-    throughput_tokens_per_second: float = Field(default=2000.0, gt=0)
-    """Tokens per second of a full batch at speed 1: a decode step of b sequences takes b / throughput."""
-    min_step_seconds: float = Field(default=0.004, gt=0)
-    """Shortest decode step (a lone sequence's per-token latency) at speed 1."""
-    speed: float = Field(default=1.0, gt=0)
-    """This instance's speed factor: every step takes 1/speed as long."""
-    length: Literal["fixed", "uniform", "lognormal"] = "lognormal"
-    """Response length distribution; lognormal gives a long tail."""
-    mean_tokens: float = Field(default=200.0, gt=0)
-    sigma: float = Field(default=1.0, ge=0)
-    """Spread: the lognormal's sigma, or the uniform's half-width as a fraction of the mean."""
-    stream_interval: int = Field(default=1, ge=1)
-    """Tokens per chunk (the last chunk may be shorter), like vLLM's stream_interval."""
-    vocab_size: int = Field(default=32_000, ge=2)
-    tick_seconds: float = Field(default=0.002, gt=0)
-    """How often the engine advances its sequences; below it, steps are accumulated."""
-    fail_after_requests: int | None = Field(default=None, ge=0)
-    """Fault injection: every request after the first this many fails at once (INTERNAL), as on an
-    instance whose engine core died while its server stayed up (0: every one); None: none fails."""
-
-
 def response_length(config: SyntheticConfig, seed: int, max_tokens: int) -> int:
     """The length a request's response will have, the same on every instance for a given seed."""
     rng = random.Random(seed)
@@ -69,6 +45,12 @@ def response_length(config: SyntheticConfig, seed: int, max_tokens: int) -> int:
         # Parameterised by its mean: mu = ln(mean) - sigma^2 / 2.
         length = rng.lognormvariate(math.log(config.mean_tokens) - config.sigma**2 / 2, config.sigma)
     return max(1, min(max_tokens, round(length)))
+
+
+def model_vocab_size(model_dir: str | Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size
 
 
 def _seed_of(request: EngineRequest, fallback: random.Random) -> int:
@@ -121,12 +103,14 @@ class SyntheticEngine(Engine):
         self.config = config
         self._staged: int | None = None
         self._specs = model_parameter_specs(model_dir) if model_dir else []
+        self.vocab_size = min(config.vocab_size, model_vocab_size(model_dir)) if model_dir else config.vocab_size
+        """Token ids stay below it: a trainer of the model embeds them."""
         self._waiting: list[_Sequence] = []
         self._running: dict[str, _Sequence] = {}
         self._progress = 0.0
         self._rng = random.Random(0)
         pool = random.Random(1)
-        self._token_pool = [pool.randrange(config.vocab_size) for _ in range(_POOL_TOKENS)]
+        self._token_pool = [pool.randrange(self.vocab_size) for _ in range(_POOL_TOKENS)]
         self._logprob_pool = [-pool.expovariate(1.0) for _ in range(_POOL_TOKENS)]
         self._wake = asyncio.Event()
         self._pinned_ended = asyncio.Event()
@@ -150,7 +134,7 @@ class SyntheticEngine(Engine):
             self._task.cancel()
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Chunk]:
-        validate_request(request, self.config.vocab_size, 2**31)
+        validate_request(request, self.vocab_size, 2**31)
         if request.sampling.stop:
             raise InvalidArgument(
                 f"request {request.request_id}: the synthetic engine's tokens are no text: stop strings cannot be "

@@ -105,8 +105,6 @@ WIRED = {
         "engine.model_dir": "model.path",
         "engine.dtype": "model.dtype",
         "transfer.mooncake": "weights.backend",
-        # Benchmarks only: `rlmesh up` never runs the synthetic engine (rollout.engine.kind is torch or vllm).
-        "engine.synthetic": "rollout.engine.kind",
     },
 }
 """Service fields the launcher fills in, by the job field that decides them: the mesh's addresses,
