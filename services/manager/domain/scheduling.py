@@ -102,6 +102,9 @@ class Scheduler:
         it back here to continue."""
         if not self.policy.migrates or any(not r.exact_version for r in self.request_table.queue):
             return []
+        if not any(i.schedulable and i.free_decode_slots > 0 for i in self.instances.values()):
+            # Every instance decodes a full batch (most of a step): no slot for a straggler to move to.
+            return []
         planned: list[SampleRequest] = []
         requests = self.request_table.requests
         in_flight = [requests[r] for i in self.instances.values() for r in i.running if r in requests]
