@@ -15,18 +15,16 @@ import asyncio
 import json
 import math
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Self
 
 import torch
 
-from bench.common import BenchMesh, InstanceSpec, write_result
+from bench.common import QUIET_CORES, BenchMesh, InstanceSpec, OtherProcesses, QuietMachine, write_result
 from rlmesh.common.v1 import common_pb2
 from rlmesh.job import DEFAULT_MODELS
 from rlmesh.launch.ports import free_port
@@ -61,10 +59,6 @@ Z99 = 2.3263
 POLL_SECONDS = 0.1
 """How often the manager is asked how many samples run and how many tokens were generated."""
 TRAINER_TIMEOUT_SECONDS = 900
-QUIET_CORES = 0.25
-"""Before each run the bench waits until other processes use less CPU than this, QUIET_WAIT_SECONDS
-at most over the whole bench (each run reports what they used during it)."""
-QUIET_WAIT_SECONDS = 300
 KNEE_ROUNDS = 5
 """One measurement of a full batch's rate varied by a third from the next on this kind of machine;
 the knee sets the tail's cost, so it is the median of several, each rate measured in turn."""
@@ -81,52 +75,6 @@ def sigma_for(p99_over_p50: float) -> float:
 def percentile(values: list[int], fraction: float) -> float:
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, int(fraction * len(ordered)))])
-
-
-def busy_cpu_seconds() -> float:
-    """CPU time all processes of the machine used since boot (/proc/stat: all but idle and iowait)."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (
-        int(v) for v in Path("/proc/stat").read_text().split()[1:9]
-    )
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU time of this process and of its children that have exited (the services it started)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-class OtherProcesses:
-    """Cores that processes other than the bench's used meanwhile: the machine may be shared, and a
-    rate measured while something else ran is not comparable with one measured alone."""
-
-    def __enter__(self) -> Self:
-        self.started, self.busy, self.own = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        others = (busy_cpu_seconds() - self.busy) - (own_cpu_seconds() - self.own)
-        self.cores = max(0.0, others) / (time.monotonic() - self.started)
-
-
-class QuietMachine:
-    """Waits until other processes use less than QUIET_CORES over a second, within a budget of
-    QUIET_WAIT_SECONDS for the whole bench."""
-
-    def __init__(self) -> None:
-        self.budget = QUIET_WAIT_SECONDS
-
-    async def wait(self) -> None:
-        while self.budget > 0:
-            started = time.monotonic()
-            with OtherProcesses() as others:
-                await asyncio.sleep(1.0)
-            if others.cores < QUIET_CORES:
-                return
-            print(f"  (other processes use {others.cores:.2f} cores: waiting)", flush=True)
-            await asyncio.sleep(2.0)
-            self.budget -= time.monotonic() - started
 
 
 @dataclass

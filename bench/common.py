@@ -1,15 +1,19 @@
 """What the benchmarks share: a manager and synthetic rollout instances as real processes on
-loopback, one rollout step driven the way the trainer drives it, and result files."""
+loopback, one rollout step driven the way the trainer drives it, what else the (shared) machine
+runs meanwhile, and result files."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
+import resource
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from rlmesh.common.v1 import common_pb2
 from rlmesh.launch.ports import free_port
@@ -18,6 +22,11 @@ from rlmesh.manager.v1 import manager_pb2, manager_pb2_grpc
 from rlmesh.rpc.authz import Role
 from rlmesh.rpc.channels import call_options, open_channel, use_secret
 from rlmesh.rpc.credentials import create_secrets, peer_secrets, service_auth_settings
+
+QUIET_CORES = 0.25
+"""Before each run a bench waits until other processes use less CPU than this, QUIET_WAIT_SECONDS
+at most over the whole bench (each run reports what they used during it)."""
+QUIET_WAIT_SECONDS = 300
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
@@ -184,6 +193,52 @@ class BenchMesh:
             manager_pb2.AcknowledgeRolloutsRequest(batch_id=batch_id), **call_options(30)
         )
         return StepResult(elapsed, groups)
+
+
+def busy_cpu_seconds() -> float:
+    """CPU time all processes of the machine used since boot (/proc/stat: all but idle and iowait)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(v) for v in Path("/proc/stat").read_text().split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU time of this process and of its children that have exited (the services it started)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class OtherProcesses:
+    """Cores that processes other than the bench's used meanwhile: the machine may be shared, and a
+    rate measured while something else ran is not comparable with one measured alone."""
+
+    def __enter__(self) -> Self:
+        self.started, self.busy, self.own = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        others = (busy_cpu_seconds() - self.busy) - (own_cpu_seconds() - self.own)
+        self.cores = max(0.0, others) / (time.monotonic() - self.started)
+
+
+class QuietMachine:
+    """Waits until other processes use less than QUIET_CORES over a second, within a budget of
+    QUIET_WAIT_SECONDS for the whole bench."""
+
+    def __init__(self) -> None:
+        self.budget = QUIET_WAIT_SECONDS
+
+    async def wait(self) -> None:
+        while self.budget > 0:
+            started = time.monotonic()
+            with OtherProcesses() as others:
+                await asyncio.sleep(1.0)
+            if others.cores < QUIET_CORES:
+                return
+            print(f"  (other processes use {others.cores:.2f} cores: waiting)", flush=True)
+            await asyncio.sleep(2.0)
+            self.budget -= time.monotonic() - started
 
 
 def check_exactly_once(result: StepResult, prompts: int, group_size: int) -> tuple[int, int]:

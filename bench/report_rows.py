@@ -342,7 +342,7 @@ SCALE = (
         "scale",
         "1,000 simulated instances, burst",
         "{figures.1000_burst_of_ideal:.3f} of ideal",
-        "sim ÷ real, 3 instances: {ratios.simulated_over_real_3:.3f}",
+        "sim ÷ real: {ratios.simulated_over_real_min:.2f}–{ratios.simulated_over_real_max:.2f}",
         "—",
         "≥ 0.9; 0 stale, lost, regenerated",
         (

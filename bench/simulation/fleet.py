@@ -29,10 +29,18 @@ class InstanceModel:
     """Response lengths (length, mean_tokens, sigma, in units), drawn per seed as the synthetic engine does."""
     stream_interval: int = 1
     """Units per chunk on the wire: what a crash leaves behind is what was not yet sent."""
+    declares_saturation: bool = True
+    """Whether the instance tells the manager its saturation batch when it registers, as a
+    deployment sets `engine.saturation_batch_size`; `rlmesh up`'s default job does not (0)."""
 
     @property
     def saturation_batch_size(self) -> int:
         return min(self.max_batch_size, max(1, math.floor(self.throughput * self.min_step_seconds)))
+
+    @property
+    def declared_saturation_batch_size(self) -> int:
+        """What the manager is told at registration (0: not known)."""
+        return self.saturation_batch_size if self.declares_saturation else 0
 
 
 @dataclass(slots=True)

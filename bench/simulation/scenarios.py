@@ -1,12 +1,16 @@
 """The scenarios the scale benchmark runs: a reference fleet of GPU-class instances with a trainer
-sized to it, and the small synthetic meshes the simulator is checked against on this machine."""
+sized to it, and the real `rlmesh up` meshes of 1 to 3 instances the simulator is checked against."""
 
 from __future__ import annotations
 
+import math
+
+from bench.simulation.calibration import DecodeSpeed, RunCalibration
 from bench.simulation.fleet import InstanceModel
 from bench.simulation.trainer import TrainerModel
 from bench.simulation.world import Scenario
-from services.rollout.synthetic_engine import SyntheticConfig
+from rlmesh.job import Job
+from rlmesh.settings.rollout import SyntheticConfig
 
 TOKEN_UNIT = 16
 """At fleet scale a simulated token stands for a 16-token chunk: a step of a thousand instances
@@ -52,46 +56,68 @@ def reference(fleet: int, steps: int = STEPS, max_staleness: int = MAX_STALENESS
     )
 
 
-SMALL_THROUGHPUT, SMALL_MIN_STEP, SMALL_MAX_BATCH = 2000.0, 0.004, 16
-SMALL_MEAN, SMALL_SIGMA, SMALL_MAX_TOKENS, SMALL_STREAM = 128, 0.7, 512, 8
-SMALL_SPEEDS = (1.0, 0.8, 1.25)
-SMALL_PROMPTS, SMALL_GROUP, SMALL_STEPS = 16, 8, 3
+MANAGER_WATCH_SECONDS = 0.25
+"""How often the manager measures its instances' rates and moves stragglers (services/manager/leases.py)."""
+REAL_TICK_SECONDS = 0.002
+"""The event loop's granularity for real meshes: a synthetic engine's own tick."""
 
 
-def small_engine_settings() -> dict[str, str]:
-    """The synthetic rollout settings of the small meshes (environment names without the prefix)."""
-    return {
-        "ENGINE__MAX_BATCH_SIZE": str(SMALL_MAX_BATCH),
-        "ENGINE__SYNTHETIC__THROUGHPUT_TOKENS_PER_SECOND": str(SMALL_THROUGHPUT),
-        "ENGINE__SYNTHETIC__MIN_STEP_SECONDS": str(SMALL_MIN_STEP),
-        "ENGINE__SYNTHETIC__LENGTH": "lognormal",
-        "ENGINE__SYNTHETIC__MEAN_TOKENS": str(SMALL_MEAN),
-        "ENGINE__SYNTHETIC__SIGMA": str(SMALL_SIGMA),
-        "ENGINE__SYNTHETIC__STREAM_INTERVAL": str(SMALL_STREAM),
-    }
-
-
-def small(instances: int) -> Scenario:
-    """The mesh `bench.scale` also runs for real: synthetic instances at the speeds SMALL_SPEEDS,
-    synchronous steps of 16 prompts × 8, every token as it is (no unit), the server's own periods."""
-    instance = InstanceModel(
-        throughput=SMALL_THROUGHPUT,
-        min_step_seconds=SMALL_MIN_STEP,
-        max_batch_size=SMALL_MAX_BATCH,
-        lengths=SyntheticConfig(length="lognormal", mean_tokens=SMALL_MEAN, sigma=SMALL_SIGMA),
-        stream_interval=SMALL_STREAM,
+def synthetic_instance(config: SyntheticConfig, max_batch_size: int) -> InstanceModel:
+    """A synthetic rollout instance of `rlmesh up`: its decode model and lengths are its settings,
+    and it declares no saturation batch (the job's default)."""
+    return InstanceModel(
+        throughput=config.throughput_tokens_per_second * config.speed,
+        min_step_seconds=config.min_step_seconds / config.speed,
+        max_batch_size=max_batch_size,
+        lengths=config,
+        stream_interval=config.stream_interval,
+        declares_saturation=False,
     )
-    trainer = TrainerModel(SMALL_PROMPTS, SMALL_GROUP, SMALL_MAX_TOKENS, seconds_per_token=0.0, publishes=False)
+
+
+def torch_instance(
+    speed: DecodeSpeed, lengths: SyntheticConfig, max_batch_size: int, stream_interval: int
+) -> InstanceModel:
+    """A torch rollout instance of `rlmesh up` as the decode model sees it: a lone sequence's step
+    from its measured lone rate, a full batch's throughput from its measured batch rate."""
+    return InstanceModel(
+        throughput=speed.batch_tokens_per_second,
+        min_step_seconds=1 / speed.lone_tokens_per_second,
+        max_batch_size=max_batch_size,
+        lengths=lengths,
+        stream_interval=stream_interval,
+        declares_saturation=False,
+    )
+
+
+def real_mesh(instance: InstanceModel, calibration: RunCalibration, instances: int, job: Job) -> Scenario:
+    """The mesh of a real `rlmesh up` run of `job` at `instances` rollout instances: every token as
+    it is, the manager's own settings and periods, the job's step, the trainer and the weight plane
+    as the run measured them (`calibration`)."""
+    algorithm = job.algorithm
+    trainer = TrainerModel(
+        prompts_per_step=algorithm.prompts_per_step,
+        group_size=algorithm.group_size,
+        max_tokens=job.tasks[0].max_tokens,
+        seconds_per_token=calibration.trainer_seconds_per_token,
+        micro_batch_groups=algorithm.micro_batch_groups,
+        announce_seconds=calibration.announce_seconds,
+    )
+    share = math.ceil(algorithm.prompts_per_step * algorithm.group_size / instances)
     return Scenario(
         fleet=instances,
         instance=instance,
         trainer=trainer,
-        steps=SMALL_STEPS,
-        max_staleness=0,
+        steps=calibration.steps,
+        max_staleness=algorithm.max_staleness,
         speeds=(1.0, 1.0),
-        fixed_speeds=SMALL_SPEEDS[:instances],
-        tick_seconds=0.005,
-        flush_seconds=SMALL_STREAM / SMALL_THROUGHPUT * SMALL_MAX_BATCH,
-        measure_seconds=0.25,
-        push_seconds=(0.0, 0.0),
+        tick_seconds=REAL_TICK_SECONDS,
+        # A running sequence's tokens reach the manager a chunk (stream_interval tokens) at a time.
+        flush_seconds=instance.stream_interval * max(instance.min_step_seconds, share / instance.throughput),
+        measure_seconds=MANAGER_WATCH_SECONDS,
+        lease_seconds=job.manager.lease_seconds,
+        heartbeat_seconds=job.manager.heartbeat_interval_seconds,
+        push_seconds=calibration.push_seconds,
+        shared_push_seconds=calibration.shared_push_seconds,
+        policy=job.manager.dispatch_policy,
     )

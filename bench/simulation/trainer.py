@@ -23,6 +23,9 @@ class TrainerModel:
     publishes: bool = True
     """Whether each step publishes a new version (False: every step samples version 0, as a mesh
     without a weights service does)."""
+    announce_seconds: float = 0.0
+    """How long after a step ends the manager learns its version (the upload to the weights service,
+    then the announcement); the pushes to instances count from the step's end (Scenario.push_seconds)."""
 
     def step_seconds(self, tokens: int) -> float:
         return self.fixed_seconds + self.seconds_per_token * tokens
@@ -62,6 +65,8 @@ class SimTrainer:
         self.accounts = Accounts()
         self.published: list[tuple[float, int]] = []
         """(time, version) of each publish, for the weight pushes."""
+        self.announcing: list[tuple[float, int]] = []
+        """(time, version) of each announcement to the manager still to come, oldest first."""
         self.reports: list[tuple[str, float, float]] = []
         self.balance = None
         """The manager's stage balance after the last step reported."""
@@ -75,6 +80,8 @@ class SimTrainer:
         return step if self.model.publishes else 0
 
     def tick(self, now: float, state: ManagerState) -> None:
+        while self.announcing and self.announcing[0][0] <= now:
+            self.call(state.publish, self.announcing.pop(0)[1])
         if self.training_until is not None:
             if now < self.training_until:
                 return
@@ -140,7 +147,10 @@ class SimTrainer:
         self.waiting_since = now
         self.accounts.step_ends.append(now)
         if self.model.publishes:
-            self.call(state.publish, self.step)
+            if self.model.announce_seconds:
+                self.announcing.append((now + self.model.announce_seconds, self.step))
+            else:
+                self.call(state.publish, self.step)
             self.published.append((now, self.step))
         batch, step_seconds, wait_seconds = self.reports[-1]
         self.balance = self.call(state.report_training_step, batch, step_seconds, wait_seconds)

@@ -45,7 +45,10 @@ class Scenario:
     lease_seconds: float = 10.0
     heartbeat_seconds: float = 2.0
     push_seconds: tuple[float, float] = (3.0, 6.0)
-    """A new version reaches a serving instance after this long (uniform)."""
+    """A new version reaches a serving instance after this long (uniform, drawn per instance)..."""
+    shared_push_seconds: tuple[float, float] = (0.0, 0.0)
+    """...plus this long (uniform, drawn once per version) that every instance waits alike: the
+    trainer's upload to the weights service, before it pushes to any instance."""
     join_push_seconds: float = 15.0
     """A joiner's first weights take this long after it registers."""
     boot_seconds: float = 0.0
@@ -164,7 +167,7 @@ class Simulation:
             model.max_batch_size,
             self.now,
             preemptible=instance.preemptible,
-            saturation_batch_size=model.saturation_batch_size,
+            saturation_batch_size=model.declared_saturation_batch_size,
         )
         instance.token = registered.token
         instance.version = version
@@ -229,10 +232,12 @@ class Simulation:
 
     def _push(self, version: int) -> None:
         low, high = self.scenario.push_seconds
+        # Drawn only when there is one: a scenario without keeps its random sequence.
+        shared = self.rng.uniform(*self.scenario.shared_push_seconds) if any(self.scenario.shared_push_seconds) else 0.0
         for instance in self.instances.values():
             if instance.phase == SERVING:
                 instance.pushed = version
-                self.timers.append((self.now + self.rng.uniform(low, high), "pushed", instance))
+                self.timers.append((self.now + shared + self.rng.uniform(low, high), "pushed", instance))
             elif instance.phase == LOADING:
                 instance.pushed = version
 
