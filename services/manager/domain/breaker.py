@@ -52,10 +52,13 @@ def sample_failed(request: SampleRequest, instance: Instance | None) -> bool:
 
 
 def tokens_arrived(instance: Instance | None, request: SampleRequest) -> None:
-    """Work goes through: the failures in a row end for both."""
-    request.failures_in_a_row = 0
-    request.failed_on.clear()
-    if instance is not None:
+    """Work goes through: the failures in a row end for both. Called for every chunk and report, so
+    it writes only what there is to end."""
+    if request.failures_in_a_row:
+        request.failures_in_a_row = 0
+    if request.failed_on:
+        request.failed_on.clear()
+    if instance is not None and instance.failures_in_a_row:
         instance.failures_in_a_row = 0
 
 
