@@ -43,19 +43,19 @@ RELAYED_JOB = (
 relay_shards = 2
 
 [manager]
-queue_ahead = 2
+queue_ahead = 3
 
 [rollout.engine]
 max_batch_size = 32
 
 [relay]
-report_window_seconds = 0.25
+report_window_seconds = 0.5
 """
 )
 """The same, its training tokens held by two relay shards past the manager (the multi-turn task's
-turns keep the manager's own streams), run as the scale benchmark runs them: each instance given two
+turns keep the manager's own streams), run as the scale benchmark runs them: each instance given three
 requests beyond its batch (of 32, which a step's 128 samples overflow), the shards' reports gathered
-over a quarter second."""
+over half a second."""
 
 
 @pytest.mark.parametrize("job_text", [MIXED_JOB, RELAYED_JOB], ids=["manager relays", "relay shards"])

@@ -88,9 +88,9 @@ class CuttingProxy:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["manager relays", "relay shards"])
 async def manager(request):
-    """The manager relaying every token itself, or two relay shards holding them as the scale
-    benchmark runs them: reports gathered over a quarter second, the instance given four requests
-    beyond its batch of eight (a group's requests start as others end, on the engine's queue)."""
+    """The manager relaying every token itself, or two relay shards holding them with a queue ahead:
+    reports gathered over a quarter second, the instance given four requests beyond its batch of
+    eight (a group's requests start as others end, on the engine's queue)."""
     shards = request.param == "relay shards"
     relays = [
         await start_relay(RelayConfig(server=loopback(), report_window_seconds=0.25)) for _ in range(2 if shards else 0)
