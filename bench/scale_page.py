@@ -52,13 +52,17 @@ def relay_section(relay: dict) -> list[str]:
                 ]
             )
     ratios = relay["ratios"]
+    shard_core = 1e6 / max(run["shard_cpu_seconds_per_million_tokens"] for run in relay["figures"].values())
     return [
         "## The data path past one relay",
         "",
         f"`python -m bench.relay_shards`: {settings['instances']} instances of the capacity host, one step of "
         f"{settings['per_instance'][0]} prompts × {settings['per_instance'][1]} per instance in "
         f"{settings['chunk_tokens']}-token chunks, run with the manager relaying every token and with relay shards "
-        "holding them (`mesh.relay_shards`) while the manager keeps the ledger. A core's ceiling: what is left of "
+        "holding them (`mesh.relay_shards`) while the manager keeps the ledger. Both paths give each instance "
+        f"`manager.queue_ahead = {settings['queue_ahead']}` requests beyond its batch of {settings['per_instance'][1]} "
+        "(they wait in its engine and start as a sequence ends); the shards gather their reports over "
+        f"`relay.report_window_seconds = {settings['report_window_seconds']}`. A core's ceiling: what is left of "
         "it after the fleet's heartbeats (its idle CPU, before and after the step) over the CPU a token costs "
         "beyond them.",
         "",
@@ -83,10 +87,13 @@ def relay_section(relay: dict) -> list[str]:
             for name in settings["lengths"]
         ),
         *(f"- Target {target}: {met(value)}." for target, value in relay["targets"].items()),
-        "- What is left on the manager's side is per request and per second, not per token: the dispatch pass "
-        "that fills the slots shards report free (one per 50 ms window), the running requests' counts (once a "
-        "second each), the commands' stream writes and gRPC's own polling. The shards' CPU per token is the "
-        "relay's work moved to processes that scale out.",
+        "- What is left on the manager's side is per request and per second, not per token: a dispatch pass and "
+        "a command write per report of finished requests, each request's placement and delivery, the running "
+        "requests' counts (once a second each) and gRPC's own polling. The shards' CPU per token is the relay's "
+        "work moved to processes that scale out.",
+        f"- For a fleet: a shard per {shard_core:,.0f} tok/s (a core at the shards' CPU per token above), a queue "
+        "ahead that covers what an instance finishes within a report window and a dispatch pass, and a wider "
+        "window; with the defaults (no queue ahead, 50 ms) the manager makes a pass per finish or two.",
         "",
     ]
 
