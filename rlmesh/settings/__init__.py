@@ -4,7 +4,7 @@ ports, folders), and the job (`rlmesh/job.py`) embeds the same models, so a fiel
 and every setting a service has can be set from a job file.
 
 - `handover`: what each service's config takes from a job: its settings whole, plus the wiring.
-- `manager`: the manager's settings (`[manager]`, and `algorithm.max_staleness`).
+- `manager`: the manager's settings (`[manager]`, and `algorithm.max_staleness`) and its relay shards' (`[relay]`).
 - `rollout`: a rollout instance's settings (`[rollout]`): engine, weight receiver, deadlines.
 - `tracking`: the experiment trackers a job reports to (`[tracking]`): Weights & Biases, MLflow.
 - `trainer`: the trainer's settings (`[algorithm]` and `[trainer]`).

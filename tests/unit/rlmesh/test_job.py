@@ -100,6 +100,7 @@ def test_the_job_model_carries_every_documented_section():
         "algorithm",
         "trainer",
         "manager",
+        "relay",
         "rollout",
         "weights",
         "mesh",
