@@ -28,16 +28,16 @@ class RunningWork:
 
     __slots__ = ("requests", "holders", "background", "_oldest")
 
-    def __init__(self, requests: Mapping[str, SampleRequest], special: Iterable[tuple[SampleRequest, str]]) -> None:
-        """`special`: the running exact-version and background requests, each with its instance's id."""
+    def __init__(self, requests: Mapping[str, SampleRequest], special: Iterable[SampleRequest]) -> None:
+        """`special`: the running exact-version and background requests."""
         self.requests = requests
         self.holders: dict[int, set[str]] = {}
         """The instances running exact-version requests, by version."""
         self.background: set[str] = set()
         """The instances running background work."""
         self._oldest: dict[str, int | None] = {}
-        for request, instance_id in special:
-            self._special(request, instance_id)
+        for request in special:
+            self._special(request, request.instance_id or "")
 
     def _special(self, request: SampleRequest, instance_id: str) -> None:
         if request.exact_version:

@@ -53,7 +53,7 @@ class Scheduler:
     def running_work(self) -> RunningWork:
         """Read from the batches of exact-version and background work, and lazily per instance."""
         special = [
-            (request, request.instance_id)
+            request
             for batch in self.batches.values()
             if batch.exact_version or batch.background
             for group in batch.groups.values()
